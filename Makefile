@@ -5,7 +5,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install clean-venv
+.PHONY: demo demo-run test install clean-venv
+DEMO_ARGS ?=
 
 $(STAMP): setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -21,7 +22,11 @@ test: $(STAMP)
 	$(PY) -m pytest -q tests
 
 demo: $(STAMP)
-	PATH="$(abspath $(VENV))/bin:$$PATH" $(PY) scripts/demo.py
+	$(MAKE) --no-print-directory demo-run PY=$(PY)
+
+# The demo itself; the test suite runs this target at a tiny size with its own PY and DEMO_ARGS.
+demo-run:
+	PATH="$(dir $(abspath $(PY))):$$PATH" $(PY) scripts/demo.py $(DEMO_ARGS)
 
 clean-venv:
 	rm -rf $(VENV)
