@@ -10,7 +10,6 @@ DEMO_ARGS ?=
 
 $(STAMP): setup.py
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --upgrade pip
 	# torch first: the pinned CPU build. A bare `torch` requirement would pull the CUDA build.
 	$(PY) -m pip install torch==2.13.0
 	$(PY) -m pip install -e '.[mpi,test,demo]'
