@@ -1,0 +1,544 @@
+"""
+Optimizer state keyed by parameter name, and a loader that accepts upstream's layouts.
+
+torch's `optimizer.state_dict()` keys its state by parameter *index*, so a saved state only fits an
+optimizer built over exactly the same parameters in the same order. We store it keyed by parameter
+*name* instead ("named-v1"), with every parameter's shape:
+
+    {"format": "named-v1",
+     "optimizer": "AdamW",
+     "param_groups": [{"lr": ..., "betas": ..., "eps": ..., "weight_decay": ..., ...,
+                       "params": [param names]}],
+     "state": {param_name: {"step": tensor [], "exp_avg": tensor [*shape],
+                            "exp_avg_sq": tensor [*shape]}},
+     "shapes": {param_name: [*shape]}}
+
+`load_optimizer_state` reads that format and also upstream's files:
+
+- improved-diffusion / guided-diffusion without fp16: a raw torch optimizer state dict whose indices
+  follow `model.parameters()` order (upstream built `AdamW(model.parameters())`);
+- improved-diffusion with fp16: one param whose value is the flat concatenation of all parameters
+  (`_flatten_dense_tensors`), so `exp_avg` is [N] with N = total parameter count;
+- guided-diffusion with fp16: two flat master params, first the parameters with ndim <= 1
+  (shape [N1]), then those with ndim > 1 (shape [1, N2]) (`get_param_groups_and_shapes`).
+
+Flat layouts are unflattened into per-parameter moments using the model's parameter order and
+shapes. Parameters whose name and shape match keep their state; new or reshaped ones start fresh;
+saved ones the model lacks are dropped. A payload that is not optimizer state for this optimizer at
+all raises `OptimizerStateError` with a one-line message naming the file and what it holds.
+
+Loading is exact: `load_optimizer_state(fresh_opt, named_optimizer_state(opt, params), params)`
+makes `fresh_opt.state_dict()` equal `opt.state_dict()` tensor for tensor.
+"""
+
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Tuple
+
+import torch as th
+
+FORMAT = "named-v1"
+
+# The param-group hyperparameters restored from a saved state (others stay as constructed).
+HYPERPARAM_KEYS = ("lr", "betas", "eps", "weight_decay")
+
+# Per-parameter state keys that identify an optimizer family.
+_FAMILY_STATE_KEYS = {
+    "Adam": {"exp_avg", "exp_avg_sq"},
+    "SGD": {"momentum_buffer"},
+    "RMSprop": {"square_avg"},
+    "Adagrad": {"sum"},
+    "Adadelta": {"acc_delta"},
+    "Adamax": {"exp_inf"},
+}
+_CLASS_FAMILY = {
+    "Adam": "Adam",
+    "AdamW": "Adam",
+    "NAdam": "Adam",
+    "RAdam": "Adam",
+    "SGD": "SGD",
+    "RMSprop": "RMSprop",
+    "Adagrad": "Adagrad",
+    "Adadelta": "Adadelta",
+    "Adamax": "Adamax",
+}
+
+LAYOUT_NAMED = "named-v1"
+LAYOUT_INDEXED = "index-keyed torch state dict"
+LAYOUT_FLAT1 = "flattened fp16 master params (improved-diffusion: 1 flat param)"
+LAYOUT_FLAT2 = "flattened fp16 master params (guided-diffusion: 2 flat params)"
+
+
+class OptimizerStateError(ValueError):
+    """The payload is not usable optimizer state; the message is one line naming the file."""
+
+
+@dataclass
+class LoadReport:
+    """
+    What `load_optimizer_state` did.
+
+    matched:  model parameters whose saved state (name and shape equal) was restored.
+    fresh:    model parameters that start with fresh state (new ones and reshaped ones).
+    dropped:  saved parameters the model no longer has.
+    reshaped: model parameters saved with a different shape (counted in `fresh` too).
+    """
+
+    matched: int = 0
+    fresh: int = 0
+    dropped: int = 0
+    reshaped: int = 0
+    source: str = "FILE"
+    layout: str = LAYOUT_NAMED
+    fresh_names: List[str] = field(default_factory=list)
+    dropped_names: List[str] = field(default_factory=list)
+    reshaped_names: List[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        line = (
+            f"optimizer state from {self.source} ({self.layout}): "
+            f"{self.matched} parameters restored, {self.fresh} fresh"
+        )
+        if self.reshaped:
+            line += f" ({self.reshaped} reshaped)"
+        line += f", {self.dropped} dropped"
+        return line
+
+    @property
+    def complete(self) -> bool:
+        """True when every parameter was restored and nothing was dropped."""
+        return self.fresh == 0 and self.dropped == 0
+
+
+def _as_named_list(named_params) -> List[Tuple[str, th.Tensor]]:
+    named = list(named_params)
+    seen = set()
+    for name, _ in named:
+        if name in seen:
+            raise ValueError(f"duplicate parameter name {name!r} in named_params")
+        seen.add(name)
+    return named
+
+
+def _family_of_class(optimizer) -> Optional[str]:
+    for cls in type(optimizer).__mro__:
+        if cls.__name__ in _CLASS_FAMILY:
+            return _CLASS_FAMILY[cls.__name__]
+    return None
+
+
+def _family_of_state(states, groups) -> Optional[str]:
+    keys = set()
+    for entry in states:
+        if isinstance(entry, dict):
+            keys.update(entry.keys())
+    for family, needed in _FAMILY_STATE_KEYS.items():
+        if needed <= keys:
+            return family
+    if keys:
+        return None
+    # No per-parameter state yet (never stepped): guess from the hyperparameters.
+    gkeys = set()
+    for g in groups:
+        if isinstance(g, dict):
+            gkeys.update(g.keys())
+    if "betas" in gkeys:
+        return "Adam"
+    if "momentum" in gkeys and "dampening" in gkeys:
+        return "SGD"
+    return None
+
+
+def named_optimizer_state(optimizer, named_params) -> dict:
+    """
+    The optimizer's state keyed by parameter name (format "named-v1"; see the module docstring).
+
+    :param optimizer: a torch optimizer whose params all appear in `named_params`.
+    :param named_params: list of (name, parameter), e.g. `list(model.named_parameters())`.
+    :return: a dict of plain python data and CPU tensors (copies: later optimizer steps do not
+             change it), loadable with `torch.load(..., weights_only=True)`.
+    """
+    named = _as_named_list(named_params)
+    id_to_name = {id(p): n for n, p in named}
+    sd = optimizer.state_dict()
+    groups = []
+    state = {}
+    for group, saved_group in zip(optimizer.param_groups, sd["param_groups"]):
+        names = []
+        for p, index in zip(group["params"], saved_group["params"]):
+            name = id_to_name.get(id(p))
+            if name is None:
+                raise ValueError(
+                    "named_optimizer_state: the optimizer holds a parameter that is not in "
+                    "named_params (build the optimizer over model.parameters())"
+                )
+            names.append(name)
+            entry = sd["state"].get(index)
+            if entry is not None:
+                state[name] = {
+                    k: (v.detach().to("cpu", copy=True) if isinstance(v, th.Tensor) else v)
+                    for k, v in entry.items()
+                }
+        hyper = {k: v for k, v in saved_group.items() if k != "params"}
+        hyper["params"] = names
+        groups.append(hyper)
+    return {
+        "format": FORMAT,
+        "optimizer": type(optimizer).__name__,
+        "param_groups": groups,
+        "state": state,
+        "shapes": {n: list(p.shape) for n, p in named},
+    }
+
+
+def _describe_non_optimizer(payload) -> str:
+    """What a payload that is not optimizer state holds, for a one-line message."""
+    if not isinstance(payload, dict):
+        return f"a {type(payload).__name__}, not optimizer state"
+    if not payload:
+        return "an empty dict, not optimizer state"
+    if payload.get("schema") == "improved_diffusion.checkpoint":
+        kind = payload.get("kind", "?")
+        return f"a tagged {kind} checkpoint, not optimizer state"
+    tensors = [k for k, v in payload.items() if isinstance(v, th.Tensor)]
+    if tensors and len(tensors) == len(payload) and all(isinstance(k, str) for k in payload):
+        return (
+            f"a model state dict ({len(tensors)} tensors, e.g. {tensors[0]!r}), "
+            "not optimizer state"
+        )
+    keys = ", ".join(repr(k) for k in list(payload)[:4])
+    more = ", ..." if len(payload) > 4 else ""
+    return f"a dict with keys [{keys}{more}], not optimizer state"
+
+
+def _unwrap(payload, source):
+    """Accept a whole opt file (tagged) or a combined dict; return the optimizer payload."""
+    if isinstance(payload, dict) and payload.get("schema") == "improved_diffusion.checkpoint":
+        if payload.get("kind") == "opt" and isinstance(payload.get("optimizer"), dict):
+            return payload["optimizer"]
+        raise OptimizerStateError(f"{source} holds {_describe_non_optimizer(payload)}")
+    if isinstance(payload, dict) and "format" not in payload and not (
+        "state" in payload and "param_groups" in payload
+    ):
+        for key in ("opt", "optimizer"):
+            inner = payload.get(key)
+            if isinstance(inner, dict) and (
+                inner.get("format") == FORMAT or ("state" in inner and "param_groups" in inner)
+            ):
+                return inner
+    return payload
+
+
+class _Plan:
+    """The per-name state and per-name hyperparameters to load, and the report."""
+
+    def __init__(self, report, state_by_name, hyper_by_name, default_hyper):
+        self.report = report
+        self.state_by_name = state_by_name
+        self.hyper_by_name = hyper_by_name
+        self.default_hyper = default_hyper
+
+
+def _check_state_entries(states, source):
+    for entry in states:
+        if not isinstance(entry, dict) or not all(
+            isinstance(v, (th.Tensor, int, float)) for v in entry.values()
+        ):
+            raise OptimizerStateError(
+                f"{source} holds a malformed optimizer state (per-parameter state is not a dict "
+                "of tensors)"
+            )
+
+
+def _entry_shape(entry) -> Optional[Tuple[int, ...]]:
+    """The parameter shape implied by a per-parameter state entry (its largest tensor)."""
+    shape = None
+    for k, v in entry.items():
+        if k == "step" or not isinstance(v, th.Tensor):
+            continue
+        if shape is None or v.numel() > int(th.Size(shape).numel()):
+            shape = tuple(v.shape)
+    return shape
+
+
+def _plan_named(payload, named, source) -> Tuple[dict, dict, dict, str]:
+    """(state_by_name, shape_by_name, hyper_by_name, optimizer name) from a named-v1 payload."""
+    groups = payload.get("param_groups")
+    state = payload.get("state")
+    shapes = payload.get("shapes") or {}
+    if not isinstance(groups, list) or not isinstance(state, dict):
+        raise OptimizerStateError(
+            f"{source} holds a malformed named optimizer state (missing 'param_groups' or 'state')"
+        )
+    _check_state_entries(state.values(), source)
+    hyper_by_name = {}
+    for g in groups:
+        if not isinstance(g, dict) or not isinstance(g.get("params"), list):
+            raise OptimizerStateError(
+                f"{source} holds a malformed named optimizer state (a param group has no params)"
+            )
+        hyper = {k: v for k, v in g.items() if k in HYPERPARAM_KEYS}
+        for name in g["params"]:
+            hyper_by_name[name] = hyper
+    shape_by_name = {}
+    for name in set(hyper_by_name) | set(state):
+        if name in shapes:
+            shape_by_name[name] = tuple(shapes[name])
+        elif name in state:
+            shape_by_name[name] = _entry_shape(state[name])
+        else:
+            shape_by_name[name] = None
+    return dict(state), shape_by_name, hyper_by_name, str(payload.get("optimizer", "?"))
+
+
+def _flat_layout(raw_states, raw_params, named):
+    """Detect upstream's flattened fp16 layouts; return (layout, [(names, flat entry)]) or None."""
+    n_total = sum(p.numel() for _, p in named)
+    if len(raw_params) == 1 and len(named) > 1:
+        entry = raw_states.get(raw_params[0])
+        if entry is not None and _entry_shape(entry) is not None:
+            shape = _entry_shape(entry)
+            if len(shape) == 1:
+                return LAYOUT_FLAT1, [([n for n, _ in named], entry)], shape[0], n_total
+    if len(raw_params) == 2 and len(named) > 2:
+        e1, e2 = raw_states.get(raw_params[0]), raw_states.get(raw_params[1])
+        if e1 is not None and e2 is not None:
+            s1, s2 = _entry_shape(e1), _entry_shape(e2)
+            if s1 is not None and s2 is not None and len(s1) == 1 and (
+                len(s2) == 2 and s2[0] == 1 or len(s2) == 1
+            ):
+                vec = [n for n, p in named if p.ndim <= 1]
+                mat = [n for n, p in named if p.ndim > 1]
+                return LAYOUT_FLAT2, [(vec, e1), (mat, e2)], s1[0] + s2[-1], n_total
+    return None
+
+
+def _unflatten(parts, named, source, layout, saved_numel, model_numel):
+    shapes = {n: p.shape for n, p in named}
+    if saved_numel != model_numel:
+        raise OptimizerStateError(
+            f"{source} holds {layout} for {saved_numel} values but the model has {model_numel} "
+            "parameters; it cannot be unflattened (were the model flags changed?)"
+        )
+    state_by_name = {}
+    for names, entry in parts:
+        n_part = sum(shapes[n].numel() for n in names)
+        flat = {k: v for k, v in entry.items() if k != "step" and isinstance(v, th.Tensor)}
+        for k, v in flat.items():
+            if v.numel() != n_part:
+                raise OptimizerStateError(
+                    f"{source} holds {layout} whose {k!r} has {v.numel()} values where the "
+                    f"model's matching parameters have {n_part}; it cannot be unflattened"
+                )
+        offset = 0
+        for name in names:
+            numel = shapes[name].numel()
+            new_entry = {}
+            for k, v in entry.items():
+                if k in flat:
+                    new_entry[k] = v.reshape(-1)[offset:offset + numel].reshape(shapes[name]).clone()
+                elif isinstance(v, th.Tensor):
+                    new_entry[k] = v.clone()
+                else:
+                    new_entry[k] = v
+            state_by_name[name] = new_entry
+            offset += numel
+    return state_by_name
+
+
+def _plan_raw(payload, named, source):
+    """(state_by_name, shape_by_name, hyper_by_name, layout) from a raw torch state dict."""
+    groups = payload["param_groups"]
+    states = payload["state"]
+    if not isinstance(groups, list) or not isinstance(states, dict) or not all(
+        isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups
+    ):
+        raise OptimizerStateError(
+            f"{source} holds a malformed optimizer state dict ('param_groups' or 'state' has the "
+            "wrong type)"
+        )
+    _check_state_entries(states.values(), source)
+    raw_params = [i for g in groups for i in g["params"]]
+    hyper_of_index = {}
+    for g in groups:
+        hyper = {k: v for k, v in g.items() if k in HYPERPARAM_KEYS}
+        for i in g["params"]:
+            hyper_of_index[i] = hyper
+    names = [n for n, _ in named]
+    if len(raw_params) != len(named):
+        flat = _flat_layout(states, raw_params, named)
+        if flat is not None:
+            layout, parts, saved_numel, model_numel = flat
+            state_by_name = _unflatten(parts, named, source, layout, saved_numel, model_numel)
+            shape_by_name = {n: tuple(p.shape) for n, p in named}
+            hyper = hyper_of_index[raw_params[0]]
+            return state_by_name, shape_by_name, {n: hyper for n in names}, layout
+        raise OptimizerStateError(
+            f"{source} holds index-keyed optimizer state for {len(raw_params)} parameters but the "
+            f"model has {len(named)}; it cannot be matched to parameters by name "
+            "(were the model flags changed?)"
+        )
+    state_by_name, shape_by_name, hyper_by_name = {}, {}, {}
+    for index, name in zip(raw_params, names):
+        hyper_by_name[name] = hyper_of_index[index]
+        entry = states.get(index)
+        if entry is None:
+            # Never stepped: its shape is unknown, assume the model's (no state to mismatch).
+            shape_by_name[name] = tuple(dict(named)[name].shape)
+        else:
+            state_by_name[name] = entry
+            shape_by_name[name] = _entry_shape(entry)
+    return state_by_name, shape_by_name, hyper_by_name, LAYOUT_INDEXED
+
+
+def _make_plan(payload, named, source, optimizer=None) -> _Plan:
+    """Check the payload against the model's parameters; raise OptimizerStateError if unusable."""
+    payload = _unwrap(payload, source)
+    if isinstance(payload, dict) and "format" in payload:
+        if payload.get("format") != FORMAT:
+            raise OptimizerStateError(
+                f"{source} holds optimizer state in format {payload.get('format')!r}, which this "
+                f"version does not read (it reads {FORMAT!r}); upgrade improved_diffusion"
+            )
+        state_by_name, shape_by_name, hyper_by_name, saved_opt = _plan_named(
+            payload, named, source
+        )
+        layout = LAYOUT_NAMED
+        groups = payload["param_groups"]
+        saved_family = _CLASS_FAMILY.get(saved_opt) or _family_of_state(
+            state_by_name.values(), groups
+        )
+        _check_family(saved_family, optimizer, source, saved_opt)
+    elif isinstance(payload, dict) and "state" in payload and "param_groups" in payload:
+        saved_family = _family_of_state(
+            payload["state"].values() if isinstance(payload["state"], dict) else [],
+            payload["param_groups"] if isinstance(payload["param_groups"], list) else [],
+        )
+        _check_family(saved_family, optimizer, source)
+        state_by_name, shape_by_name, hyper_by_name, layout = _plan_raw(payload, named, source)
+    else:
+        raise OptimizerStateError(f"{source} holds {_describe_non_optimizer(payload)}")
+
+    model_shapes = {n: tuple(p.shape) for n, p in named}
+    report = LoadReport(source=source, layout=layout)
+    usable = {}
+    for name, shape in model_shapes.items():
+        if name not in shape_by_name:
+            report.fresh_names.append(name)
+            continue
+        saved_shape = shape_by_name[name]
+        if saved_shape is not None and tuple(saved_shape) != shape:
+            report.reshaped_names.append(name)
+            report.fresh_names.append(name)
+            continue
+        entry = state_by_name.get(name)
+        if entry is not None:
+            bad = [
+                k for k, v in entry.items()
+                if k != "step" and isinstance(v, th.Tensor) and v.dim() > 0
+                and tuple(v.shape) != shape
+            ]
+            if bad:
+                report.reshaped_names.append(name)
+                report.fresh_names.append(name)
+                continue
+            usable[name] = entry
+        report.matched += 1
+    report.dropped_names = [n for n in shape_by_name if n not in model_shapes]
+    report.fresh = len(report.fresh_names)
+    report.reshaped = len(report.reshaped_names)
+    report.dropped = len(report.dropped_names)
+    if report.matched == 0 and shape_by_name:
+        example = next(iter(shape_by_name))
+        raise OptimizerStateError(
+            f"{source} holds optimizer state for none of this model's parameters "
+            f"({len(shape_by_name)} saved, e.g. {example!r}); is it from another model?"
+        )
+    default_hyper = next(iter(hyper_by_name.values()), {}) if hyper_by_name else {}
+    return _Plan(report, usable, hyper_by_name, default_hyper)
+
+
+def _check_family(saved_family, optimizer, source, saved_name=None):
+    if optimizer is None:
+        target_family, target_name = "Adam", "AdamW"
+    else:
+        target_family, target_name = _family_of_class(optimizer), type(optimizer).__name__
+    if saved_family is None or target_family is None:
+        return
+    if saved_family != target_family:
+        what = saved_name if saved_name and saved_name in _CLASS_FAMILY else saved_family
+        keys = ", ".join(sorted(_FAMILY_STATE_KEYS[saved_family]))
+        raise OptimizerStateError(
+            f"{source} holds {what} optimizer state ({keys}), but this run uses {target_name}"
+        )
+
+
+def validate_optimizer_payload(payload, named_params, optimizer=None) -> Optional[str]:
+    """
+    Check, without loading, that `payload` is optimizer state usable for these parameters.
+
+    :param payload: named-v1 dict, upstream raw torch optimizer state dict, or anything else.
+    :param named_params: list of (name, parameter) in the model's order.
+    :param optimizer: the target optimizer (its type is checked); None means AdamW.
+    :return: None when usable, else the one-line reason (as OptimizerStateError would say).
+    """
+    try:
+        _make_plan(payload, _as_named_list(named_params), "FILE", optimizer)
+    except OptimizerStateError as e:
+        return str(e)
+    return None
+
+
+def load_optimizer_state(optimizer, payload, named_params, source="FILE") -> LoadReport:
+    """
+    Load saved optimizer state into `optimizer`, matching parameters by name.
+
+    Parameters whose name and shape match keep their state; others start fresh; param-group
+    hyperparameters (lr, betas, eps, weight_decay) are restored. Nothing is changed when the
+    payload is rejected.
+
+    :param optimizer: a torch optimizer over (a subset of) the parameters in `named_params`.
+    :param payload: named-v1 state, upstream's index-keyed torch state dict (indices in
+                    `named_params` order), or upstream's flattened fp16 layouts; a whole tagged opt
+                    file or a combined {"opt": ...} dict is unwrapped.
+    :param named_params: list of (name, parameter), e.g. `list(model.named_parameters())`.
+    :param source: the file name used in messages.
+    :return: a LoadReport.
+    :raises OptimizerStateError: the payload is not optimizer state for this optimizer.
+    """
+    named = _as_named_list(named_params)
+    plan = _make_plan(payload, named, source, optimizer)
+    id_to_name = {id(p): n for n, p in named}
+    current = optimizer.state_dict()
+    new_groups = []
+    new_state = {}
+    for group, saved_group in zip(optimizer.param_groups, current["param_groups"]):
+        names = []
+        for p, index in zip(group["params"], saved_group["params"]):
+            name = id_to_name.get(id(p))
+            if name is None:
+                raise ValueError(
+                    "load_optimizer_state: the optimizer holds a parameter that is not in "
+                    "named_params"
+                )
+            names.append(name)
+            entry = plan.state_by_name.get(name)
+            if entry is not None:
+                new_state[index] = {
+                    k: (v.detach().clone() if isinstance(v, th.Tensor) else v)
+                    for k, v in entry.items()
+                }
+        hyper = None
+        for name in names:
+            if name in plan.hyper_by_name:
+                hyper = plan.hyper_by_name[name]
+                break
+        if hyper is None:
+            hyper = plan.default_hyper
+        g = dict(saved_group)
+        for k in HYPERPARAM_KEYS:
+            if k in hyper and k in g:
+                v = hyper[k]
+                g[k] = tuple(v) if isinstance(g[k], tuple) and isinstance(v, list) else v
+        new_groups.append(g)
+    optimizer.load_state_dict({"state": new_state, "param_groups": new_groups})
+    return plan.report
