@@ -1,0 +1,122 @@
+"""Generate a large batch of samples from a model and save them as a large numpy array.
+
+    python scripts/sample.py --model_path RUN/ema_0.9999_010000.pt --num_samples 100 \
+        --use_ddim True --timestep_respacing ddim50 --log_dir OUT
+    mpiexec -n 4 python scripts/sample.py ...        # same samples, a quarter of the work each
+
+Model files written by our train.py carry their flags: no model flags need repeating, and a model
+flag given explicitly that contradicts the file is an error. Upstream's raw state dicts carry no
+flags: pass the model and diffusion flags as with upstream's image_sample.py.
+
+Output (rank 0) into --log_dir (default $OPENAI_LOGDIR; when neither is set, a fresh temporary
+directory, as upstream; its path is printed): ``samples_{N}x{H}x{W}x{C}.npz`` with ``arr_0``
+uint8 NHWC (and ``arr_1`` the labels for a class-conditional model) and ``samples_...png``, a
+grid a person can look at. An existing npz is never replaced unless --overwrite True.
+
+Sample i's label, initial noise and per-step noise come from its own generator seeded from
+(--seed, i): the output does not depend on the number of ranks or on --batch_size.
+"""
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from improved_diffusion import dist_util, logger  # noqa: E402
+from improved_diffusion import sampling  # noqa: E402
+from improved_diffusion.script_util import (  # noqa: E402
+    add_dict_to_argparser,
+    model_and_diffusion_defaults,
+)
+
+
+def create_argparser():
+    defaults = sampling.sample_defaults()
+    defaults.update(model_and_diffusion_defaults())
+    parser = argparse.ArgumentParser(
+        description="Sample from a trained model (any model/ema file, ours or upstream's).")
+    add_dict_to_argparser(parser, defaults)
+    return parser
+
+
+def main(argv=None):
+    parser = create_argparser()
+    args = parser.parse_args(argv)
+    explicit = sampling.explicit_args(parser, argv)
+    if not args.model_path:
+        raise sampling.BadFlagError("--model_path is required (a model*.pt or ema_*.pt file)")
+
+    dist_util.setup_dist()
+    log_dir = args.log_dir or os.environ.get("OPENAI_LOGDIR") or None
+    logger.configure(dir=log_dir)
+    log_dir = logger.get_dir()
+
+    logger.log(f"loading {args.model_path} ...")
+    model, diffusion, flags, ckpt = sampling.load_for_sampling(
+        args.model_path, explicit, want=args.weights)
+    source = "flags stored in the file" if isinstance(ckpt.flags, dict) else "command-line flags"
+    logger.log(
+        f"model: {ckpt.kind} weights"
+        + (f" at step {ckpt.step}" if ckpt.step is not None else "")
+        + f", {source}; image_size={flags['image_size']} class_cond={flags['class_cond']} "
+        f"diffusion_steps={flags['diffusion_steps']} "
+        f"timestep_respacing={flags['timestep_respacing'] or '(none)'}"
+    )
+
+    num_classes = flags["num_classes"] if flags["class_cond"] else None
+    if args.classes and not num_classes:
+        raise sampling.BadFlagError(
+            f"--classes {args.classes}: the model is not class-conditional (class_cond=False)")
+    classes = sampling.parse_classes(args.classes, num_classes) if num_classes else None
+
+    in_channels = 3
+    shape = (in_channels, flags["image_size"], flags["image_size"])
+    nhwc = (args.num_samples, shape[1], shape[2], shape[0])
+    npz_path, _ = sampling.sample_paths(log_dir, nhwc)
+    exists = dist_util.broadcast_object(
+        dist_util.get_rank() == 0 and os.path.exists(npz_path) and not args.overwrite)
+    if exists:
+        raise sampling.SampleError(
+            f"{npz_path} already exists; pass another --log_dir or --overwrite True")
+
+    logger.log(
+        f"sampling {args.num_samples} images ({'DDIM' if args.use_ddim else 'ancestral'}, "
+        f"{diffusion.num_timesteps} steps) on {dist_util.get_world_size()} rank(s), "
+        f"batch size {args.batch_size}, seed {args.seed} ...")
+    images, labels = sampling.generate(
+        model, diffusion,
+        num_samples=args.num_samples, batch_size=args.batch_size, shape=shape, seed=args.seed,
+        use_ddim=args.use_ddim, clip_denoised=args.clip_denoised, num_classes=num_classes,
+        classes=classes, progress=args.progress,
+    )
+    if dist_util.get_rank() == 0:
+        ncol = len(classes) if classes and len(classes) > 1 else None
+        npz, png = sampling.save_samples(log_dir, images, labels, ncol=ncol, grid=args.grid,
+                                         overwrite=args.overwrite)
+        logger.log(f"saving to {npz}")
+        if png:
+            logger.log(f"grid: {png}")
+    dist_util.barrier()
+    logger.log("sampling complete")
+    return 0
+
+
+def run(argv=None):
+    """Entry point: user mistakes become one `error: ...` line and a non-zero exit."""
+    from improved_diffusion.checkpoint import CheckpointError
+
+    try:
+        code = main(argv)
+    except (sampling.SampleError, CheckpointError) as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        code = getattr(e, "exit_code", 1)
+    except ValueError as e:  # FlagError and friends from script_util name the flag
+        print(f"error: {str(e).splitlines()[0] if str(e) else repr(e)}", file=sys.stderr,
+              flush=True)
+        code = 2
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(run())
