@@ -1,0 +1,521 @@
+"""The UNet of improved-diffusion, with guided-diffusion's additions.
+
+Module structure (and so state-dict keys and shapes) is identical to upstream
+openai/improved-diffusion (commit 1bc7bbb) and, for the options it added (``num_head_channels``,
+``resblock_updown``, ``use_new_attention_order``, fractional ``channel_mult``), to
+openai/guided-diffusion, so published checkpoints load with ``strict=True``.
+
+Shapes: N = batch, C = channels, T = number of spatial positions (H*W).
+"""
+from abc import abstractmethod
+import math
+
+import torch as th
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .nn import (
+    SiLU,
+    avg_pool_nd,
+    checkpoint,
+    conv_nd,
+    linear,
+    normalization,
+    timestep_embedding,
+    zero_module,
+)
+
+
+class TimestepBlock(nn.Module):
+    """Any module whose forward() takes timestep embeddings as a second argument."""
+
+    @abstractmethod
+    def forward(self, x, emb):
+        """Apply the module to ``x`` [N x C x ...] given ``emb`` [N x E] timestep embeddings."""
+
+
+class TimestepEmbedSequential(nn.Sequential, TimestepBlock):
+    """A sequential module that passes timestep embeddings to the children that take them."""
+
+    def forward(self, x, emb):
+        for layer in self:
+            if isinstance(layer, TimestepBlock):
+                x = layer(x, emb)
+            else:
+                x = layer(x)
+        return x
+
+
+class Upsample(nn.Module):
+    """A nearest-neighbour 2x upsampling layer with an optional convolution.
+
+    :param channels: channels in the inputs and outputs (unless ``out_channels`` is given).
+    :param use_conv: whether to apply a 3x3 convolution after upsampling.
+    :param dims: 1, 2 or 3. If 3, upsample the inner two dimensions only.
+    :param out_channels: output channels of the convolution (default: ``channels``).
+    """
+
+    def __init__(self, channels, use_conv, dims=2, out_channels=None):
+        super().__init__()
+        self.channels = channels
+        self.out_channels = out_channels or channels
+        self.use_conv = use_conv
+        self.dims = dims
+        if use_conv:
+            self.conv = conv_nd(dims, self.channels, self.out_channels, 3, padding=1)
+
+    def forward(self, x):
+        """[N x C x ...] -> [N x C' x ...] with spatial size doubled."""
+        if x.shape[1] != self.channels:
+            raise ValueError(f"Upsample expects {self.channels} channels, got {x.shape[1]}")
+        if self.dims == 3:
+            x = F.interpolate(x, (x.shape[2], x.shape[3] * 2, x.shape[4] * 2), mode="nearest")
+        else:
+            x = F.interpolate(x, scale_factor=2, mode="nearest")
+        if self.use_conv:
+            x = self.conv(x)
+        return x
+
+
+class Downsample(nn.Module):
+    """A 2x downsampling layer: strided 3x3 convolution or average pooling.
+
+    :param channels: channels in the inputs and outputs (unless ``out_channels`` is given).
+    :param use_conv: convolution (True) or average pooling (False).
+    :param dims: 1, 2 or 3. If 3, downsample the inner two dimensions only.
+    :param out_channels: output channels of the convolution (default: ``channels``).
+    """
+
+    def __init__(self, channels, use_conv, dims=2, out_channels=None):
+        super().__init__()
+        self.channels = channels
+        self.out_channels = out_channels or channels
+        self.use_conv = use_conv
+        self.dims = dims
+        stride = 2 if dims != 3 else (1, 2, 2)
+        if use_conv:
+            self.op = conv_nd(dims, self.channels, self.out_channels, 3, stride=stride, padding=1)
+        else:
+            if self.channels != self.out_channels:
+                raise ValueError("Downsample without a convolution cannot change channel count")
+            self.op = avg_pool_nd(dims, kernel_size=stride, stride=stride)
+
+    def forward(self, x):
+        """[N x C x ...] -> [N x C' x ...] with spatial size halved."""
+        if x.shape[1] != self.channels:
+            raise ValueError(f"Downsample expects {self.channels} channels, got {x.shape[1]}")
+        return self.op(x)
+
+
+class ResBlock(TimestepBlock):
+    """A residual block that can optionally change the number of channels and resolution.
+
+    :param channels: the number of input channels.
+    :param emb_channels: the number of timestep embedding channels.
+    :param dropout: the rate of dropout.
+    :param out_channels: if specified, the number of out channels.
+    :param use_conv: if True and out_channels != channels, use a 3x3 convolution in the skip
+        connection instead of a 1x1 convolution.
+    :param dims: 1, 2 or 3 spatial dimensions.
+    :param use_checkpoint: if True, use gradient checkpointing on this module.
+    :param use_scale_shift_norm: condition with FiLM (scale and shift after the norm) instead of
+        adding the embedding.
+    :param up: if True, use this block for upsampling (guided-diffusion's ``resblock_updown``).
+    :param down: if True, use this block for downsampling.
+    """
+
+    def __init__(
+        self,
+        channels,
+        emb_channels,
+        dropout,
+        out_channels=None,
+        use_conv=False,
+        use_scale_shift_norm=False,
+        dims=2,
+        use_checkpoint=False,
+        up=False,
+        down=False,
+    ):
+        super().__init__()
+        self.channels = channels
+        self.emb_channels = emb_channels
+        self.dropout = dropout
+        self.out_channels = out_channels or channels
+        self.use_conv = use_conv
+        self.use_checkpoint = use_checkpoint
+        self.use_scale_shift_norm = use_scale_shift_norm
+
+        self.in_layers = nn.Sequential(
+            normalization(channels),
+            SiLU(),
+            conv_nd(dims, channels, self.out_channels, 3, padding=1),
+        )
+
+        self.updown = up or down
+        if up:
+            self.h_upd = Upsample(channels, False, dims)
+            self.x_upd = Upsample(channels, False, dims)
+        elif down:
+            self.h_upd = Downsample(channels, False, dims)
+            self.x_upd = Downsample(channels, False, dims)
+        else:
+            self.h_upd = self.x_upd = nn.Identity()
+
+        self.emb_layers = nn.Sequential(
+            SiLU(),
+            linear(
+                emb_channels,
+                2 * self.out_channels if use_scale_shift_norm else self.out_channels,
+            ),
+        )
+        self.out_layers = nn.Sequential(
+            normalization(self.out_channels),
+            SiLU(),
+            nn.Dropout(p=dropout),
+            zero_module(conv_nd(dims, self.out_channels, self.out_channels, 3, padding=1)),
+        )
+
+        if self.out_channels == channels:
+            self.skip_connection = nn.Identity()
+        elif use_conv:
+            self.skip_connection = conv_nd(dims, channels, self.out_channels, 3, padding=1)
+        else:
+            self.skip_connection = conv_nd(dims, channels, self.out_channels, 1)
+
+    def forward(self, x, emb):
+        """:param x: [N x C x ...] features. :param emb: [N x E] timestep embeddings.
+        :return: [N x C' x ...] outputs (spatial size doubled/halved when up/down)."""
+        return checkpoint(self._forward, (x, emb), self.parameters(), self.use_checkpoint)
+
+    def _forward(self, x, emb):
+        if self.updown:
+            in_rest, in_conv = self.in_layers[:-1], self.in_layers[-1]
+            h = in_rest(x)
+            h = self.h_upd(h)
+            x = self.x_upd(x)
+            h = in_conv(h)
+        else:
+            h = self.in_layers(x)
+        emb_out = self.emb_layers(emb).type(h.dtype)
+        while len(emb_out.shape) < len(h.shape):
+            emb_out = emb_out[..., None]
+        if self.use_scale_shift_norm:
+            out_norm, out_rest = self.out_layers[0], self.out_layers[1:]
+            scale, shift = th.chunk(emb_out, 2, dim=1)
+            h = out_norm(h) * (1 + scale) + shift
+            h = out_rest(h)
+        else:
+            h = h + emb_out
+            h = self.out_layers(h)
+        return self.skip_connection(x) + h
+
+
+class AttentionBlock(nn.Module):
+    """Self-attention over all spatial positions.
+
+    ``qkv`` and ``proj_out`` are 1x1 ``Conv1d`` layers, as upstream (keys ``norm``, ``qkv``,
+    ``proj_out``).
+
+    :param channels: number of channels.
+    :param num_heads: number of heads (used when ``num_head_channels`` is -1).
+    :param num_head_channels: if not -1, channels per head; overrides ``num_heads``.
+    :param use_checkpoint: gradient checkpointing.
+    :param use_new_attention_order: split qkv before heads (QKVAttention) instead of upstream's
+        legacy order (heads before the qkv split, QKVAttentionLegacy).
+    """
+
+    def __init__(
+        self,
+        channels,
+        num_heads=1,
+        num_head_channels=-1,
+        use_checkpoint=False,
+        use_new_attention_order=False,
+    ):
+        super().__init__()
+        self.channels = channels
+        if num_head_channels == -1:
+            self.num_heads = num_heads
+        else:
+            if num_head_channels <= 0 or channels % num_head_channels != 0:
+                raise ValueError(
+                    f"attention channels {channels} are not divisible by "
+                    f"num_head_channels {num_head_channels}"
+                )
+            self.num_heads = channels // num_head_channels
+        if self.num_heads <= 0 or channels % self.num_heads != 0:
+            raise ValueError(
+                f"attention channels {channels} are not divisible by num_heads {self.num_heads}"
+            )
+        self.use_checkpoint = use_checkpoint
+        self.norm = normalization(channels)
+        self.qkv = conv_nd(1, channels, channels * 3, 1)
+        if use_new_attention_order:
+            self.attention = QKVAttention(self.num_heads)
+        else:
+            self.attention = QKVAttentionLegacy(self.num_heads)
+        self.proj_out = zero_module(conv_nd(1, channels, channels, 1))
+
+    def forward(self, x):
+        """[N x C x ...] -> [N x C x ...]."""
+        return checkpoint(self._forward, (x,), self.parameters(), self.use_checkpoint)
+
+    def _forward(self, x):
+        b, c, *spatial = x.shape
+        x = x.reshape(b, c, -1)
+        qkv = self.qkv(self.norm(x))
+        h = self.attention(qkv)
+        h = self.proj_out(h)
+        return (x + h).reshape(b, c, *spatial)
+
+
+class QKVAttentionLegacy(nn.Module):
+    """QKV attention in upstream improved-diffusion's order: heads first, then split q/k/v."""
+
+    def __init__(self, n_heads):
+        super().__init__()
+        self.n_heads = n_heads
+
+    def forward(self, qkv):
+        """:param qkv: [N x (H * 3 * C) x T] tensor of Qs, Ks and Vs.
+        :return: [N x (H * C) x T] tensor after attention."""
+        bs, width, length = qkv.shape
+        ch = width // (3 * self.n_heads)
+        q, k, v = qkv.reshape(bs * self.n_heads, ch * 3, length).split(ch, dim=1)
+        scale = 1 / math.sqrt(math.sqrt(ch))
+        weight = th.einsum("bct,bcs->bts", q * scale, k * scale)  # more stable than dividing after
+        weight = th.softmax(weight.float(), dim=-1).type(weight.dtype)
+        a = th.einsum("bts,bcs->bct", weight, v)
+        return a.reshape(bs, -1, length)
+
+
+class QKVAttention(nn.Module):
+    """QKV attention in guided-diffusion's new order: split q/k/v first, then heads."""
+
+    def __init__(self, n_heads):
+        super().__init__()
+        self.n_heads = n_heads
+
+    def forward(self, qkv):
+        """:param qkv: [N x (3 * H * C) x T] tensor of Qs, Ks and Vs.
+        :return: [N x (H * C) x T] tensor after attention."""
+        bs, width, length = qkv.shape
+        ch = width // (3 * self.n_heads)
+        q, k, v = qkv.chunk(3, dim=1)
+        scale = 1 / math.sqrt(math.sqrt(ch))
+        weight = th.einsum(
+            "bct,bcs->bts",
+            (q * scale).reshape(bs * self.n_heads, ch, length),
+            (k * scale).reshape(bs * self.n_heads, ch, length),
+        )
+        weight = th.softmax(weight.float(), dim=-1).type(weight.dtype)
+        a = th.einsum("bts,bcs->bct", weight, v.reshape(bs * self.n_heads, ch, length))
+        return a.reshape(bs, -1, length)
+
+
+class UNetModel(nn.Module):
+    """The full UNet model with attention and timestep embedding.
+
+    :param in_channels: channels in the input Tensor.
+    :param model_channels: base channel count for the model.
+    :param out_channels: channels in the output Tensor.
+    :param num_res_blocks: number of residual blocks per downsample.
+    :param attention_resolutions: a collection of downsample rates at which attention will take
+        place (e.g. containing 4 means attention at 4x downsampling).
+    :param dropout: the dropout probability.
+    :param channel_mult: channel multiplier for each level of the UNet (may be fractional, as
+        guided-diffusion's 0.5 for 512x512, as long as ``mult * model_channels`` is an integer).
+    :param conv_resample: if True, use learned convolutions for upsampling and downsampling.
+    :param dims: 1, 2 or 3 spatial dimensions.
+    :param num_classes: if specified (int), the model is class-conditional with this many classes.
+    :param use_checkpoint: use gradient checkpointing to reduce memory usage.
+    :param num_heads: the number of attention heads in each attention layer.
+    :param num_head_channels: if not -1, a fixed channel width per attention head (overrides
+        ``num_heads``).
+    :param num_heads_upsample: heads for the upsampling path (-1: same as ``num_heads``).
+        Deprecated upstream; kept for compatibility.
+    :param use_scale_shift_norm: use a FiLM-like conditioning mechanism.
+    :param resblock_updown: use residual blocks for up/downsampling.
+    :param use_new_attention_order: use a different attention pattern (QKVAttention).
+    """
+
+    def __init__(
+        self,
+        in_channels,
+        model_channels,
+        out_channels,
+        num_res_blocks,
+        attention_resolutions,
+        dropout=0,
+        channel_mult=(1, 2, 4, 8),
+        conv_resample=True,
+        dims=2,
+        num_classes=None,
+        use_checkpoint=False,
+        num_heads=1,
+        num_head_channels=-1,
+        num_heads_upsample=-1,
+        use_scale_shift_norm=False,
+        resblock_updown=False,
+        use_new_attention_order=False,
+    ):
+        super().__init__()
+
+        if num_heads_upsample == -1:
+            num_heads_upsample = num_heads
+
+        self.in_channels = in_channels
+        self.model_channels = model_channels
+        self.out_channels = out_channels
+        self.num_res_blocks = num_res_blocks
+        self.attention_resolutions = attention_resolutions
+        self.dropout = dropout
+        self.channel_mult = channel_mult
+        self.conv_resample = conv_resample
+        self.num_classes = num_classes
+        self.use_checkpoint = use_checkpoint
+        self.num_heads = num_heads
+        self.num_head_channels = num_head_channels
+        self.num_heads_upsample = num_heads_upsample
+
+        time_embed_dim = model_channels * 4
+        self.time_embed = nn.Sequential(
+            linear(model_channels, time_embed_dim),
+            SiLU(),
+            linear(time_embed_dim, time_embed_dim),
+        )
+
+        if self.num_classes is not None:
+            self.label_emb = nn.Embedding(num_classes, time_embed_dim)
+
+        def res_block(ch, out_ch, **kw):
+            return ResBlock(
+                ch,
+                time_embed_dim,
+                dropout,
+                out_channels=out_ch,
+                dims=dims,
+                use_checkpoint=use_checkpoint,
+                use_scale_shift_norm=use_scale_shift_norm,
+                **kw,
+            )
+
+        def attention(ch, heads):
+            return AttentionBlock(
+                ch,
+                num_heads=heads,
+                num_head_channels=num_head_channels,
+                use_checkpoint=use_checkpoint,
+                use_new_attention_order=use_new_attention_order,
+            )
+
+        ch = input_ch = int(channel_mult[0] * model_channels)
+        self.input_blocks = nn.ModuleList(
+            [TimestepEmbedSequential(conv_nd(dims, in_channels, ch, 3, padding=1))]
+        )
+        input_block_chans = [ch]
+        ds = 1
+        for level, mult in enumerate(channel_mult):
+            for _ in range(num_res_blocks):
+                layers = [res_block(ch, int(mult * model_channels))]
+                ch = int(mult * model_channels)
+                if ds in attention_resolutions:
+                    layers.append(attention(ch, num_heads))
+                self.input_blocks.append(TimestepEmbedSequential(*layers))
+                input_block_chans.append(ch)
+            if level != len(channel_mult) - 1:
+                out_ch = ch
+                if resblock_updown:
+                    down = res_block(ch, out_ch, down=True)
+                else:
+                    down = Downsample(ch, conv_resample, dims=dims, out_channels=out_ch)
+                self.input_blocks.append(TimestepEmbedSequential(down))
+                ch = out_ch
+                input_block_chans.append(ch)
+                ds *= 2
+
+        self.middle_block = TimestepEmbedSequential(
+            res_block(ch, ch),
+            attention(ch, num_heads),
+            res_block(ch, ch),
+        )
+
+        self.output_blocks = nn.ModuleList([])
+        for level, mult in list(enumerate(channel_mult))[::-1]:
+            for i in range(num_res_blocks + 1):
+                ich = input_block_chans.pop()
+                layers = [res_block(ch + ich, int(model_channels * mult))]
+                ch = int(model_channels * mult)
+                if ds in attention_resolutions:
+                    layers.append(attention(ch, num_heads_upsample))
+                if level and i == num_res_blocks:
+                    out_ch = ch
+                    if resblock_updown:
+                        layers.append(res_block(ch, out_ch, up=True))
+                    else:
+                        layers.append(Upsample(ch, conv_resample, dims=dims, out_channels=out_ch))
+                    ds //= 2
+                self.output_blocks.append(TimestepEmbedSequential(*layers))
+
+        self.out = nn.Sequential(
+            normalization(ch),
+            SiLU(),
+            zero_module(conv_nd(dims, input_ch, out_channels, 3, padding=1)),
+        )
+
+    def forward(self, x, timesteps, y=None):
+        """Apply the model to an input batch.
+
+        :param x: an [N x C x ...] Tensor of inputs.
+        :param timesteps: a 1-D [N] batch of timesteps (may be fractional, e.g. rescaled).
+        :param y: an [N] Tensor of labels, if class-conditional.
+        :return: an [N x C_out x ...] Tensor of outputs (same dtype as ``x`` outside autocast).
+        """
+        if (y is not None) != (self.num_classes is not None):
+            raise ValueError(
+                "the model is class-conditional: pass y (labels)"
+                if self.num_classes is not None
+                else "the model is not class-conditional: do not pass y"
+            )
+        emb = self.time_embed(timestep_embedding(timesteps, self.model_channels))
+        if self.num_classes is not None:
+            if y.shape != (x.shape[0],):
+                raise ValueError(f"labels y must have shape [{x.shape[0]}], got {list(y.shape)}")
+            emb = emb + self.label_emb(y)
+
+        hs = []
+        h = x
+        for module in self.input_blocks:
+            h = module(h, emb)
+            hs.append(h)
+        h = self.middle_block(h, emb)
+        for module in self.output_blocks:
+            h = th.cat([h, hs.pop()], dim=1)
+            h = module(h, emb)
+        return self.out(h)
+
+
+class SuperResModel(UNetModel):
+    """A UNetModel that performs super-resolution.
+
+    Expects an extra kwarg ``low_res`` to condition on a low-resolution image: it is upsampled
+    bilinearly to the size of ``x`` and concatenated on the channel axis.
+
+    :param image_size: the (large) image size; kept for guided-diffusion compatibility.
+    :param in_channels: channels of ``x`` (the model itself sees ``2 * in_channels``).
+    """
+
+    def __init__(self, image_size, in_channels, *args, **kwargs):
+        super().__init__(in_channels * 2, *args, **kwargs)
+        self.image_size = image_size
+
+    def forward(self, x, timesteps, low_res=None, **kwargs):
+        """:param x: [N x C x H x W] noisy high-res images. :param low_res: [N x C x h x w].
+        :return: [N x C_out x H x W]."""
+        if low_res is None:
+            raise ValueError("SuperResModel needs low_res (the low-resolution images)")
+        _, _, new_height, new_width = x.shape
+        upsampled = F.interpolate(low_res, (new_height, new_width), mode="bilinear")
+        x = th.cat([x, upsampled], dim=1)
+        return super().forward(x, timesteps, **kwargs)
