@@ -1,0 +1,423 @@
+"""Image-folder dataset and a resumable, rank-sharded sample order.
+
+The order in which samples are visited is a pure function of (seed, epoch, global index): the
+global position p (samples consumed by all ranks together since the start of the run) lies in
+epoch p // n at offset p % n of that epoch's permutation. Every step consumes one *global* batch
+of `batch_size * world_size` consecutive positions and rank r takes the slice
+[r * batch_size, (r + 1) * batch_size) of it. Because the position is global, a run saved on one
+number of ranks resumes on any other and continues at the same place: within an epoch no sample
+is visited twice or skipped.
+"""
+import warnings
+
+import blobfile as bf
+import numpy as np
+import torch as th
+from PIL import Image
+from torch.utils.data import DataLoader, Dataset
+
+IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "gif")
+
+
+class DataError(FileNotFoundError):
+    """The data directory is missing, empty, or holds unusable files (one-line message)."""
+
+
+def list_image_files(data_dir):
+    """
+    All image files under `data_dir`, recursively, sorted.
+
+    :param data_dir: a local or blobfile path.
+    :return: a sorted list of paths with extension jpg, jpeg, png or gif (any case).
+    """
+    results = []
+    for entry in sorted(bf.listdir(data_dir)):
+        full_path = bf.join(data_dir, entry)
+        ext = entry.split(".")[-1]
+        if "." in entry and ext.lower() in IMAGE_EXTENSIONS:
+            results.append(full_path)
+        elif bf.isdir(full_path):
+            results.extend(list_image_files(full_path))
+    return sorted(results)
+
+
+def class_names_from_paths(paths):
+    """
+    Class name of each file: the part of its base name before the first "_" (as upstream).
+
+    :return: (names: list[str] per path, mapping: dict name -> index over sorted unique names).
+    """
+    names = [bf.basename(p).split("_")[0] for p in paths]
+    mapping = {x: i for i, x in enumerate(sorted(set(names)))}
+    return names, mapping
+
+
+class ImageDataset(Dataset):
+    """
+    Images from a list of files, preprocessed as upstream improved-diffusion.
+
+    Each image is repeatedly halved with a box filter while its short side is at least twice the
+    resolution, resized with bicubic so that the short side equals the resolution, converted to
+    RGB and center-cropped. Nothing is random, so loading is deterministic (also in workers).
+
+    :param resolution: output side length H = W.
+    :param image_paths: list of file paths.
+    :param classes: optional list of int class indices, one per path.
+    """
+
+    def __init__(self, resolution, image_paths, classes=None):
+        super().__init__()
+        if classes is not None and len(classes) != len(image_paths):
+            raise ValueError(
+                f"got {len(classes)} class labels for {len(image_paths)} images; give one per image"
+            )
+        self.resolution = resolution
+        self.local_images = list(image_paths)
+        self.local_classes = None if classes is None else [int(c) for c in classes]
+
+    def __len__(self):
+        return len(self.local_images)
+
+    def __getitem__(self, idx):
+        """
+        :return: (arr: np.float32 [3, H, W] in [-1, 1], cond: {"y": np.int64 scalar} or {}).
+        """
+        path = self.local_images[idx]
+        try:
+            with bf.BlobFile(path, "rb") as f:
+                pil_image = Image.open(f)
+                pil_image.load()
+        except Exception as e:
+            raise DataError(f"cannot read image {path}: {e}; remove or replace the file") from e
+        if pil_image.mode not in ("RGB", "L", "RGBA"):
+            # Palette / bilevel / 16-bit images: convert first so resizing can interpolate.
+            pil_image = pil_image.convert("RGB")
+        arr = center_crop_arr(pil_image, self.resolution)
+        arr = arr.astype(np.float32) / 127.5 - 1
+        out_dict = {}
+        if self.local_classes is not None:
+            out_dict["y"] = np.array(self.local_classes[idx], dtype=np.int64)
+        return np.transpose(arr, [2, 0, 1]), out_dict
+
+
+def center_crop_arr(pil_image, resolution):
+    """
+    Upstream's preprocessing: box-halve, bicubic-resize the short side to `resolution`, convert
+    to RGB, center crop.
+
+    :return: np.uint8 [resolution, resolution, 3].
+    """
+    while min(*pil_image.size) >= 2 * resolution:
+        pil_image = pil_image.resize(
+            tuple(x // 2 for x in pil_image.size), resample=Image.BOX
+        )
+    scale = resolution / min(*pil_image.size)
+    pil_image = pil_image.resize(
+        tuple(round(x * scale) for x in pil_image.size), resample=Image.BICUBIC
+    )
+    arr = np.array(pil_image.convert("RGB"))
+    crop_y = (arr.shape[0] - resolution) // 2
+    crop_x = (arr.shape[1] - resolution) // 2
+    return arr[crop_y : crop_y + resolution, crop_x : crop_x + resolution]
+
+
+def sample_order(seed, epoch, n, shuffle=True):
+    """
+    The order of dataset indices in one epoch: a pure function of (seed, epoch, n).
+
+    :param shuffle: False (upstream's `deterministic=True`) gives 0..n-1 in every epoch.
+    :return: np.int64 [n], a permutation of range(n).
+    """
+    if not shuffle:
+        return np.arange(n, dtype=np.int64)
+    rng = np.random.default_rng([int(seed), int(epoch)])
+    return rng.permutation(n).astype(np.int64)
+
+
+def global_indices(position, count, n, seed, shuffle=True, _cache=None):
+    """
+    Dataset indices at global positions [position, position + count), spanning epochs.
+
+    Position p lies in epoch p // n at offset p % n of `sample_order(seed, epoch, n)`.
+
+    :param _cache: optional dict epoch -> order, reused across calls by ResumableLoader.
+    :return: np.int64 [count].
+    """
+    if n <= 0:
+        raise ValueError("cannot draw samples from an empty dataset")
+    if position < 0 or count < 0:
+        raise ValueError(f"position and count must be >= 0, got {position}, {count}")
+    out = np.empty(count, dtype=np.int64)
+    filled = 0
+    p = int(position)
+    while filled < count:
+        epoch, offset = divmod(p, n)
+        if _cache is not None and epoch in _cache:
+            order = _cache[epoch]
+        else:
+            order = sample_order(seed, epoch, n, shuffle=shuffle)
+            if _cache is not None:
+                # Keep only the few most recent epochs.
+                for old in [e for e in _cache if e < epoch - 1]:
+                    del _cache[old]
+                _cache[epoch] = order
+        take = min(count - filled, n - offset)
+        out[filled : filled + take] = order[offset : offset + take]
+        filled += take
+        p += take
+    return out
+
+
+def collate(items):
+    """
+    Stack dataset items into a batch.
+
+    :param items: list of (np.float32 [C, H, W], cond dict of np values).
+    :return: (th.float32 [B, C, H, W], dict of tensors, e.g. {"y": th.int64 [B]}).
+    """
+    batch = th.from_numpy(np.stack([x for x, _ in items]).astype(np.float32, copy=False))
+    cond = {}
+    if items and items[0][1]:
+        for key in items[0][1]:
+            cond[key] = th.from_numpy(np.stack([np.asarray(c[key]) for _, c in items]))
+    return batch, cond
+
+
+def _worker_init(worker_id):
+    # Loading is free of randomness; fix the generators anyway so nothing can differ per run.
+    np.random.seed(worker_id)
+    th.manual_seed(worker_id)
+
+
+class _StepBatchSampler:
+    """
+    Yields one rank's index list for each global step from `position` on (endless). Holds no
+    reference to its loader (a cycle through live worker iterators makes shutdown slow).
+    """
+
+    def __init__(self, *, position, n, seed, shuffle, rank, batch_size, world_size):
+        self.position = position
+        self.n, self.seed, self.shuffle = n, seed, shuffle
+        self.rank, self.batch_size, self.world_size = rank, batch_size, world_size
+
+    def __iter__(self):
+        p = self.position
+        cache = {}
+        gb = self.batch_size * self.world_size
+        lo, hi = self.rank * self.batch_size, (self.rank + 1) * self.batch_size
+        while True:
+            idx = global_indices(p, gb, self.n, self.seed, self.shuffle, _cache=cache)
+            yield idx[lo:hi].tolist()
+            p += gb
+
+
+class ResumableLoader:
+    """
+    An endless, resumable, rank-sharded iterator over a dataset.
+
+    Each step consumes a global batch of `batch_size * world_size` samples starting at the global
+    `position`; rank r yields the slice [r * batch_size, (r + 1) * batch_size). Use it as
+    upstream's data generator: `batch, cond = next(loader)`.
+
+    :param dataset: a map-style dataset returning (np.float32 [C, H, W], cond dict).
+    :param batch_size: samples per rank per step (B).
+    :param seed: seed of the sample order.
+    :param rank: this process's rank; :param world_size: number of ranks.
+    :param shuffle: False gives the dataset order (upstream's deterministic=True).
+    :param num_workers: DataLoader worker processes (0 = load in this process). Workers only load
+        the indices they are handed, so output does not depend on their number.
+    :param position: global samples consumed so far.
+
+    Attributes: `position` (global samples consumed), `last_indices` (np.int64 [B], this rank's
+    dataset indices in the last batch), `global_batch`.
+    """
+
+    def __init__(
+        self,
+        dataset,
+        batch_size,
+        *,
+        seed=0,
+        rank=0,
+        world_size=1,
+        shuffle=True,
+        num_workers=0,
+        position=0,
+    ):
+        if batch_size < 1:
+            raise ValueError(f"--batch_size must be at least 1, got {batch_size}")
+        if world_size < 1 or not (0 <= rank < world_size):
+            raise ValueError(f"rank {rank} is not in a world of size {world_size}")
+        if len(dataset) == 0:
+            raise DataError("the dataset is empty; check --data_dir")
+        self.dataset = dataset
+        self.batch_size = int(batch_size)
+        self.seed = int(seed)
+        self.rank = int(rank)
+        self.world_size = int(world_size)
+        self.shuffle = bool(shuffle)
+        self.num_workers = int(num_workers)
+        self.position = int(position)
+        self.last_indices = None
+        self._order_cache = {}
+        self._stream = None  # (iterator, position of its next batch) when using workers
+
+    @property
+    def global_batch(self):
+        return self.batch_size * self.world_size
+
+    @property
+    def num_samples(self):
+        return len(self.dataset)
+
+    @property
+    def epoch(self):
+        """The epoch of the next sample to be consumed."""
+        return self.position // self.num_samples
+
+    def _rank_indices(self, position):
+        idx = global_indices(
+            position, self.global_batch, self.num_samples, self.seed, self.shuffle,
+            _cache=self._order_cache,
+        )
+        return idx[self.rank * self.batch_size : (self.rank + 1) * self.batch_size]
+
+    def peek_indices(self, position=None):
+        """This rank's dataset indices for the step starting at `position` (default: next)."""
+        return self._rank_indices(self.position if position is None else position)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        """:return: (th.float32 [B, C, H, W] in [-1, 1], cond dict of tensors)."""
+        indices = self._rank_indices(self.position)
+        if self.num_workers > 0:
+            batch = self._next_from_workers()
+        else:
+            batch = collate([self.dataset[int(i)] for i in indices])
+        self.last_indices = indices
+        self.position += self.global_batch
+        return batch
+
+    def _next_from_workers(self):
+        if self._stream is None or self._stream[1] != self.position:
+            self._stream = None  # drop the old workers before starting new ones
+            dl = DataLoader(
+                self.dataset,
+                batch_sampler=_StepBatchSampler(
+                    position=self.position, n=self.num_samples, seed=self.seed,
+                    shuffle=self.shuffle, rank=self.rank, batch_size=self.batch_size,
+                    world_size=self.world_size,
+                ),
+                num_workers=self.num_workers,
+                collate_fn=collate,
+                worker_init_fn=_worker_init,
+            )
+            self._stream = [iter(dl), self.position]
+        batch = next(self._stream[0])
+        self._stream[1] += self.global_batch
+        return batch
+
+    def close(self):
+        """Stop the worker processes, if any (they restart on the next batch)."""
+        self._stream = None
+
+    def state_dict(self):
+        """:return: {"position", "seed", "num_samples", "shuffle"} (plain python values)."""
+        return {
+            "position": int(self.position),
+            "seed": int(self.seed),
+            "num_samples": int(self.num_samples),
+            "shuffle": bool(self.shuffle),
+        }
+
+    def load_state_dict(self, sd):
+        """
+        Continue from a saved state. The position is global, so the state is valid on any world
+        size and batch size. The saved seed and shuffle setting are adopted (the run's order must
+        not change mid-run); a different dataset size is warned about.
+        """
+        n_saved = int(sd.get("num_samples", self.num_samples))
+        if n_saved != self.num_samples:
+            warnings.warn(
+                f"the data position was saved for {n_saved} samples but the dataset now has "
+                f"{self.num_samples}; the sample order continues but is not the saved run's"
+            )
+        if "seed" in sd and int(sd["seed"]) != self.seed:
+            warnings.warn(
+                f"data seed {self.seed} replaced by the checkpoint's seed {int(sd['seed'])}"
+            )
+            self.seed = int(sd["seed"])
+        if "shuffle" in sd:
+            self.shuffle = bool(sd["shuffle"])
+        self.position = int(sd["position"])
+        self._order_cache = {}
+        self._stream = None
+
+
+def _default_rank_world():
+    try:
+        from . import dist_util
+
+        return dist_util.get_rank(), dist_util.get_world_size()
+    except (ImportError, AttributeError):
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank(), dist.get_world_size()
+        return 0, 1
+
+
+def load_data(
+    *,
+    data_dir,
+    batch_size,
+    image_size,
+    class_cond=False,
+    deterministic=False,
+    seed=0,
+    rank=None,
+    world_size=None,
+    num_workers=0,
+):
+    """
+    A ResumableLoader over the images in `data_dir` (upstream's load_data, resumable).
+
+    :param class_cond: if True, cond holds "y": th.int64 [B], the class from each file name
+        (the part before the first "_").
+    :param deterministic: if True, visit samples in file order instead of a seeded shuffle.
+    :param rank, world_size: default to dist_util's (0, 1 without a process group).
+    :return: ResumableLoader yielding (th.float32 [B, 3, image_size, image_size], cond).
+    """
+    if not data_dir:
+        raise DataError("unspecified data directory; pass --data_dir DIR (an image folder)")
+    if not bf.exists(data_dir) or not bf.isdir(data_dir):
+        raise DataError(
+            f"--data_dir {data_dir} does not exist or is not a directory; "
+            f"pass an image folder (e.g. make one with datasets/digits.py)"
+        )
+    all_files = list_image_files(data_dir)
+    if not all_files:
+        raise DataError(
+            f"--data_dir {data_dir} holds no images ({', '.join(IMAGE_EXTENSIONS)}); "
+            f"pass a folder of images"
+        )
+    classes = None
+    if class_cond:
+        names, mapping = class_names_from_paths(all_files)
+        classes = [mapping[x] for x in names]
+    if rank is None or world_size is None:
+        r, w = _default_rank_world()
+        rank = r if rank is None else rank
+        world_size = w if world_size is None else world_size
+    dataset = ImageDataset(image_size, all_files, classes=classes)
+    return ResumableLoader(
+        dataset,
+        batch_size,
+        seed=seed,
+        rank=rank,
+        world_size=world_size,
+        shuffle=not deterministic,
+        num_workers=num_workers,
+    )

@@ -1,0 +1,521 @@
+"""
+Key/value logging with upstream's API (from OpenAI baselines via improved-diffusion).
+
+Formats: stdout, log (log.txt), csv (progress.csv), json (progress.json), tensorboard (when
+torch.utils.tensorboard is importable). Rank 0 logs "stdout,log,csv" by default; other ranks
+log nothing unless asked. Files in an existing log directory are APPENDED to, never truncated,
+so a resumed run continues its progress.csv; when new keys appear, the csv header is rewritten
+and the old rows are kept (padded with empty cells).
+
+`dumpkvs()` is a collective when torch.distributed is initialised: the values are averaged
+across ranks, weighted by how many times each rank logged them, and rank 0 writes.
+"""
+import datetime
+import json
+import os
+import os.path as osp
+import sys
+import tempfile
+import time
+import warnings
+from collections import defaultdict
+from contextlib import contextmanager
+
+DEBUG = 10
+INFO = 20
+WARN = 30
+ERROR = 40
+DISABLED = 50
+
+
+class KVWriter:
+    def writekvs(self, kvs):
+        raise NotImplementedError
+
+
+class SeqWriter:
+    def writeseq(self, seq):
+        raise NotImplementedError
+
+
+class HumanOutputFormat(KVWriter, SeqWriter):
+    """A table of key/values and free text lines, to a stream or appended to a file."""
+
+    def __init__(self, filename_or_file):
+        if isinstance(filename_or_file, str):
+            self.file = open(filename_or_file, "at")
+            self.own_file = True
+        else:
+            if not hasattr(filename_or_file, "write"):
+                raise TypeError(f"expected a file or a file name, got {filename_or_file!r}")
+            self.file = filename_or_file
+            self.own_file = False
+
+    def writekvs(self, kvs):
+        key2str = {}
+        for key, val in sorted(kvs.items()):
+            if hasattr(val, "__float__"):
+                valstr = "%-8.3g" % val
+            else:
+                valstr = str(val)
+            key2str[self._truncate(key)] = self._truncate(valstr)
+        if len(key2str) == 0:
+            print("WARNING: tried to write empty key-value dict")
+            return
+        keywidth = max(map(len, key2str.keys()))
+        valwidth = max(map(len, key2str.values()))
+        dashes = "-" * (keywidth + valwidth + 7)
+        lines = [dashes]
+        for key, val in sorted(key2str.items(), key=lambda kv: kv[0].lower()):
+            lines.append(
+                "| %s%s | %s%s |"
+                % (key, " " * (keywidth - len(key)), val, " " * (valwidth - len(val)))
+            )
+        lines.append(dashes)
+        self.file.write("\n".join(lines) + "\n")
+        self.file.flush()
+
+    def _truncate(self, s):
+        maxlen = 30
+        return s[: maxlen - 3] + "..." if len(s) > maxlen else s
+
+    def writeseq(self, seq):
+        seq = list(seq)
+        for i, elem in enumerate(seq):
+            self.file.write(str(elem))
+            if i < len(seq) - 1:
+                self.file.write(" ")
+        self.file.write("\n")
+        self.file.flush()
+
+    def close(self):
+        if self.own_file:
+            self.file.close()
+
+
+class JSONOutputFormat(KVWriter):
+    """One JSON object per dump, appended to the file."""
+
+    def __init__(self, filename):
+        self.file = open(filename, "at")
+
+    def writekvs(self, kvs):
+        out = {}
+        for k, v in sorted(kvs.items()):
+            if hasattr(v, "dtype") or hasattr(v, "item"):
+                v = float(v)
+            out[k] = v
+        self.file.write(json.dumps(out) + "\n")
+        self.file.flush()
+
+    def close(self):
+        self.file.close()
+
+
+class CSVOutputFormat(KVWriter):
+    """
+    progress.csv: appends to an existing file (keeping its header); new keys extend the header
+    and the file is rewritten with old rows padded, as upstream does within one run.
+    """
+
+    def __init__(self, filename):
+        self.filename = filename
+        self.keys = []
+        self.sep = ","
+        self.file = open(filename, "a+t")
+        self.file.seek(0)
+        lines = self.file.read().split("\n")
+        if lines and lines[0].strip():
+            self.keys = lines[0].split(self.sep)
+        self.file.seek(0, os.SEEK_END)
+        # A run killed mid-write may leave a row without its newline; never glue onto it.
+        if self.file.tell() > 0:
+            self.file.seek(self.file.tell() - 1)
+            last = self.file.read(1)
+            self.file.seek(0, os.SEEK_END)
+            if last != "\n":
+                self.file.write("\n")
+                self.file.flush()
+
+    def writekvs(self, kvs):
+        extra_keys = sorted(set(kvs.keys()) - set(self.keys))
+        if extra_keys:
+            self.keys.extend(extra_keys)
+            self.file.seek(0)
+            lines = self.file.read().split("\n")
+            if lines and lines[-1] == "":
+                lines = lines[:-1]
+            self.file.seek(0)
+            self.file.truncate()
+            self.file.write(self.sep.join(self.keys) + "\n")
+            for line in lines[1:]:
+                self.file.write(line)
+                self.file.write(self.sep * len(extra_keys))
+                self.file.write("\n")
+        for i, k in enumerate(self.keys):
+            if i > 0:
+                self.file.write(self.sep)
+            v = kvs.get(k)
+            if v is not None:
+                if not isinstance(v, (int, float, str)) and _as_number(v) is not None:
+                    v = _as_number(v)  # numpy / 0-d tensor scalars as plain numbers
+                self.file.write(str(v))
+        self.file.write("\n")
+        self.file.flush()
+
+    def close(self):
+        self.file.close()
+
+
+class TensorBoardOutputFormat(KVWriter):
+    """Scalars to TensorBoard event files in `dir` (needs the tensorboard package)."""
+
+    def __init__(self, dir):
+        from torch.utils.tensorboard import SummaryWriter  # noqa: optional dependency
+
+        os.makedirs(dir, exist_ok=True)
+        self.dir = dir
+        self.step = 1
+        self.writer = SummaryWriter(log_dir=dir)
+
+    def writekvs(self, kvs):
+        step = kvs.get("step", self.step)
+        for k, v in kvs.items():
+            if hasattr(v, "__float__"):
+                self.writer.add_scalar(k, float(v), int(step))
+        self.writer.flush()
+        self.step += 1
+
+    def close(self):
+        self.writer.close()
+
+
+def make_output_format(format, ev_dir, log_suffix=""):
+    """
+    :param format: one of "stdout", "log", "json", "csv", "tensorboard".
+    :return: a KVWriter, or None for tensorboard when it is not installed (with a warning).
+    """
+    os.makedirs(ev_dir, exist_ok=True)
+    if format == "stdout":
+        return HumanOutputFormat(sys.stdout)
+    elif format == "log":
+        return HumanOutputFormat(osp.join(ev_dir, "log%s.txt" % log_suffix))
+    elif format == "json":
+        return JSONOutputFormat(osp.join(ev_dir, "progress%s.json" % log_suffix))
+    elif format == "csv":
+        return CSVOutputFormat(osp.join(ev_dir, "progress%s.csv" % log_suffix))
+    elif format == "tensorboard":
+        try:
+            return TensorBoardOutputFormat(osp.join(ev_dir, "tb%s" % log_suffix))
+        except ImportError:
+            warnings.warn("tensorboard logging skipped: the tensorboard package is not installed")
+            return None
+    else:
+        raise ValueError(
+            f"unknown log format {format!r}; use stdout, log, csv, json or tensorboard"
+        )
+
+
+# ================================================================
+# API
+# ================================================================
+
+
+def logkv(key, val):
+    """
+    Log a value of some diagnostic. Call once per iteration per key; the last value wins.
+    """
+    get_current().logkv(key, val)
+
+
+def logkv_mean(key, val):
+    """The same as logkv(), but if called many times, the values are averaged."""
+    get_current().logkv_mean(key, val)
+
+
+def logkvs(d):
+    """Log a dictionary of key-value pairs."""
+    for (k, v) in d.items():
+        logkv(k, v)
+
+
+def dumpkvs():
+    """
+    Write all diagnostics of this iteration and clear them.
+
+    Collective: call from all ranks with the same arguments (when torch.distributed is
+    initialised; values are averaged across ranks weighted by their counts).
+    """
+    return get_current().dumpkvs()
+
+
+def getkvs():
+    return get_current().name2val
+
+
+def log(*args, level=INFO):
+    """Write the sequence of args, with no separators, to the text outputs (stdout, log.txt)."""
+    get_current().log(*args, level=level)
+
+
+def debug(*args):
+    log(*args, level=DEBUG)
+
+
+def info(*args):
+    log(*args, level=INFO)
+
+
+def warn(*args):
+    log(*args, level=WARN)
+
+
+def error(*args):
+    log(*args, level=ERROR)
+
+
+def set_level(level):
+    """Set logging threshold on current logger."""
+    get_current().set_level(level)
+
+
+def get_dir():
+    """The directory log files are written to (None when there is none)."""
+    return get_current().get_dir()
+
+
+record_tabular = logkv
+dump_tabular = dumpkvs
+
+
+@contextmanager
+def profile_kv(scopename):
+    logkey = "wait_" + scopename
+    tstart = time.time()
+    try:
+        yield
+    finally:
+        get_current().name2val[logkey] += time.time() - tstart
+
+
+def profile(n):
+    """Usage: @profile("my_func") def my_func(): code"""
+
+    def decorator_with_name(func):
+        def func_wrapper(*args, **kwargs):
+            with profile_kv(n):
+                return func(*args, **kwargs)
+
+        return func_wrapper
+
+    return decorator_with_name
+
+
+# ================================================================
+# Backend
+# ================================================================
+
+
+def get_current():
+    if Logger.CURRENT is None:
+        _configure_default_logger()
+    return Logger.CURRENT
+
+
+def _dist_world():
+    """(rank, world_size) of the torch.distributed process group, or None without one."""
+    try:
+        import torch.distributed as dist
+    except ImportError:  # pragma: no cover
+        return None
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return None
+
+
+def _as_number(v):
+    """A python float for numeric values (incl. numpy / 0-d tensors), else None."""
+    if isinstance(v, bool):
+        return float(v)
+    if isinstance(v, (int, float)):
+        return float(v)
+    if hasattr(v, "item") and getattr(v, "ndim", 0) == 0:
+        try:
+            return float(v.item())
+        except (TypeError, ValueError):
+            return None
+    return None
+
+
+def weighted_mean_across_ranks(name2valcount):
+    """
+    Average {name: (value, count)} over all ranks of torch.distributed, weighted by count.
+    Keys logged on only some ranks are averaged over those. Non-numeric values keep rank 0's.
+
+    Collective: call from all ranks with the same arguments.
+    """
+    import torch.distributed as dist
+
+    local = {}
+    for k, (v, c) in name2valcount.items():
+        num = _as_number(v)
+        local[k] = (num if num is not None else v, c, num is not None)
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, local)
+    sums = defaultdict(float)
+    counts = defaultdict(float)
+    others = {}
+    for d in gathered:
+        for k, (v, c, numeric) in d.items():
+            if numeric:
+                sums[k] += v * c
+                counts[k] += c
+            elif k not in others:
+                others[k] = v
+    out = {k: sums[k] / counts[k] for k in sums if counts[k] > 0}
+    for k, v in others.items():
+        out.setdefault(k, v)
+    return out
+
+
+class Logger:
+    DEFAULT = None  # A logger with no output files. (See right below class definition)
+    CURRENT = None  # Current logger being used by the free functions above
+
+    def __init__(self, dir, output_formats, rank=0):
+        self.name2val = defaultdict(float)  # values this iteration
+        self.name2cnt = defaultdict(int)
+        self.level = INFO
+        self.dir = dir
+        self.output_formats = output_formats
+        self.rank = rank
+
+    # Logging API, forwarded
+    # ----------------------------------------
+    def logkv(self, key, val):
+        self.name2val[key] = val
+
+    def logkv_mean(self, key, val):
+        oldval, cnt = self.name2val[key], self.name2cnt[key]
+        self.name2val[key] = oldval * cnt / (cnt + 1) + val / (cnt + 1)
+        self.name2cnt[key] = cnt + 1
+
+    def dumpkvs(self):
+        """
+        Collective: call from all ranks with the same arguments (when torch.distributed is
+        initialised).
+        """
+        world = _dist_world()
+        if world is None or world[1] == 1:
+            d = dict(self.name2val)
+        else:
+            d = weighted_mean_across_ranks(
+                {name: (val, self.name2cnt.get(name, 1)) for (name, val) in self.name2val.items()}
+            )
+        out = d.copy()  # Return the dict for unit testing purposes
+        for fmt in self.output_formats:
+            if isinstance(fmt, KVWriter):
+                fmt.writekvs(d)
+        self.name2val.clear()
+        self.name2cnt.clear()
+        return out
+
+    def log(self, *args, level=INFO):
+        if self.level <= level:
+            self._do_log(args)
+
+    # Configuration
+    # ----------------------------------------
+    def set_level(self, level):
+        self.level = level
+
+    def get_dir(self):
+        return self.dir
+
+    def close(self):
+        for fmt in self.output_formats:
+            fmt.close()
+
+    # Misc
+    # ----------------------------------------
+    def _do_log(self, args):
+        for fmt in self.output_formats:
+            if isinstance(fmt, SeqWriter):
+                fmt.writeseq(map(str, args))
+
+
+def get_rank_without_dist():
+    """
+    This process's rank: from torch.distributed when initialised, else from the environment
+    variables set by torchrun / mpiexec (MPICH/PMI, Open MPI, Slurm), else 0.
+    """
+    world = _dist_world()
+    if world is not None:
+        return world[0]
+    for varname in ["RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "SLURM_PROCID"]:
+        if varname in os.environ:
+            try:
+                return int(os.environ[varname])
+            except ValueError:
+                continue
+    return 0
+
+
+def configure(dir=None, format_strs=None, rank=None, log_suffix=""):
+    """
+    Make a new current logger.
+
+    :param dir: log directory; None means a new temporary directory (scripts resolve
+        $OPENAI_LOGDIR themselves and pass it here). Existing files there are appended to.
+    :param format_strs: list (or comma-separated str) of "stdout", "log", "csv", "json",
+        "tensorboard"; None means "stdout,log,csv" on rank 0 and nothing on other ranks.
+    :param rank: this process's rank; None reads it from torch.distributed or the environment.
+    """
+    if dir is None:
+        dir = osp.join(
+            tempfile.gettempdir(),
+            datetime.datetime.now().strftime("openai-%Y-%m-%d-%H-%M-%S-%f"),
+        )
+    dir = os.path.expanduser(os.fspath(dir))
+    if rank is None:
+        rank = get_rank_without_dist()
+    if format_strs is None:
+        format_strs = ["stdout", "log", "csv"] if rank == 0 else []
+    elif isinstance(format_strs, str):
+        format_strs = format_strs.split(",")
+    format_strs = [f for f in format_strs if f]
+    if rank > 0 and format_strs:
+        log_suffix = log_suffix + "-rank%03i" % rank
+    os.makedirs(dir, exist_ok=True)
+
+    if Logger.CURRENT is not None and Logger.CURRENT is not Logger.DEFAULT:
+        Logger.CURRENT.close()
+    output_formats = [make_output_format(f, dir, log_suffix) for f in format_strs]
+    output_formats = [f for f in output_formats if f is not None]
+    Logger.CURRENT = Logger(dir=dir, output_formats=output_formats, rank=rank)
+    if output_formats:
+        log("Logging to %s" % dir)
+    return Logger.CURRENT
+
+
+def _configure_default_logger():
+    configure()
+    Logger.DEFAULT = Logger.CURRENT
+
+
+def reset():
+    if Logger.CURRENT is not Logger.DEFAULT:
+        Logger.CURRENT.close()
+        Logger.CURRENT = Logger.DEFAULT
+        log("Reset logger")
+
+
+@contextmanager
+def scoped_configure(dir=None, format_strs=None, rank=None):
+    prevlogger = Logger.CURRENT
+    configure(dir=dir, format_strs=format_strs, rank=rank)
+    try:
+        yield
+    finally:
+        Logger.CURRENT.close()
+        Logger.CURRENT = prevlogger

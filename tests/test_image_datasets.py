@@ -1,0 +1,182 @@
+"""The image-folder dataset and its resumable, rank-sharded sample order."""
+import warnings
+
+import numpy as np
+import pytest
+import torch as th
+from PIL import Image
+
+from improved_diffusion.image_datasets import (
+    DataError,
+    ImageDataset,
+    ResumableLoader,
+    global_indices,
+    list_image_files,
+    load_data,
+    sample_order,
+)
+
+
+class IndexDataset:
+    """Returns its own index as the image, so a batch tells which samples it holds."""
+
+    def __init__(self, n):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return np.full((1, 2, 2), float(i), dtype=np.float32), {"y": np.int64(i % 3)}
+
+
+def make_folder(path, labels=("cat", "dog"), per_class=3, size=12, mode="RGB"):
+    path.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    for label in labels:
+        for i in range(per_class):
+            shape = (size, size + 4, 3) if mode == "RGB" else (size, size + 4)
+            arr = rng.integers(0, 256, size=shape, dtype=np.uint8)
+            Image.fromarray(arr, mode=mode).save(path / f"{label}_{i:03d}.png")
+    return path
+
+
+def test_sample_order_is_a_pure_function_of_seed_and_epoch():
+    a = sample_order(3, 5, 100)
+    assert np.array_equal(a, sample_order(3, 5, 100))
+    assert sorted(a.tolist()) == list(range(100))
+    assert not np.array_equal(a, sample_order(3, 6, 100))
+    assert not np.array_equal(a, sample_order(4, 5, 100))
+    assert np.array_equal(sample_order(3, 5, 10, shuffle=False), np.arange(10))
+
+
+def test_global_indices_span_epochs_and_match_the_per_epoch_orders():
+    n = 7
+    got = global_indices(5, 12, n, seed=1)
+    expected = np.concatenate([sample_order(1, e, n) for e in range(3)])[5:17]
+    assert np.array_equal(got, expected)
+    # The same positions requested in pieces give the same indices.
+    pieces = np.concatenate([global_indices(p, 3, n, seed=1) for p in range(5, 17, 3)])
+    assert np.array_equal(pieces, expected)
+    assert np.array_equal(global_indices(3, 6, n, seed=1, shuffle=False), [3, 4, 5, 6, 0, 1])
+
+
+def test_two_ranks_cover_each_global_batch_disjointly():
+    ds = IndexDataset(20)
+    loaders = [ResumableLoader(ds, 3, seed=7, rank=r, world_size=2) for r in range(2)]
+    for _ in range(3):
+        (b0, c0), (b1, c1) = next(loaders[0]), next(loaders[1])
+        got = np.concatenate([loaders[0].last_indices, loaders[1].last_indices])
+        start = loaders[0].position - 6
+        assert np.array_equal(got, global_indices(start, 6, 20, seed=7))
+        assert len(set(got.tolist())) == 6
+        assert b0[:, 0, 0, 0].long().tolist() == loaders[0].last_indices.tolist()
+        assert c1["y"].dtype == th.int64 and c1["y"].tolist() == [i % 3 for i in got[3:]]
+    assert loaders[0].position == loaders[1].position == 18
+    assert loaders[0].global_batch == 6
+
+
+def run_world(ds, world_size, batch_size, steps, state, seen):
+    """Take `steps` steps on `world_size` loaders resumed from `state`; return the new state."""
+    loaders = [
+        ResumableLoader(ds, batch_size, seed=11, rank=r, world_size=world_size)
+        for r in range(world_size)
+    ]
+    for ld in loaders:
+        if state is not None:
+            ld.load_state_dict(state)
+    for _ in range(steps):
+        for ld in loaders:
+            next(ld)
+            seen.extend(ld.last_indices.tolist())
+    states = [ld.state_dict() for ld in loaders]
+    assert all(s == states[0] for s in states)
+    return states[0]
+
+
+def test_resume_on_two_then_one_then_three_ranks_sees_each_index_once_per_epoch():
+    n = 60
+    ds = IndexDataset(n)
+    seen = []
+    state = run_world(ds, 2, 4, 3, None, seen)  # 24 samples
+    assert state["position"] == 24
+    state = run_world(ds, 1, 5, 3, state, seen)  # 15 samples -> 39
+    state = run_world(ds, 3, 3, 3, state, seen)  # 27 samples -> 66: into epoch 1
+    assert state["position"] == 66
+    assert sorted(seen[:n]) == list(range(n))
+    # The run continues exactly where a single rank would have been.
+    assert seen == global_indices(0, 66, n, seed=11).tolist()
+
+
+def test_state_dict_is_plain_and_warns_when_the_dataset_size_changed():
+    ld = ResumableLoader(IndexDataset(10), 2, seed=5)
+    next(ld)
+    sd = ld.state_dict()
+    assert sd == {"position": 2, "seed": 5, "num_samples": 10, "shuffle": True}
+    other = ResumableLoader(IndexDataset(12), 2, seed=5)
+    with pytest.warns(UserWarning, match="saved for 10 samples"):
+        other.load_state_dict(sd)
+    assert other.position == 2
+    same = ResumableLoader(IndexDataset(10), 2, seed=5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        same.load_state_dict(sd)
+    next(same)
+    next(ld)
+    assert np.array_equal(same.last_indices, ld.last_indices)
+
+
+def test_workers_give_the_same_batches_as_loading_in_process(tmp_path):
+    ds = ImageDataset(8, list_image_files(make_folder(tmp_path / "d")), classes=[0, 1] * 3)
+    plain = ResumableLoader(ds, 2, seed=3, rank=1, world_size=2)
+    workers = ResumableLoader(ds, 2, seed=3, rank=1, world_size=2, num_workers=2)
+    for step in range(4):
+        if step == 2:  # resuming mid-stream restarts the workers at the new position
+            workers.load_state_dict(plain.state_dict())
+        (a, ca), (b, cb) = next(plain), next(workers)
+        assert th.equal(a, b) and th.equal(ca["y"], cb["y"])
+        assert np.array_equal(plain.last_indices, workers.last_indices)
+
+
+def test_load_data_reads_a_tiny_folder_with_classes_from_file_names(tmp_path):
+    folder = make_folder(tmp_path / "imgs", labels=("b", "a", "c"), per_class=2)
+    (folder / "sub").mkdir()
+    Image.fromarray(np.zeros((10, 10), np.uint8), mode="L").save(folder / "sub" / "a_gray.png")
+    (folder / "notes.txt").write_text("not an image")
+    data = load_data(data_dir=str(folder), batch_size=7, image_size=8, class_cond=True,
+                     deterministic=True, rank=0, world_size=1)
+    batch, cond = next(data)
+    assert batch.shape == (7, 3, 8, 8) and batch.dtype == th.float32
+    assert batch.min() >= -1 and batch.max() <= 1
+    files = list_image_files(str(folder))
+    assert len(files) == 7 and files == sorted(files)
+    # class = the part of the name before "_", sorted: a -> 0, b -> 1, c -> 2
+    expected = [{"a": 0, "b": 1, "c": 2}[f.split("/")[-1].split("_")[0]] for f in files]
+    assert cond["y"].dtype == th.int64 and cond["y"].tolist() == expected
+    gray = batch[files.index(str(folder / "sub" / "a_gray.png"))]
+    assert th.all(gray == -1)
+
+
+def test_unconditional_batches_have_empty_cond(tmp_path):
+    folder = make_folder(tmp_path / "imgs", per_class=2, mode="L")
+    batch, cond = next(load_data(data_dir=str(folder), batch_size=2, image_size=4))
+    assert batch.shape == (2, 3, 4, 4) and cond == {}
+
+
+def test_preprocessing_center_crops_the_resized_image(tmp_path):
+    arr = np.zeros((16, 32, 3), np.uint8)
+    arr[:, 8:24] = 255  # the central 16 columns are white
+    Image.fromarray(arr).save(tmp_path / "x_0.png")
+    x, cond = ImageDataset(8, [str(tmp_path / "x_0.png")])[0]
+    assert x.shape == (3, 8, 8) and x.dtype == np.float32 and cond == {}
+    assert np.allclose(x, 1.0)
+
+
+def test_missing_or_empty_data_dir_is_a_clear_error_naming_the_flag(tmp_path):
+    with pytest.raises(DataError, match="--data_dir .*does not exist"):
+        load_data(data_dir=str(tmp_path / "nope"), batch_size=1, image_size=8)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match="--data_dir .*holds no images"):
+        load_data(data_dir=str(tmp_path / "empty"), batch_size=1, image_size=8)
+    with pytest.raises(DataError, match="--data_dir"):
+        load_data(data_dir="", batch_size=1, image_size=8)

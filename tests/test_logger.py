@@ -1,0 +1,133 @@
+"""The key/value logger: formats, appending on resume, csv header growth, rank-averaged dumps."""
+import csv
+import json
+
+import pytest
+
+from improved_diffusion import logger
+from conftest import run_module_mpi
+
+
+@pytest.fixture(autouse=True)
+def restore_logger():
+    prev = logger.Logger.CURRENT
+    yield
+    if logger.Logger.CURRENT is not prev and logger.Logger.CURRENT is not None:
+        logger.Logger.CURRENT.close()
+    logger.Logger.CURRENT = prev
+
+
+def read_csv(path):
+    with open(path, newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def test_rank_zero_writes_stdout_log_and_csv_by_default(tmp_path, capsys):
+    logger.configure(dir=str(tmp_path), rank=0)
+    logger.log("hello", 3)
+    logger.logkv("step", 1)
+    logger.logkv_mean("loss", 1.0)
+    logger.logkv_mean("loss", 2.0)
+    d = logger.dumpkvs()
+    assert d == {"step": 1, "loss": 1.5}
+    out = capsys.readouterr().out
+    assert "hello 3" in out and "| loss" in out and "1.5" in out
+    assert logger.get_dir() == str(tmp_path)
+    assert "hello 3" in (tmp_path / "log.txt").read_text()
+    assert read_csv(tmp_path / "progress.csv") == [{"step": "1", "loss": "1.5"}]
+    assert not (tmp_path / "progress.json").exists()
+
+
+def test_other_ranks_write_nothing_by_default(tmp_path, capsys):
+    logger.configure(dir=str(tmp_path), rank=1)
+    logger.log("quiet")
+    logger.logkv("x", 1)
+    logger.dumpkvs()
+    assert capsys.readouterr().out == ""
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_resumed_log_dir_is_appended_to_and_keeps_old_rows(tmp_path):
+    logger.configure(dir=str(tmp_path), format_strs=["log", "csv", "json"], rank=0)
+    for step in range(2):
+        logger.logkvs({"step": step, "loss": 0.5})
+        logger.dumpkvs()
+    logger.log("first run")
+    logger.configure(dir=str(tmp_path), format_strs="log,csv,json", rank=0)  # the resume
+    logger.logkvs({"step": 2, "loss": 0.25})
+    logger.dumpkvs()
+    rows = read_csv(tmp_path / "progress.csv")
+    assert [r["step"] for r in rows] == ["0", "1", "2"]
+    lines = (tmp_path / "progress.json").read_text().splitlines()
+    assert [json.loads(x)["step"] for x in lines] == [0, 1, 2]
+    text = (tmp_path / "log.txt").read_text()
+    assert "first run" in text and text.count("Logging to") == 2
+
+
+def test_new_csv_keys_extend_the_header_without_losing_rows(tmp_path):
+    logger.configure(dir=str(tmp_path), format_strs=["csv"], rank=0)
+    logger.logkvs({"step": 0, "loss": 1.0})
+    logger.dumpkvs()
+    logger.configure(dir=str(tmp_path), format_strs=["csv"], rank=0)
+    logger.logkvs({"step": 1, "loss": 0.5, "loss_q3": 0.1})
+    logger.dumpkvs()
+    logger.logkvs({"step": 2, "loss": 0.4, "grad_norm": 2.0})
+    logger.dumpkvs()
+    header = (tmp_path / "progress.csv").read_text().splitlines()[0]
+    assert header == "loss,step,loss_q3,grad_norm"
+    assert read_csv(tmp_path / "progress.csv") == [
+        {"loss": "1.0", "step": "0", "loss_q3": "", "grad_norm": ""},
+        {"loss": "0.5", "step": "1", "loss_q3": "0.1", "grad_norm": ""},
+        {"loss": "0.4", "step": "2", "loss_q3": "", "grad_norm": "2.0"},
+    ]
+
+
+def test_resuming_an_upstream_run_dir_continues_its_progress_csv(tmp_path, fixtures_dir):
+    src = (fixtures_dir / "upstream_run_small" / "progress.csv").read_text()
+    (tmp_path / "progress.csv").write_text(src)
+    old_rows = read_csv(tmp_path / "progress.csv")
+    logger.configure(dir=str(tmp_path), format_strs=["csv"], rank=0)
+    logger.logkvs({"step": 10, "loss": 0.9, "samples": 88})
+    logger.dumpkvs()
+    rows = read_csv(tmp_path / "progress.csv")
+    assert rows[: len(old_rows)] == old_rows
+    assert rows[-1]["step"] == "10" and rows[-1]["loss"] == "0.9" and rows[-1]["mse"] == ""
+
+
+def test_a_row_cut_off_by_a_crash_does_not_swallow_the_next_row(tmp_path):
+    (tmp_path / "progress.csv").write_text("loss,step\n1.0,0\n0.9,")
+    logger.configure(dir=str(tmp_path), format_strs=["csv"], rank=0)
+    logger.logkvs({"step": 2, "loss": 0.8})
+    logger.dumpkvs()
+    lines = (tmp_path / "progress.csv").read_text().splitlines()
+    assert lines[-1] == "0.8,2"
+
+
+def test_unknown_format_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="unknown log format 'xml'"):
+        logger.configure(dir=str(tmp_path), format_strs=["xml"], rank=0)
+
+
+@pytest.mark.timeout(120)
+def test_dumpkvs_averages_across_ranks_weighted_by_count(tmp_path):
+    code = f"""
+import torch.distributed as dist
+from improved_diffusion import dist_util, logger
+dist_util.setup_dist()
+r = dist.get_rank()
+logger.configure(dir={str(tmp_path)!r}, format_strs=["csv"] if r == 0 else [])
+for v in ([1.0] if r == 0 else [2.0, 4.0, 6.0]):
+    logger.logkv_mean("loss", v)
+if r == 1:
+    logger.logkv("only_rank1", 7.0)
+logger.logkv("step", 5)
+d = logger.dumpkvs()
+print("rank", r, sorted(d.items()), flush=True)
+dist_util.cleanup()
+"""
+    run_module_mpi(2, code, timeout=100)
+    rows = read_csv(tmp_path / "progress.csv")
+    assert len(rows) == 1
+    # rank 0: mean 1 over 1 value; rank 1: mean 4 over 3 values -> (1 + 12) / 4
+    assert float(rows[0]["loss"]) == pytest.approx(13 / 4)
+    assert float(rows[0]["only_rank1"]) == 7.0 and float(rows[0]["step"]) == 5
