@@ -1,0 +1,858 @@
+"""The training loop: steps, EMA, mixed precision, and save/resume orchestration.
+
+Behaviour follows upstream improved-diffusion's TrainLoop (microbatches, several EMA rates, lr
+annealing, weight decay, loss logging by timestep quartile, grad-norm logging), with these fixes:
+
+- Every rank runs the same code path; every collective is called by all ranks in the same order
+  (DESIGN.md, "Distributed rules"). Resume decisions are made from bytes that were read once and
+  broadcast, so ranks cannot diverge.
+- `step` counts completed optimizer steps; the files of step S hold the state after S steps.
+- Checkpoints are schema-tagged files written by rank 0 (checkpoint.save_step), with the complete
+  trainer state (data position, per-rank RNG, timestep-sampler history, GradScaler) in opt*.pt.
+- Mixed precision is torch.autocast + torch.amp.GradScaler, no hand-rolled master params.
+- SIGTERM / SIGUSR1 on any rank: all ranks agree at the next step boundary, save, and run_loop()
+  returns PREEMPTED_EXIT_CODE.
+"""
+import contextlib
+import math
+import os
+import random
+import signal
+
+import blobfile as bf
+import numpy as np
+import torch as th
+from torch.nn.parallel.distributed import DistributedDataParallel as DDP
+from torch.optim import AdamW
+
+from . import checkpoint, dist_util, logger, optim_state
+from .resample import LossAwareSampler, UniformSampler
+
+# EX_TEMPFAIL: "try again later". A job script can requeue on it.
+PREEMPTED_EXIT_CODE = 75
+
+# Upstream's initial fp16 loss scale was 2**20 (INITIAL_LOG_LOSS_SCALE = 20.0).
+INITIAL_LOSS_SCALE = 2.0 ** 20
+
+PREEMPT_SIGNALS = ("SIGTERM", "SIGUSR1")
+
+
+class ResumeError(checkpoint.CheckpointError):
+    """A resume that cannot go on (one-line message naming the file or flag)."""
+
+
+class TrainLoop:
+    """Upstream's TrainLoop with the arguments of SPEC.md, plus max_steps, seed, keep_checkpoints.
+
+    Construction resolves and loads the resume checkpoint (if any): a collective, so construct it
+    on every rank with the same arguments.
+    """
+
+    def __init__(
+        self,
+        *,
+        model,
+        diffusion,
+        data,
+        batch_size,
+        microbatch,
+        lr,
+        ema_rate,
+        log_interval,
+        save_interval,
+        resume_checkpoint,
+        use_fp16=False,
+        fp16_scale_growth=1e-3,
+        schedule_sampler=None,
+        weight_decay=0.0,
+        lr_anneal_steps=0,
+        log_dir,
+        model_flags,
+        max_steps=0,
+        seed=0,
+        keep_checkpoints=0,
+        log_sample_indices=False,
+    ):
+        self.model = model
+        self.diffusion = diffusion
+        self.data = data
+        self.batch_size = batch_size
+        self.microbatch = microbatch if microbatch > 0 else batch_size
+        self.lr = lr
+        self.ema_rate_strs = parse_ema_rates(ema_rate)
+        self.ema_rate = [float(r) for r in self.ema_rate_strs]
+        self.log_interval = log_interval
+        self.save_interval = save_interval
+        self.resume_checkpoint = resume_checkpoint or ""
+        self.use_fp16 = use_fp16
+        self.fp16_scale_growth = fp16_scale_growth
+        self.schedule_sampler = schedule_sampler or UniformSampler(diffusion)
+        self.weight_decay = weight_decay
+        self.lr_anneal_steps = lr_anneal_steps
+        self.log_dir = log_dir
+        self.model_flags = dict(model_flags or {})
+        self.max_steps = max_steps
+        self.seed = seed
+        self.keep_checkpoints = keep_checkpoints
+        self.log_sample_indices = log_sample_indices
+
+        self.rank = dist_util.get_rank()
+        self.world_size = dist_util.get_world_size()
+        self.global_batch = self.batch_size * self.world_size
+        self.device = dist_util.dev()
+        self.step = 0
+        self.resume_step = 0
+        self.last_saved_step = None
+        self._data_iter = None
+
+        _check_same_on_all_ranks(
+            log_dir=log_dir, resume_checkpoint=self.resume_checkpoint, batch_size=batch_size,
+            microbatch=self.microbatch, save_interval=save_interval, max_steps=max_steps,
+            seed=seed, ema_rate=",".join(self.ema_rate_strs), use_fp16=use_fp16,
+        )
+        seed_rngs(seed, 0, self.rank)
+
+        self.model.to(self.device)
+        dist_util.sync_params(self.model.parameters())
+        self.named_params = list(self.model.named_parameters())
+        self.amp_dtype, self.grad_scaler = _make_amp(
+            self.device, use_fp16, fp16_scale_growth
+        )
+        self.opt = self._make_optimizer()
+        self.ema_params = [self._copy_params() for _ in self.ema_rate]
+
+        self._resume()
+        self.use_ddp = self.world_size > 1
+        self.ddp_model = self._wrap_ddp() if self.use_ddp else self.model
+
+    # ------------------------------------------------------------------ setup helpers
+
+    def _make_optimizer(self):
+        return AdamW(self.model.parameters(), lr=self.lr, weight_decay=self.weight_decay)
+
+    def _copy_params(self):
+        return [p.detach().clone() for p in self.model.parameters()]
+
+    def _wrap_ddp(self):
+        kwargs = dict(broadcast_buffers=False, bucket_cap_mb=128, find_unused_parameters=False)
+        if self.device.type == "cuda":
+            kwargs.update(device_ids=[self.device], output_device=self.device)
+        return DDP(self.model, **kwargs)
+
+    # ------------------------------------------------------------------ resume
+
+    def _resume(self):
+        """Resolve and load the resume step (collective: call from all ranks)."""
+        plan = self._resolve_resume()
+        if plan is None:
+            self._quarantine_newer_incomplete(0)
+            return
+        model_ckpt = self._load_model(plan["model"])
+        step = self._step_of(model_ckpt)
+        self._refuse_overwrite(step)
+        self._quarantine_newer_incomplete(step)
+        self.step = self.resume_step = step
+        beside = _broadcast_from_rank0(lambda: _files_beside(plan["model"], step, self.ema_rate_strs))
+        ema_loaded = self._load_ema(beside["ema"], model_ckpt)
+        trainer = self._load_optimizer(beside["opt"])
+        self._restore_trainer_state(trainer)
+        self.last_saved_step = step if _broadcast_from_rank0(
+            lambda: _same_dir(plan["model"], self.log_dir)) else None
+        logger.log(
+            f"resumed at step {step} from {plan['model']} "
+            f"(ema: {', '.join(ema_loaded) or 'none'}; opt: {beside['opt'] or 'none'})"
+        )
+
+    def _resolve_resume(self):
+        """Pick the model file to resume from, or None for a fresh start. Collective.
+
+        "" -> auto if log_dir already holds checkpoints; "auto" -> newest complete step in log_dir;
+        a path -> that file (each rank's own path: a mismatch fails in load_file_collective).
+        """
+        arg = self.resume_checkpoint
+        if arg and arg != "auto":
+            return {"model": arg}
+
+        def decide():
+            steps = checkpoint.list_steps(self.log_dir) if bf.exists(self.log_dir) else []
+            if not steps:
+                return {"model": None, "msg": None if not arg else
+                        f"--resume_checkpoint auto: no checkpoint in {self.log_dir}; starting fresh"}
+            warns = []
+            st = checkpoint.latest_complete_step(self.log_dir, warn=warns.append)
+            if st is None:
+                return {"model": None, "warns": warns, "msg":
+                        f"no complete checkpoint in --log_dir {self.log_dir}; starting fresh"}
+            path = bf.join(self.log_dir, checkpoint.model_filename(st.step))
+            return {"model": path, "warns": warns,
+                    "msg": f"auto-resume: newest complete step in {self.log_dir} is {st.step}"}
+
+        plan = _broadcast_from_rank0(decide)
+        for w in plan.get("warns", []):
+            logger.warn(w)
+        if plan.get("msg"):
+            logger.log(plan["msg"])
+        return plan if plan["model"] else None
+
+    def _load_model(self, path):
+        """Load model weights from `path` (collective), strict, with a one-line error on mismatch."""
+        ckpt = checkpoint.load_file_collective(path)
+        if ckpt.kind not in ("model", "combined"):
+            raise ResumeError(
+                f"--resume_checkpoint {path}: holds {_describe_kind(ckpt)}, not model weights; "
+                f"pass a model file (modelNNNNNN.pt)"
+            )
+        sd = checkpoint.model_state_from(ckpt, want="model")
+        if not sd:
+            raise ResumeError(f"--resume_checkpoint {path}: no model weights found in the file")
+        sd, _ = checkpoint.strip_prefixes(sd)
+        _check_state_dict_matches(self.model, sd, path, ckpt.flags, self.model_flags)
+        self.model.load_state_dict(sd, strict=True)
+        for note in getattr(ckpt, "notes", None) or []:
+            logger.log(f"note: {os.path.basename(str(path))}: {note}")
+        return ckpt
+
+    def _step_of(self, ckpt):
+        """The step of a model file: from the file if tagged, else from its name (clear error)."""
+        if getattr(ckpt, "tagged", False) and ckpt.step is not None:
+            return int(ckpt.step)
+        return checkpoint.parse_step(ckpt.path)
+
+    def _refuse_overwrite(self, step):
+        """Error if log_dir holds a complete step newer than `step` (never overwrite). Collective."""
+
+        def newest():
+            if not bf.exists(self.log_dir):
+                return None
+            st = checkpoint.latest_complete_step(self.log_dir, warn=lambda *_: None)
+            return None if st is None else st.step
+
+        newer = _broadcast_from_rank0(newest)
+        if newer is not None and newer > step:
+            raise ResumeError(
+                f"--log_dir {self.log_dir} already holds a complete checkpoint at step {newer}, "
+                f"newer than the resume step {step}; resume from it (--resume_checkpoint auto) "
+                f"or pass a new --log_dir"
+            )
+
+    def _quarantine_newer_incomplete(self, step):
+        """Move files of incomplete steps newer than `step` (left by a crash) out of the way.
+
+        They would otherwise block the save of that step (save_step never overwrites). They are
+        moved to {log_dir}/incomplete/, not deleted. Collective.
+        """
+        def work():
+            return _move_incomplete_steps(self.log_dir, step) if self.rank == 0 else []
+
+        moved = _broadcast_from_rank0(work)
+        if moved:
+            logger.warn(
+                f"moved {len(moved)} file(s) of incomplete step(s) newer than {step} to "
+                f"{bf.join(self.log_dir, 'incomplete')}: {', '.join(moved[:4])}"
+            )
+
+    def _load_ema(self, ema_paths, model_ckpt):
+        """Load each rate's EMA file if present, else start from the model weights. Collective."""
+        loaded = []
+        names = [n for n, _ in self.named_params]
+        for i, rate_str in enumerate(self.ema_rate_strs):
+            path = ema_paths.get(rate_str)
+            if path is None:
+                logger.warn(
+                    f"no EMA file for rate {rate_str} beside {model_ckpt.path}; "
+                    f"EMA starts from the model weights"
+                )
+                self.ema_params[i] = self._copy_params()
+                continue
+            ckpt = checkpoint.load_file_collective(path)
+            sd = checkpoint.model_state_from(ckpt, want="ema")
+            if not sd:
+                raise ResumeError(f"{path}: holds {_describe_kind(ckpt)}, not EMA weights; "
+                                  f"delete it or resume from another step")
+            sd, _ = checkpoint.strip_prefixes(sd)
+            _check_state_dict_matches(self.model, sd, path, ckpt.flags, self.model_flags,
+                                      params_only=True)
+            self.ema_params[i] = [
+                sd[n].detach().to(device=self.device, dtype=p.dtype).clone()
+                for n, (_, p) in zip(names, self.named_params)
+            ]
+            loaded.append(os.path.basename(str(path)))
+        return loaded
+
+    def _load_optimizer(self, opt_path):
+        """Load the optimizer state, or fall back to a fresh optimizer with one warning line.
+
+        Returns the trainer dict of the file (or None). Collective: every rank reads the same
+        broadcast bytes, so the decision is the same everywhere (checked with an all-gather).
+        """
+        trainer, ok, why = None, False, None
+        if opt_path is None:
+            why = "no optimizer file beside the model file"
+        else:
+            try:
+                ckpt = checkpoint.load_file_collective(opt_path)
+                payload = ckpt.optimizer
+                if payload is None:
+                    raise optim_state.OptimizerStateError(
+                        f"{opt_path}: holds {_describe_kind(ckpt)}, not optimizer state"
+                    )
+                report = optim_state.load_optimizer_state(
+                    self.opt, payload, self.named_params, source=str(opt_path)
+                )
+                logger.log(report.summary())
+                trainer, ok = ckpt.trainer, True
+            except (optim_state.OptimizerStateError, checkpoint.CheckpointError) as e:
+                why = str(e)
+        decisions = dist_util.all_gather_object(ok)
+        if len(set(decisions)) != 1:
+            raise RuntimeError(
+                f"ranks disagree on loading {opt_path} (per rank: {decisions}); this is a bug"
+            )
+        if not ok:
+            self.opt = self._make_optimizer()
+            logger.warn(f"warning: {why}; continuing with a fresh optimizer")
+        for group in self.opt.param_groups:
+            group["lr"] = self.lr
+            group["weight_decay"] = self.weight_decay
+        return trainer
+
+    def _restore_trainer_state(self, trainer):
+        """Data position, RNG, timestep sampler, GradScaler from the trainer dict (or guesses)."""
+        step = self.resume_step
+        if not trainer:
+            self.data.load_state_dict(_guess_data_state(self.data, step * self.global_batch))
+            logger.log(
+                f"no trainer state in the checkpoint (upstream file?): data position set to "
+                f"step*global_batch = {step * self.global_batch}, RNG reseeded from "
+                f"(seed={self.seed}, step={step}, rank)"
+            )
+            seed_rngs(self.seed, step, self.rank)
+            return
+        self._log_changes(trainer)
+        self.data.load_state_dict(trainer["data"])
+        self._restore_rng(trainer.get("rng"), trainer.get("world_size"))
+        self._restore_sampler(trainer.get("schedule_sampler"))
+        self._restore_scaler(trainer.get("grad_scaler"))
+
+    def _log_changes(self, trainer):
+        old_ws, old_gb = trainer.get("world_size"), trainer.get("global_batch")
+        if old_ws != self.world_size or old_gb != self.global_batch:
+            logger.log(
+                f"resume: world size {old_ws} -> {self.world_size}, global batch size "
+                f"{old_gb} -> {self.global_batch} (per-rank batch {trainer.get('batch_size')} -> "
+                f"{self.batch_size}); the data position is global and continues"
+            )
+        if trainer.get("seed") is not None and trainer.get("seed") != self.seed:
+            logger.log(f"resume: --seed {trainer.get('seed')} -> {self.seed}")
+        old_rates = trainer.get("ema_rates")
+        if old_rates is not None and list(old_rates) != self.ema_rate_strs:
+            logger.log(f"resume: --ema_rate {','.join(old_rates)} -> {','.join(self.ema_rate_strs)}")
+
+    def _restore_rng(self, rng, old_world_size):
+        if rng and old_world_size == self.world_size and len(rng) == self.world_size:
+            set_rng_state(rng[self.rank])
+            return
+        seed_rngs(self.seed, self.resume_step, self.rank)
+        logger.log(
+            f"resume: world size changed ({old_world_size} -> {self.world_size}); RNG reseeded "
+            f"from (seed={self.seed}, step={self.resume_step}, rank)"
+        )
+
+    def _restore_sampler(self, state):
+        if not state:
+            return
+        mine = self.schedule_sampler.state_dict()
+        if state.get("name") is not None and state.get("name") != mine.get("name"):
+            logger.log(
+                f"resume: --schedule_sampler changed ({state.get('name')} -> {mine.get('name')}); "
+                f"its saved history is not used"
+            )
+            return
+        self.schedule_sampler.load_state_dict(state)
+
+    def _restore_scaler(self, state):
+        if self.grad_scaler is None:
+            if state:
+                logger.log("resume: the checkpoint has a loss scale but --use_fp16 is off")
+            return
+        if state:
+            self.grad_scaler.load_state_dict(state)
+        else:
+            logger.log(f"resume: no loss scale in the checkpoint; starting at {INITIAL_LOSS_SCALE}")
+
+    # ------------------------------------------------------------------ loop
+
+    def run_loop(self):
+        """Train until max_steps / lr_anneal_steps (or forever); returns an exit code.
+
+        0 when done; PREEMPTED_EXIT_CODE after a SIGTERM/SIGUSR1 on any rank (a complete checkpoint
+        of the current step is saved first). Collective: call from all ranks.
+        """
+        self._data_iter = iter(self.data)
+        with _preemption_flag() as flag:
+            while not self._done():
+                if dist_util.any_rank(flag["set"]):
+                    return self._preempt(flag["signal"])
+                batch, cond = next(self._data_iter)
+                self._record_indices()
+                self.run_step(batch, cond)
+                if self.step % self.log_interval == 0:
+                    logger.dumpkvs()
+                if self.save_interval and self.step % self.save_interval == 0:
+                    self.save()
+            if self._pending_logs:
+                logger.dumpkvs()
+            if self.step > self.resume_step or self.last_saved_step is None:
+                self.save()
+            else:
+                logger.log(f"already at step {self.step}; nothing to train")
+        return 0
+
+    def _done(self):
+        if self.max_steps and self.step >= self.max_steps:
+            return True
+        return bool(self.lr_anneal_steps) and self.step >= self.lr_anneal_steps
+
+    @property
+    def _pending_logs(self):
+        return self.step > self.resume_step and self.step % self.log_interval != 0
+
+    def _preempt(self, signame):
+        if self._pending_logs:
+            logger.dumpkvs()
+        self.save()
+        logger.log(
+            f"preempted ({signame or 'signal'} on some rank): saved step {self.step}; "
+            f"exiting with code {PREEMPTED_EXIT_CODE}"
+        )
+        return PREEMPTED_EXIT_CODE
+
+    def _record_indices(self):
+        if not self.log_sample_indices:
+            return
+        idx = getattr(self.data, "last_indices", None)
+        if idx is None:
+            return
+        d = bf.join(self.log_dir, "sample_indices")
+        bf.makedirs(d)
+        line = ",".join([str(self.step + 1)] + [str(int(i)) for i in np.asarray(idx).ravel()])
+        with open(os.path.join(d, f"rank{self.rank}.csv"), "a") as f:
+            f.write(line + "\n")
+
+    def run_step(self, batch, cond):
+        """One optimizer step on this rank's batch [B, C, H, W]. Collective (DDP all-reduce)."""
+        self.forward_backward(batch, cond)
+        took_step = self.optimize()
+        self.step += 1
+        if took_step:
+            self._update_ema()
+        self._log_step()
+
+    def forward_backward(self, batch, cond):
+        """Accumulate gradients over microbatches; DDP syncs only on the last one."""
+        self.opt.zero_grad(set_to_none=True)
+        for i in range(0, batch.shape[0], self.microbatch):
+            micro = batch[i : i + self.microbatch].to(self.device)
+            micro_cond = {k: v[i : i + self.microbatch].to(self.device) for k, v in cond.items()}
+            last = i + self.microbatch >= batch.shape[0]
+            t, weights = self.schedule_sampler.sample(micro.shape[0], self.device)
+            sync = contextlib.nullcontext() if (last or not self.use_ddp) else self.ddp_model.no_sync()
+            with sync:
+                with self._autocast():
+                    losses = self.diffusion.training_losses(
+                        self.ddp_model, micro, t, model_kwargs=micro_cond
+                    )
+                losses = {k: v.float() for k, v in losses.items()}
+                if isinstance(self.schedule_sampler, LossAwareSampler):
+                    self.schedule_sampler.update_with_local_losses(t, losses["loss"].detach())
+                loss = (losses["loss"] * weights).mean()
+                log_loss_dict(self.diffusion, t, {k: v * weights for k, v in losses.items()})
+                self._backward(loss)
+
+    def _autocast(self):
+        if self.amp_dtype is None:
+            return contextlib.nullcontext()
+        return th.autocast(device_type=self.device.type, dtype=self.amp_dtype)
+
+    def _backward(self, loss):
+        if self.grad_scaler is not None:
+            self.grad_scaler.scale(loss).backward()
+        else:
+            loss.backward()
+
+    def optimize(self):
+        """Unscale, log grad norm, anneal lr, step. Returns False if fp16 overflow skipped it."""
+        if self.grad_scaler is None:
+            self._log_grad_norm()
+            self._anneal_lr()
+            self.opt.step()
+            return True
+        self.grad_scaler.unscale_(self.opt)
+        self._log_grad_norm()
+        self._anneal_lr()
+        scale = self.grad_scaler.get_scale()
+        self.grad_scaler.step(self.opt)
+        self.grad_scaler.update()
+        new_scale = self.grad_scaler.get_scale()
+        logger.logkv("loss_scale", new_scale)
+        if new_scale < scale:
+            logger.log(f"found NaN/inf gradients: step skipped, loss scale {scale} -> {new_scale}")
+            return False
+        return True
+
+    def _log_grad_norm(self):
+        sqsum = 0.0
+        for p in self.model.parameters():
+            if p.grad is not None:
+                sqsum += float((p.grad.detach().float() ** 2).sum().item())
+        logger.logkv_mean("grad_norm", math.sqrt(sqsum))
+
+    def _anneal_lr(self):
+        """Upstream: lr * (1 - completed_steps / lr_anneal_steps)."""
+        if not self.lr_anneal_steps:
+            return
+        lr = self.lr * (1 - self.step / self.lr_anneal_steps)
+        for group in self.opt.param_groups:
+            group["lr"] = lr
+
+    def _update_ema(self):
+        with th.no_grad():
+            for rate, params in zip(self.ema_rate, self.ema_params):
+                update_ema(params, self.model.parameters(), rate=rate)
+
+    def _log_step(self):
+        logger.logkv("step", self.step)
+        logger.logkv("samples", int(getattr(self.data, "position", self.step * self.global_batch)))
+        logger.logkv("lr", self.opt.param_groups[0]["lr"])
+        logger.logkv("world_size", self.world_size)
+        logger.logkv("global_batch", self.global_batch)
+
+    # ------------------------------------------------------------------ save
+
+    def save(self):
+        """Write model, EMA and opt files of the current step, manifest last. Collective."""
+        if self.last_saved_step == self.step:
+            return
+        step = self.step
+        files = {checkpoint.model_filename(step): self._model_file(step)}
+        for rate_str, params in zip(self.ema_rate_strs, self.ema_params):
+            files[checkpoint.ema_filename(rate_str, step)] = self._ema_file(step, rate_str, params)
+        files[checkpoint.opt_filename(step)] = self._opt_file(step)
+        checkpoint.save_step(self.log_dir, step, files)
+        self.last_saved_step = step
+        logger.log(f"saved step {step} to {self.log_dir}")
+        if self.keep_checkpoints:
+            self._prune()
+
+    def _prune(self):
+        if self.rank != 0:
+            return
+        try:
+            deleted = checkpoint.prune(self.log_dir, self.keep_checkpoints)
+        except Exception as e:  # pruning must never kill a run that just saved
+            logger.warn(f"warning: --keep_checkpoints {self.keep_checkpoints}: prune failed: {e}")
+            return
+        if deleted:
+            logger.log(f"pruned {len(deleted)} old checkpoint file(s)")
+
+    def _model_file(self, step):
+        sd = _cpu_state_dict(self.model.state_dict())
+        return checkpoint.model_payload(step, sd, self.model_flags)
+
+    def _ema_file(self, step, rate_str, params):
+        sd = _cpu_state_dict(self._params_to_state_dict(params))
+        return checkpoint.ema_payload(step, rate_str, sd, self.model_flags)
+
+    def _opt_file(self, step):
+        named = optim_state.named_optimizer_state(self.opt, self.named_params)
+        return checkpoint.opt_payload(step, named, self._trainer_state())
+
+    def _params_to_state_dict(self, params):
+        sd = self.model.state_dict()
+        for (name, _), p in zip(self.named_params, params):
+            sd[name] = p
+        return sd
+
+    def _trainer_state(self):
+        """The trainer dict of SPEC.md (weights_only-loadable). Collective (gathers RNG states)."""
+        return {
+            "step": int(self.step),
+            "world_size": int(self.world_size),
+            "batch_size": int(self.batch_size),
+            "global_batch": int(self.global_batch),
+            "seed": int(self.seed),
+            "data": self.data.state_dict(),
+            "rng": dist_util.all_gather_object(get_rng_state()),
+            "schedule_sampler": self.schedule_sampler.state_dict(),
+            "grad_scaler": None if self.grad_scaler is None else self.grad_scaler.state_dict(),
+            "ema_rates": list(self.ema_rate_strs),
+            "lr": float(self.opt.param_groups[0]["lr"]),
+        }
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def parse_ema_rates(ema_rate):
+    """"0.9999,0.999" (or a float, or a list) -> ["0.9999", "0.999"] as upstream names files."""
+    if isinstance(ema_rate, (list, tuple)):
+        items = list(ema_rate)
+    elif isinstance(ema_rate, float):
+        items = [ema_rate]
+    else:
+        items = [x for x in str(ema_rate).split(",") if x.strip()]
+    out = []
+    for x in items:
+        try:
+            r = float(x)
+        except ValueError:
+            raise ValueError(f"--ema_rate: {x!r} is not a number; pass e.g. 0.9999 or 0.9999,0.999")
+        if not 0.0 <= r <= 1.0:
+            raise ValueError(f"--ema_rate: {x} is not in [0, 1]")
+        out.append(str(r))
+    return out
+
+
+def update_ema(target_params, source_params, rate=0.99):
+    """targ = rate * targ + (1 - rate) * src, in place (upstream)."""
+    for targ, src in zip(target_params, source_params):
+        targ.detach().mul_(rate).add_(src.detach(), alpha=1 - rate)
+
+
+def log_loss_dict(diffusion, ts, losses):
+    """Log mean losses and their means per timestep quartile (`{key}_q0`..`_q3`), as upstream."""
+    for key, values in losses.items():
+        logger.logkv_mean(key, values.mean().item())
+        for sub_t, sub_loss in zip(ts.cpu().numpy(), values.detach().cpu().numpy()):
+            quartile = int(4 * sub_t / diffusion.num_timesteps)
+            logger.logkv_mean(f"{key}_q{quartile}", sub_loss)
+
+
+def _make_amp(device, use_fp16, fp16_scale_growth):
+    """(autocast dtype or None, GradScaler or None) for --use_fp16 on `device`.
+
+    fp16 + GradScaler on CUDA, and on CPU when this torch supports it; else bf16 without scaler.
+    Upstream raised log2(loss scale) by fp16_scale_growth per good step; GradScaler doubles the
+    scale after 1/fp16_scale_growth good steps, which is the same rate in steps of 2x.
+    """
+    if not use_fp16:
+        return None, None
+    interval = max(1, int(round(1.0 / fp16_scale_growth))) if fp16_scale_growth > 0 else 10 ** 9
+    try:
+        scaler = th.amp.GradScaler(
+            device.type, init_scale=INITIAL_LOSS_SCALE, growth_factor=2.0, backoff_factor=0.5,
+            growth_interval=interval,
+        )
+        with th.autocast(device_type=device.type, dtype=th.float16):
+            th.nn.functional.conv2d(th.zeros(1, 1, 3, 3, device=device),
+                                    th.zeros(1, 1, 1, 1, device=device))
+        return th.float16, scaler
+    except (RuntimeError, AssertionError, ValueError):
+        logger.log(f"--use_fp16: float16 autocast unsupported on {device.type}; using bfloat16")
+        return th.bfloat16, None
+
+
+def _cpu_state_dict(sd):
+    return {k: v.detach().to("cpu").clone() for k, v in sd.items()}
+
+
+def _describe_kind(ckpt):
+    kind = getattr(ckpt, "kind", "unknown")
+    return {
+        "model": "a model state dict",
+        "ema": "EMA weights",
+        "opt": "optimizer state",
+        "combined": "a combined checkpoint dict",
+    }.get(kind, "no recognisable checkpoint content")
+
+
+_FLAG_HINTS = (
+    ("label_emb", "class_cond"),
+    ("qkv", "attention_resolutions / num_heads / num_head_channels"),
+    ("attention", "attention_resolutions"),
+    ("out.2", "learn_sigma"),
+    ("time_embed", "num_channels"),
+    ("input_blocks", "num_res_blocks / channel_mult / image_size"),
+    ("output_blocks", "num_res_blocks / channel_mult / image_size"),
+    ("emb_layers", "use_scale_shift_norm"),
+)
+
+
+def _likely_flag(keys, file_flags, my_flags):
+    if file_flags:
+        diff = [k for k in my_flags if k in file_flags and file_flags[k] != my_flags[k]]
+        if diff:
+            return ", ".join(f"--{k} (file: {file_flags[k]}, given: {my_flags[k]})" for k in diff[:4])
+    for needle, flag in _FLAG_HINTS:
+        if any(needle in k for k in keys):
+            return f"--{flag}"
+    return "the model flags"
+
+
+def _check_state_dict_matches(model, sd, path, file_flags, my_flags, params_only=False):
+    """Raise ResumeError (one line) listing missing/unexpected/reshaped keys and the likely flag."""
+    mine = dict(model.named_parameters()) if params_only else model.state_dict()
+    missing = [k for k in mine if k not in sd]
+    unexpected = [] if params_only else [k for k in sd if k not in mine]
+    reshaped = [k for k in mine if k in sd and tuple(sd[k].shape) != tuple(mine[k].shape)]
+    if not (missing or unexpected or reshaped):
+        return
+    parts = []
+    for label, keys in (("missing", missing), ("unexpected", unexpected), ("shape", reshaped)):
+        if keys:
+            more = f" (+{len(keys) - 3} more)" if len(keys) > 3 else ""
+            parts.append(f"{label} {len(keys)}: {', '.join(keys[:3])}{more}")
+    flag = _likely_flag(missing + unexpected + reshaped, file_flags, my_flags)
+    raise ResumeError(
+        f"{path}: weights do not fit the model built from the flags ({'; '.join(parts)}); "
+        f"check {flag}"
+    )
+
+
+def _check_same_on_all_ranks(**values):
+    """Fail on all ranks, naming the flag, if ranks were started with different values. Collective."""
+    gathered = dist_util.all_gather_object(values)
+    for key in values:
+        seen = [g[key] for g in gathered]
+        if any(s != seen[0] for s in seen):
+            per_rank = ", ".join(f"rank {r}: {s!r}" for r, s in enumerate(seen))
+            err = getattr(dist_util, "DistMismatchError", RuntimeError)
+            raise err(f"--{key} differs between ranks ({per_rank}); pass the same value to all")
+
+
+def _broadcast_from_rank0(fn):
+    """Run fn() on rank 0 and give its result (or its exception) to all ranks. Collective."""
+    result = None
+    if dist_util.get_rank() == 0:
+        try:
+            result = ("ok", fn())
+        except Exception as e:  # re-raised on every rank below
+            result = ("err", e)
+    result = dist_util.broadcast_object(result)
+    if result[0] == "err":
+        raise result[1]
+    return result[1]
+
+
+def _files_beside(model_path, step, rate_strs):
+    """{"ema": {rate_str: path}, "opt": path|None} of the files of `step` beside model_path."""
+    ema = {}
+    try:
+        found = checkpoint.ema_paths_beside(model_path, step) or {}
+    except Exception:
+        found = {}
+    for r in rate_strs:
+        path = found.get(r)
+        if path is None:
+            cand = bf.join(bf.dirname(str(model_path)), checkpoint.ema_filename(r, step))
+            path = cand if bf.exists(cand) else None
+        if path is not None and bf.exists(path):
+            ema[r] = path
+    opt = bf.join(bf.dirname(str(model_path)), checkpoint.opt_filename(step))
+    return {"ema": ema, "opt": opt if bf.exists(opt) else None}
+
+
+def _same_dir(path, log_dir):
+    try:
+        return os.path.realpath(bf.dirname(str(path))) == os.path.realpath(str(log_dir))
+    except Exception:
+        return False
+
+
+def _move_incomplete_steps(log_dir, step):
+    """Rank-0 helper of TrainLoop._quarantine_newer_incomplete; returns moved file names."""
+    if not bf.exists(log_dir):
+        return []
+    moved = []
+    for st in checkpoint.list_steps(log_dir):
+        if st.step <= step or st.complete:
+            continue
+        dest = bf.join(log_dir, "incomplete", f"step{st.step:06d}")
+        bf.makedirs(dest)
+        for name in st.files:
+            src = bf.join(log_dir, os.path.basename(str(name)))
+            if bf.exists(src):
+                target = bf.join(dest, os.path.basename(str(name)))
+                if bf.exists(target):
+                    target = target + f".{os.getpid()}"
+                bf.copy(src, target) if "://" in src else os.replace(src, target)
+                if "://" in src:
+                    bf.remove(src)
+                moved.append(os.path.basename(str(name)))
+    return moved
+
+
+def _guess_data_state(loader, position):
+    sd = dict(loader.state_dict())
+    sd["position"] = int(position)
+    return sd
+
+
+# ---------------------------------------------------------------------- RNG
+
+
+def _derived_seed(seed, step, rank):
+    return int(np.random.SeedSequence([int(seed), int(step), int(rank)]).generate_state(1)[0])
+
+
+def seed_rngs(seed, step=0, rank=0):
+    """Seed python, numpy and torch (and CUDA) from (seed, step, rank)."""
+    s = _derived_seed(seed, step, rank)
+    random.seed(s)
+    np.random.seed(s)
+    th.manual_seed(s)
+
+
+def get_rng_state():
+    """This process's RNG states as weights_only-loadable data (lists, ints, tensors)."""
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    version, pystate, gauss_next = random.getstate()
+    return {
+        "torch": th.get_rng_state(),
+        "numpy": {"name": str(name), "keys": th.from_numpy(np.asarray(keys, dtype=np.int64)),
+                  "pos": int(pos), "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},
+        "python": {"version": int(version), "state": [int(x) for x in pystate],
+                   "gauss_next": None if gauss_next is None else float(gauss_next)},
+        "cuda": th.cuda.get_rng_state_all() if th.cuda.is_available() else None,
+    }
+
+
+def set_rng_state(state):
+    """Inverse of get_rng_state()."""
+    th.set_rng_state(state["torch"])
+    n = state["numpy"]
+    np.random.set_state((n["name"], np.asarray(n["keys"], dtype=np.uint32), n["pos"],
+                         n["has_gauss"], n["cached_gaussian"]))
+    p = state["python"]
+    random.setstate((p["version"], tuple(p["state"]), p["gauss_next"]))
+    if state.get("cuda") is not None and th.cuda.is_available():
+        if len(state["cuda"]) == th.cuda.device_count():
+            th.cuda.set_rng_state_all(state["cuda"])
+
+
+# ---------------------------------------------------------------------- signals
+
+
+@contextlib.contextmanager
+def _preemption_flag():
+    """Install SIGTERM/SIGUSR1 handlers that set a flag; restore the old handlers on exit."""
+    flag = {"set": False, "signal": None}
+
+    def handler(signum, frame):
+        flag["set"] = True
+        flag["signal"] = signal.Signals(signum).name
+
+    old = {}
+    for name in PREEMPT_SIGNALS:
+        sig = getattr(signal, name, None)
+        if sig is None:
+            continue
+        try:
+            old[sig] = signal.signal(sig, handler)
+        except ValueError:  # not the main thread
+            pass
+    try:
+        yield flag
+    finally:
+        for sig, h in old.items():
+            signal.signal(sig, h)

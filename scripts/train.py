@@ -1,0 +1,158 @@
+"""Train a diffusion model on images (upstream's image_train.py, with a resume that works on N ranks).
+
+    mpiexec -n N python scripts/train.py --data_dir D --log_dir L $MODEL_FLAGS $DIFFUSION_FLAGS \
+        $TRAIN_FLAGS [--resume_checkpoint auto|L/modelNNNNNN.pt] [--max_steps N]
+
+Exit codes: 0 done; 75 (train_util.PREEMPTED_EXIT_CODE) after a SIGTERM/SIGUSR1 save;
+1 on errors (one line "error: ..." on stderr from each failing rank); 2 bad usage.
+"""
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from improved_diffusion import checkpoint, dist_util, logger, train_util  # noqa: E402
+from improved_diffusion.image_datasets import load_data  # noqa: E402
+from improved_diffusion.resample import create_named_schedule_sampler  # noqa: E402
+from improved_diffusion.script_util import (  # noqa: E402
+    FlagError,
+    add_dict_to_argparser,
+    args_to_dict,
+    create_model_and_diffusion,
+    model_and_diffusion_defaults,
+)
+
+
+class UsageError(Exception):
+    """Bad command line (exit 2)."""
+
+
+def train_defaults():
+    return dict(
+        data_dir="",
+        schedule_sampler="uniform",
+        lr=1e-4,
+        weight_decay=0.0,
+        lr_anneal_steps=0,
+        batch_size=1,
+        microbatch=-1,  # -1 disables microbatches
+        ema_rate="0.9999",  # comma-separated list of EMA values
+        log_interval=10,
+        save_interval=10000,
+        resume_checkpoint="",
+        use_fp16=False,
+        fp16_scale_growth=1e-3,
+        log_dir="",
+        max_steps=0,
+        seed=0,
+        keep_checkpoints=0,
+        num_workers=0,
+        log_sample_indices=False,
+    )
+
+
+def create_argparser():
+    defaults = train_defaults()
+    defaults.update(model_and_diffusion_defaults())
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    add_dict_to_argparser(parser, defaults)
+    return parser
+
+
+def check_args(args):
+    """Resolve --log_dir and check the values argparse cannot (raises UsageError)."""
+    args.log_dir = args.log_dir or os.environ.get("OPENAI_LOGDIR", "")
+    if not args.log_dir:
+        raise UsageError("no log directory: pass --log_dir DIR (or set OPENAI_LOGDIR)")
+    if not args.data_dir:
+        raise UsageError("--data_dir is required: a folder of images")
+    for name in ("batch_size", "log_interval"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name} must be >= 1 (got {getattr(args, name)})")
+    for name in ("save_interval", "max_steps", "keep_checkpoints", "lr_anneal_steps",
+                 "num_workers"):
+        if getattr(args, name) < 0:
+            raise UsageError(f"--{name} must be >= 0 (got {getattr(args, name)})")
+    if args.microbatch == 0 or args.microbatch < -1:
+        raise UsageError(f"--microbatch must be -1 (off) or >= 1 (got {args.microbatch})")
+
+
+def build_train_loop(args):
+    """Everything between flags and TrainLoop (collective: call on all ranks). Returns TrainLoop."""
+    dist_util.setup_dist()
+    logger.configure(dir=args.log_dir)
+    logger.log(f"training on {dist_util.get_world_size()} rank(s), device {dist_util.dev()}")
+
+    model_flags = args_to_dict(args, model_and_diffusion_defaults().keys())
+    train_util.seed_rngs(args.seed, 0, 0)  # identical model init on every rank
+    model, diffusion = create_model_and_diffusion(**model_flags)
+    model.to(dist_util.dev())
+    schedule_sampler = create_named_schedule_sampler(args.schedule_sampler, diffusion)
+
+    data = load_data(
+        data_dir=args.data_dir,
+        batch_size=args.batch_size,
+        image_size=args.image_size,
+        class_cond=args.class_cond,
+        seed=args.seed,
+        num_workers=args.num_workers,
+    )
+    return train_util.TrainLoop(
+        model=model,
+        diffusion=diffusion,
+        data=data,
+        batch_size=args.batch_size,
+        microbatch=args.microbatch,
+        lr=args.lr,
+        ema_rate=args.ema_rate,
+        log_interval=args.log_interval,
+        save_interval=args.save_interval,
+        resume_checkpoint=args.resume_checkpoint,
+        use_fp16=args.use_fp16,
+        fp16_scale_growth=args.fp16_scale_growth,
+        schedule_sampler=schedule_sampler,
+        weight_decay=args.weight_decay,
+        lr_anneal_steps=args.lr_anneal_steps,
+        log_dir=args.log_dir,
+        model_flags=model_flags,
+        max_steps=args.max_steps,
+        seed=args.seed,
+        keep_checkpoints=args.keep_checkpoints,
+        log_sample_indices=args.log_sample_indices,
+    )
+
+
+def _error_types():
+    """(usage errors, runtime errors) we report in one line instead of a traceback."""
+    runtime = [checkpoint.CheckpointError, ValueError, OSError]
+    mismatch = getattr(dist_util, "DistMismatchError", None)
+    if mismatch is not None:
+        runtime.insert(0, mismatch)
+    return (UsageError, FlagError), tuple(runtime)
+
+
+def _one_line(e):
+    msg = " ".join(str(e).split()) or type(e).__name__
+    return msg if not isinstance(e, OSError) or str(e) else f"{type(e).__name__}"
+
+
+def main(argv=None):
+    args = create_argparser().parse_args(argv)
+    usage, runtime = _error_types()
+    try:
+        check_args(args)
+        loop = build_train_loop(args)
+        code = loop.run_loop()
+    except usage as e:
+        print(f"error: {_one_line(e)}", file=sys.stderr, flush=True)
+        return 2
+    except runtime as e:
+        print(f"error: {_one_line(e)}", file=sys.stderr, flush=True)
+        return 1
+    dist_util.cleanup()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
