@@ -72,14 +72,15 @@ def sample_defaults():
 def explicit_args(parser, argv=None):
     """The flags given explicitly on the command line, as a dict (parsed and typed).
 
-    Re-parses `argv` with every default replaced by ``argparse.SUPPRESS``, so a flag that was not
+    Re-parses `argv` with every default replaced by a sentinel object, so a flag that was not
     typed is absent from the result even when its value equals the default.
     """
     import copy
 
+    unset = object()
     quiet = copy.deepcopy(parser)
-    quiet.set_defaults(**{a.dest: argparse.SUPPRESS for a in quiet._actions if a.dest != "help"})
-    return vars(quiet.parse_args(argv))
+    quiet.set_defaults(**{a.dest: unset for a in quiet._actions if a.dest != "help"})
+    return {k: v for k, v in vars(quiet.parse_args(argv)).items() if v is not unset}
 
 
 def _norm(v):
@@ -182,7 +183,8 @@ def load_weights(path, want="auto"):
     try:
         ckpt = checkpoint.load_file_collective(path)
     except checkpoint.CheckpointError as e:
-        raise SampleError(str(e)) from None
+        msg = str(e)
+        raise SampleError(msg if msg.startswith("--") else f"--model_path {msg}") from None
     except (OSError, EOFError) as e:
         raise SampleError(f"--model_path {path}: {e}") from None
     if ckpt.kind == "opt":
@@ -252,6 +254,8 @@ def load_for_sampling(path, explicit, *, defaults=None, create=None, want="auto"
         create = script_util.create_model_and_diffusion
     sd, ckpt = load_weights(path, want)
     file_flags = ckpt.flags if isinstance(ckpt.flags, dict) else None
+    if file_flags is None and ckpt.kind == "combined" and isinstance(ckpt.raw, dict):
+        file_flags = ckpt.raw.get("flags") if isinstance(ckpt.raw.get("flags"), dict) else None
     flags = reconcile_flags(file_flags, explicit, defaults, source=f"{path}")
     try:
         model, diffusion = create(**flags)

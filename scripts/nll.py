@@ -1,0 +1,137 @@
+"""Approximate the bits/dimension of an image folder under a model (upstream's image_nll.py).
+
+    python scripts/nll.py --model_path RUN/ema_0.9999_010000.pt --data_dir IMAGES \
+        --num_samples 1000 --batch_size 8 --log_dir OUT
+    mpiexec -n 4 python scripts/nll.py ...          # each rank evaluates its share
+
+The first --num_samples images of the folder (sorted file order) are evaluated, each exactly once,
+batches dealt out to the ranks ``batches[rank::world_size]``. The model's flags come from the file
+when it carries them (ours); pass them for upstream's raw state dicts, as with sample.py.
+
+Logged as upstream ("done N samples: bpd=..."), then the means of total_bpd, prior_bpd, vb (the
+per-timestep terms summed over timesteps), mse and xstart_mse (per-timestep terms averaged) as
+key/values, and ``{vb,mse,xstart_mse}_terms.npz`` (per-timestep means) in --log_dir.
+"""
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import numpy as np  # noqa: E402
+import torch as th  # noqa: E402
+
+from improved_diffusion import dist_util, logger, sampling  # noqa: E402
+from improved_diffusion.image_datasets import (  # noqa: E402
+    DataError,
+    collate,
+    load_data,
+)
+from improved_diffusion.script_util import (  # noqa: E402
+    add_dict_to_argparser,
+    model_and_diffusion_defaults,
+)
+
+TERMS = ("vb", "mse", "xstart_mse")
+
+
+def create_argparser():
+    defaults = dict(
+        data_dir="", clip_denoised=True, num_samples=1000, batch_size=1, model_path="",
+        log_dir="", seed=0, weights="auto",
+    )
+    defaults.update(model_and_diffusion_defaults())
+    parser = argparse.ArgumentParser(description="Bits/dim of an image folder under a model.")
+    add_dict_to_argparser(parser, defaults)
+    return parser
+
+
+def main(argv=None):
+    parser = create_argparser()
+    args = parser.parse_args(argv)
+    explicit = sampling.explicit_args(parser, argv)
+    if not args.model_path:
+        raise sampling.BadFlagError("--model_path is required (a model*.pt or ema_*.pt file)")
+
+    dist_util.setup_dist()
+    logger.configure(dir=args.log_dir or os.environ.get("OPENAI_LOGDIR") or None)
+    rank, world = dist_util.get_rank(), dist_util.get_world_size()
+
+    logger.log("creating model and diffusion...")
+    model, diffusion, flags, _ = sampling.load_for_sampling(
+        args.model_path, explicit, want=args.weights)
+
+    logger.log("creating data loader...")
+    loader = load_data(data_dir=args.data_dir, batch_size=max(1, args.batch_size),
+                       image_size=flags["image_size"], class_cond=flags["class_cond"],
+                       deterministic=True, rank=0, world_size=1)
+    dataset = loader.dataset
+    n = min(args.num_samples, len(dataset))
+    batches = sampling.shard_batches(n, args.batch_size, rank, world)
+
+    logger.log(f"evaluating {n} images on {world} rank(s)...")
+    th.manual_seed(args.seed)
+    device = dist_util.dev()
+    per_sample = {k: np.zeros((n,), np.float64) for k in ("total_bpd", "prior_bpd")}
+    terms = {k: np.zeros((n, diffusion.num_timesteps), np.float64) for k in TERMS}
+    seen = np.zeros((n,), bool)
+    done = 0
+    for idx in batches:
+        part = (idx, None)
+        if len(idx):
+            # Noise per batch from (seed, first index): reproducible for a given sharding.
+            th.manual_seed(sampling.sample_seed(args.seed, int(idx[0]), stream=2))
+            batch, cond = collate([dataset[int(i)] for i in idx])
+            model_kwargs = {k: v.to(device) for k, v in cond.items()}
+            m = diffusion.calc_bpd_loop(model, batch.to(device), clip_denoised=args.clip_denoised,
+                                        model_kwargs=model_kwargs)
+            part = (idx, {k: m[k].detach().cpu().double().numpy()
+                          for k in ("total_bpd", "prior_bpd") + TERMS})
+        for g_idx, g in dist_util.all_gather_object(part):
+            if g is None:
+                continue
+            for k in per_sample:
+                per_sample[k][g_idx] = g[k]
+            for k in TERMS:
+                terms[k][g_idx] = g[k]
+            done += len(g_idx)
+            seen[g_idx] = True
+        logger.log(f"done {done} samples: bpd={per_sample['total_bpd'][seen].mean()}")
+
+    logger.logkv("total_bpd", float(per_sample["total_bpd"].mean()))
+    logger.logkv("prior_bpd", float(per_sample["prior_bpd"].mean()))
+    logger.logkv("vb", float(terms["vb"].sum(axis=1).mean()))
+    logger.logkv("mse", float(terms["mse"].mean()))
+    logger.logkv("xstart_mse", float(terms["xstart_mse"].mean()))
+    logger.logkv("num_samples", n)
+    logger.dumpkvs()
+    if rank == 0:
+        for name in TERMS:
+            out_path = os.path.join(logger.get_dir(), f"{name}_terms.npz")
+            logger.log(f"saving {name} terms to {out_path}")
+            np.savez(out_path, terms[name].mean(axis=0))
+    dist_util.barrier()
+    logger.log("evaluation complete")
+    return 0
+
+
+def run(argv=None):
+    from improved_diffusion.checkpoint import CheckpointError
+
+    try:
+        return main(argv)
+    except DataError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 1
+    except (sampling.SampleError, CheckpointError) as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return getattr(e, "exit_code", 1)
+    except ValueError as e:
+        print(f"error: {str(e).splitlines()[0] if str(e) else repr(e)}", file=sys.stderr,
+              flush=True)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(run())
