@@ -1,0 +1,122 @@
+"""Train a super-resolution model (upstream's super_res_train.py, with our resumable loop).
+
+    mpiexec -n N python scripts/super_res_train.py --data_dir D --log_dir L \
+        --large_size 256 --small_size 64 $MODEL_FLAGS $DIFFUSION_FLAGS $TRAIN_FLAGS
+
+The model learns p(high-res | low-res): each training batch of --large_size images is paired with
+its own --small_size version (area downsampling), passed to the model as ``low_res``. Training
+flags, checkpoints, auto-resume, preemption (exit 75) and exit codes are those of scripts/train.py.
+"""
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch.nn.functional as F  # noqa: E402
+
+import train as train_script  # noqa: E402  (scripts/train.py: flags, checks, error types)
+from improved_diffusion import dist_util, logger, train_util  # noqa: E402
+from improved_diffusion.image_datasets import load_data  # noqa: E402
+from improved_diffusion.resample import create_named_schedule_sampler  # noqa: E402
+from improved_diffusion.script_util import (  # noqa: E402
+    add_dict_to_argparser,
+    args_to_dict,
+    sr_create_model_and_diffusion,
+    sr_model_and_diffusion_defaults,
+)
+
+
+class SuperResLoader:
+    """Wraps a ResumableLoader: yields (large batch [B,C,H,W], cond + {"low_res": [B,C,h,w]}).
+
+    Everything else (position, state_dict, load_state_dict, last_indices, ...) is the wrapped
+    loader's, so the training loop resumes it exactly as a plain loader.
+    """
+
+    def __init__(self, loader, small_size):
+        self.__dict__["_loader"] = loader
+        self.__dict__["_small_size"] = int(small_size)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        large_batch, model_kwargs = next(self._loader)
+        model_kwargs = dict(model_kwargs)
+        model_kwargs["low_res"] = F.interpolate(large_batch, self._small_size, mode="area")
+        return large_batch, model_kwargs
+
+    def __getattr__(self, name):
+        return getattr(self.__dict__["_loader"], name)
+
+    def __setattr__(self, name, value):
+        setattr(self._loader, name, value)
+
+
+def load_superres_data(data_dir, batch_size, large_size, small_size, class_cond=False, seed=0,
+                       num_workers=0):
+    """Upstream's load_superres_data, resumable: a SuperResLoader over load_data(large_size)."""
+    data = load_data(data_dir=data_dir, batch_size=batch_size, image_size=large_size,
+                     class_cond=class_cond, seed=seed, num_workers=num_workers)
+    return SuperResLoader(data, small_size)
+
+
+def create_argparser():
+    import argparse
+
+    defaults = train_script.train_defaults()
+    defaults.update(sr_model_and_diffusion_defaults())
+    parser = argparse.ArgumentParser(description="Train a super-resolution diffusion model.")
+    add_dict_to_argparser(parser, defaults)
+    return parser
+
+
+def build_train_loop(args):
+    """Flags -> TrainLoop for the super-res model (collective: call on all ranks)."""
+    dist_util.setup_dist()
+    logger.configure(dir=args.log_dir)
+    logger.log(f"training super-res {args.small_size}->{args.large_size} on "
+               f"{dist_util.get_world_size()} rank(s), device {dist_util.dev()}")
+    model_flags = args_to_dict(args, sr_model_and_diffusion_defaults().keys())
+    train_util.seed_rngs(args.seed, 0, 0)  # identical model init on every rank
+    model, diffusion = sr_create_model_and_diffusion(**model_flags)
+    model.to(dist_util.dev())
+    schedule_sampler = create_named_schedule_sampler(args.schedule_sampler, diffusion)
+    data = load_superres_data(args.data_dir, args.batch_size, args.large_size, args.small_size,
+                              class_cond=args.class_cond, seed=args.seed,
+                              num_workers=args.num_workers)
+    return train_util.TrainLoop(
+        model=model, diffusion=diffusion, data=data, batch_size=args.batch_size,
+        microbatch=args.microbatch, lr=args.lr, ema_rate=args.ema_rate,
+        log_interval=args.log_interval, save_interval=args.save_interval,
+        resume_checkpoint=args.resume_checkpoint, use_fp16=args.use_fp16,
+        fp16_scale_growth=args.fp16_scale_growth, schedule_sampler=schedule_sampler,
+        weight_decay=args.weight_decay, lr_anneal_steps=args.lr_anneal_steps,
+        log_dir=args.log_dir, model_flags=model_flags, max_steps=args.max_steps, seed=args.seed,
+        keep_checkpoints=args.keep_checkpoints,
+    )
+
+
+def main(argv=None):
+    args = create_argparser().parse_args(argv)
+    usage, runtime = train_script._error_types()
+    try:
+        train_script.check_args(args)
+        if args.small_size >= args.large_size:
+            raise train_script.UsageError(
+                f"--small_size {args.small_size} must be smaller than --large_size "
+                f"{args.large_size}")
+        code = build_train_loop(args).run_loop()
+    except usage as e:
+        print(f"error: {train_script._one_line(e)}", file=sys.stderr, flush=True)
+        return 2
+    except runtime as e:
+        print(f"error: {train_script._one_line(e)}", file=sys.stderr, flush=True)
+        return 1
+    dist_util.cleanup()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
