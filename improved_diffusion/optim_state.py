@@ -276,7 +276,7 @@ def _plan_named(payload, named, source) -> Tuple[dict, dict, dict, str]:
             raise OptimizerStateError(
                 f"{source} holds a malformed named optimizer state (a param group has no params)"
             )
-        hyper = {k: v for k, v in g.items() if k in HYPERPARAM_KEYS}
+        hyper = {k: v for k, v in g.items() if k != "params"}
         for name in g["params"]:
             hyper_by_name[name] = hyper
     shape_by_name = {}
@@ -360,7 +360,7 @@ def _plan_raw(payload, named, source):
     raw_params = [i for g in groups for i in g["params"]]
     hyper_of_index = {}
     for g in groups:
-        hyper = {k: v for k, v in g.items() if k in HYPERPARAM_KEYS}
+        hyper = {k: v for k, v in g.items() if k != "params"}
         for i in g["params"]:
             hyper_of_index[i] = hyper
     names = [n for n, _ in named]
@@ -542,3 +542,87 @@ def load_optimizer_state(optimizer, payload, named_params, source="FILE") -> Loa
         new_groups.append(g)
     optimizer.load_state_dict({"state": new_state, "param_groups": new_groups})
     return plan.report
+
+
+def _group_names_by_hyper(names, hyper_by_name, default_hyper):
+    """Consecutive param groups [(hyper, [names])] in first-appearance order."""
+    groups = []
+    index_of = {}
+    for name in names:
+        hyper = hyper_by_name.get(name, default_hyper)
+        key = id(hyper)
+        if key not in index_of:
+            index_of[key] = len(groups)
+            groups.append((hyper, []))
+        groups[index_of[key]][1].append(name)
+    return groups
+
+
+def convert_to_named(payload, named_shapes, source="FILE", optimizer_name="AdamW") -> dict:
+    """
+    Convert any accepted optimizer payload (named-v1, upstream index-keyed, flattened fp16) to
+    named-v1 for the parameters `named_shapes`, without building a model or an optimizer.
+
+    :param named_shapes: list of (name, shape) in the model's parameter order.
+    :return: a named-v1 dict (tensors shared with `payload` where no reshaping was needed).
+    :raises OptimizerStateError: as load_optimizer_state.
+    """
+    named = [(n, th.empty(tuple(s), device="meta")) for n, s in named_shapes]
+    plan = _make_plan(payload, _as_named_list(named), source, None)
+    names = [n for n, _ in named]
+    groups = []
+    for hyper, group_names in _group_names_by_hyper(names, plan.hyper_by_name,
+                                                    plan.default_hyper):
+        g = dict(hyper)
+        g["params"] = group_names
+        groups.append(g)
+    unwrapped = _unwrap(payload, source)
+    if isinstance(unwrapped, dict) and unwrapped.get("format") == FORMAT:
+        optimizer_name = unwrapped.get("optimizer", optimizer_name)
+    return {
+        "format": FORMAT,
+        "optimizer": optimizer_name,
+        "param_groups": groups,
+        "state": {n: plan.state_by_name[n] for n in names if n in plan.state_by_name},
+        "shapes": {n: list(s) for n, s in named_shapes},
+    }
+
+
+def named_to_raw(payload, source="FILE") -> dict:
+    """
+    A named-v1 payload as a plain torch optimizer state dict (index-keyed) that
+    `optimizer.load_state_dict` of an optimizer built over `model.parameters()` accepts: indices
+    run over the param groups in order, as torch numbers them (upstream builds one group over
+    `model.parameters()`, which our single-group payloads match).
+
+    :raises OptimizerStateError: the payload is not named-v1 optimizer state.
+    """
+    payload = _unwrap(payload, source)
+    if isinstance(payload, dict) and "state" in payload and "param_groups" in payload \
+            and "format" not in payload:
+        raise OptimizerStateError(
+            f"{source} already holds an index-keyed torch optimizer state dict"
+        )
+    if isinstance(payload, dict) and "format" in payload and payload["format"] != FORMAT:
+        raise OptimizerStateError(
+            f"{source} holds optimizer state in format {payload['format']!r}, which this "
+            f"version does not read (it reads {FORMAT!r}); upgrade improved_diffusion"
+        )
+    if not isinstance(payload, dict) or "format" not in payload:
+        raise OptimizerStateError(f"{source} holds {_describe_non_optimizer(payload)}")
+    _plan_named(payload, [], source)
+    state = payload["state"]
+    groups = []
+    raw_state = {}
+    index = 0
+    for g in payload["param_groups"]:
+        indices = []
+        for name in g["params"]:
+            if name in state:
+                raw_state[index] = state[name]
+            indices.append(index)
+            index += 1
+        raw_group = {k: v for k, v in g.items() if k != "params"}
+        raw_group["params"] = indices
+        groups.append(raw_group)
+    return {"state": raw_state, "param_groups": groups}

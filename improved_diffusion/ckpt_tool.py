@@ -1,0 +1,996 @@
+"""
+The checkpoint doctor: say what a checkpoint file is, whether a run directory can be resumed, how a
+file differs from a model, and convert between our tagged files, upstream's raw state dicts and
+safetensors.
+
+    python scripts/ckpt.py inspect FILE
+    python scripts/ckpt.py verify DIR [--quick]
+    python scripts/ckpt.py diff FILE (--flags "--image_size 32 ..." | --against FILE2) [--want ema]
+    python scripts/ckpt.py convert SRC --to tagged|raw|safetensors --out DIR [--flags "..."]
+    python scripts/ckpt.py prune DIR --keep K
+
+(also `python -m improved_diffusion.checkpoint ...`). Human-readable output by default, `--json` for
+scripts. Exit status: 0 healthy, 1 problem found, 2 bad usage. Errors are one line on stderr,
+never a traceback. Only `convert` (into --out) and `prune` write or delete anything; every file is
+read with `torch.load(weights_only=True)`, so a checkpoint can never run code.
+"""
+
+import argparse
+import json
+import os
+import re
+import shlex
+import sys
+import zipfile
+
+import torch as th
+
+from . import checkpoint as ckpt
+from .optim_state import (
+    FORMAT,
+    OptimizerStateError,
+    _family_of_state,
+    convert_to_named,
+    named_to_raw,
+    validate_optimizer_payload,
+)
+
+EXIT_OK, EXIT_PROBLEM, EXIT_USAGE = 0, 1, 2
+
+_SLOT_RES = (
+    ("model", re.compile(r"^model\d+\.pt$")),
+    ("ema", re.compile(r"^ema_.+_\d+\.pt$")),
+    ("opt", re.compile(r"^opt\d+\.pt$")),
+)
+_EMA_NAME_RE = re.compile(r"^ema_(.+)_(\d+)\.pt$")
+_KIND_PHRASE = {
+    "model": "a model state dict",
+    "ema": "EMA model weights",
+    "opt": "optimizer state",
+    "combined": "a combined dict",
+    "unknown": "something that is not a checkpoint",
+}
+_SLOT_PHRASE = {"model": "model", "ema": "EMA", "opt": "optimizer"}
+
+
+class UsageError(Exception):
+    """Bad command line (exit 2)."""
+
+
+class ToolError(Exception):
+    """A problem with the user's files (exit 1); one line."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise UsageError(f"{self.prog}: {message}")
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+
+
+def _slot_of(path):
+    """The slot a file name claims ("model", "ema", "opt") or None."""
+    name = os.path.basename(os.fspath(path).rstrip("/"))
+    for slot, rx in _SLOT_RES:
+        if rx.match(name):
+            return slot
+    return None
+
+
+def _walk_tensors(obj, depth=0):
+    """Every tensor inside nested dicts / lists / tuples (a loaded checkpoint)."""
+    if isinstance(obj, th.Tensor):
+        yield obj
+    elif depth < 8 and isinstance(obj, dict):
+        for v in obj.values():
+            yield from _walk_tensors(v, depth + 1)
+    elif depth < 8 and isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _walk_tensors(v, depth + 1)
+
+
+def _human_size(n):
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000.0
+    return f"{n} B"
+
+
+def _shape_list(t):
+    return [int(s) for s in t.shape]
+
+
+def _opt_layout(opt):
+    """("named-v1" | "index-keyed" | "flat-fp16-1" | "flat-fp16-2", params with state, groups)."""
+    if opt.get("format") == FORMAT:
+        return "named-v1", len(opt.get("state") or {}), len(opt.get("param_groups") or [])
+    groups = opt.get("param_groups") or []
+    state = opt.get("state") or {}
+    n_params = sum(len(g.get("params", [])) for g in groups if isinstance(g, dict))
+    flat_dims = [
+        _entry_numel_dims(e) for e in state.values() if isinstance(e, dict)
+    ]
+    if n_params in (1, 2) and state and all(d is not None for d in flat_dims):
+        if n_params == 1 and flat_dims[0][1] == 1 and flat_dims[0][0] > 1:
+            return "flat-fp16-1", len(state), len(groups)
+        if n_params == 2 and len(flat_dims) == 2 and flat_dims[0][1] == 1 and (
+            flat_dims[1][1] == 1 or flat_dims[1][1] == 2
+        ) and flat_dims[0][0] + flat_dims[1][0] > 2:
+            return "flat-fp16-2", len(state), len(groups)
+    return "index-keyed", len(state), len(groups)
+
+
+def _entry_numel_dims(entry):
+    t = entry.get("exp_avg")
+    if isinstance(t, th.Tensor):
+        return t.numel(), t.dim()
+    return None
+
+
+_LAYOUT_PHRASE = {
+    "named-v1": "name-keyed (named-v1)",
+    "index-keyed": "index-keyed torch state dict (upstream)",
+    "flat-fp16-1": "flattened fp16 master params, 1 group (improved-diffusion --use_fp16)",
+    "flat-fp16-2": "flattened fp16 master params, 2 groups (guided-diffusion --use_fp16)",
+}
+
+
+def _opt_summary(opt):
+    """A dict describing an optimizer payload (for inspect)."""
+    layout, n_state, n_groups = _opt_layout(opt)
+    out = {"layout": layout, "groups": n_groups, "params_with_state": n_state}
+    if layout == "named-v1":
+        out["optimizer"] = opt.get("optimizer")
+        shapes = opt.get("shapes") or {}
+        out["parameters"] = sum(int(th.Size(s).numel()) for s in shapes.values())
+        out["param_tensors"] = len(shapes)
+        states = list((opt.get("state") or {}).values())
+    else:
+        states = list((opt.get("state") or {}).values())
+        out["param_tensors"] = sum(
+            len(g.get("params", [])) for g in opt.get("param_groups") or [] if isinstance(g, dict)
+        )
+        total = 0
+        for e in states:
+            if isinstance(e, dict) and isinstance(e.get("exp_avg"), th.Tensor):
+                total += e["exp_avg"].numel()
+        out["parameters"] = total if layout.startswith("flat") or total else None
+        family = _family_of_state(states, opt.get("param_groups") or [])
+        out["optimizer"] = {"Adam": "Adam/AdamW"}.get(family, family) or "unknown"
+    groups = opt.get("param_groups") or []
+    if groups and isinstance(groups[0], dict):
+        g = groups[0]
+        out["hyperparams"] = {
+            k: (list(g[k]) if isinstance(g[k], tuple) else g[k])
+            for k in ("lr", "betas", "eps", "weight_decay") if k in g
+        }
+    steps = [
+        float(e["step"]) for e in states
+        if isinstance(e, dict) and isinstance(e.get("step"), (th.Tensor, int, float))
+        and (not isinstance(e.get("step"), th.Tensor) or e["step"].numel() == 1)
+    ]
+    if steps:
+        out["adam_step"] = int(max(steps))
+    return out
+
+
+def _opt_problem(opt, source):
+    """A reason string when an optimizer payload is unusable by this trainer (AdamW), else None."""
+    if opt.get("format") == FORMAT:
+        shapes = opt.get("shapes") or {}
+        named = [(n, th.empty(tuple(s), device="meta")) for n, s in shapes.items()]
+        if not named:
+            return None
+        reason = validate_optimizer_payload(opt, named)
+        return reason.replace("FILE", source, 1) if reason else None
+    states = list((opt.get("state") or {}).values()) if isinstance(opt.get("state"), dict) else []
+    family = _family_of_state(states, opt.get("param_groups") or [])
+    if family not in (None, "Adam"):
+        return f"{source} holds {family} optimizer state, but this trainer uses AdamW"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# inspect
+
+
+def inspect_file(path):
+    """
+    Everything we can tell about one file, as a JSON-able dict with "ok", "problems", "notes".
+    Never raises for a bad file (the reason is in "error").
+    """
+    path = os.fspath(path)
+    rep = {"path": path, "ok": False, "error": None, "slot": _slot_of(path), "problems": [],
+           "notes": []}
+    try:
+        c = ckpt.load_file(path)
+    except ckpt.CheckpointError as e:
+        rep["error"] = str(e)
+        return rep
+    bad_record = _zip_crc_problem(path)
+    if bad_record:
+        rep["error"] = bad_record
+        return rep
+    rep.update(
+        kind=c.kind, tagged=c.tagged, step=c.step, rate=c.rate_str, size=c.nbytes,
+        flags=c.flags,
+    )
+    rep["notes"] = list(c.notes)
+    tensors = list(_walk_tensors(c.raw))
+    dtypes = {}
+    for t in tensors:
+        key = str(t.dtype).replace("torch.", "")
+        dtypes[key] = dtypes.get(key, 0) + 1
+    rep["tensors"] = len(tensors)
+    rep["dtypes"] = dtypes
+    rep["parameters"] = None
+    if c.state_dict is not None:
+        rep["parameters"] = int(sum(t.numel() for t in c.state_dict.values()
+                                    if isinstance(t, th.Tensor)))
+        rep["param_tensors"] = len(c.state_dict)
+    if c.optimizer is not None and isinstance(c.optimizer, dict):
+        rep["optimizer"] = _opt_summary(c.optimizer)
+        if rep["parameters"] is None:
+            rep["parameters"] = rep["optimizer"].get("parameters")
+        reason = _opt_problem(c.optimizer, path)
+        if reason:
+            rep["problems"].append(reason)
+    if c.trainer is not None:
+        rep["trainer"] = {k: c.trainer[k] for k in ("step", "world_size", "batch_size",
+                                                     "global_batch", "seed", "ema_rates", "lr")
+                          if k in c.trainer}
+    if not c.tagged and c.step is not None:
+        rep["notes"].append(f"step {c.step} read from the file name")
+    _slot_problems(rep, c, path)
+    rep["ok"] = not rep["problems"]
+    return rep
+
+
+def _zip_crc_problem(path):
+    """A one-line error when a torch zip file has a record whose CRC does not match, else None.
+
+    torch.load does not check CRCs, so a flipped byte inside a tensor record loads silently.
+    """
+    try:
+        if not os.path.isfile(path) or not zipfile.is_zipfile(path):
+            return None
+        with zipfile.ZipFile(path) as z:
+            bad = z.testzip()
+    except Exception as e:
+        return f"{path}: corrupt zip archive ({type(e).__name__}); replace it"
+    if bad:
+        return (f"{path}: corrupt record {bad!r} (CRC mismatch: the data was damaged); replace it "
+                "or resume from another step")
+    return None
+
+
+def _slot_problems(rep, c, path):
+    slot = rep["slot"]
+    kind = c.kind
+    if kind == "unknown":
+        rep["problems"].append(
+            f"not a checkpoint this trainer understands ({'; '.join(c.notes) or 'unknown content'})"
+        )
+        return
+    if slot is None:
+        return
+    name = os.path.basename(path)
+    if slot == "opt" and kind in ("model", "ema"):
+        rep["problems"].append(
+            f"optimizer slot holds a model state dict ({name}; as written by upstream's "
+            "multi-rank resume bug): resuming uses a fresh optimizer; replace the file or delete it"
+        )
+    elif slot in ("model", "ema") and kind == "opt":
+        rep["problems"].append(
+            f"{_SLOT_PHRASE[slot]} slot holds optimizer state ({name}): this step cannot be "
+            "resumed or sampled from; use a model file"
+        )
+    elif c.tagged and slot in ("model", "ema") and kind in ("model", "ema") and slot != kind:
+        rep["problems"].append(
+            f"{_SLOT_PHRASE[slot]} slot holds a tagged {kind} file ({name}); rename it"
+        )
+    elif kind == "combined":
+        rep["notes"].append(
+            f"combined dict in the {_SLOT_PHRASE[slot]} slot: the loader picks the matching entry"
+        )
+    if c.tagged and c.step is not None:
+        try:
+            name_step = ckpt.parse_step(path)
+        except ckpt.CheckpointError:
+            name_step = None
+        if name_step is not None and name_step != c.step:
+            rep["problems"].append(
+                f"file name says step {name_step} but the file holds step {c.step}; rename it"
+            )
+    if slot == "ema" and c.tagged and c.rate_str is not None:
+        m = _EMA_NAME_RE.match(name)
+        if m and m.group(1) != c.rate_str:
+            rep["problems"].append(
+                f"file name says EMA rate {m.group(1)} but the file holds rate {c.rate_str}"
+            )
+
+
+def _print_inspect(rep, out):
+    w = out.write
+    w(f"{rep['path']}\n")
+    if rep["error"]:
+        w(f"  error       {rep['error']}\n")
+        w("  status      PROBLEM\n")
+        return
+    legacy = "tagged" if rep["tagged"] else "untagged (legacy/upstream)"
+    w(f"  kind        {rep['kind']}, {legacy}\n")
+    if rep.get("slot"):
+        w(f"  slot        {rep['slot']} (from the file name)\n")
+    w(f"  step        {rep['step'] if rep['step'] is not None else 'unknown'}\n")
+    if rep.get("rate"):
+        w(f"  ema rate    {rep['rate']}\n")
+    w(f"  size        {_human_size(rep['size'])} ({rep['size']} bytes)\n")
+    dt = ", ".join(f"{k}: {v}" for k, v in sorted(rep["dtypes"].items())) or "none"
+    w(f"  tensors     {rep['tensors']} ({dt})\n")
+    if rep.get("parameters") is not None:
+        extra = f" in {rep['param_tensors']} tensors" if rep.get("param_tensors") else ""
+        w(f"  parameters  {rep['parameters']:,}{extra}\n")
+    if "optimizer" in rep:
+        o = rep["optimizer"]
+        hp = " ".join(f"{k}={v}" for k, v in (o.get("hyperparams") or {}).items())
+        w(f"  optimizer   {o.get('optimizer')}, {_LAYOUT_PHRASE.get(o['layout'], o['layout'])}, "
+          f"{o['groups']} group(s), {o['params_with_state']} with state"
+          + (f", adam step {o['adam_step']}" if "adam_step" in o else "") + "\n")
+        if hp:
+            w(f"  hyperparams {hp}\n")
+    if "trainer" in rep:
+        tr = " ".join(f"{k}={v}" for k, v in rep["trainer"].items())
+        w(f"  trainer     {tr or '(empty: no trainer state)'}\n")
+    if rep["kind"] in ("model", "ema"):
+        if rep.get("flags"):
+            w("  flags       " + " ".join(f"--{k} {v}" for k, v in rep["flags"].items()) + "\n")
+        else:
+            w("  flags       none stored (give the model flags when sampling or resuming)\n")
+    for n in rep["notes"]:
+        w(f"  note        {n}\n")
+    for p in rep["problems"]:
+        w(f"  problem     {p}\n")
+    w(f"  status      {'ok' if rep['ok'] else 'PROBLEM'}\n")
+
+
+def cmd_inspect(args, out):
+    reports = [inspect_file(p) for p in args.files]
+    if args.json:
+        _dump(reports[0] if len(reports) == 1 else reports, out)
+    else:
+        for rep in reports:
+            if rep["error"]:
+                args.err.write(f"error: {' '.join(rep['error'].split())}\n")
+            else:
+                _print_inspect(rep, out)
+    return EXIT_OK if all(r["ok"] for r in reports) else EXIT_PROBLEM
+
+
+# ---------------------------------------------------------------------------------------------
+# verify
+
+
+def _require_dir(path, what):
+    if not os.path.exists(path):
+        raise ToolError(f"{path}: no such directory; check the {what} path")
+    if not os.path.isdir(path):
+        raise ToolError(f"{path}: is a file, not a directory; give the run directory ({what})")
+
+
+def verify_dir(log_dir, deep=True):
+    """JSON-able report of every step in `log_dir`, newest first, and the step resume would use."""
+    steps = ckpt.list_steps(log_dir, verify_checksums=deep)
+    rows = []
+    resume = None
+    for st in steps:
+        row = {"step": st.step, "legacy": st.legacy, "complete": st.complete,
+               "files": [os.path.basename(p) for p in st.files], "problems": [], "notes": []}
+        if st.problem:
+            row["problems"].append(st.problem)
+        if deep and st.complete:
+            for p in st.files:
+                if p.endswith(".json"):
+                    continue
+                rep = inspect_file(p)
+                if rep["error"]:
+                    row["problems"].append(rep["error"])
+                for prob in rep["problems"]:
+                    row["problems"].append(f"{os.path.basename(p)}: {prob}")
+        soft = [q for q in row["problems"] if "optimizer slot holds" in q]
+        row["resumable"] = st.complete and len(soft) == len(row["problems"])
+        if row["resumable"] and soft:
+            row["notes"].append("resumable with a fresh optimizer")
+        if row["resumable"] and resume is None:
+            resume = st.step
+        rows.append(row)
+    return {"dir": os.fspath(log_dir), "steps": rows, "resume_step": resume,
+            "ok": bool(rows) and all(not r["problems"] for r in rows)}
+
+
+def cmd_verify(args, out):
+    _require_dir(args.dir, "DIR")
+    rep = verify_dir(args.dir, deep=not args.quick)
+    if args.json:
+        _dump(rep, out)
+    else:
+        w = out.write
+        w(f"{rep['dir']}: {len(rep['steps'])} step(s), newest first\n")
+        for r in rep["steps"]:
+            state = "ok" if not r["problems"] else ("resumable" if r["resumable"] else "NOT resumable")
+            kind = "legacy" if r["legacy"] else "tagged"
+            w(f"  step {r['step']:>8}  {state:<13} {kind:<6}  {', '.join(r['files'])}\n")
+            for p in r["problems"]:
+                w(f"  {'':>13}  problem: {p}\n")
+            for n in r["notes"]:
+                w(f"  {'':>13}  note: {n}\n")
+        if rep["resume_step"] is None:
+            w("resume: no resumable step (training would start from scratch)\n")
+        else:
+            w(f"resume: step {rep['resume_step']}\n")
+    if not rep["steps"]:
+        if not args.json:
+            out.write(f"problem: no checkpoint files in {args.dir}\n")
+        return EXIT_PROBLEM
+    return EXIT_OK if rep["ok"] else EXIT_PROBLEM
+
+
+# ---------------------------------------------------------------------------------------------
+# diff
+
+
+def _parse_model_flags(text):
+    """(flags dict of all MODEL_FLAG_KEYS, explicitly given keys, ignored args) from a string."""
+    from . import script_util as su
+
+    parser = _Parser(prog="--flags", add_help=False)
+    defaults = su.model_and_diffusion_defaults()
+    su.add_dict_to_argparser(parser, defaults)
+    try:
+        argv = shlex.split(text or "")
+    except ValueError as e:
+        raise UsageError(f"--flags: cannot split {text!r} ({e})") from None
+    args, unknown = parser.parse_known_args(argv)
+    given = [a[2:].split("=", 1)[0] for a in argv if a.startswith("--")]
+    flags = su.args_to_dict(args, list(defaults.keys()))
+    return flags, [k for k in given if k in defaults], unknown
+
+
+def _build_model(flags):
+    from . import script_util as su
+
+    try:
+        model, _ = su.create_model_and_diffusion(**flags)
+    except (ValueError, TypeError, KeyError) as e:
+        raise UsageError(f"--flags: {' '.join(str(e).split())}") from None
+    return model
+
+
+def _shapes_of(c, want):
+    """{name: shape list} of a loaded file's weights (or its named optimizer parameter shapes)."""
+    if c.kind in ("model", "ema", "combined"):
+        try:
+            sd = ckpt.model_state_from(c, want=want)
+        except ckpt.CheckpointError as e:
+            raise ToolError(str(e)) from None
+        return {k: _shape_list(v) for k, v in sd.items() if isinstance(v, th.Tensor)}
+    if c.kind == "opt" and isinstance(c.optimizer, dict) and c.optimizer.get("format") == FORMAT:
+        return {k: [int(s) for s in v] for k, v in (c.optimizer.get("shapes") or {}).items()}
+    if c.kind == "opt":
+        raise ToolError(
+            f"{c.path}: holds index-keyed (upstream) optimizer state without parameter names; "
+            "diff the model file of the same step instead"
+        )
+    raise ToolError(f"{c.path}: holds {_KIND_PHRASE.get(c.kind, c.kind)}; nothing to diff")
+
+
+def _norm_flag(v):
+    if isinstance(v, bool):
+        return str(v).lower()
+    if isinstance(v, (int, float)):
+        return float(v)
+    s = str(v).strip().lower()
+    if s in ("true", "false", "yes", "no", "1", "0", "t", "f", "y", "n"):
+        return "true" if s in ("true", "yes", "1", "t", "y") else "false"
+    try:
+        return float(s)
+    except ValueError:
+        return s.replace(" ", "")
+
+
+def likely_flags(file_shapes, want_shapes, file_flags=None, want_flags=None):
+    """
+    The flags that most likely explain a key/shape mismatch, as "--flag (file: X, other: Y)".
+
+    Stored flags are compared when both sides have them; otherwise upstream's key layout is read.
+    """
+    hints = []
+    if file_flags and want_flags:
+        from . import script_util as su
+
+        keys = su.model_flag_keys()
+        for k in keys:
+            if k in file_flags and k in want_flags and \
+                    _norm_flag(file_flags[k]) != _norm_flag(want_flags[k]):
+                hints.append(f"--{k} (file: {file_flags[k]}, other: {want_flags[k]})")
+        if hints:
+            return hints
+
+    def shape(d, k):
+        return d.get(k)
+
+    out_f, out_w = shape(file_shapes, "out.2.weight"), shape(want_shapes, "out.2.weight")
+    if out_f and out_w and out_f[0] != out_w[0]:
+        hints.append(f"--learn_sigma (file has {out_f[0]} output channels, other {out_w[0]})")
+    lab_f, lab_w = "label_emb.weight" in file_shapes, "label_emb.weight" in want_shapes
+    if lab_f != lab_w:
+        hints.append(f"--class_cond (file: {lab_f}, other: {lab_w})")
+    elif lab_f and file_shapes["label_emb.weight"][0] != want_shapes["label_emb.weight"][0]:
+        hints.append(f"--num_classes (file: {file_shapes['label_emb.weight'][0]}, "
+                     f"other: {want_shapes['label_emb.weight'][0]})")
+    te_f, te_w = shape(file_shapes, "time_embed.0.weight"), shape(want_shapes, "time_embed.0.weight")
+    if te_f and te_w and te_f[1] != te_w[1]:
+        hints.append(f"--num_channels (file: {te_f[1]}, other: {te_w[1]})")
+    diff = set(file_shapes) ^ set(want_shapes)
+    if any(".qkv." in k or ".proj_out." in k for k in diff):
+        hints.append("--attention_resolutions (attention blocks differ)")
+    if _n_blocks(file_shapes) != _n_blocks(want_shapes):
+        hints.append("--num_res_blocks / --channel_mult / --image_size (block layout differs)")
+    for k in file_shapes if te_f == te_w else ():
+        if k.endswith("emb_layers.1.weight") and k in want_shapes:
+            a, b = file_shapes[k][0], want_shapes[k][0]
+            if a != b and (a == 2 * b or b == 2 * a):
+                hints.append(f"--use_scale_shift_norm (file: {a == 2 * b}, other: {b == 2 * a})")
+                break
+    return hints
+
+
+def _n_blocks(shapes):
+    """(number of input blocks, number of output blocks) of an upstream UNet state dict."""
+    def count(prefix):
+        idx = [int(k.split(".")[1]) for k in shapes
+               if k.startswith(prefix) and k.split(".")[1].isdigit()]
+        return max(idx) + 1 if idx else 0
+    return count("input_blocks."), count("output_blocks.")
+
+
+def diff_shapes(file_shapes, want_shapes):
+    missing = [k for k in want_shapes if k not in file_shapes]
+    unexpected = [k for k in file_shapes if k not in want_shapes]
+    reshaped = {k: {"file": file_shapes[k], "other": want_shapes[k]}
+                for k in file_shapes if k in want_shapes and file_shapes[k] != want_shapes[k]}
+    return missing, unexpected, reshaped
+
+
+def cmd_diff(args, out):
+    if bool(args.flags is not None) == bool(args.against is not None):
+        raise UsageError("diff: give exactly one of --flags \"...\" or --against FILE2")
+    try:
+        c = ckpt.load_file(args.file)
+    except ckpt.CheckpointError as e:
+        raise ToolError(str(e)) from None
+    file_shapes = _shapes_of(c, args.want)
+    notes = []
+    if args.flags is not None:
+        flags, given, ignored = _parse_model_flags(args.flags)
+        if ignored:
+            notes.append("ignored non-model flags: " + " ".join(ignored))
+        model = _build_model(flags)
+        want_shapes = {k: _shape_list(v) for k, v in model.state_dict().items()}
+        other = "the model built from --flags"
+        want_flags = {k: flags[k] for k in given} if c.flags else None
+        file_flags = {k: c.flags[k] for k in given if k in c.flags} if c.flags else None
+    else:
+        try:
+            c2 = ckpt.load_file(args.against)
+        except ckpt.CheckpointError as e:
+            raise ToolError(str(e)) from None
+        want_shapes = _shapes_of(c2, args.want)
+        other = args.against
+        file_flags, want_flags = c.flags, c2.flags
+    missing, unexpected, reshaped = diff_shapes(file_shapes, want_shapes)
+    same = not (missing or unexpected or reshaped)
+    hints = [] if same else likely_flags(file_shapes, want_shapes, file_flags, want_flags)
+    rep = {
+        "file": args.file, "other": other, "same": same,
+        "file_parameters": sum(int(th.Size(s).numel()) for s in file_shapes.values()),
+        "other_parameters": sum(int(th.Size(s).numel()) for s in want_shapes.values()),
+        "missing": missing, "unexpected": unexpected, "reshaped": reshaped,
+        "likely_flags": hints, "notes": notes,
+    }
+    if args.json:
+        _dump(rep, out)
+    else:
+        w = out.write
+        w(f"{args.file} vs {other}\n")
+        w(f"  parameters  file {rep['file_parameters']:,}, other {rep['other_parameters']:,}\n")
+        if same:
+            w(f"  keys        all {len(file_shapes)} keys and shapes match\n")
+        for label, keys, explain in (("missing", missing, "in the other, not in the file"),
+                                     ("unexpected", unexpected, "in the file, not in the other")):
+            if keys:
+                w(f"  {label:<11} {len(keys)} ({explain}): {', '.join(keys[:8])}"
+                  f"{', ...' if len(keys) > 8 else ''}\n")
+        if reshaped:
+            w(f"  reshaped    {len(reshaped)}:\n")
+            for k, v in list(reshaped.items())[:8]:
+                w(f"              {k}: file {v['file']} vs other {v['other']}\n")
+            if len(reshaped) > 8:
+                w(f"              ... and {len(reshaped) - 8} more\n")
+        for h in hints:
+            w(f"  likely flag {h}\n")
+        for n in notes:
+            w(f"  note        {n}\n")
+        w(f"  status      {'same' if same else 'DIFFERENT'}\n")
+    return EXIT_OK if same else EXIT_PROBLEM
+
+
+# ---------------------------------------------------------------------------------------------
+# convert
+
+
+def _source_files(src, step):
+    """[(step or None, [paths])] to convert: one group per step of a run dir, or one file."""
+    if os.path.isdir(src):
+        steps = ckpt.list_steps(src)
+        if step is not None:
+            steps = [s for s in steps if s.step == step]
+            if not steps:
+                raise ToolError(f"{src}: no files of step {step}; see `ckpt.py verify {src}`")
+        if not steps:
+            raise ToolError(f"{src}: no checkpoint files found; check the path")
+        return [(s.step, [p for p in s.files if not p.endswith(".json")], s) for s in steps]
+    if not os.path.exists(src):
+        raise ToolError(f"{src}: no such file or directory; check the path")
+    return [(None, [src], None)]
+
+
+def _load(path):
+    try:
+        return ckpt.load_file(path)
+    except ckpt.CheckpointError as e:
+        raise ToolError(str(e)) from None
+
+
+def _step_of(c, path, step_arg):
+    if c.step is not None:
+        return c.step
+    if step_arg is not None:
+        return step_arg
+    raise ToolError(f"{path}: the step cannot be read from the file or its name; pass --step N")
+
+
+def _param_names_for_opt(opt_path, files, flags, c_opt):
+    """[(name, shape)] in model parameter order for an index-keyed optimizer file."""
+    if flags is not None:
+        model = _build_model(flags)
+        return [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+    beside = [p for p in files if _slot_of(p) == "model"]
+    if not beside:
+        d = os.path.dirname(os.path.abspath(opt_path))
+        if c_opt.step is not None:
+            cand = os.path.join(d, ckpt.model_filename(c_opt.step))
+            if os.path.exists(cand):
+                beside = [cand]
+    if not beside:
+        raise ToolError(
+            f"{opt_path}: index-keyed optimizer state needs the parameter names: put the model "
+            "file of the same step beside it or pass --flags \"...\""
+        )
+    sd = ckpt.model_state_from(_load(beside[0]))
+    return [(n, tuple(t.shape)) for n, t in sd.items()]
+
+
+def _tagged_payloads(group_files, flags, step_arg):
+    """{filename: payload} (tagged) for the files of one step; notes."""
+    payloads, notes = {}, []
+    for path in group_files:
+        c = _load(path)
+        base = os.path.basename(path)
+        step = _step_of(c, path, step_arg)
+        if c.tagged:
+            with open(path, "rb") as f:
+                payloads[base] = f.read()
+            notes.append(f"{base}: already tagged, copied unchanged")
+            continue
+        if c.kind in ("model", "ema"):
+            if flags is not None:
+                _check_fits(c.state_dict, flags, path)
+            if c.kind == "ema":
+                rate = c.rate_str or "0.9999"
+                payloads[ckpt.ema_filename(rate, step)] = ckpt.ema_payload(
+                    step, rate, c.state_dict, flags)
+            else:
+                payloads[ckpt.model_filename(step)] = ckpt.model_payload(step, c.state_dict, flags)
+        elif c.kind == "opt":
+            if _slot_of(path) in ("model", "ema"):
+                raise ToolError(f"{path}: the model slot holds optimizer state; fix the file first")
+            names = _param_names_for_opt(path, group_files, flags, c)
+            try:
+                named = convert_to_named(c.optimizer, names, source=path)
+            except OptimizerStateError as e:
+                raise ToolError(str(e)) from None
+            payload = ckpt.opt_payload(step, named, {})
+            payload["converted_from"] = base
+            payloads[ckpt.opt_filename(step)] = payload
+        elif c.kind == "combined":
+            sd = c.state_dict
+            if sd is not None:
+                payloads[ckpt.model_filename(step)] = ckpt.model_payload(step, sd, flags)
+            try:
+                ema = ckpt.model_state_from(c, want="ema")
+            except ckpt.CheckpointError:
+                ema = None
+            if ema is not None and ema is not sd:
+                payloads[ckpt.ema_filename("0.9999", step)] = ckpt.ema_payload(
+                    step, "0.9999", ema, flags)
+                notes.append(f"{base}: EMA entry written with rate 0.9999 (the file does not say)")
+            if c.optimizer is not None and sd is not None:
+                named_shapes = [(n, tuple(t.shape)) for n, t in sd.items()]
+                try:
+                    named = convert_to_named(c.optimizer, named_shapes, source=path)
+                    payloads[ckpt.opt_filename(step)] = ckpt.opt_payload(step, named, {})
+                except OptimizerStateError as e:
+                    notes.append(f"{base}: optimizer entry skipped ({e})")
+        else:
+            raise ToolError(f"{path}: holds {_KIND_PHRASE['unknown']}; nothing to convert")
+    return payloads, notes
+
+
+def _check_fits(sd, flags, path):
+    model = _build_model(flags)
+    want = {k: _shape_list(v) for k, v in model.state_dict().items()}
+    have = {k: _shape_list(v) for k, v in sd.items()}
+    missing, unexpected, reshaped = diff_shapes(have, want)
+    if missing or unexpected or reshaped:
+        hints = likely_flags(have, want)
+        raise ToolError(
+            f"{path}: does not fit the model of --flags ({len(missing)} missing, "
+            f"{len(unexpected)} unexpected, {len(reshaped)} reshaped keys"
+            + (f"; likely {hints[0]}" if hints else "") + "); fix --flags"
+        )
+
+
+def _raw_payloads(group_files, step_arg):
+    payloads, notes = {}, []
+    for path in group_files:
+        c = _load(path)
+        step = _step_of(c, path, step_arg)
+        base = os.path.basename(path)
+        if c.kind == "model":
+            payloads[ckpt.model_filename(step)] = dict(c.state_dict)
+        elif c.kind == "ema":
+            rate = c.rate_str or "0.9999"
+            payloads[ckpt.ema_filename(rate, step)] = dict(c.state_dict)
+        elif c.kind == "opt":
+            if c.optimizer.get("format") == FORMAT:
+                try:
+                    payloads[ckpt.opt_filename(step)] = named_to_raw(c.optimizer, source=path)
+                except OptimizerStateError as e:
+                    raise ToolError(str(e)) from None
+                if len(c.optimizer.get("param_groups") or []) != 1:
+                    notes.append(f"{base}: {len(c.optimizer['param_groups'])} param groups; "
+                                 "upstream's AdamW(model.parameters()) has 1")
+                if c.trainer:
+                    notes.append(f"{base}: trainer state (data position, RNG) is not kept in "
+                                 "the raw file")
+            else:
+                payloads[ckpt.opt_filename(step)] = c.optimizer
+        elif c.kind == "combined":
+            if c.state_dict is not None:
+                payloads[ckpt.model_filename(step)] = dict(c.state_dict)
+            if c.optimizer is not None:
+                payloads[ckpt.opt_filename(step)] = c.optimizer
+        else:
+            raise ToolError(f"{path}: holds {_KIND_PHRASE['unknown']}; nothing to convert")
+    return payloads, notes
+
+
+def _safetensors_payloads(group_files, step_arg):
+    try:
+        from safetensors.torch import save as st_save
+    except ImportError:
+        raise ToolError(
+            "converting to safetensors needs the optional package safetensors: "
+            "pip install safetensors"
+        ) from None
+    payloads, notes = {}, []
+    for path in group_files:
+        c = _load(path)
+        base = os.path.basename(path)
+        if c.kind not in ("model", "ema", "combined"):
+            notes.append(f"{base}: {c.kind} file skipped (safetensors holds model weights only)")
+            continue
+        step = _step_of(c, path, step_arg)
+        sd = ckpt.model_state_from(c) if c.kind == "combined" else c.state_dict
+        meta = {"kind": c.kind, "step": str(step), "source": base}
+        if c.flags:
+            meta["flags"] = json.dumps(c.flags, sort_keys=True)
+        if c.kind == "ema":
+            rate = c.rate_str or "0.9999"
+            meta["rate"] = rate
+            name = f"ema_{rate}_{step:06d}.safetensors"
+        else:
+            name = f"model{step:06d}.safetensors"
+        tensors = {k: v.detach().contiguous().clone() for k, v in sd.items()}
+        payloads[name] = st_save(tensors, metadata=meta)
+    return payloads, notes
+
+
+def cmd_convert(args, out):
+    src = os.path.abspath(args.src)
+    out_dir = os.path.abspath(args.out)
+    src_dir = src if os.path.isdir(src) else os.path.dirname(src)
+    if os.path.realpath(out_dir) == os.path.realpath(src_dir):
+        raise UsageError("convert: --out must be a different directory from the source")
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise ToolError(f"{args.out}: is a file; --out must be a directory")
+    flags = None
+    if args.flags is not None:
+        flags, _, ignored = _parse_model_flags(args.flags)
+    groups = _source_files(args.src, args.step)
+    written, notes = [], []
+    plans = []
+    for step, files, status in groups:
+        if args.to == "tagged":
+            payloads, n = _tagged_payloads(files, flags, args.step)
+        elif args.to == "raw":
+            payloads, n = _raw_payloads(files, args.step)
+        else:
+            payloads, n = _safetensors_payloads(files, args.step)
+        notes += n
+        plans.append((step, payloads, status))
+    # Check every target name before writing anything.
+    for _, payloads, _ in plans:
+        for name in payloads:
+            if os.path.lexists(os.path.join(out_dir, name)):
+                raise ToolError(f"{os.path.join(args.out, name)}: already exists; refusing to "
+                                "overwrite (choose another --out)")
+    os.makedirs(out_dir, exist_ok=True)
+    for step, payloads, status in plans:
+        whole_step = (args.to == "tagged" and status is not None and status.complete
+                      and any(_slot_of(n) == "opt" for n in payloads)
+                      and any(_slot_of(n) == "model" for n in payloads))
+        try:
+            if whole_step:
+                ckpt.save_step(out_dir, step, payloads)
+                written.append(os.path.join(out_dir, ckpt.manifest_filename(step)))
+            else:
+                for name, obj in payloads.items():
+                    ckpt.atomic_write(os.path.join(out_dir, name), obj)
+                if args.to == "tagged" and payloads:
+                    notes.append(f"step {step}: written without a manifest (not a complete "
+                                 "step: it will not be resumed from)")
+        except ckpt.CheckpointError as e:
+            raise ToolError(str(e)) from None
+        written += [os.path.join(out_dir, n) for n in payloads]
+    rep = {"src": args.src, "to": args.to, "out": args.out, "written": sorted(written),
+           "notes": notes}
+    if flags is None and args.to == "tagged":
+        rep["notes"].append("no --flags given: the tagged model files store no flags")
+    if args.json:
+        _dump(rep, out)
+    else:
+        for p in sorted(written):
+            out.write(f"wrote {p}\n")
+        for n in rep["notes"]:
+            out.write(f"note: {n}\n")
+    return EXIT_OK
+
+
+# ---------------------------------------------------------------------------------------------
+# prune
+
+
+def cmd_prune(args, out):
+    if args.keep < 1:
+        raise UsageError("prune: --keep must be at least 1")
+    _require_dir(args.dir, "DIR")
+    steps = ckpt.list_steps(args.dir)
+    if not any(s.complete for s in steps):
+        raise ToolError(f"{args.dir}: no complete step; nothing pruned (see `ckpt.py verify`)")
+    deleted = ckpt.prune(args.dir, args.keep)
+    kept = sorted({s.step for s in ckpt.list_steps(args.dir)}, reverse=True)
+    rep = {"dir": args.dir, "keep": args.keep, "deleted": deleted, "remaining_steps": kept}
+    if args.json:
+        _dump(rep, out)
+    else:
+        for p in deleted:
+            out.write(f"deleted {p}\n")
+        out.write(f"{len(deleted)} file(s) deleted; steps left: "
+                  f"{', '.join(map(str, kept)) or 'none'}\n")
+    return EXIT_OK
+
+
+# ---------------------------------------------------------------------------------------------
+# main
+
+
+def _dump(obj, out):
+    out.write(json.dumps(obj, indent=1, sort_keys=False, default=_json_default) + "\n")
+
+
+def _json_default(o):
+    if isinstance(o, th.Tensor):
+        return o.tolist() if o.numel() <= 16 else f"tensor{list(o.shape)}"
+    if isinstance(o, (set, tuple)):
+        return list(o)
+    return str(o)
+
+
+def build_parser():
+    p = _Parser(prog="ckpt.py", description=__doc__.strip().splitlines()[0])
+    sub = p.add_subparsers(dest="command", parser_class=_Parser)
+    sp = sub.add_parser("inspect", help="what a checkpoint file is, with diagnoses")
+    sp.add_argument("files", nargs="+", metavar="FILE")
+    sp = sub.add_parser("verify", help="every step of a run directory and whether it resumes")
+    sp.add_argument("dir", metavar="DIR")
+    sp.add_argument("--quick", action="store_true",
+                    help="only names, sizes and manifests; do not load files or check sha256")
+    sp = sub.add_parser("diff", help="missing / unexpected / reshaped keys vs flags or a file")
+    sp.add_argument("file", metavar="FILE")
+    sp.add_argument("--flags", default=None, help='model flags, e.g. "--image_size 32 ..."')
+    sp.add_argument("--against", default=None, metavar="FILE2")
+    sp.add_argument("--want", choices=("model", "ema"), default="model",
+                    help="which weights of a combined file")
+    sp = sub.add_parser("convert", help="upstream -> tagged, tagged -> raw, weights -> safetensors")
+    sp.add_argument("src", metavar="SRC", help="a checkpoint file or a run directory")
+    sp.add_argument("--to", choices=("tagged", "raw", "safetensors"), required=True)
+    sp.add_argument("--out", required=True, metavar="DIR", help="output directory (new files)")
+    sp.add_argument("--flags", default=None, help="model flags to store in tagged files")
+    sp.add_argument("--step", type=int, default=None,
+                    help="only this step of a run dir (or the step of a file without one)")
+    sp = sub.add_parser("prune", help="delete old steps, keeping the newest K complete ones")
+    sp.add_argument("dir", metavar="DIR")
+    sp.add_argument("--keep", type=int, required=True, metavar="K")
+    return p
+
+
+_COMMANDS = {"inspect": cmd_inspect, "verify": cmd_verify, "diff": cmd_diff,
+             "convert": cmd_convert, "prune": cmd_prune}
+
+
+def main(argv=None, out=None, err=None):
+    """Run the CLI; returns the exit status (0 healthy, 1 problem found, 2 bad usage)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    out = out or sys.stdout
+    err = err or sys.stderr
+    as_json = "--json" in argv
+    argv = [a for a in argv if a != "--json"]
+    parser = build_parser()
+    try:
+        try:
+            args = parser.parse_args(argv)
+        except SystemExit as e:  # --help
+            return int(e.code or 0)
+        if not args.command:
+            raise UsageError("ckpt.py: give a command: inspect, verify, diff, convert or prune")
+        args.json = as_json
+        args.err = err
+        return _COMMANDS[args.command](args, out)
+    except UsageError as e:
+        _fail(f"{e} (see ckpt.py --help)", as_json, out, err)
+        return EXIT_USAGE
+    except (ToolError, ckpt.CheckpointError, OptimizerStateError) as e:
+        _fail(str(e), as_json, out, err)
+        return EXIT_PROBLEM
+    except KeyboardInterrupt:
+        _fail("interrupted", as_json, out, err)
+        return EXIT_PROBLEM
+    except Exception as e:  # never a traceback for a user's file
+        msg = " ".join(str(e).split())[:300]
+        _fail(f"unexpected {type(e).__name__}: {msg}", as_json, out, err)
+        return EXIT_PROBLEM
+
+
+def _fail(message, as_json, out, err):
+    message = " ".join(str(message).split())
+    err.write(f"error: {message}\n")
+    if as_json:
+        _dump({"ok": False, "error": message}, out)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
