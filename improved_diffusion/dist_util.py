@@ -16,6 +16,7 @@ collective is called by every rank in the same order; each function that synchro
 "Collective: call from all ranks with the same arguments." in its docstring.
 """
 
+import atexit
 import datetime
 import io
 import os
@@ -101,6 +102,7 @@ def setup_dist(backend=None, *, timeout=DEFAULT_TIMEOUT):
             _select_device(backend, local_rank)
             _set_threads(int(env.get("LOCAL_WORLD_SIZE", world)))
             dist.init_process_group(backend=backend, init_method="env://", timeout=timeout)
+            atexit.register(_cleanup_at_exit)
         return
 
     comm = _mpi_comm()
@@ -139,6 +141,8 @@ def setup_dist(backend=None, *, timeout=DEFAULT_TIMEOUT):
     os.environ.setdefault("LOCAL_RANK", str(local_rank))
     dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world,
                             timeout=timeout)
+    # Registered after mpi4py's MPI_Finalize hook, so it runs first (atexit is LIFO).
+    atexit.register(_cleanup_at_exit)
 
 
 def _routable_address():
@@ -157,6 +161,15 @@ def _routable_address():
 def _select_device(backend, local_rank):
     if th.cuda.is_available():
         th.cuda.set_device(local_rank % th.cuda.device_count())
+
+
+def _cleanup_at_exit():
+    # Without this, gloo's teardown at interpreter exit sometimes aborts the process
+    # ("terminate called without an active exception", exit signal 6) after a clean run.
+    try:
+        cleanup()
+    except Exception:
+        pass
 
 
 def cleanup():
