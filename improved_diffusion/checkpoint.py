@@ -6,7 +6,7 @@ docs/checkpoints.md is the reference for the format; keep it in step with this m
 
 Files of one step (``step`` = completed optimizer steps), in the log dir:
 
-    model{step:06d}.pt            {"schema", "version", "kind": "model", "step", "state_dict", "flags"}
+    model{step:06d}.pt         {"schema", "version", "kind": "model", "step", "state_dict", "flags"}
     ema_{rate}_{step:06d}.pt      {... "kind": "ema", "state_dict", "flags", "rate", "rate_str"}
     opt{step:06d}.pt              {... "kind": "opt", "optimizer", "trainer"}
     manifest{step:06d}.json       written LAST: {"step", "files": {name: {"size", "sha256"}}, ...}
@@ -51,7 +51,8 @@ _STEP_NAME_RES = (
     _OPT_RE,
     _MANIFEST_RE,
     re.compile(r"^ema_.+_(\d+)\.pt$"),
-    re.compile(r"^(?:model|ema|opt|ckpt|checkpoint)[_-]?(?:step[_-]?)?(\d+)\.(?:pt|pth|safetensors)$"),
+    re.compile(r"^(?:model|ema|opt|ckpt|checkpoint)[_-]?(?:step[_-]?)?(\d+)"
+               r"\.(?:pt|pth|safetensors)$"),
 )
 _PREFIXES = ("module.", "_orig_mod.")
 _COMBINED_MODEL_KEYS = ("model", "state_dict", "model_state_dict", "net")
@@ -62,7 +63,7 @@ _HEAD_BYTES = 4096
 
 
 class CheckpointError(Exception):
-    """A checkpoint file or directory problem; the one-line message names the file and what to do."""
+    """A checkpoint file/directory problem; the one-line message names the file and what to do."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -311,15 +312,22 @@ def _load_error_reason(e):
     """A one-line reason for a torch.load failure (never torch's "use weights_only=False")."""
     text = " ".join(str(e).split())
     if isinstance(e, pickle.UnpicklingError) and "Weights only load failed" in text:
-        m = re.search(r"WeightsUnpickler error: (.*?)(?:\. Check the| Check the|$)", text)
-        what = m.group(1)[:160] if m else "unsupported pickle content"
-        return (f"holds pickled objects that safe (weights_only) loading refuses ({what}); "
-                f"it was not executed")
+        m = re.search(r"GLOBAL ([\w.]+)", text)
+        if m:
+            return (f"holds pickled code/objects ({m.group(1)}) that safe (weights_only) loading "
+                    f"refuses; nothing in it was executed")
+        if re.search(r"Unsupported operand", text):
+            return "not a torch checkpoint (unreadable or corrupt pickle data)"
+        m = re.search(r"WeightsUnpickler error: (.*?)(?:\. |$)", text)
+        what = m.group(1)[:120] if m else "unsupported pickle content"
+        return (f"holds pickle content that safe (weights_only) loading refuses ({what}); "
+                f"nothing in it was executed")
     if "central directory" in text or "zip archive" in text or "PytorchStreamReader" in text:
         return "truncated or corrupt (the zip archive cannot be read)"
     if isinstance(e, (EOFError,)) or "Ran out of input" in text:
         return "truncated (ended early)"
-    if isinstance(e, pickle.UnpicklingError) or "invalid load key" in text:
+    if (isinstance(e, pickle.UnpicklingError) or "invalid load key" in text
+            or "magic number" in text):
         return "not a torch checkpoint (unreadable pickle data)"
     first = text[:160] or type(e).__name__
     return f"cannot be loaded ({type(e).__name__}: {first})"

@@ -205,7 +205,7 @@ def get_local_rank():
 
 
 def dev():
-    """The device for this rank: cuda:(local_rank % device_count) when CUDA is available, else cpu."""
+    """This rank's device: cuda:(local_rank % device_count) when CUDA is available, else cpu."""
     if th.cuda.is_available():
         return th.device(f"cuda:{get_local_rank() % th.cuda.device_count()}")
     return th.device("cpu")
@@ -402,5 +402,6 @@ def load_state_dict(path, **kwargs):
     except Exception as e:
         first = (str(e).strip().splitlines() or [type(e).__name__])[0]
         raise DistLoadError(
-            f"{os.fspath(path)}: not a loadable torch checkpoint ({type(e).__name__}: {first[:200]})"
+            f"{os.fspath(path)}: not a loadable torch checkpoint "
+            f"({type(e).__name__}: {first[:200]})"
         ) from None
