@@ -1,4 +1,5 @@
 """dist_util: helpers without a process group, and real multi-rank collectives under mpiexec."""
+import hashlib
 import json
 import os
 import subprocess
@@ -65,30 +66,61 @@ def test_single_process_read_errors_are_one_line_and_name_the_file(tmp_path):
     assert "\n" not in str(e.value)
 
 
-@pytest.mark.timeout(60)
-@pytest.mark.parametrize("n", [2, 3])
-def test_load_bytes_gives_every_rank_the_same_bytes_and_collectives_agree(tmp_path, n):
-    payload = tmp_path / "payload.bin"
+def _collective_run(tmp_path_factory, n):
+    """One mpiexec run of n ranks exercising load_bytes, the helpers, and both error paths."""
+    d = tmp_path_factory.mktemp(f"ranks{n}")
+    payload = d / "payload.bin"
     payload.write_bytes(os.urandom(3 * 1024 * 1024 + 17))
+    for i in range(n):
+        (d / f"f{i}.pt").write_bytes(b"x" * (i + 1))
     code = CHILD_PRELUDE + textwrap.dedent(f"""
         import hashlib
+        d = {str(d)!r}
         dist_util._CHUNK_BYTES = 1024 * 1024  # exercise the chunked broadcast
-        data = dist_util.load_bytes({str(payload)!r})
+        data = dist_util.load_bytes(d + "/payload.bin")
         t = th.tensor([float(rank)])
         dist_util.all_reduce_mean(t)
         p = th.full((4,), float(rank))
         dist_util.sync_params([p])
+        try:
+            dist_util.load_bytes(d + f"/f{{rank}}.pt")
+            mismatch = None
+        except dist_util.DistMismatchError as e:
+            mismatch = str(e)
+        try:
+            dist_util.load_state_dict(d + "/model000100.pt")
+            missing = None
+        except FileNotFoundError as e:
+            missing = str(e)
+        dist_util.barrier()  # every rank is still in step after the errors
         report(world=dist_util.get_world_size(), dist=dist_util.is_distributed(),
                sha=hashlib.sha256(data).hexdigest(), n=len(data),
                obj=dist_util.broadcast_object({{"from": rank}}),
                gathered=dist_util.all_gather_object(rank * 10),
                any1=dist_util.any_rank(rank == {n - 1}), any0=dist_util.any_rank(False),
-               mean=t.item(), synced=p.tolist())
-        dist_util.cleanup()
+               mean=t.item(), synced=p.tolist(), mismatch=mismatch, missing=missing)
     """)
     res = _results(run_module_mpi(n, code, timeout=50))
     assert sorted(res) == list(range(n))
-    import hashlib
+    return d, res
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    return _collective_run(tmp_path_factory, 2)
+
+
+@pytest.fixture(scope="module")
+def three_ranks(tmp_path_factory):
+    return _collective_run(tmp_path_factory, 3)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("run", ["two_ranks", "three_ranks"])
+def test_load_bytes_gives_every_rank_the_same_bytes_and_collectives_agree(request, run):
+    d, res = request.getfixturevalue(run)
+    n = len(res)
+    payload = d / "payload.bin"
     want = hashlib.sha256(payload.read_bytes()).hexdigest()
     for r in res.values():
         assert r["world"] == n and r["dist"]
@@ -101,40 +133,23 @@ def test_load_bytes_gives_every_rank_the_same_bytes_and_collectives_agree(tmp_pa
 
 
 @pytest.mark.timeout(60)
-def test_ranks_asking_for_different_files_all_fail_with_a_clear_error(tmp_path):
-    for i in range(3):
-        (tmp_path / f"f{i}.pt").write_bytes(b"x" * (i + 1))
-    code = CHILD_PRELUDE + textwrap.dedent(f"""
-        try:
-            dist_util.load_bytes({str(tmp_path)!r} + f"/f{{rank}}.pt")
-            report(error=None)
-        except dist_util.DistMismatchError as e:
-            report(error=str(e))
-        dist_util.barrier()  # every rank is still in step after the error
-    """)
-    res = _results(run_module_mpi(3, code, timeout=50))
-    assert sorted(res) == [0, 1, 2]
-    messages = {r["error"] for r in res.values()}
+@pytest.mark.parametrize("run", ["two_ranks", "three_ranks"])
+def test_ranks_asking_for_different_files_all_fail_with_a_clear_error(request, run):
+    d, res = request.getfixturevalue(run)
+    messages = {r["mismatch"] for r in res.values()}
     assert len(messages) == 1
     msg = messages.pop()
     assert msg and "\n" not in msg and "different files" in msg
-    for i in range(3):
-        assert f"rank {i}: {tmp_path}/f{i}.pt" in msg
+    for i in range(len(res)):
+        assert f"rank {i}: {d}/f{i}.pt" in msg
 
 
 @pytest.mark.timeout(60)
-def test_a_missing_file_raises_the_same_error_on_every_rank(tmp_path):
-    missing = tmp_path / "model000100.pt"
-    code = CHILD_PRELUDE + textwrap.dedent(f"""
-        try:
-            dist_util.load_state_dict({str(missing)!r})
-            report(error=None)
-        except FileNotFoundError as e:
-            report(error=str(e), type=type(e).__name__)
-    """)
-    res = _results(run_module_mpi(2, code, timeout=50))
-    assert sorted(res) == [0, 1]
-    assert res[0]["error"] == res[1]["error"] == f"{missing}: no such file; check the path"
+@pytest.mark.parametrize("run", ["two_ranks", "three_ranks"])
+def test_a_missing_file_raises_the_same_error_on_every_rank(request, run):
+    d, res = request.getfixturevalue(run)
+    for r in res.values():
+        assert r["missing"] == f"{d}/model000100.pt: no such file; check the path"
 
 
 @pytest.mark.timeout(60)
