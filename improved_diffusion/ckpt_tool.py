@@ -683,12 +683,35 @@ def _param_names_for_opt(opt_path, files, flags, c_opt):
     return [(n, tuple(t.shape)) for n, t in sd.items()]
 
 
+class _Payloads(dict):
+    """{output file name: payload}; two sources mapping to one name is an error."""
+
+    def __setitem__(self, name, value):
+        if name in self:
+            raise ToolError(f"{name}: two source files convert to this name; convert them "
+                            "one at a time into different --out directories")
+        super().__setitem__(name, value)
+
+
+def _wrong_slot(c, path, notes):
+    """True (with a note) when a file's kind contradicts its name's slot: it is not converted."""
+    slot = _slot_of(path)
+    if (slot == "opt" and c.kind in ("model", "ema")) or (slot in ("model", "ema")
+                                                          and c.kind == "opt"):
+        notes.append(f"{os.path.basename(path)}: the {_SLOT_PHRASE[slot]} slot holds "
+                     f"{_KIND_PHRASE[c.kind]}; not converted (see `ckpt.py inspect`)")
+        return True
+    return False
+
+
 def _tagged_payloads(group_files, flags, step_arg):
     """{filename: payload} (tagged) for the files of one step; notes."""
-    payloads, notes = {}, []
+    payloads, notes = _Payloads(), []
     for path in group_files:
         c = _load(path)
         base = os.path.basename(path)
+        if _wrong_slot(c, path, notes):
+            continue
         step = _step_of(c, path, step_arg)
         if c.tagged:
             with open(path, "rb") as f:
@@ -705,8 +728,6 @@ def _tagged_payloads(group_files, flags, step_arg):
             else:
                 payloads[ckpt.model_filename(step)] = ckpt.model_payload(step, c.state_dict, flags)
         elif c.kind == "opt":
-            if _slot_of(path) in ("model", "ema"):
-                raise ToolError(f"{path}: the model slot holds optimizer state; fix the file first")
             names = _param_names_for_opt(path, group_files, flags, c)
             try:
                 named = convert_to_named(c.optimizer, names, source=path)
@@ -754,9 +775,11 @@ def _check_fits(sd, flags, path):
 
 
 def _raw_payloads(group_files, step_arg):
-    payloads, notes = {}, []
+    payloads, notes = _Payloads(), []
     for path in group_files:
         c = _load(path)
+        if _wrong_slot(c, path, notes):
+            continue
         step = _step_of(c, path, step_arg)
         base = os.path.basename(path)
         if c.kind == "model":
@@ -796,10 +819,12 @@ def _safetensors_payloads(group_files, step_arg):
             "converting to safetensors needs the optional package safetensors: "
             "pip install safetensors"
         ) from None
-    payloads, notes = {}, []
+    payloads, notes = _Payloads(), []
     for path in group_files:
         c = _load(path)
         base = os.path.basename(path)
+        if _wrong_slot(c, path, notes):
+            continue
         if c.kind not in ("model", "ema", "combined"):
             notes.append(f"{base}: {c.kind} file skipped (safetensors holds model weights only)")
             continue

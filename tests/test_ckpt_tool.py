@@ -388,3 +388,16 @@ def test_module_entry_point_runs_the_tool():
                 check=False)
     assert proc.returncode == 0, proc.stdout
     assert json.loads(proc.stdout[proc.stdout.index("{"):])["resume_step"] == 10
+
+
+def test_convert_skips_a_model_state_dict_in_the_opt_slot_and_writes_no_manifest(tmp_path):
+    model = tiny_model()
+    src = tmp_path / "run"
+    src.mkdir()
+    th.save(model.state_dict(), src / "model000004.pt")
+    th.save(model.state_dict(), src / "opt000004.pt")
+    code, out, err = cli("convert", src, "--to", "tagged", "--out", tmp_path / "out")
+    assert code == 0, err
+    assert "opt000004.pt: the optimizer slot holds a model state dict; not converted" in out
+    assert sorted(os.listdir(tmp_path / "out")) == ["model000004.pt"]
+    assert not ckpt.list_steps(tmp_path / "out")[0].complete
