@@ -134,12 +134,13 @@ def reconcile_flags(file_flags, explicit, defaults, *, source="the model file",
     for k in defaults:
         if k not in explicit:
             continue
-        if k in file_flags and k not in sample_time and not same_flag_value(explicit[k],
-                                                                           file_flags[k]):
-            raise FlagConflictError(
-                f"--{k} {explicit[k]} contradicts {source}, which was trained with "
-                f"{k}={file_flags[k]}; drop --{k} (the file's flags are used)"
-            )
+        if k in file_flags and k not in sample_time:
+            if not same_flag_value(explicit[k], file_flags[k]):
+                raise FlagConflictError(
+                    f"--{k} {explicit[k]} contradicts {source}, which was trained with "
+                    f"{k}={file_flags[k]}; drop --{k} (the file's flags are used)"
+                )
+            continue
         flags[k] = explicit[k]
     return flags
 
