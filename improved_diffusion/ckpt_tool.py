@@ -419,7 +419,8 @@ def cmd_verify(args, out):
         w = out.write
         w(f"{rep['dir']}: {len(rep['steps'])} step(s), newest first\n")
         for r in rep["steps"]:
-            state = "ok" if not r["problems"] else ("resumable" if r["resumable"] else "NOT resumable")
+            state = "ok" if not r["problems"] else (
+                "resumable" if r["resumable"] else "NOT resumable")
             kind = "legacy" if r["legacy"] else "tagged"
             w(f"  step {r['step']:>8}  {state:<13} {kind:<6}  {', '.join(r['files'])}\n")
             for p in r["problems"]:
@@ -530,7 +531,8 @@ def likely_flags(file_shapes, want_shapes, file_flags=None, want_flags=None):
     elif lab_f and file_shapes["label_emb.weight"][0] != want_shapes["label_emb.weight"][0]:
         hints.append(f"--num_classes (file: {file_shapes['label_emb.weight'][0]}, "
                      f"other: {want_shapes['label_emb.weight'][0]})")
-    te_f, te_w = shape(file_shapes, "time_embed.0.weight"), shape(want_shapes, "time_embed.0.weight")
+    te_f = shape(file_shapes, "time_embed.0.weight")
+    te_w = shape(want_shapes, "time_embed.0.weight")
     if te_f and te_w and te_f[1] != te_w[1]:
         hints.append(f"--num_channels (file: {te_f[1]}, other: {te_w[1]})")
     diff = set(file_shapes) ^ set(want_shapes)
@@ -854,7 +856,7 @@ def cmd_convert(args, out):
         raise ToolError(f"{args.out}: is a file; --out must be a directory")
     flags = None
     if args.flags is not None:
-        flags, _, ignored = _parse_model_flags(args.flags)
+        flags, _, _ = _parse_model_flags(args.flags)
     groups = _source_files(args.src, args.step)
     written, notes = [], []
     plans = []

@@ -32,7 +32,7 @@ makes `fresh_opt.state_dict()` equal `opt.state_dict()` tensor for tensor.
 """
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch as th
 
@@ -335,7 +335,8 @@ def _unflatten(parts, named, source, layout, saved_numel, model_numel):
             new_entry = {}
             for k, v in entry.items():
                 if k in flat:
-                    new_entry[k] = v.reshape(-1)[offset:offset + numel].reshape(shapes[name]).clone()
+                    piece = v.reshape(-1)[offset:offset + numel]
+                    new_entry[k] = piece.reshape(shapes[name]).clone()
                 elif isinstance(v, th.Tensor):
                     new_entry[k] = v.clone()
                 else:

@@ -263,7 +263,7 @@ def test_diff_against_flags_finds_the_differing_flag():
     assert list(rep["reshaped"]) == ["out.2.weight", "out.2.bias"]
     assert rep["likely_flags"][0].startswith("--learn_sigma")
     code, out, _ = cli("diff", RUN / "model000010.pt", "--flags",
-                       RUN_FLAGS.replace("--attention_resolutions 16", "--attention_resolutions 16,8"))
+                       RUN_FLAGS.replace("attention_resolutions 16", "attention_resolutions 16,8"))
     assert code == 1 and "missing" in out and "--attention_resolutions" in out
 
 

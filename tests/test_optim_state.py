@@ -26,7 +26,10 @@ RUN_FLAGS = dict(
 
 
 def small_unet(**overrides):
-    from improved_diffusion.script_util import create_model_and_diffusion, model_and_diffusion_defaults
+    from improved_diffusion.script_util import (
+        create_model_and_diffusion,
+        model_and_diffusion_defaults,
+    )
 
     flags = model_and_diffusion_defaults()
     flags.update(RUN_FLAGS)
