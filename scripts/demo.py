@@ -1,0 +1,512 @@
+"""`make demo`: the whole pipeline on real data, end to end, on 2 CPU processes.
+
+    python scripts/demo.py [--out demo_out] [--steps N] [--batch_size B] [--num_samples 100]
+    python scripts/demo.py --tiny --out /tmp/demo     # a few steps, a handful of samples (tests)
+
+1. data      scikit-learn's bundled 8x8 digits written as an image folder at --image_size px
+             (datasets/digits.py; no download).
+2. train     a small class-conditional UNet: `mpiexec -n 2 python scripts/train.py ...`.
+3. preempt   about halfway, SIGTERM goes to one rank: all ranks save a complete checkpoint and
+             exit with code 75 (what a job scheduler would requeue on).
+4. resume    the very same command again: it auto-resumes from the newest complete step and
+             trains to the end.
+5. sample    `mpiexec -n 2 python scripts/sample.py` from the EMA weights with DDIM: --num_samples
+             digits, classes 0..9 in turn (each grid column one class), npz + PNG grid.
+6. evaluate  a classifier trained on the real digits scores the samples (scripts/eval_digits.py):
+             mean confidence, label agreement, class histogram, Frechet distance vs real halves.
+
+Everything lands in --out (default demo_out/ in the repository): data/, run/ (checkpoints and
+logs), samples/ (npz and grid PNG), eval.json and summary.txt. An --out that holds a finished run
+is never overwritten: its summary is shown again (pass a new --out to run afresh). An --out with an
+unfinished run of the same settings is continued (training auto-resumes); different settings are
+an error. Exit code 0 on success, 1 when a stage fails, 2 for bad usage.
+"""
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BIN = os.path.dirname(sys.executable)
+PREEMPTED_EXIT_CODE = 75  # train_util.PREEMPTED_EXIT_CODE (not imported: keep startup light)
+
+# Settings that define a run; an --out holding other values is a different run.
+RUN_KEYS = ("image_size", "steps", "batch_size", "lr", "ema_rate", "num_channels",
+            "num_res_blocks", "channel_mult", "diffusion_steps", "noise_schedule", "seed", "ranks")
+
+
+class DemoError(Exception):
+    """A stage failed or the input is unusable; one line."""
+
+    exit_code = 1
+
+
+class UsageError(DemoError):
+    exit_code = 2
+
+
+# ---------------------------------------------------------------------------------------------
+# flags
+
+
+def create_argparser():
+    p = argparse.ArgumentParser(
+        description="End-to-end demo: digits -> mpiexec training with preemption and auto-resume "
+        "-> DDIM samples -> evaluation.")
+    p.add_argument("--out", default=os.path.join(REPO, "demo_out"),
+                   help="output directory (default: demo_out/ in the repository)")
+    p.add_argument("--tiny", action="store_true",
+                   help="a few steps and a handful of samples (what the test suite runs)")
+    p.add_argument("--image_size", type=int, default=None, help="digit size in px (default 16)")
+    p.add_argument("--steps", type=int, default=None, help="training steps in total")
+    p.add_argument("--batch_size", type=int, default=None, help="batch size per rank")
+    p.add_argument("--lr", type=float, default=None)
+    p.add_argument("--ema_rate", default=None)
+    p.add_argument("--num_channels", type=int, default=None)
+    p.add_argument("--num_res_blocks", type=int, default=None)
+    p.add_argument("--channel_mult", default=None)
+    p.add_argument("--diffusion_steps", type=int, default=None)
+    p.add_argument("--noise_schedule", default=None)
+    p.add_argument("--num_samples", type=int, default=None, help="digits to sample (default 100)")
+    p.add_argument("--sample_steps", default=None, help="DDIM steps (timestep_respacing ddimN)")
+    p.add_argument("--sample_batch_size", type=int, default=None)
+    p.add_argument("--ranks", type=int, default=2, help="processes for mpiexec (default 2)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no_preempt", action="store_true", help="skip the preemption/resume show")
+    return p
+
+
+def settings_from(args):
+    """The demo's settings: defaults (or --tiny's), overridden by the flags given."""
+    if args.tiny:
+        s = dict(image_size=8, steps=40, batch_size=4, lr=2e-3, ema_rate="0.9",
+                 num_channels=32, num_res_blocks=1, channel_mult="1,2", diffusion_steps=20,
+                 noise_schedule="cosine", num_samples=10, sample_steps=5,
+                 sample_batch_size=10, log_interval=2)
+    else:
+        s = dict(image_size=16, steps=1800, batch_size=32, lr=2e-3, ema_rate="0.995",
+                 num_channels=32, num_res_blocks=1, channel_mult="1,2,2", diffusion_steps=200,
+                 noise_schedule="cosine", num_samples=100, sample_steps=25,
+                 sample_batch_size=50, log_interval=100)
+    for k in list(s):
+        v = getattr(args, k, None)
+        if v is not None:
+            s[k] = v
+    s["ranks"] = args.ranks
+    s["seed"] = args.seed
+    for k in ("steps", "batch_size", "num_samples", "sample_batch_size", "ranks", "image_size",
+              "diffusion_steps"):
+        if int(s[k]) < 1:
+            raise UsageError(f"--{k} must be at least 1 (got {s[k]})")
+    if int(s["steps"]) < 4:
+        raise UsageError(f"--steps {s['steps']}: at least 4, to preempt halfway and resume")
+    s["sample_steps"] = str(s["sample_steps"]).replace("ddim", "")
+    return s
+
+
+# ---------------------------------------------------------------------------------------------
+# child processes
+
+
+def _child_env():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    env["PATH"] = BIN + os.pathsep + env.get("PATH", "")
+    env["PYTHONUNBUFFERED"] = "1"
+    env.pop("OPENAI_LOGDIR", None)
+    # One thread per rank: the ranks share the cores.
+    env.setdefault("OMP_NUM_THREADS", "1")
+    # torch's DDP deprecation / bucket-stride notices are noise for a demo.
+    env.setdefault("PYTHONWARNINGS", "ignore::FutureWarning,ignore::UserWarning")
+    return env
+
+
+def _mpiexec():
+    cand = os.path.join(BIN, "mpiexec")
+    return cand if os.path.exists(cand) else "mpiexec"
+
+
+def _descendants(pid):
+    """Pids of all descendants of `pid` (Linux /proc); [] where /proc is unavailable."""
+    children = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for e in entries:
+        if not e.isdigit():
+            continue
+        try:
+            with open(f"/proc/{e}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(e))
+    out, todo = [], [pid]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            out.append(c)
+            todo.append(c)
+    return out
+
+
+def _rank_pid(launcher_pid, script, rank):
+    """The pid of MPI rank `rank` running `script` under the launcher, or None."""
+    found = []
+    for pid in _descendants(launcher_pid):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read()
+        except OSError:
+            continue
+        if script.encode() not in cmd:
+            continue
+        r = None
+        try:
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                for kv in f.read().split(b"\0"):
+                    if kv.startswith(b"PMI_RANK=") or kv.startswith(b"OMPI_COMM_WORLD_RANK="):
+                        r = int(kv.split(b"=", 1)[1])
+        except (OSError, ValueError):
+            pass
+        found.append((r, pid))
+    for r, pid in found:
+        if r == rank:
+            return pid
+    return found[-1][1] if found else None
+
+
+class _TableCondenser:
+    """Turns the logger's key/value tables into one line each: `step 300  loss 0.071 ...`."""
+
+    KEYS = ("step", "loss", "mse", "grad_norm", "samples")
+
+    def __init__(self, t0):
+        self.t0 = t0
+        self.rows = None
+        self.last_step = None
+
+    def feed(self, line):
+        """Returns the text to print for `line` (None: swallowed into a table)."""
+        s = line.strip()
+        if s.startswith("---") and set(s) == {"-"}:
+            if self.rows is None:
+                self.rows = {}
+                return None
+            rows, self.rows = self.rows, None
+            if "step" in rows:
+                try:
+                    self.last_step = int(float(rows["step"]))
+                except ValueError:
+                    pass
+            parts = [f"{k} {rows[k]}" for k in self.KEYS if k in rows]
+            return "  " + "  ".join(parts) + f"  ({time.time() - self.t0:.0f} s)"
+        if self.rows is not None and s.startswith("|"):
+            cells = [c.strip() for c in s.strip("|").split("|")]
+            if len(cells) == 2:
+                self.rows[cells[0]] = cells[1]
+                return None
+        return line
+
+
+def run_child(cmd, *, label, on_line=None, condense=False):
+    """Run `cmd`, streaming its output (tables condensed); returns (exit code, output text).
+
+    `on_line(line, proc, condenser)` is called for every complete output line.
+    """
+    print(f"$ {' '.join(_quote(c) for c in cmd)}", flush=True)
+    t0 = time.time()
+    proc = subprocess.Popen(cmd, cwd=REPO, env=_child_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    cond = _TableCondenser(t0) if condense else None
+    captured = []
+    buf = b""
+    try:
+        while True:
+            chunk = os.read(proc.stdout.fileno(), 65536)
+            if not chunk:
+                break
+            buf += chunk
+            while True:
+                i_n, i_r = buf.find(b"\n"), buf.find(b"\r")
+                cut = min(i for i in (i_n, i_r) if i >= 0) if max(i_n, i_r) >= 0 else -1
+                if cut < 0:
+                    break
+                raw, end, buf = buf[:cut], buf[cut:cut + 1], buf[cut + 1:]
+                line = raw.decode("utf-8", "replace")
+                if end == b"\r":  # a progress bar redrawing itself
+                    sys.stdout.write("\r" + line)
+                    sys.stdout.flush()
+                    continue
+                captured.append(line)
+                shown = cond.feed(line) if cond is not None else line
+                if shown is not None:
+                    sys.stdout.write(shown + "\n")
+                    sys.stdout.flush()
+                if on_line is not None:
+                    on_line(line, proc, cond)
+        if buf:
+            captured.append(buf.decode("utf-8", "replace"))
+            sys.stdout.write(captured[-1] + "\n")
+        code = proc.wait()
+    except BaseException:
+        _terminate(proc)
+        raise
+    print(f"[{label}: exit code {code}, {time.time() - t0:.0f} s]", flush=True)
+    return code, "\n".join(captured)
+
+
+def _terminate(proc):
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _quote(s):
+    s = str(s)
+    return s if s and all(c.isalnum() or c in "-_./=:," for c in s) else repr(s)
+
+
+# ---------------------------------------------------------------------------------------------
+# stages
+
+
+def stage(n, total, text):
+    print(f"\n=== [{n}/{total}] {text}", flush=True)
+
+
+def prepare_data(out, s):
+    """Write the digits image folder (datasets/digits.py; idempotent). Returns the folder."""
+    data_dir = os.path.join(out, "data")
+    sys.path.insert(0, os.path.join(REPO, "datasets"))
+    import digits  # datasets/digits.py
+
+    t0 = time.time()
+    try:
+        digits.write_digits_folder(data_dir, s["image_size"])
+    except ValueError as e:
+        raise UsageError(f"--image_size {s['image_size']}: {e}") from None
+    print(f"[data: {time.time() - t0:.0f} s]", flush=True)
+    return data_dir
+
+
+def train_cmd(data_dir, run_dir, s):
+    return [
+        _mpiexec(), "-n", str(s["ranks"]), sys.executable, os.path.join(REPO, "scripts", "train.py"),
+        "--data_dir", data_dir, "--log_dir", run_dir,
+        "--image_size", str(s["image_size"]), "--class_cond", "True", "--num_classes", "10",
+        "--num_channels", str(s["num_channels"]), "--num_res_blocks", str(s["num_res_blocks"]),
+        "--channel_mult", str(s["channel_mult"]), "--attention_resolutions", "",
+        "--learn_sigma", "False", "--diffusion_steps", str(s["diffusion_steps"]),
+        "--noise_schedule", str(s["noise_schedule"]),
+        "--lr", str(s["lr"]), "--batch_size", str(s["batch_size"]),
+        "--ema_rate", str(s["ema_rate"]), "--max_steps", str(s["steps"]),
+        "--log_interval", str(s["log_interval"]), "--save_interval", "0",
+        "--keep_checkpoints", "2", "--seed", str(s["seed"]),
+        "--resume_checkpoint", "auto",
+    ]
+
+
+def train_with_preemption(data_dir, run_dir, s, preempt=True):
+    """Train to s["steps"]: preempt halfway (SIGTERM to rank 1), then rerun to auto-resume.
+
+    Returns a dict: preempted (bool), preempt_exit (int|None), preempted_at (step|None),
+    resumed_from (step|None).
+    """
+    cmd = train_cmd(data_dir, run_dir, s)
+    half = max(1, s["steps"] // 2)
+    info = {"preempted": False, "preempt_exit": None, "preempted_at": None,
+            "resumed_from": None}
+    state = {"sent": False}
+    already = _newest_step(run_dir)
+
+    def watch(line, proc, cond):
+        if state["sent"] or not preempt or cond is None or cond.last_step is None:
+            return
+        if cond.last_step >= half:
+            target = _rank_pid(proc.pid, "train.py", rank=min(1, s["ranks"] - 1))
+            state["sent"] = True
+            if target is None:
+                print("  (no rank pid found under /proc; sending SIGTERM to mpiexec)",
+                      flush=True)
+                target = proc.pid
+            print(f"\n>>> preempting: SIGTERM to rank {min(1, s['ranks'] - 1)} (pid {target}) "
+                  f"after step {cond.last_step}; all ranks should save and exit with code "
+                  f"{PREEMPTED_EXIT_CODE}\n", flush=True)
+            try:
+                os.kill(target, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+
+    if already is not None and already >= half:
+        print(f"{run_dir} already holds step {already} (past halfway): continuing without the "
+              f"preemption show", flush=True)
+        preempt = False
+    code, text = run_child(cmd, label="train", on_line=watch, condense=True)
+    if code == PREEMPTED_EXIT_CODE:
+        info.update(preempted=True, preempt_exit=code, preempted_at=_newest_step(run_dir))
+        print(f"\n>>> training exited with code {code} (preempted) and a complete checkpoint "
+              f"at step {info['preempted_at']}. Rerunning the same command: it auto-resumes.\n",
+              flush=True)
+        code, text = run_child(cmd, label="train (resumed)", condense=True)
+        for line in text.splitlines():
+            if "auto-resume" in line or line.startswith("resumed at step"):
+                print(f">>> {line.strip()}", flush=True)
+        info["resumed_from"] = info["preempted_at"]
+    elif state["sent"]:
+        print(">>> training ended before the preemption signal took effect", flush=True)
+    if code != 0:
+        raise DemoError(f"training failed (exit code {code}); see the output above. Rerun the "
+                        f"same command to resume from {run_dir}")
+    step = _newest_step(run_dir)
+    if step is None or step < s["steps"]:
+        raise DemoError(f"training ended at step {step}, not {s['steps']}; rerun to resume")
+    return info
+
+
+def _newest_step(run_dir):
+    """Newest complete step in run_dir (None when none)."""
+    sys.path.insert(0, REPO)
+    from improved_diffusion import checkpoint
+
+    if not os.path.isdir(run_dir):
+        return None
+    st = checkpoint.latest_complete_step(run_dir, warn=lambda m: None)
+    return None if st is None else st.step
+
+
+def sample(run_dir, samples_dir, s):
+    """DDIM samples from the EMA weights of the final step. Returns (npz, png)."""
+    ema = os.path.join(run_dir, f"ema_{s['ema_rate']}_{s['steps']:06d}.pt")
+    n = s["num_samples"]
+    cmd = [
+        _mpiexec(), "-n", str(s["ranks"]), sys.executable,
+        os.path.join(REPO, "scripts", "sample.py"),
+        "--model_path", ema, "--log_dir", samples_dir, "--num_samples", str(n),
+        "--batch_size", str(s["sample_batch_size"]), "--use_ddim", "True",
+        "--timestep_respacing", f"ddim{s['sample_steps']}",
+        "--classes", ",".join(str(c) for c in range(10)), "--seed", str(s["seed"]),
+        "--overwrite", "True",
+    ]
+    code, _ = run_child(cmd, label="sample")
+    if code != 0:
+        raise DemoError(f"sampling failed (exit code {code}); see the output above")
+    size = s["image_size"]
+    base = os.path.join(samples_dir, f"samples_{n}x{size}x{size}x3")
+    return base + ".npz", base + ".png"
+
+
+def evaluate(npz, out):
+    """Score the samples (datasets/digits.py, as scripts/eval_digits.py); writes eval.json."""
+    sys.path.insert(0, os.path.join(REPO, "datasets"))
+    import warnings
+
+    import digits  # datasets/digits.py
+
+    t0 = time.time()
+    print(f"$ python scripts/eval_digits.py {npz}   (run in-process)", flush=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # sklearn's SVC(probability=True) notice
+        try:
+            fig = digits.evaluate_npz(npz)
+        except (OSError, ValueError) as e:
+            raise DemoError(f"evaluation failed: {e}") from None
+    print(digits.format_report(fig), flush=True)
+    with open(os.path.join(out, "eval.json"), "w") as f:
+        json.dump(fig, f, indent=1)
+    print(f"[evaluate: {time.time() - t0:.0f} s]", flush=True)
+    return fig
+
+
+# ---------------------------------------------------------------------------------------------
+# main
+
+
+def summary_lines(out, png, npz, fig, info, s, seconds):
+    hist = fig.get("histogram")
+    lines = [
+        f"demo finished in {seconds / 60:.1f} min ({s['steps']} steps at batch "
+        f"{s['batch_size']} x {s['ranks']} ranks, DDIM {s['sample_steps']} steps)",
+        "preemption: " + (
+            f"SIGTERM at step {info['preempted_at']} -> exit code {info['preempt_exit']}; "
+            f"auto-resumed from step {info['resumed_from']} to {s['steps']}"
+            if info.get("preempted") else "not shown this time"),
+        f"samples: {npz}",
+        f"grid:    {png}   (column c = class c)",
+        f"mean classifier confidence: {fig['mean_confidence']:.3f}",
+        f"label agreement:            {fig['label_agreement']:.3f}",
+        f"class histogram (0..9):     {' '.join(str(c) for c in hist)}",
+        f"Frechet distance (classifier features): generated vs real "
+        f"{fig['fid_real_vs_generated']:.2f} | real half vs half {fig['fid_real_halves']:.2f}"
+        f" | {fig['num_samples']} real vs real {fig['fid_real_subset_same_n']:.2f}",
+    ]
+    return lines
+
+
+def main(argv=None):
+    args = create_argparser().parse_args(argv)
+    t0 = time.time()
+    s = settings_from(args)
+    out = os.path.abspath(args.out)
+    run_dir, samples_dir = os.path.join(out, "run"), os.path.join(out, "samples")
+    summary_path = os.path.join(out, "summary.txt")
+    settings_path = os.path.join(out, "settings.json")
+    run_settings = {k: s[k] for k in RUN_KEYS}
+
+    if os.path.exists(summary_path):
+        print(f"{out} already holds a finished demo run; its results:\n", flush=True)
+        with open(summary_path) as f:
+            sys.stdout.write(f.read())
+        print(f"\n(nothing was changed; pass --out NEW_DIR to run the demo again)", flush=True)
+        return 0
+    if os.path.exists(settings_path):
+        with open(settings_path) as f:
+            old = json.load(f)
+        diff = [k for k in RUN_KEYS if str(old.get(k)) != str(run_settings[k])]
+        if diff:
+            k = diff[0]
+            raise UsageError(
+                f"--out {out} holds an unfinished run with {k}={old.get(k)} (now {run_settings[k]})"
+                f"; pass the same settings to continue it, or a new --out")
+        print(f"continuing the unfinished demo run in {out}", flush=True)
+    elif os.path.isdir(out) and os.listdir(out):
+        raise UsageError(f"--out {out} is not empty and holds no demo run; pass a new --out")
+    os.makedirs(out, exist_ok=True)
+    with open(settings_path, "w") as f:
+        json.dump(run_settings, f, indent=1)
+
+    total = 5
+    print(f"demo settings: {json.dumps(s)}\noutput: {out}", flush=True)
+    stage(1, total, f"data: scikit-learn digits as {s['image_size']}px images")
+    data_dir = prepare_data(out, s)
+    stage(2, total, f"train with mpiexec -n {s['ranks']}, preempted halfway, then auto-resumed")
+    info = train_with_preemption(data_dir, run_dir, s, preempt=not args.no_preempt)
+    stage(3, total, f"sample {s['num_samples']} digits from the EMA weights (DDIM)")
+    npz, png = sample(run_dir, samples_dir, s)
+    stage(4, total, "evaluate with a classifier trained on the real digits")
+    fig = evaluate(npz, out)
+    stage(5, total, "summary")
+    lines = summary_lines(out, png, npz, fig, info, s, time.time() - t0)
+    with open(summary_path + ".tmp", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    os.replace(summary_path + ".tmp", summary_path)
+    print("\n".join(lines), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except DemoError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(e.exit_code)
+    except KeyboardInterrupt:
+        print("\ninterrupted; rerun the same command to continue", file=sys.stderr, flush=True)
+        sys.exit(130)

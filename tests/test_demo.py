@@ -1,0 +1,74 @@
+"""`make demo` at a tiny size, through the same Makefile target and script the real demo uses."""
+import json
+import subprocess
+
+import numpy as np
+import pytest
+
+from conftest import PY, REPO, child_env
+
+DEMO_TIMEOUT = 85
+
+
+def _make_demo(out, *extra, timeout=DEMO_TIMEOUT):
+    args = " ".join(["--tiny", "--out", str(out), *extra])
+    cmd = ["make", "--no-print-directory", "demo-run", f"PY={PY}", f"DEMO_ARGS={args}"]
+    try:
+        return subprocess.run(cmd, cwd=REPO, env=child_env(), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, timeout=timeout,
+                              stdin=subprocess.DEVNULL)
+    except subprocess.TimeoutExpired as e:
+        out_text = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        pytest.fail(f"make demo-run timed out after {timeout}s (a hang?)\n{out_text[-4000:]}")
+
+
+@pytest.fixture(scope="module")
+def tiny_demo(tmp_path_factory):
+    out = tmp_path_factory.mktemp("demo") / "out"
+    proc = _make_demo(out)
+    assert proc.returncode == 0, proc.stdout[-6000:]
+    return out, proc.stdout
+
+
+@pytest.mark.timeout(DEMO_TIMEOUT + 10)
+def test_tiny_demo_trains_is_preempted_resumes_samples_and_prints_its_figures(tiny_demo):
+    out, text = tiny_demo
+    # preempted with the documented exit code, then auto-resumed by the same command
+    assert "[train: exit code 75" in text
+    assert "auto-resume: newest complete step" in text
+    assert "resumed at step" in text
+    assert "[train (resumed): exit code 0" in text
+    # samples and grid
+    npz = out / "samples" / "samples_10x8x8x3.npz"
+    with np.load(npz) as z:
+        assert z["arr_0"].shape == (10, 8, 8, 3) and z["arr_0"].dtype == np.uint8
+        assert z["arr_1"].tolist() == list(range(10))
+    assert (out / "samples" / "samples_10x8x8x3.png").stat().st_size > 0
+    # the last lines say where the grid is and what the figures are
+    tail = "\n".join(text.strip().splitlines()[-8:])
+    assert f"grid:    {out / 'samples' / 'samples_10x8x8x3.png'}" in tail
+    for figure in ("mean classifier confidence:", "label agreement:", "class histogram",
+                   "Frechet distance"):
+        assert figure in tail
+    fig = json.loads((out / "eval.json").read_text())
+    assert 0.0 <= fig["mean_confidence"] <= 1.0 and sum(fig["histogram"]) == 10
+
+
+@pytest.mark.timeout(60)
+def test_demo_on_a_finished_out_dir_shows_its_results_and_changes_nothing(tiny_demo):
+    out, _ = tiny_demo
+    before = {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()}
+    proc = _make_demo(out, timeout=50)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert "already holds a finished demo run" in proc.stdout
+    assert "mean classifier confidence:" in proc.stdout
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("*") if p.is_file()} == before
+
+
+@pytest.mark.timeout(30)
+def test_demo_refuses_an_unrelated_non_empty_out_dir(tmp_path):
+    (tmp_path / "precious.txt").write_text("keep me")
+    proc = _make_demo(tmp_path, timeout=25)
+    assert proc.returncode != 0
+    assert "error: --out" in proc.stdout and "pass a new --out" in proc.stdout
+    assert (tmp_path / "precious.txt").read_text() == "keep me"
