@@ -226,7 +226,8 @@ def evaluate_samples(images, labels=None, scorer=None):
     :return: dict with num_samples, mean_confidence, label_agreement (None without labels),
         histogram (10 counts of predicted classes), predicted (list), fid_real_vs_generated,
         fid_real_halves (two halves of the real set), fid_real_subset_same_n (one real half
-        against N real images from the other half: the floor for this N).
+        against N real images from the other half: the floor for this N; N capped at the half's
+        size and given as fid_real_subset_n).
     """
     scorer = scorer or get_scorer()
     X = images_to_digit_features(images)
@@ -254,6 +255,7 @@ def evaluate_samples(images, labels=None, scorer=None):
         "fid_real_vs_generated": frechet_distance(scorer.real_features, feats),
         "fid_real_halves": frechet_distance(real_a, real_b),
         "fid_real_subset_same_n": frechet_distance(real_a, subset),
+        "fid_real_subset_n": int(len(subset)),
     }
 
 
@@ -302,7 +304,8 @@ def format_report(r):
     lines.append(
         f"  Frechet distance (SVM features): real vs generated {r['fid_real_vs_generated']:.2f}"
         f" | real half vs half {r['fid_real_halves']:.2f}"
-        f" | real vs {r['num_samples']} real {r['fid_real_subset_same_n']:.2f}"
+        f" | real vs {r.get('fid_real_subset_n', r['num_samples'])} real"
+        f" {r['fid_real_subset_same_n']:.2f}"
     )
     return "\n".join(lines)
 
