@@ -472,7 +472,7 @@ class GaussianDiffusion:
         :return: dict with "sample" [N, C, ...] and "pred_xstart" [N, C, ...].
         """
         if eta != 0.0:
-            raise ValueError("ddim_reverse_sample: reverse ODE only for deterministic path (eta=0)")
+            raise ValueError("ddim_reverse_sample: the reverse ODE is deterministic; use eta=0")
         out = self.p_mean_variance(
             model, x, t, clip_denoised=clip_denoised, denoised_fn=denoised_fn,
             model_kwargs=model_kwargs,
@@ -485,7 +485,9 @@ class GaussianDiffusion:
         ) / _extract_into_tensor(self.sqrt_recipm1_alphas_cumprod, t, x.shape)
         alpha_bar_next = _extract_into_tensor(self.alphas_cumprod_next, t, x.shape)
         # Equation 12. reversed
-        mean_pred = out["pred_xstart"] * th.sqrt(alpha_bar_next) + th.sqrt(1 - alpha_bar_next) * eps
+        mean_pred = (
+            out["pred_xstart"] * th.sqrt(alpha_bar_next) + th.sqrt(1 - alpha_bar_next) * eps
+        )
         return {"sample": mean_pred, "pred_xstart": out["pred_xstart"]}
 
     def ddim_sample_loop(self, model, shape, noise=None, clip_denoised=True, denoised_fn=None,

@@ -132,10 +132,7 @@ def test_learned_range_interpolates_between_fixed_small_and_fixed_large_log_vari
     d = make(var_type=ModelVarType.LEARNED_RANGE)
     x = batch()
     t = th.tensor([1, 4, 7])
-    lo, hi = [
-        th.full((N, C, H, W), v)
-        for v in (-1.0, 1.0)
-    ]
+    lo, hi = th.full((N, C, H, W), -1.0), th.full((N, C, H, W), 1.0)
     for frac_value, table in ((lo, d.posterior_log_variance_clipped), (hi, np.log(d.betas))):
         model = lambda x_, t_, out=th.cat([th.zeros_like(x), frac_value], 1): out  # noqa: E731
         logvar = d.p_mean_variance(model, x, t)["log_variance"]
@@ -272,7 +269,7 @@ def test_loops_honour_randn_like_so_a_sample_does_not_depend_on_its_batch(loop, 
     assert (three[0] - three[1]).abs().max() > 1e-3
 
 
-def test_progressive_loops_yield_every_step_and_progress_bar_runs(capsys):
+def test_progressive_loops_yield_every_step_and_progress_bar_runs():
     d = make(steps=5)
     model = toy(ModelVarType.FIXED_LARGE)
     outs = list(d.p_sample_loop_progressive(model, (2, C, H, W), progress=True))

@@ -140,7 +140,8 @@ def test_update_with_local_losses_gathers_unequal_batches_from_all_ranks():
         s = LossSecondMomentResampler(D(), history_per_term=3)
         ts = th.tensor([r] * (r + 1))          # rank 0: 1 loss, rank 1: 2 losses
         s.update_with_local_losses(ts, ts.float() + 0.5)
-        states = dist_util.all_gather_object((s._loss_counts.tolist(), s._loss_history[:2].tolist()))
+        mine = (s._loss_counts.tolist(), s._loss_history[:2].tolist())
+        states = dist_util.all_gather_object(mine)
         if r == 0:
             for i, (counts, hist) in enumerate(states):
                 print("RANK", i, counts, hist, flush=True)

@@ -1,4 +1,4 @@
-"""Our diffusion math reproduces upstream improved-diffusion's numbers (fixtures in tests/fixtures).
+"""Our diffusion math reproduces upstream improved-diffusion's numbers (tests/fixtures).
 
 upstream_schedules.json: beta schedules and space_timesteps sets, to be matched exactly.
 upstream_small_reference.pt: outputs of upstream's code for a small class-conditional
@@ -151,7 +151,8 @@ def test_whole_spaced_ddim_loop_matches_upstream(ref, spaced25):
     the cosine schedule, beta clipped at 0.999) pred_xstart = x/sqrt(ab) - eps*sqrt(1/ab - 1)
     cancels two numbers of size ~300. Perturbing `noise` by 1e-7 relative, or running torch with
     1 instead of 2 threads, moves a handful of our own output elements by ~6e-4. So all but a
-    few elements (<= 0.1%) must agree to 1e-4 and every element to 5e-3; the mean error to 2e-6 (it is ~3e-7).
+    few elements (<= 0.1%) must agree to 1e-4 and every element to 5e-3; the mean error to 2e-6
+    (it is ~3e-7).
     """
     model, diffusion = spaced25
     sample = diffusion.ddim_sample_loop(
