@@ -134,7 +134,7 @@ class TrainLoop:
         return [p.detach().clone() for p in self.model.parameters()]
 
     def _wrap_ddp(self):
-        kwargs = dict(broadcast_buffers=False, bucket_cap_mb=128, find_unused_parameters=False)
+        kwargs = dict(bucket_cap_mb=128, find_unused_parameters=False)
         if self.device.type == "cuda":
             kwargs.update(device_ids=[self.device], output_device=self.device)
         return DDP(self.model, **kwargs)
@@ -154,13 +154,13 @@ class TrainLoop:
         self.step = self.resume_step = step
         beside = _broadcast_from_rank0(lambda: _files_beside(plan["model"], step, self.ema_rate_strs))
         ema_loaded = self._load_ema(beside["ema"], model_ckpt)
-        trainer = self._load_optimizer(beside["opt"])
+        trainer, opt_note = self._load_optimizer(beside["opt"])
         self._restore_trainer_state(trainer)
         self.last_saved_step = step if _broadcast_from_rank0(
             lambda: _same_dir(plan["model"], self.log_dir)) else None
         logger.log(
             f"resumed at step {step} from {plan['model']} "
-            f"(ema: {', '.join(ema_loaded) or 'none'}; opt: {beside['opt'] or 'none'})"
+            f"(ema: {', '.join(ema_loaded) or 'none'}; opt: {opt_note})"
         )
 
     def _resolve_resume(self):
@@ -282,7 +282,7 @@ class TrainLoop:
     def _load_optimizer(self, opt_path):
         """Load the optimizer state, or fall back to a fresh optimizer with one warning line.
 
-        Returns the trainer dict of the file (or None). Collective: every rank reads the same
+        Returns (trainer dict of the file or None, a note for the log). Collective: every rank reads the same
         broadcast bytes, so the decision is the same everywhere (checked with an all-gather).
         """
         trainer, ok, why = None, False, None
@@ -314,7 +314,7 @@ class TrainLoop:
         for group in self.opt.param_groups:
             group["lr"] = self.lr
             group["weight_decay"] = self.weight_decay
-        return trainer
+        return trainer, (os.path.basename(str(opt_path)) if ok else "fresh optimizer")
 
     def _restore_trainer_state(self, trainer):
         """Data position, RNG, timestep sampler, GradScaler from the trainer dict (or guesses)."""
@@ -392,7 +392,8 @@ class TrainLoop:
         with _preemption_flag() as flag:
             while not self._done():
                 if dist_util.any_rank(flag["set"]):
-                    return self._preempt(flag["signal"])
+                    names = dist_util.all_gather_object(flag["signal"])
+                    return self._preempt(sorted({n for n in names if n}))
                 batch, cond = next(self._data_iter)
                 self._record_indices()
                 self.run_step(batch, cond)
@@ -422,7 +423,7 @@ class TrainLoop:
             logger.dumpkvs()
         self.save()
         logger.log(
-            f"preempted ({signame or 'signal'} on some rank): saved step {self.step}; "
+            f"preempted ({'/'.join(signame) or 'signal'} on some rank): saved step {self.step}; "
             f"exiting with code {PREEMPTED_EXIT_CODE}"
         )
         return PREEMPTED_EXIT_CODE
