@@ -154,7 +154,7 @@ class TrainLoop:
         self.step = self.resume_step = step
         beside = _broadcast_from_rank0(lambda: _files_beside(plan["model"], step, self.ema_rate_strs))
         ema_loaded = self._load_ema(beside["ema"], model_ckpt)
-        trainer, opt_note = self._load_optimizer(beside["opt"])
+        trainer, opt_note = self._load_optimizer(beside["opt"], model_ckpt)
         self._restore_trainer_state(trainer)
         self.last_saved_step = step if _broadcast_from_rank0(
             lambda: _same_dir(plan["model"], self.log_dir)) else None
@@ -210,11 +210,19 @@ class TrainLoop:
         self.model.load_state_dict(sd, strict=True)
         for note in getattr(ckpt, "notes", None) or []:
             logger.log(f"note: {os.path.basename(str(path))}: {note}")
+        changed = [k for k in self.model_flags
+                   if ckpt.flags and k in ckpt.flags and ckpt.flags[k] != self.model_flags[k]]
+        if changed:
+            logger.log("note: flags differ from the checkpoint's: " + ", ".join(
+                f"--{k} {ckpt.flags[k]} -> {self.model_flags[k]}" for k in changed))
         return ckpt
 
     def _step_of(self, ckpt):
-        """The step of a model file: from the file if tagged, else from its name (clear error)."""
-        if getattr(ckpt, "tagged", False) and ckpt.step is not None:
+        """The step of a model file: from the file if it carries one, else from its name.
+
+        parse_step raises a one-line CheckpointError when the name carries no step (never 0).
+        """
+        if ckpt.step is not None:
             return int(ckpt.step)
         return checkpoint.parse_step(ckpt.path)
 
@@ -254,9 +262,14 @@ class TrainLoop:
     def _load_ema(self, ema_paths, model_ckpt):
         """Load each rate's EMA file if present, else start from the model weights. Collective."""
         loaded = []
-        names = [n for n, _ in self.named_params]
         for i, rate_str in enumerate(self.ema_rate_strs):
             path = ema_paths.get(rate_str)
+            if path is None and model_ckpt.kind == "combined":
+                sd = _combined_ema(model_ckpt)
+                if sd is not None:
+                    self.ema_params[i] = self._params_from(sd, model_ckpt.path, model_ckpt.flags)
+                    loaded.append(f"{os.path.basename(str(model_ckpt.path))}[ema]")
+                    continue
             if path is None:
                 logger.warn(
                     f"no EMA file for rate {rate_str} beside {model_ckpt.path}; "
@@ -269,28 +282,32 @@ class TrainLoop:
             if not sd:
                 raise ResumeError(f"{path}: holds {_describe_kind(ckpt)}, not EMA weights; "
                                   f"delete it or resume from another step")
-            sd, _ = checkpoint.strip_prefixes(sd)
-            _check_state_dict_matches(self.model, sd, path, ckpt.flags, self.model_flags,
-                                      params_only=True)
-            self.ema_params[i] = [
-                sd[n].detach().to(device=self.device, dtype=p.dtype).clone()
-                for n, (_, p) in zip(names, self.named_params)
-            ]
+            self.ema_params[i] = self._params_from(sd, path, ckpt.flags)
             loaded.append(os.path.basename(str(path)))
         return loaded
 
-    def _load_optimizer(self, opt_path):
+    def _params_from(self, sd, path, flags):
+        """[tensor] in parameter order from a state dict (checked like the model's)."""
+        sd, _ = checkpoint.strip_prefixes(sd)
+        _check_state_dict_matches(self.model, sd, path, flags, self.model_flags, params_only=True)
+        return [sd[n].detach().to(device=self.device, dtype=p.dtype).clone()
+                for n, p in self.named_params]
+
+    def _load_optimizer(self, opt_path, model_ckpt=None):
         """Load the optimizer state, or fall back to a fresh optimizer with one warning line.
 
         Returns (trainer dict of the file or None, a note for the log). Collective: every rank reads the same
         broadcast bytes, so the decision is the same everywhere (checked with an all-gather).
         """
         trainer, ok, why = None, False, None
+        if opt_path is None and model_ckpt is not None and model_ckpt.optimizer is not None:
+            opt_path = model_ckpt.path  # a combined dict with an optimizer entry
         if opt_path is None:
             why = "no optimizer file beside the model file"
         else:
             try:
-                ckpt = checkpoint.load_file_collective(opt_path)
+                ckpt = (model_ckpt if model_ckpt is not None and opt_path == model_ckpt.path
+                        else checkpoint.load_file_collective(opt_path))
                 payload = ckpt.optimizer
                 if payload is None:
                     raise optim_state.OptimizerStateError(
@@ -329,7 +346,11 @@ class TrainLoop:
             seed_rngs(self.seed, step, self.rank)
             return
         self._log_changes(trainer)
-        self.data.load_state_dict(trainer["data"])
+        data_state = trainer.get("data")
+        if not isinstance(data_state, dict) or "position" not in data_state:
+            data_state = _guess_data_state(self.data, step * self.global_batch)
+            logger.log(f"no data position in the checkpoint: assuming {data_state['position']}")
+        self.data.load_state_dict(data_state)
         self._restore_rng(trainer.get("rng"), trainer.get("world_size"))
         self._restore_sampler(trainer.get("schedule_sampler"))
         self._restore_scaler(trainer.get("grad_scaler"))
@@ -502,10 +523,8 @@ class TrainLoop:
         return True
 
     def _log_grad_norm(self):
-        sqsum = 0.0
-        for p in self.model.parameters():
-            if p.grad is not None:
-                sqsum += float((p.grad.detach().float() ** 2).sum().item())
+        grads = [p.grad.detach().float() for p in self.model.parameters() if p.grad is not None]
+        sqsum = th.stack([(g * g).sum() for g in grads]).sum().item() if grads else 0.0
         logger.logkv_mean("grad_norm", math.sqrt(sqsum))
 
     def _anneal_lr(self):
@@ -672,18 +691,25 @@ _FLAG_HINTS = (
     ("qkv", "attention_resolutions / num_heads / num_head_channels"),
     ("attention", "attention_resolutions"),
     ("out.2", "learn_sigma"),
-    ("time_embed", "num_channels"),
-    ("input_blocks", "num_res_blocks / channel_mult / image_size"),
-    ("output_blocks", "num_res_blocks / channel_mult / image_size"),
+    ("input_blocks", "num_res_blocks / channel_mult / num_channels"),
+    ("output_blocks", "num_res_blocks / channel_mult / num_channels"),
     ("emb_layers", "use_scale_shift_norm"),
 )
 
 
-def _likely_flag(keys, file_flags, my_flags):
+def _likely_flag(keys, file_flags, my_flags, sd_keys=(), model_keys=()):
     if file_flags:
         diff = [k for k in my_flags if k in file_flags and file_flags[k] != my_flags[k]]
         if diff:
             return ", ".join(f"--{k} (file: {file_flags[k]}, given: {my_flags[k]})" for k in diff[:4])
+    if any("time_embed.0" in k for k in keys):
+        return "--num_channels"
+
+    def blocks(ks):
+        return {k.split(".")[1] for k in ks if k.startswith("input_blocks.")}
+
+    if len(blocks(sd_keys)) != len(blocks(model_keys)):
+        return "--num_res_blocks / --channel_mult / --image_size"
     for needle, flag in _FLAG_HINTS:
         if any(needle in k for k in keys):
             return f"--{flag}"
@@ -703,7 +729,7 @@ def _check_state_dict_matches(model, sd, path, file_flags, my_flags, params_only
         if keys:
             more = f" (+{len(keys) - 3} more)" if len(keys) > 3 else ""
             parts.append(f"{label} {len(keys)}: {', '.join(keys[:3])}{more}")
-    flag = _likely_flag(missing + unexpected + reshaped, file_flags, my_flags)
+    flag = _likely_flag(reshaped + missing + unexpected, file_flags, my_flags, sd, mine)
     raise ResumeError(
         f"{path}: weights do not fit the model built from the flags ({'; '.join(parts)}); "
         f"check {flag}"
@@ -717,8 +743,7 @@ def _check_same_on_all_ranks(**values):
         seen = [g[key] for g in gathered]
         if any(s != seen[0] for s in seen):
             per_rank = ", ".join(f"rank {r}: {s!r}" for r, s in enumerate(seen))
-            err = getattr(dist_util, "DistMismatchError", RuntimeError)
-            raise err(f"--{key} differs between ranks ({per_rank}); pass the same value to all")
+            raise dist_util.DistMismatchError(f"--{key} differs between ranks ({per_rank}); pass the same value to all")
 
 
 def _broadcast_from_rank0(fn):
@@ -781,6 +806,14 @@ def _move_incomplete_steps(log_dir, step):
                     bf.remove(src)
                 moved.append(os.path.basename(str(name)))
     return moved
+
+
+def _combined_ema(ckpt):
+    """The EMA weights of a combined dict ({"model", "ema", ...}), or None."""
+    try:
+        return checkpoint.model_state_from(ckpt, want="ema")
+    except checkpoint.CheckpointError:
+        return None
 
 
 def _guess_data_state(loader, position):

@@ -9,6 +9,8 @@ Exit codes: 0 done; 75 (train_util.PREEMPTED_EXIT_CODE) after a SIGTERM/SIGUSR1 
 import argparse
 import os
 import sys
+import time
+import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -133,8 +135,56 @@ def _error_types():
 
 
 def _one_line(e):
-    msg = " ".join(str(e).split()) or type(e).__name__
-    return msg if not isinstance(e, OSError) or str(e) else f"{type(e).__name__}"
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+def _stop_other_ranks(code, wait_s=10.0):
+    """After an error on this rank: if the other ranks did not fail too, end the whole job.
+
+    Errors of the resume are raised on every rank alike (decisions are broadcast); an error on
+    some ranks only (say, an unreadable image in one rank's batch) would leave the others blocked
+    in a collective. Failing ranks count themselves in the process group's store: when every rank
+    has failed, they all exit normally; otherwise, after `wait_s`, this rank aborts the MPI job
+    (under torchrun, its exit makes the launcher stop the rest).
+    """
+    if not dist_util.is_distributed():
+        return
+    world = dist_util.get_world_size()
+    try:
+        import torch.distributed as dist
+
+        store = dist.distributed_c10d._get_default_store()
+        store.add("train_py/failed", 1)
+        deadline = time.time() + wait_s
+        while store.add("train_py/failed", 0) < world:
+            if time.time() > deadline:
+                raise TimeoutError
+            time.sleep(0.1)
+        store.add("train_py/left", 1)
+        while dist_util.get_rank() == 0 and store.add("train_py/left", 0) < world:
+            if time.time() > deadline + wait_s:
+                break
+            time.sleep(0.05)
+        return
+    except Exception:
+        pass
+    print(f"note: the other ranks did not fail; aborting all {world} ranks", file=sys.stderr,
+          flush=True)
+    if any(k in os.environ for k in ("PMI_RANK", "PMI_SIZE", "HYDRA_CONTROL_FD", "PMIX_RANK",
+                                         "OMPI_COMM_WORLD_SIZE")):
+        try:
+            from mpi4py import MPI
+
+            MPI.COMM_WORLD.Abort(code)
+        except ImportError:
+            pass
+    os._exit(code)
+
+
+def _fail(code, message):
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    _stop_other_ranks(code)
+    return code
 
 
 def main(argv=None):
@@ -145,11 +195,12 @@ def main(argv=None):
         loop = build_train_loop(args)
         code = loop.run_loop()
     except usage as e:
-        print(f"error: {_one_line(e)}", file=sys.stderr, flush=True)
-        return 2
+        return _fail(2, _one_line(e))
     except runtime as e:
-        print(f"error: {_one_line(e)}", file=sys.stderr, flush=True)
-        return 1
+        return _fail(1, _one_line(e))
+    except Exception:  # a bug: keep the traceback, but never leave other ranks hanging
+        traceback.print_exc()
+        return _fail(1, "unexpected error (traceback above)")
     dist_util.cleanup()
     return code
 
