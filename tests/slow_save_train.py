@@ -1,0 +1,51 @@
+"""Run scripts/train.py with slow, two-part file writes, so that a test can kill it inside a save.
+
+Usage: python tests/slow_save_train.py [train.py flags...]
+
+`torch.save` is replaced by a version that serialises to memory, writes the first half of the bytes
+to the target, flushes, sleeps SLOW_SAVE_S seconds (default 0.05), writes the rest, flushes and
+sleeps again. A SIGKILL during a save then often finds a half-written temp file, or a step with
+some of its files renamed into place and no manifest yet: the states a crash can leave behind.
+Nothing else about train.py changes (same flags, output and exit code).
+"""
+import io
+import os
+import runpy
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+PAUSE_S = float(os.environ.get("SLOW_SAVE_S", "0.05"))
+_original_save = torch.save
+
+
+def _slow_save(obj, f, *args, **kwargs):
+    buf = io.BytesIO()
+    _original_save(obj, buf, *args, **kwargs)
+    data = buf.getvalue()
+    half = len(data) // 2
+    own = isinstance(f, (str, bytes, os.PathLike))
+    fh = open(f, "wb") if own else f
+    try:
+        fh.write(data[:half])
+        fh.flush()
+        time.sleep(PAUSE_S)
+        fh.write(data[half:])
+        fh.flush()
+    finally:
+        if own:
+            fh.close()
+    time.sleep(PAUSE_S)
+
+
+torch.save = _slow_save
+
+if __name__ == "__main__":
+    script = str(REPO / "scripts" / "train.py")
+    sys.argv = [script] + sys.argv[1:]
+    if str(REPO) not in sys.path:
+        sys.path.insert(0, str(REPO))
+    runpy.run_path(script, run_name="__main__")

@@ -1,0 +1,602 @@
+"""Resume that is exact, elastic and crash-safe (issue 4), tested through scripts/train.py.
+
+Every test drives the real CLI in subprocesses (one rank, or `mpiexec -n N`) on tiny models and a
+folder of 8x8 PNGs, and checks the files on disk with its own reader (manifest + sizes + sha256 +
+`torch.load(weights_only=True)`), not only with improved_diffusion.checkpoint.
+"""
+import csv
+import hashlib
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from conftest import MPIEXEC, PY, REPO, child_env, run_mpi, run_script
+
+SLOW_SAVE_TRAIN = REPO / "tests" / "slow_save_train.py"
+TRAIN = REPO / "scripts" / "train.py"
+
+TINY = [
+    "--image_size", "8", "--num_channels", "32", "--num_res_blocks", "1",
+    "--attention_resolutions", "", "--diffusion_steps", "20", "--noise_schedule", "cosine",
+    "--batch_size", "2", "--log_interval", "1", "--seed", "0",
+]
+TWO_EMAS = "0.9999,0.99"
+# Everything that can break an exact resume at once: resampler history, dropout RNG, gradient
+# accumulation, autocast with a GradScaler whose scale moves every 2 good steps (and backs off,
+# skipping the step, on overflow), and two EMA rates.
+HARD = ["--schedule_sampler", "loss-second-moment", "--dropout", "0.1", "--microbatch", "1",
+        "--use_fp16", "True", "--fp16_scale_growth", "0.5", "--ema_rate", TWO_EMAS]
+
+STEP_FILE_RE = re.compile(r"^(?:model|opt|manifest)(\d{6,})\.(?:pt|json)$|^ema_.+_(\d{6,})\.pt$")
+TEMP_FILE_RE = re.compile(r"\.tmp")
+# Keys of checkpoint dicts that may differ between two runs without the state differing.
+VOLATILE_KEYS = {"time", "timestamp", "created", "hostname", "host", "pid", "wall_time"}
+# progress.csv columns that measure time, not training.
+TIME_COLUMN_RE = re.compile(r"time|sec|elapsed|wall|throughput|per_s", re.I)
+
+
+# ---------------------------------------------------------------------------------- helpers
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory):
+    """images(n) -> a folder of n random 8x8 RGB PNGs (made once per module and n)."""
+    made = {}
+
+    def make(n):
+        if n not in made:
+            d = tmp_path_factory.mktemp(f"images{n}")
+            rng = np.random.default_rng(n)
+            for i in range(n):
+                arr = rng.integers(0, 256, size=(8, 8, 3), dtype=np.uint8)
+                Image.fromarray(arr).save(d / f"img_{i:03d}.png")
+            made[n] = d
+        return made[n]
+
+    return make
+
+
+def train_args(data_dir, log_dir, *extra):
+    return [*TINY, "--data_dir", str(data_dir), "--log_dir", str(log_dir), *map(str, extra)]
+
+
+def train(ranks, data_dir, log_dir, *extra, timeout=150, check=True):
+    """Run train.py on `ranks` ranks; returns the CompletedProcess (stdout+stderr as text)."""
+    args = train_args(data_dir, log_dir, *extra)
+    if ranks == 1:
+        return run_script("train.py", *args, timeout=timeout, check=check)
+    return run_mpi(ranks, "train.py", *args, timeout=timeout, check=check)
+
+
+def resumed_step(output):
+    """The step a run said it resumed at ("resumed at step N ..."), or None."""
+    found = re.findall(r"(?i)resum\w*[^\n]*?\bstep\s+(\d+)", output)
+    return int(found[-1]) if found else None
+
+
+def load_pt(path):
+    return torch.load(path, weights_only=True, map_location="cpu")
+
+
+def sha256(path):
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def step_of(name):
+    m = STEP_FILE_RE.match(name)
+    return None if m is None else int(m.group(1) or m.group(2))
+
+
+def step_names(step, rates):
+    names = {f"model{step:06d}.pt", f"opt{step:06d}.pt"}
+    names |= {f"ema_{r}_{step:06d}.pt" for r in rates.split(",")}
+    return names
+
+
+def check_step(log_dir, step, rates, deep=False):
+    """None when step `step` in log_dir is complete (our own reading of the format), else why not.
+
+    Complete: manifest{step}.json parses, lists the model, every EMA and the opt file, and each
+    listed file exists with the listed size. deep=True also checks sha256 and that every file
+    loads with weights_only=True and is tagged with its kind and this step.
+    """
+    log_dir = Path(log_dir)
+    manifest = log_dir / f"manifest{step:06d}.json"
+    try:
+        doc = json.loads(manifest.read_text())
+        files = doc["files"]
+    except FileNotFoundError:
+        return "no manifest"
+    except (ValueError, KeyError, TypeError) as e:
+        return f"manifest unreadable ({e})"
+    if not step_names(step, rates) <= set(files):
+        return f"manifest lists {sorted(files)}, expected {sorted(step_names(step, rates))}"
+    for name, info in files.items():
+        p = log_dir / name
+        try:
+            size = p.stat().st_size
+        except FileNotFoundError:
+            return f"{name} missing"
+        if size != info["size"]:
+            return f"{name}: {size} bytes, manifest says {info['size']}"
+        if deep:
+            if sha256(p) != info["sha256"]:
+                return f"{name}: sha256 differs from the manifest"
+            try:
+                obj = load_pt(p)
+            except Exception as e:  # noqa: BLE001 - any load failure is the finding
+                return f"{name}: does not load ({type(e).__name__}: {e})"
+            if obj.get("step") != step or obj.get("kind") not in ("model", "ema", "opt"):
+                return f"{name}: tagged kind={obj.get('kind')!r} step={obj.get('step')!r}"
+    return None
+
+
+def complete_steps(log_dir, rates="0.9999", deep=False):
+    """Sorted steps of log_dir (top level) that check_step calls complete."""
+    log_dir = Path(log_dir)
+    if not log_dir.is_dir():
+        return []
+    steps = {step_of(n) for n in os.listdir(log_dir)} - {None}
+    return sorted(s for s in steps if check_step(log_dir, s, rates, deep=deep) is None)
+
+
+def deep_diff(a, b, path="", out=None):
+    """Paths where nested dicts/lists/tensors a and b differ (tensors: torch.equal, dtype too)."""
+    out = [] if out is None else out
+    if isinstance(a, dict) and isinstance(b, dict):
+        for k in sorted(set(a) | set(b), key=str):
+            if k in VOLATILE_KEYS:
+                continue
+            if k not in a or k not in b:
+                out.append(f"{path}/{k}: only in {'second' if k not in a else 'first'}")
+            else:
+                deep_diff(a[k], b[k], f"{path}/{k}", out)
+    elif isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        if len(a) != len(b):
+            out.append(f"{path}: length {len(a)} != {len(b)}")
+        for i, (x, y) in enumerate(zip(a, b)):
+            deep_diff(x, y, f"{path}[{i}]", out)
+    elif isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        if a.dtype != b.dtype or a.shape != b.shape or not torch.equal(a, b):
+            extra = ""
+            if a.shape == b.shape and a.dtype == b.dtype and a.is_floating_point():
+                extra = f" max|diff|={(a.double() - b.double()).abs().max().item():.3g}"
+            out.append(f"{path}: tensors differ ({a.dtype}{list(a.shape)} vs "
+                       f"{b.dtype}{list(b.shape)}){extra}")
+    elif isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        if not np.array_equal(a, b):
+            out.append(f"{path}: arrays differ")
+    elif type(a) is not type(b) or a != b:
+        out.append(f"{path}: {a!r} != {b!r}")
+    return out
+
+
+def progress_rows(log_dir):
+    """{step: row} from progress.csv (the last row logged for each step)."""
+    with open(Path(log_dir) / "progress.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    by_step = {}
+    for row in rows:
+        if row.get("step") not in (None, ""):
+            by_step[int(float(row["step"]))] = row
+    return by_step
+
+
+def top_level_names(log_dir):
+    try:
+        return {e.name for e in os.scandir(log_dir) if e.is_file()}
+    except FileNotFoundError:
+        return set()
+
+
+def read_sample_indices(log_dir):
+    """{step: {rank: [dataset indices]}} from sample_indices/rank{r}.csv ("step,idx,idx,...")."""
+    by_step = {}
+    for f in sorted((Path(log_dir) / "sample_indices").glob("rank*.csv")):
+        rank = int(re.search(r"rank(\d+)", f.name).group(1))
+        for line in f.read_text().splitlines():
+            if not line.strip() or not line[0].isdigit():
+                continue
+            step, *idx = (int(x) for x in line.split(","))
+            assert rank not in by_step.setdefault(step, {}), f"{f.name} logs step {step} twice"
+            by_step[step][rank] = idx
+    return by_step
+
+
+# ------------------------------------------------------------------------------- bitwise
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    "ranks,config",
+    [(1, "plain"), (1, "hard"), (2, "hard")],
+    ids=["1rank-plain", "1rank-lsm-dropout-micro-fp16-2ema", "2ranks-lsm-dropout-micro-fp16-2ema"],
+)
+def test_a_run_resumed_at_step_5_ends_bitwise_identical_to_a_straight_run_to_10(
+        tmp_path, images, ranks, config):
+    data = images(14)  # 14 images: the epoch boundary falls inside both halves of the run
+    cfg = (HARD if config == "hard" else []) + ["--save_interval", "1000"]
+    rates = TWO_EMAS if config == "hard" else "0.9999"
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+
+    train(ranks, data, straight, *cfg, "--max_steps", 10)
+    train(ranks, data, resumed, *cfg, "--max_steps", 5)
+    # One rank: the default (auto-resume from the log dir); two ranks: upstream's explicit path.
+    how = [] if ranks == 1 else ["--resume_checkpoint", resumed / "model000005.pt"]
+    out = train(ranks, data, resumed, *cfg, "--max_steps", 10, *how).stdout
+    assert resumed_step(out) == 5, out[-3000:]
+
+    for d in (straight, resumed):
+        assert check_step(d, 10, rates, deep=True) is None, f"{d}: {check_step(d, 10, rates)}"
+    diffs = []
+    for name in sorted(step_names(10, rates)):
+        pair = load_pt(straight / name), load_pt(resumed / name)
+        diffs += [f"{name}{p}" for p in deep_diff(*pair)]
+    assert not diffs, "step-10 files differ (straight vs resumed):\n" + "\n".join(diffs[:40])
+
+    a, b = progress_rows(straight), progress_rows(resumed)
+    assert sorted(a) == list(range(1, 11)), f"straight run logged steps {sorted(a)}"
+    assert set(range(6, 11)) <= set(b), f"resumed run logged steps {sorted(b)}"
+    cols = [c for c in a[10] if c in b[10] and not TIME_COLUMN_RE.search(c)]
+    assert "loss" in cols, cols
+    bad = [(s, c, a[s][c], b[s][c]) for s in range(6, 11) for c in cols if a[s][c] != b[s][c]]
+    assert not bad, "progress.csv differs (step, column, straight, resumed):\n" + "\n".join(
+        map(str, bad[:30]))
+
+
+# ------------------------------------------------------------------------------- elastic
+
+ELASTIC_IMAGES = 20  # an epoch of 20 samples spans the world-size change at sample 12
+
+
+@pytest.fixture(scope="module")
+def saved_on_two_ranks(tmp_path_factory, images):
+    """A log dir after 3 steps on 2 ranks x batch 2 (global batch 4: samples 0..11 consumed)."""
+    d = tmp_path_factory.mktemp("elastic") / "run"
+    train(2, images(ELASTIC_IMAGES), d, "--max_steps", 3, "--save_interval", 1000,
+          "--ema_rate", TWO_EMAS, "--log_sample_indices", "True")
+    return d
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("new_world,max_steps", [(1, 8), (3, 6)], ids=["2to1", "2to3"])
+def test_a_run_saved_on_2_ranks_resumes_on_another_world_size_without_repeating_samples(
+        tmp_path, images, saved_on_two_ranks, new_world, max_steps):
+    run = tmp_path / "run"
+    shutil.copytree(saved_on_two_ranks, run)
+    data = images(ELASTIC_IMAGES)
+    out = train(new_world, data, run, "--max_steps", max_steps, "--save_interval", 1000,
+                "--ema_rate", TWO_EMAS, "--log_sample_indices", "True").stdout
+    assert resumed_step(out) == 3, out[-3000:]
+
+    # The log says what changed: the global batch size 4 -> 2 * new_world.
+    new_gb = 2 * new_world
+    lines = [ln for ln in out.splitlines() if re.search(r"(?i)global[ _]batch", ln)
+             and {4, new_gb} <= {int(x) for x in re.findall(r"\d+", ln)}]
+    assert lines, f"no log line names the global batch change 4 -> {new_gb}:\n{out[-3000:]}"
+    # The optimizer state was loaded, not replaced by a fresh one.
+    assert not re.search(r"(?i)fresh optimi[sz]er", out), out[-3000:]
+
+    assert check_step(run, max_steps, TWO_EMAS, deep=True) is None
+    trainer = load_pt(run / f"opt{max_steps:06d}.pt")["trainer"]
+    assert trainer["world_size"] == new_world and trainer["global_batch"] == new_gb
+
+    by_step = read_sample_indices(run)
+    assert sorted(by_step) == list(range(1, max_steps + 1)), sorted(by_step)
+    seq, worlds = [], []
+    for step in sorted(by_step):
+        ranks = sorted(by_step[step])
+        assert ranks == list(range(len(ranks))), f"step {step}: ranks {ranks} logged"
+        worlds.append(len(ranks))
+        for r in ranks:
+            assert len(by_step[step][r]) == 2, f"step {step} rank {r}: {by_step[step][r]}"
+            seq += by_step[step][r]
+    assert worlds == [2] * 3 + [new_world] * (max_steps - 3), worlds
+    n = ELASTIC_IMAGES
+    for e in range(0, len(seq), n):
+        epoch = seq[e:e + n]
+        dup = sorted({i for i in epoch if epoch.count(i) > 1})
+        assert not dup, f"epoch {e // n}: indices {dup} seen twice; sequence {seq}"
+        if len(epoch) == n:
+            assert sorted(epoch) == list(range(n)), f"epoch {e // n} skips samples: {epoch}"
+    # The order is the pure function of (seed, epoch, global index) that the data module exposes.
+    from improved_diffusion.image_datasets import global_indices
+
+    want = [int(i) for i in global_indices(0, len(seq), n, 0, True)]
+    assert seq == want, f"sample order\n got  {seq}\n want {want}"
+
+
+# ------------------------------------------------------------------------ damaged files
+
+
+@pytest.fixture(scope="module")
+def three_saved_steps(tmp_path_factory, images):
+    d = tmp_path_factory.mktemp("damaged") / "run"
+    train(1, images(14), d, "--max_steps", 3, "--save_interval", 1)
+    return d
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("damage", ["truncated", "garbage_of_the_same_size"])
+def test_auto_resume_skips_a_step_with_a_damaged_file_and_says_so_in_one_line(
+        tmp_path, images, three_saved_steps, damage):
+    run = tmp_path / "run"
+    shutil.copytree(three_saved_steps, run)
+    victim = run / "opt000003.pt"
+    size = victim.stat().st_size
+    if damage == "truncated":
+        victim.write_bytes(victim.read_bytes()[: size // 2])
+    else:
+        victim.write_bytes(np.random.default_rng(0).integers(0, 256, size, np.uint8).tobytes())
+    out = train(1, images(14), run, "--max_steps", 4, "--save_interval", 1).stdout
+    assert resumed_step(out) == 2, out[-3000:]
+    said = [ln for ln in out.splitlines()
+            if re.search(r"(?i)skip", ln) and re.search(r"\bstep 3\b|opt000003", ln)]
+    assert said, f"no line says that step 3 was skipped:\n{out[-3000:]}"
+    assert check_step(run, 4, "0.9999", deep=True) is None
+
+
+# ------------------------------------------------------------------------------- kill -9
+
+KILL_TRIALS = 12
+KILL_MAX_STEPS = 100000  # kill trials never finish by themselves; the last run trains 3 more steps
+
+def _poll(pred, proc, timeout, interval=0.002):
+    """Wait until pred() is true (True), the process exits (False), or timeout (pytest.fail)."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return True
+        if proc.poll() is not None:
+            return False
+        time.sleep(interval)
+    pytest.fail(f"waited {timeout}s for the trainer to reach the kill point")
+
+
+def _new_save_started(log_dir, baseline):
+    """A file that was not in `baseline` (a temp file, or a file of a new step) is in log_dir."""
+    def pred():
+        return any(TEMP_FILE_RE.search(n) or step_of(n) is not None
+                   for n in top_level_names(log_dir) - baseline)
+    return pred
+
+
+def _final_file_without_manifest(log_dir, baseline):
+    """A new model/ema/opt file is in place but its step's manifest is not."""
+    def pred():
+        names = top_level_names(log_dir)
+        for name in names - baseline:
+            s = step_of(name)
+            if (s is not None and not name.startswith("manifest")
+                    and f"manifest{s:06d}.json" not in names):
+                return True
+        return False
+    return pred
+
+
+def _crash_state(log_dir, rates, baseline):
+    """What a kill left behind: new temp files, and new files of steps that are not complete."""
+    names = top_level_names(log_dir) - baseline
+    temps = sorted(n for n in names if TEMP_FILE_RE.search(n))
+    done = set(complete_steps(log_dir, rates))
+    partial = sorted(n for n in names if step_of(n) is not None and step_of(n) not in done)
+    return temps, partial
+
+
+@pytest.mark.timeout(300)
+def test_kill_9_at_random_moments_always_resumes_from_a_complete_step(tmp_path, images):
+    from improved_diffusion import checkpoint
+
+    rng = random.Random(20261130)
+    log_dir = tmp_path / "run"
+    cmd = [PY, SLOW_SAVE_TRAIN, *train_args(images(14), log_dir, "--save_interval", 1,
+                                            "--ema_rate", TWO_EMAS)]
+    env = child_env({"SLOW_SAVE_S": "0.02"})
+    kills, mid_save, history = 0, 0, []
+    for trial in range(KILL_TRIALS + 1):
+        final = trial == KILL_TRIALS
+        steps = complete_steps(log_dir, TWO_EMAS, deep=True)
+        expected = steps[-1] if steps else None
+        if expected is not None:  # the library agrees with our reading of the directory
+            st = checkpoint.latest_complete_step(str(log_dir), warn=None)
+            assert st is not None and st.step == expected, (trial, expected, st)
+        log_path = tmp_path / f"trial{trial:02d}.log"
+        with open(log_path, "w") as log_f:
+            target = (expected or 0) + 3 if final else KILL_MAX_STEPS
+            proc = subprocess.Popen([str(c) for c in cmd + ["--max_steps", target]], cwd=REPO,
+                                    env=env, stdout=log_f, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL)
+        mode = "to the end" if final else ("random", "in a save", "between files")[trial % 3]
+        baseline = set()
+        try:
+            if not final:
+                # Let the run save one complete step of its own (so every trial resumes from a
+                # newer step), then kill it at a random moment, or once its next save has begun.
+                def saved_one():
+                    return (complete_steps(log_dir, TWO_EMAS) or [0])[-1] > (expected or 0)
+                hit = _poll(saved_one, proc, timeout=90, interval=0.005)
+                baseline = top_level_names(log_dir)
+                if mode == "random":  # anywhere: startup, a step, a save, a prune
+                    deadline = time.monotonic() + rng.uniform(0.0, 1.5)
+                    while time.monotonic() < deadline and proc.poll() is None:
+                        time.sleep(0.005)
+                else:
+                    hit = hit and _poll(_new_save_started(log_dir, baseline), proc, timeout=60)
+                if hit and mode == "between files":
+                    _poll(_final_file_without_manifest(log_dir, baseline), proc, timeout=30)
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGKILL)
+            rc = proc.wait(timeout=120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        out = log_path.read_text()
+        temps, partial = _crash_state(log_dir, TWO_EMAS, baseline)
+        history.append(f"trial {trial} ({mode}): resumed from {expected}, rc {rc}, "
+                       f"complete now {complete_steps(log_dir, TWO_EMAS)[-2:]}, "
+                       f"temp {temps}, partial {partial}")
+        assert rc in (0, -signal.SIGKILL), f"trial {trial} exited {rc} by itself:\n{out[-4000:]}"
+        if rc == -signal.SIGKILL:
+            kills += 1
+            mid_save += bool(temps or partial)
+        if expected is not None:
+            assert resumed_step(out) == expected, (
+                f"trial {trial}: newest complete step was {expected}; the run said:\n{out[-3000:]}"
+                "\n" + "\n".join(history))
+    print("\n".join(history))
+    assert rc == 0, out[-3000:]
+    assert check_step(log_dir, target, TWO_EMAS, deep=True) is None, "\n".join(history)
+    assert kills >= 10, "\n".join(history)
+    assert mid_save >= 3, "too few kills landed inside a save:\n" + "\n".join(history)
+
+
+# ------------------------------------------------------------------------------- SIGTERM
+
+
+def rank_pids(marker):
+    """{rank: pid} of the MPI ranks whose command line contains `marker` (via /proc)."""
+    pids = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                environ = f.read().split(b"\0")
+        except OSError:
+            continue
+        if marker.encode() not in cmdline or b"train.py" not in cmdline:
+            continue
+        for kv in environ:
+            if kv.startswith(b"PMI_RANK="):
+                pids[int(kv.split(b"=", 1)[1])] = int(entry)
+    return pids
+
+
+@pytest.mark.timeout(150)
+def test_sigterm_to_one_rank_saves_a_complete_checkpoint_of_the_current_step_and_exits_75(
+        tmp_path, images):
+    log_dir = tmp_path / "run"
+    cmd = [MPIEXEC, "-n", "2", PY, TRAIN, *train_args(images(14), log_dir, "--max_steps", 100000,
+                                                      "--save_interval", 100000)]
+    log_path = tmp_path / "mpiexec.log"
+    with open(log_path, "w") as log_f:
+        proc = subprocess.Popen([str(c) for c in cmd], cwd=REPO, env=child_env(), stdout=log_f,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+    try:
+        def training():
+            try:
+                return len(progress_rows(log_dir)) >= 3
+            except (FileNotFoundError, ValueError, KeyError):
+                return False
+        assert _poll(training, proc, timeout=90, interval=0.05), log_path.read_text()[-3000:]
+        pids = rank_pids(str(log_dir))
+        assert sorted(pids) == [0, 1], pids
+        os.kill(pids[1], signal.SIGTERM)  # not the writer: rank 0 must learn of it from rank 1
+        rc = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    out = log_path.read_text()
+    assert rc == 75, f"exit {rc}:\n{out[-3000:]}"
+    steps = complete_steps(log_dir, deep=True)
+    assert len(steps) == 1, f"complete steps {steps}; files {sorted(top_level_names(log_dir))}"
+    s = steps[0]
+    logged = progress_rows(log_dir)
+    assert max(logged) == s, f"saved step {s}, but progress.csv logged steps up to {max(logged)}"
+    assert load_pt(log_dir / f"opt{s:06d}.pt")["trainer"]["step"] == s
+
+
+# ------------------------------------------------------------------------ keep_checkpoints
+
+
+@pytest.mark.timeout(150)
+def test_keep_checkpoints_2_never_leaves_fewer_than_one_complete_step_on_disk(tmp_path, images):
+    log_dir = tmp_path / "run"
+    cmd = [PY, SLOW_SAVE_TRAIN, *train_args(images(14), log_dir, "--max_steps", 12,
+                                            "--save_interval", 1, "--keep_checkpoints", 2)]
+    proc = subprocess.Popen([str(c) for c in cmd], cwd=REPO, env=child_env({"SLOW_SAVE_S": "0.01"}),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            stdin=subprocess.DEVNULL, text=True)
+    output = []
+    reader = threading.Thread(target=lambda: output.append(proc.stdout.read()), daemon=True)
+    reader.start()
+    seen_complete, snapshots, violations = False, 0, []
+    try:
+        end = time.monotonic() + 120
+        while proc.poll() is None and time.monotonic() < end:
+            before = top_level_names(log_dir)
+            done = complete_steps(log_dir)
+            after = top_level_names(log_dir)
+            if before != after:  # the directory changed while we looked: not a snapshot
+                continue
+            snapshots += 1
+            if done:
+                seen_complete = True
+            elif seen_complete:
+                violations.append(sorted(after))
+            time.sleep(0.001)
+        rc = proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    reader.join(timeout=10)
+    out = "".join(output)
+    assert rc == 0, out[-3000:]
+    assert not violations, f"no complete step on disk at some moment: {violations[:3]}"
+    assert seen_complete and snapshots >= 20, (seen_complete, snapshots)
+    assert complete_steps(log_dir, deep=True) == [11, 12]
+    leftover = sorted(n for n in top_level_names(log_dir) if step_of(n) not in (None, 11, 12))
+    assert not leftover, f"files of pruned steps remain: {leftover}"
+
+
+# ----------------------------------------------------------------------- never overwrite
+
+
+@pytest.mark.timeout(150)
+def test_a_new_run_in_a_log_dir_with_checkpoints_resumes_and_never_overwrites_a_file(
+        tmp_path, images):
+    data, log_dir = images(14), tmp_path / "run"
+    train(1, data, log_dir, "--max_steps", 3, "--save_interval", 1)
+
+    def ckpt_digests():
+        return {n: sha256(log_dir / n) for n in top_level_names(log_dir) if step_of(n) is not None}
+
+    first, rows_before = ckpt_digests(), progress_rows(log_dir)
+    out = train(1, data, log_dir, "--max_steps", 5, "--save_interval", 1).stdout
+    assert resumed_step(out) == 3, out[-3000:]
+    second = ckpt_digests()
+    changed = sorted(n for n in first if second.get(n) != first[n])
+    assert not changed, f"the resumed run rewrote or removed {changed}"
+    assert complete_steps(log_dir, deep=True) == [1, 2, 3, 4, 5]
+    rows_after = progress_rows(log_dir)  # appended to (the header may grow), never truncated
+    lost = [(step, col) for step, row in rows_before.items() for col, v in row.items()
+            if rows_after.get(step, {}).get(col) != v]
+    assert not lost, f"progress.csv lost or changed the first run's values {lost[:10]}"
+
+    # Asking for an older step in the same dir must not overwrite the newer steps' files either.
+    proc = train(1, data, log_dir, "--max_steps", 5, "--save_interval", 1,
+                 "--resume_checkpoint", log_dir / "model000002.pt", check=False)
+    changed = sorted(n for n, d in ckpt_digests().items() if second.get(n) != d)
+    changed += sorted(set(second) - set(ckpt_digests()))
+    assert not changed, f"resuming from step 2 rewrote or removed {changed}:\n{proc.stdout[-3000:]}"
+    if proc.returncode != 0:
+        assert proc.returncode == 1 and "Traceback" not in proc.stdout, proc.stdout[-3000:]
+        assert proc.stdout.strip().splitlines()[-1].startswith("error:"), proc.stdout[-3000:]
