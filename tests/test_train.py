@@ -162,25 +162,37 @@ def test_ranks_asked_to_load_different_files_fail_with_a_clear_error_on_every_ra
     assert "Traceback" not in proc.stdout
 
 
-@pytest.mark.timeout(150)
-def test_torchrun_trains_and_resumes_on_two_processes_like_mpiexec(tmp_path):
+@pytest.mark.timeout(120)
+def test_torchrun_resumes_and_trains_on_two_processes_like_mpiexec(tmp_path):
     data = random_images(tmp_path / "data", 8, 8)
     log = tmp_path / "log"
-    torchrun = Path(sys.executable).parent / "torchrun"
-    base = [torchrun, "--nproc_per_node", "2", "--master_port", str(_free_port()),
-            REPO / "tests" / "train_dump.py"]
     flags = [*TINY, "--data_dir", data, "--log_dir", log]
-    _run([*base, tmp_path / "a", *flags, "--max_steps", "2"], timeout=90)
-    base[4] = str(_free_port())
-    proc = _run([*base, tmp_path / "b", *flags, "--max_steps", "3"], timeout=90)
+    assert train_main(*flags, "--max_steps", "2") == 0  # saved by one process, here
+    torchrun = Path(sys.executable).parent / "torchrun"
+    proc = _run([torchrun, "--nproc_per_node", "2", "--master_port", str(_free_port()),
+                 REPO / "tests" / "train_dump.py", tmp_path / "b", *flags, "--max_steps", "4"],
+                timeout=100)
     assert "auto-resume: newest complete step" in proc.stdout and "resumed at step 2" in proc.stdout
-    assert load(log / "opt000003.pt")["trainer"]["world_size"] == 2
+    assert "world size 1 -> 2" in proc.stdout
+    assert load(log / "opt000004.pt")["trainer"]["world_size"] == 2
     saved = load(log / "opt000002.pt")["optimizer"]
     for r in range(2):
         assert_optimizer_state_equal(saved, load(tmp_path / "b" / f"loaded_rank{r}.pt")["optimizer"],
                                      f"rank {r}")
     assert_same_on_all_ranks([load(tmp_path / "b" / f"final_rank{r}.pt") for r in range(2)],
                              "torchrun")
+
+
+@pytest.mark.timeout(90)
+def test_an_error_on_one_rank_only_ends_the_job_instead_of_hanging(tmp_path):
+    data = random_images(tmp_path / "data", 1, 8)
+    (data / "img_bad.png").write_bytes(b"not an image")  # whichever rank reads it fails alone
+    proc = run_mpi(2, "train.py", *TINY, "--batch_size", "1", "--data_dir", data, "--log_dir",
+                   tmp_path / "log", "--max_steps", "5", timeout=75, check=False)
+    assert proc.returncode == 1, proc.stdout
+    errors = error_lines(proc.stdout)
+    assert len(errors) == 1 and "img_bad.png" in errors[0], proc.stdout
+    assert "aborting all 2 ranks" in proc.stdout
 
 
 def _free_port():
