@@ -146,16 +146,16 @@ def setup_dist(backend=None, *, timeout=DEFAULT_TIMEOUT):
 
 
 def _routable_address():
-    """An address of this host that other hosts can reach (best effort)."""
-    try:
-        return socket.gethostbyname(socket.getfqdn())
-    except OSError:
-        s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    """An address of this host that other hosts can reach (best effort: its name's address)."""
+    for name in (socket.getfqdn(), socket.gethostname()):
         try:
-            s.connect(("10.255.255.255", 1))
-            return s.getsockname()[0]
-        finally:
-            s.close()
+            return socket.gethostbyname(name)
+        except OSError:
+            continue
+    raise RuntimeError(
+        "cannot find this host's address for the multi-host rendezvous; launch with torchrun "
+        "(MASTER_ADDR/MASTER_PORT) instead"
+    )
 
 
 def _select_device(backend, local_rank):
