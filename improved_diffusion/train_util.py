@@ -14,6 +14,7 @@ annealing, weight decay, loss logging by timestep quartile, grad-norm logging), 
   returns PREEMPTED_EXIT_CODE.
 """
 import contextlib
+import gc
 import math
 import os
 import random
@@ -429,6 +430,18 @@ class TrainLoop:
             else:
                 logger.log(f"already at step {self.step}; nothing to train")
         return 0
+
+    def close(self, sync=True):
+        """Drop the DDP wrapper (call before dist_util.cleanup()). Collective unless sync=False.
+
+        Destroying the process group while a DDP wrapper is still alive sporadically aborts the
+        process at exit ("terminate called without an active exception", signal 6).
+        """
+        if self.use_ddp and self.ddp_model is not self.model:
+            if sync:
+                dist_util.barrier()
+            self.ddp_model = self.model
+            gc.collect()
 
     def _done(self):
         if self.max_steps and self.step >= self.max_steps:

@@ -50,6 +50,8 @@ def train_defaults():
         seed=0,
         keep_checkpoints=0,
         num_workers=0,
+        # Append this rank's dataset indices of every step to {log_dir}/sample_indices/rank{r}.csv
+        # as "step,idx1,idx2,...", where step is the completed-step count after that batch.
         log_sample_indices=False,
     )
 
@@ -193,7 +195,12 @@ def main(argv=None):
     try:
         check_args(args)
         loop = build_train_loop(args)
-        code = loop.run_loop()
+        try:
+            code = loop.run_loop()
+        except BaseException:
+            loop.close(sync=False)  # no collective here: other ranks may be elsewhere
+            raise
+        loop.close()
     except usage as e:
         return _fail(2, _one_line(e))
     except runtime as e:

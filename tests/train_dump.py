@@ -43,6 +43,7 @@ def main():
     rank = dist_util.get_rank()
     dump(loop, os.path.join(dump_dir, f"loaded_rank{rank}.pt"))
     code = loop.run_loop()
+    loop.close()
     dump(loop, os.path.join(dump_dir, f"final_rank{rank}.pt"))
     dist_util.cleanup()
     return code
