@@ -146,12 +146,13 @@ class TrainLoop:
         """Resolve and load the resume step (collective: call from all ranks)."""
         plan = self._resolve_resume()
         if plan is None:
-            self._quarantine_newer_incomplete(0)
+            self._quarantine_newer_steps(0)
             return
         model_ckpt = self._load_model(plan["model"])
         step = self._step_of(model_ckpt)
-        self._refuse_overwrite(step)
-        self._quarantine_newer_incomplete(step)
+        if not plan.get("auto"):  # auto picked the newest complete (verified) step already
+            self._refuse_overwrite(step)
+        self._quarantine_newer_steps(step)
         self.step = self.resume_step = step
         beside = _broadcast_from_rank0(lambda: _files_beside(plan["model"], step, self.ema_rate_strs))
         ema_loaded = self._load_ema(beside["ema"], model_ckpt)
@@ -174,18 +175,19 @@ class TrainLoop:
         if arg and arg != "auto":
             return {"model": arg}
 
-        def decide():
+        def decide():  # sha256 of the chosen step's files is checked: a damaged step is skipped
             steps = checkpoint.list_steps(self.log_dir) if bf.exists(self.log_dir) else []
             if not steps:
                 return {"model": None, "msg": None if not arg else
                         f"--resume_checkpoint auto: no checkpoint in {self.log_dir}; starting fresh"}
             warns = []
-            st = checkpoint.latest_complete_step(self.log_dir, warn=warns.append)
+            st = checkpoint.latest_complete_step(self.log_dir, warn=warns.append,
+                                                 verify_checksums=True)
             if st is None:
                 return {"model": None, "warns": warns, "msg":
                         f"no complete checkpoint in --log_dir {self.log_dir}; starting fresh"}
-            path = bf.join(self.log_dir, checkpoint.model_filename(st.step))
-            return {"model": path, "warns": warns,
+            path = st.model_path or bf.join(self.log_dir, checkpoint.model_filename(st.step))
+            return {"model": path, "warns": warns, "auto": True,
                     "msg": f"auto-resume: newest complete step in {self.log_dir} is {st.step}"}
 
         plan = _broadcast_from_rank0(decide)
@@ -244,19 +246,20 @@ class TrainLoop:
                 f"or pass a new --log_dir"
             )
 
-    def _quarantine_newer_incomplete(self, step):
-        """Move files of incomplete steps newer than `step` (left by a crash) out of the way.
+    def _quarantine_newer_steps(self, step):
+        """Move the files of steps newer than `step` (none complete: an interrupted or damaged
+        save, checked before) to {log_dir}/incomplete/step{S}/ instead of deleting them.
 
-        They would otherwise block the save of that step (save_step never overwrites). They are
-        moved to {log_dir}/incomplete/, not deleted. Collective.
+        They would otherwise block the saves of those steps (save_step never overwrites).
+        Collective.
         """
         def work():
-            return _move_incomplete_steps(self.log_dir, step) if self.rank == 0 else []
+            return _move_newer_steps(self.log_dir, step) if self.rank == 0 else []
 
         moved = _broadcast_from_rank0(work)
         if moved:
             logger.warn(
-                f"moved {len(moved)} file(s) of incomplete step(s) newer than {step} to "
+                f"warning: moved {len(moved)} file(s) of incomplete step(s) newer than {step} to "
                 f"{bf.join(self.log_dir, 'incomplete')}: {', '.join(moved[:4])}"
             )
 
@@ -798,26 +801,33 @@ def _same_dir(path, log_dir):
         return False
 
 
-def _move_incomplete_steps(log_dir, step):
-    """Rank-0 helper of TrainLoop._quarantine_newer_incomplete; returns moved file names."""
+def _move_newer_steps(log_dir, step):
+    """Rank-0 helper of TrainLoop._quarantine_newer_steps; returns the moved file names.
+
+    The manifest goes first, so a step is never "complete" while its files are being moved.
+    """
     if not bf.exists(log_dir):
         return []
     moved = []
     for st in checkpoint.list_steps(log_dir):
-        if st.step <= step or st.complete:
+        if st.step <= step:
             continue
         dest = bf.join(log_dir, "incomplete", f"step{st.step:06d}")
         bf.makedirs(dest)
-        for name in st.files:
-            src = bf.join(log_dir, os.path.basename(str(name)))
-            if bf.exists(src):
-                target = bf.join(dest, os.path.basename(str(name)))
-                if bf.exists(target):
-                    target = target + f".{os.getpid()}"
-                bf.copy(src, target) if "://" in src else os.replace(src, target)
-                if "://" in src:
-                    bf.remove(src)
-                moved.append(os.path.basename(str(name)))
+        names = sorted((os.path.basename(str(p)) for p in st.files),
+                       key=lambda n: not n.startswith("manifest"))
+        for name in names:
+            src, target = bf.join(log_dir, name), bf.join(dest, name)
+            if not bf.exists(src):
+                continue
+            if bf.exists(target):
+                target = f"{target}.{os.getpid()}"
+            if "://" in src:
+                bf.copy(src, target)
+                bf.remove(src)
+            else:
+                os.replace(src, target)
+            moved.append(name)
     return moved
 
 
