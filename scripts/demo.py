@@ -35,7 +35,8 @@ PREEMPTED_EXIT_CODE = 75  # train_util.PREEMPTED_EXIT_CODE (not imported: keep s
 
 # Settings that define a run; an --out holding other values is a different run.
 RUN_KEYS = ("image_size", "steps", "batch_size", "lr", "ema_rate", "num_channels",
-            "num_res_blocks", "channel_mult", "diffusion_steps", "noise_schedule", "seed", "ranks")
+            "num_res_blocks", "channel_mult", "diffusion_steps", "noise_schedule", "predict_xstart",
+            "seed", "ranks")
 
 
 class DemoError(Exception):
@@ -50,6 +51,14 @@ class UsageError(DemoError):
 
 # ---------------------------------------------------------------------------------------------
 # flags
+
+
+def _bool(v):
+    if str(v).lower() in ("1", "true", "yes", "y", "t"):
+        return True
+    if str(v).lower() in ("0", "false", "no", "n", "f"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected True or False, got {v!r}")
 
 
 def create_argparser():
@@ -70,6 +79,8 @@ def create_argparser():
     p.add_argument("--channel_mult", default=None)
     p.add_argument("--diffusion_steps", type=int, default=None)
     p.add_argument("--noise_schedule", default=None)
+    p.add_argument("--predict_xstart", default=None, type=_bool,
+                   help="the model predicts x0 instead of the noise (default True)")
     p.add_argument("--num_samples", type=int, default=None, help="digits to sample (default 100)")
     p.add_argument("--sample_steps", default=None, help="DDIM steps (timestep_respacing ddimN)")
     p.add_argument("--sample_batch_size", type=int, default=None)
@@ -84,12 +95,12 @@ def settings_from(args):
     if args.tiny:
         s = dict(image_size=8, steps=40, batch_size=4, lr=2e-3, ema_rate="0.9",
                  num_channels=32, num_res_blocks=1, channel_mult="1,2", diffusion_steps=20,
-                 noise_schedule="cosine", num_samples=10, sample_steps=5,
+                 noise_schedule="cosine", predict_xstart=True, num_samples=10, sample_steps=5,
                  sample_batch_size=10, log_interval=2)
     else:
-        s = dict(image_size=16, steps=1800, batch_size=32, lr=2e-3, ema_rate="0.995",
+        s = dict(image_size=16, steps=1200, batch_size=32, lr=2e-3, ema_rate="0.995",
                  num_channels=32, num_res_blocks=1, channel_mult="1,2,2", diffusion_steps=200,
-                 noise_schedule="cosine", num_samples=100, sample_steps=25,
+                 noise_schedule="cosine", predict_xstart=True, num_samples=100, sample_steps=25,
                  sample_batch_size=50, log_interval=100)
     for k in list(s):
         v = getattr(args, k, None)
@@ -184,8 +195,9 @@ class _TableCondenser:
 
     KEYS = ("step", "loss", "mse", "grad_norm", "samples")
 
-    def __init__(self, t0):
+    def __init__(self, t0, log_interval=None):
         self.t0 = t0
+        self.log_interval = log_interval
         self.rows = None
         self.last_step = None
 
@@ -199,7 +211,11 @@ class _TableCondenser:
             rows, self.rows = self.rows, None
             if "step" in rows:
                 try:
-                    self.last_step = int(float(rows["step"]))
+                    step = float(rows["step"])  # the logger prints 3 significant digits
+                    li = self.log_interval
+                    exact = step < 1000 or not li
+                    self.last_step = int(step) if exact else int(round(step / li) * li)
+                    rows["step"] = str(self.last_step)
                 except ValueError:
                     pass
             parts = [f"{k} {rows[k]}" for k in self.KEYS if k in rows]
@@ -212,7 +228,7 @@ class _TableCondenser:
         return line
 
 
-def run_child(cmd, *, label, on_line=None, condense=False):
+def run_child(cmd, *, label, on_line=None, condense=False, log_interval=None):
     """Run `cmd`, streaming its output (tables condensed); returns (exit code, output text).
 
     `on_line(line, proc, condenser)` is called for every complete output line.
@@ -221,7 +237,7 @@ def run_child(cmd, *, label, on_line=None, condense=False):
     t0 = time.time()
     proc = subprocess.Popen(cmd, cwd=REPO, env=_child_env(), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    cond = _TableCondenser(t0) if condense else None
+    cond = _TableCondenser(t0, log_interval) if condense else None
     captured = []
     buf = b""
     try:
@@ -304,7 +320,8 @@ def train_cmd(data_dir, run_dir, s):
         "--image_size", str(s["image_size"]), "--class_cond", "True", "--num_classes", "10",
         "--num_channels", str(s["num_channels"]), "--num_res_blocks", str(s["num_res_blocks"]),
         "--channel_mult", str(s["channel_mult"]), "--attention_resolutions", "",
-        "--learn_sigma", "False", "--diffusion_steps", str(s["diffusion_steps"]),
+        "--learn_sigma", "False", "--predict_xstart", str(s["predict_xstart"]),
+        "--diffusion_steps", str(s["diffusion_steps"]),
         "--noise_schedule", str(s["noise_schedule"]),
         "--lr", str(s["lr"]), "--batch_size", str(s["batch_size"]),
         "--ema_rate", str(s["ema_rate"]), "--max_steps", str(s["steps"]),
@@ -349,13 +366,15 @@ def train_with_preemption(data_dir, run_dir, s, preempt=True):
         print(f"{run_dir} already holds step {already} (past halfway): continuing without the "
               f"preemption show", flush=True)
         preempt = False
-    code, text = run_child(cmd, label="train", on_line=watch, condense=True)
+    code, text = run_child(cmd, label="train", on_line=watch, condense=True,
+                           log_interval=s["log_interval"])
     if code == PREEMPTED_EXIT_CODE:
         info.update(preempted=True, preempt_exit=code, preempted_at=_newest_step(run_dir))
         print(f"\n>>> training exited with code {code} (preempted) and a complete checkpoint "
               f"at step {info['preempted_at']}. Rerunning the same command: it auto-resumes.\n",
               flush=True)
-        code, text = run_child(cmd, label="train (resumed)", condense=True)
+        code, text = run_child(cmd, label="train (resumed)", condense=True,
+                               log_interval=s["log_interval"])
         for line in text.splitlines():
             if "auto-resume" in line or line.startswith("resumed at step"):
                 print(f">>> {line.strip()}", flush=True)
