@@ -350,7 +350,7 @@ def test_auto_resume_skips_a_step_with_a_damaged_file_and_says_so_in_one_line(
 
 # ------------------------------------------------------------------------------- kill -9
 
-KILL_TRIALS = 12
+KILL_TRIALS = 10
 KILL_MAX_STEPS = 100000  # kill trials never finish by themselves; the last run trains 3 more steps
 
 def _poll(pred, proc, timeout, interval=0.002):
