@@ -154,7 +154,8 @@ class TrainLoop:
             self._refuse_overwrite(step)
         self._quarantine_newer_steps(step)
         self.step = self.resume_step = step
-        beside = _broadcast_from_rank0(lambda: _files_beside(plan["model"], step, self.ema_rate_strs))
+        beside = _broadcast_from_rank0(
+            lambda: _files_beside(plan["model"], step, self.ema_rate_strs))
         ema_loaded = self._load_ema(beside["ema"], model_ckpt)
         trainer, opt_note = self._load_optimizer(beside["opt"], model_ckpt)
         self._restore_trainer_state(trainer)
@@ -178,8 +179,8 @@ class TrainLoop:
         def decide():  # sha256 of the chosen step's files is checked: a damaged step is skipped
             steps = checkpoint.list_steps(self.log_dir) if bf.exists(self.log_dir) else []
             if not steps:
-                return {"model": None, "msg": None if not arg else
-                        f"--resume_checkpoint auto: no checkpoint in {self.log_dir}; starting fresh"}
+                msg = f"--resume_checkpoint auto: no checkpoint in {self.log_dir}; starting fresh"
+                return {"model": None, "msg": msg if arg else None}
             warns = []
             st = checkpoint.latest_complete_step(self.log_dir, warn=warns.append,
                                                  verify_checksums=True)
@@ -198,7 +199,7 @@ class TrainLoop:
         return plan if plan["model"] else None
 
     def _load_model(self, path):
-        """Load model weights from `path` (collective), strict, with a one-line error on mismatch."""
+        """Load model weights from `path` (collective), strict; one-line error on mismatch."""
         ckpt = checkpoint.load_file_collective(path)
         if ckpt.kind not in ("model", "combined"):
             raise ResumeError(
@@ -230,7 +231,10 @@ class TrainLoop:
         return checkpoint.parse_step(ckpt.path)
 
     def _refuse_overwrite(self, step):
-        """Error if log_dir holds a complete step newer than `step` (never overwrite). Collective."""
+        """Error if log_dir holds a complete step newer than `step` (never overwrite).
+
+        Collective.
+        """
 
         def newest():
             if not bf.exists(self.log_dir):
@@ -300,8 +304,9 @@ class TrainLoop:
     def _load_optimizer(self, opt_path, model_ckpt=None):
         """Load the optimizer state, or fall back to a fresh optimizer with one warning line.
 
-        Returns (trainer dict of the file or None, a note for the log). Collective: every rank reads the same
-        broadcast bytes, so the decision is the same everywhere (checked with an all-gather).
+        Returns (trainer dict of the file or None, a note for the log). Collective: every rank
+        reads the same broadcast bytes, so the decision is the same everywhere (checked with an
+        all-gather).
         """
         trainer, ok, why = None, False, None
         if opt_path is None and model_ckpt is not None and model_ckpt.optimizer is not None:
@@ -371,7 +376,8 @@ class TrainLoop:
             logger.log(f"resume: --seed {trainer.get('seed')} -> {self.seed}")
         old_rates = trainer.get("ema_rates")
         if old_rates is not None and list(old_rates) != self.ema_rate_strs:
-            logger.log(f"resume: --ema_rate {','.join(old_rates)} -> {','.join(self.ema_rate_strs)}")
+            logger.log(f"resume: --ema_rate {','.join(old_rates)} -> "
+                       f"{','.join(self.ema_rate_strs)}")
 
     def _restore_rng(self, rng, old_world_size):
         if rng and old_world_size == self.world_size and len(rng) == self.world_size:
@@ -494,7 +500,8 @@ class TrainLoop:
             micro_cond = {k: v[i : i + self.microbatch].to(self.device) for k, v in cond.items()}
             last = i + self.microbatch >= batch.shape[0]
             t, weights = self.schedule_sampler.sample(micro.shape[0], self.device)
-            sync = contextlib.nullcontext() if (last or not self.use_ddp) else self.ddp_model.no_sync()
+            sync = (contextlib.nullcontext() if last or not self.use_ddp
+                    else self.ddp_model.no_sync())
             with sync:
                 with self._autocast():
                     losses = self.diffusion.training_losses(
@@ -717,7 +724,8 @@ def _likely_flag(keys, file_flags, my_flags, sd_keys=(), model_keys=()):
     if file_flags:
         diff = [k for k in my_flags if k in file_flags and file_flags[k] != my_flags[k]]
         if diff:
-            return ", ".join(f"--{k} (file: {file_flags[k]}, given: {my_flags[k]})" for k in diff[:4])
+            return ", ".join(f"--{k} (file: {file_flags[k]}, given: {my_flags[k]})"
+                             for k in diff[:4])
     if any("time_embed.0" in k for k in keys):
         return "--num_channels"
 
@@ -753,13 +761,14 @@ def _check_state_dict_matches(model, sd, path, file_flags, my_flags, params_only
 
 
 def _check_same_on_all_ranks(**values):
-    """Fail on all ranks, naming the flag, if ranks were started with different values. Collective."""
+    """Fail on all ranks, naming the flag, if ranks were given different values. Collective."""
     gathered = dist_util.all_gather_object(values)
     for key in values:
         seen = [g[key] for g in gathered]
         if any(s != seen[0] for s in seen):
             per_rank = ", ".join(f"rank {r}: {s!r}" for r, s in enumerate(seen))
-            raise dist_util.DistMismatchError(f"--{key} differs between ranks ({per_rank}); pass the same value to all")
+            raise dist_util.DistMismatchError(
+                f"--{key} differs between ranks ({per_rank}); pass the same value to all")
 
 
 def _broadcast_from_rank0(fn):

@@ -1,4 +1,4 @@
-"""Train a diffusion model on images (upstream's image_train.py, with a resume that works on N ranks).
+"""Train a diffusion model on images (upstream's image_train.py; resume works on any rank count).
 
     mpiexec -n N python scripts/train.py --data_dir D --log_dir L $MODEL_FLAGS $DIFFUSION_FLAGS \
         $TRAIN_FLAGS [--resume_checkpoint auto|L/modelNNNNNN.pt] [--max_steps N]

@@ -177,8 +177,8 @@ def test_torchrun_resumes_and_trains_on_two_processes_like_mpiexec(tmp_path):
     assert load(log / "opt000004.pt")["trainer"]["world_size"] == 2
     saved = load(log / "opt000002.pt")["optimizer"]
     for r in range(2):
-        assert_optimizer_state_equal(saved, load(tmp_path / "b" / f"loaded_rank{r}.pt")["optimizer"],
-                                     f"rank {r}")
+        loaded = load(tmp_path / "b" / f"loaded_rank{r}.pt")["optimizer"]
+        assert_optimizer_state_equal(saved, loaded, f"rank {r}")
     assert_same_on_all_ranks([load(tmp_path / "b" / f"final_rank{r}.pt") for r in range(2)],
                              "torchrun")
 
