@@ -488,12 +488,15 @@ def rank_pids(marker):
 
 
 @pytest.mark.timeout(150)
-def test_sigterm_to_one_rank_saves_a_complete_checkpoint_of_the_current_step_and_exits_75(
-        tmp_path, images):
+@pytest.mark.parametrize("ranks,sig", [(2, signal.SIGTERM), (1, signal.SIGUSR1)],
+                         ids=["sigterm-to-rank1-of-2", "sigusr1-single-rank"])
+def test_a_preemption_signal_to_one_rank_saves_a_complete_checkpoint_and_exits_75(
+        tmp_path, images, ranks, sig):
     log_dir = tmp_path / "run"
-    cmd = [MPIEXEC, "-n", "2", PY, TRAIN, *train_args(images(14), log_dir, "--max_steps", 100000,
-                                                      "--save_interval", 100000)]
-    log_path = tmp_path / "mpiexec.log"
+    launcher = [MPIEXEC, "-n", str(ranks)] if ranks > 1 else []
+    cmd = [*launcher, PY, TRAIN, *train_args(images(14), log_dir, "--max_steps", 100000,
+                                             "--save_interval", 100000)]
+    log_path = tmp_path / "train.log"
     with open(log_path, "w") as log_f:
         proc = subprocess.Popen([str(c) for c in cmd], cwd=REPO, env=child_env(), stdout=log_f,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -505,9 +508,12 @@ def test_sigterm_to_one_rank_saves_a_complete_checkpoint_of_the_current_step_and
             except (FileNotFoundError, ValueError, KeyError):
                 return False
         assert _poll(training, proc, timeout=90, interval=0.05), log_path.read_text()[-3000:]
-        pids = rank_pids(str(log_dir))
-        assert sorted(pids) == [0, 1], pids
-        os.kill(pids[1], signal.SIGTERM)  # not the writer: rank 0 must learn of it from rank 1
+        if ranks > 1:
+            pids = rank_pids(str(log_dir))
+            assert sorted(pids) == list(range(ranks)), pids
+            os.kill(pids[ranks - 1], sig)  # not the writer: rank 0 must learn of it from rank 1
+        else:
+            os.kill(proc.pid, sig)
         rc = proc.wait(timeout=60)
     finally:
         if proc.poll() is None:
