@@ -460,7 +460,7 @@ def save_samples(log_dir, images, labels=None, *, ncol=None, grid=True, overwrit
 
     h = images.shape[1]
     scale = max(1, 64 // h) if h < 64 else 1
-    g = make_grid(images, ncol=ncol, scale=scale)
+    g = make_grid(images, ncol=ncol, scale=scale, pad=max(2, h * scale // 16))
     if g.shape[2] == 1:
         g = g[:, :, 0]
     with bf.BlobFile(png_path, "wb") as f:

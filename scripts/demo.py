@@ -101,7 +101,7 @@ def settings_from(args):
         s = dict(image_size=16, steps=1200, batch_size=32, lr=2e-3, ema_rate="0.995",
                  num_channels=32, num_res_blocks=1, channel_mult="1,2,2", diffusion_steps=200,
                  noise_schedule="cosine", predict_xstart=True, num_samples=100, sample_steps=25,
-                 sample_batch_size=50, log_interval=100)
+                 sample_batch_size=50, log_interval=50)
     for k in list(s):
         v = getattr(args, k, None)
         if v is not None:
@@ -193,7 +193,7 @@ def _rank_pid(launcher_pid, script, rank):
 class _TableCondenser:
     """Turns the logger's key/value tables into one line each: `step 300  loss 0.071 ...`."""
 
-    KEYS = ("step", "loss", "mse", "grad_norm", "samples")
+    KEYS = ("step", "loss", "grad_norm")
 
     def __init__(self, t0, log_interval=None):
         self.t0 = t0
