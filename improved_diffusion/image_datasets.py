@@ -313,6 +313,10 @@ class ResumableLoader:
                 num_workers=self.num_workers,
                 collate_fn=collate,
                 worker_init_fn=_worker_init,
+                # Its own generator: creating the iterator draws a base seed, which must not
+                # advance the global torch RNG (a resumed run would then differ from a straight
+                # one, since a resume creates the iterator at a different step).
+                generator=th.Generator().manual_seed(self.seed),
             )
             self._stream = [iter(dl), self.position]
         batch = next(self._stream[0])
