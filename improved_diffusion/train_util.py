@@ -125,6 +125,7 @@ class TrainLoop:
         self._resume()
         self.use_ddp = self.world_size > 1
         self.ddp_model = self._wrap_ddp() if self.use_ddp else self.model
+        self._ddp_primed = not self.use_ddp
 
     # ------------------------------------------------------------------ setup helpers
 
@@ -425,7 +426,7 @@ class TrainLoop:
                 if dist_util.any_rank(flag["set"]):
                     names = dist_util.all_gather_object(flag["signal"])
                     return self._preempt(sorted({n for n in names if n}))
-                batch, cond = next(self._data_iter)
+                batch, cond = self._next_batch()
                 self._record_indices()
                 self.run_step(batch, cond)
                 if self.step % self.log_interval == 0:
@@ -471,6 +472,19 @@ class TrainLoop:
         )
         return PREEMPTED_EXIT_CODE
 
+    def _next_batch(self):
+        """The next (batch, cond), leaving the global torch RNG as it was.
+
+        Starting DataLoader workers draws a base seed from the global torch RNG; a resumed run
+        starts them at a different step than a straight run, so without this the training noise
+        would depend on where the run was resumed.
+        """
+        state = th.get_rng_state()
+        try:
+            return next(self._data_iter)
+        finally:
+            th.set_rng_state(state)
+
     def _record_indices(self):
         if not self.log_sample_indices:
             return
@@ -494,10 +508,13 @@ class TrainLoop:
 
     def forward_backward(self, batch, cond):
         """Accumulate gradients over microbatches; DDP syncs only on the last one."""
-        self.opt.zero_grad(set_to_none=True)
         for i in range(0, batch.shape[0], self.microbatch):
             micro = batch[i : i + self.microbatch].to(self.device)
             micro_cond = {k: v[i : i + self.microbatch].to(self.device) for k, v in cond.items()}
+            if not self._ddp_primed:
+                self._prime_ddp_buckets(micro, micro_cond)
+            if i == 0:
+                self.opt.zero_grad(set_to_none=True)
             last = i + self.microbatch >= batch.shape[0]
             t, weights = self.schedule_sampler.sample(micro.shape[0], self.device)
             sync = (contextlib.nullcontext() if last or not self.use_ddp
@@ -513,6 +530,24 @@ class TrainLoop:
                 loss = (losses["loss"] * weights).mean()
                 log_loss_dict(self.diffusion, t, {k: v * weights for k, v in losses.items()})
                 self._backward(loss)
+
+    def _prime_ddp_buckets(self, micro, micro_cond):
+        """One throw-away forward/backward so that DDP settles its gradient buckets now.
+
+        DDP re-orders its buckets after the first synchronised backward, which changes the order
+        in which gradient elements are summed across ranks (on 3+ ranks: the last bits of the
+        result). Priming here makes the first step after a resume use the same buckets as every
+        other step, so a resumed run equals a straight one bitwise on any number of ranks. RNG
+        states are restored and the (zero) gradients dropped. Collective (a DDP all-reduce).
+        """
+        rng = get_rng_state()
+        t = th.zeros(micro.shape[0], dtype=th.long, device=self.device)
+        with self._autocast():
+            out = self.ddp_model(micro, t, **micro_cond)
+        (out.float().sum() * 0.0).backward()
+        self.opt.zero_grad(set_to_none=True)
+        set_rng_state(rng)
+        self._ddp_primed = True
 
     def _autocast(self):
         if self.amp_dtype is None:
