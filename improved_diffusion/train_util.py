@@ -426,7 +426,7 @@ class TrainLoop:
                 if dist_util.any_rank(flag["set"]):
                     names = dist_util.all_gather_object(flag["signal"])
                     return self._preempt(sorted({n for n in names if n}))
-                batch, cond = self._next_batch()
+                batch, cond = next(self._data_iter)
                 self._record_indices()
                 self.run_step(batch, cond)
                 if self.step % self.log_interval == 0:
@@ -471,19 +471,6 @@ class TrainLoop:
             f"exiting with code {PREEMPTED_EXIT_CODE}"
         )
         return PREEMPTED_EXIT_CODE
-
-    def _next_batch(self):
-        """The next (batch, cond), leaving the global torch RNG as it was.
-
-        Starting DataLoader workers draws a base seed from the global torch RNG; a resumed run
-        starts them at a different step than a straight run, so without this the training noise
-        would depend on where the run was resumed.
-        """
-        state = th.get_rng_state()
-        try:
-            return next(self._data_iter)
-        finally:
-            th.set_rng_state(state)
 
     def _record_indices(self):
         if not self.log_sample_indices:
