@@ -235,8 +235,12 @@ def run_child(cmd, *, label, on_line=None, condense=False, log_interval=None):
     """
     print(f"$ {' '.join(_quote(c) for c in cmd)}", flush=True)
     t0 = time.time()
-    proc = subprocess.Popen(cmd, cwd=REPO, env=_child_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    try:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=_child_env(), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    except FileNotFoundError:
+        raise DemoError(f"{cmd[0]} not found; install the project with `make install` (it "
+                        f"brings mpiexec via the mpich package)") from None
     cond = _TableCondenser(t0, log_interval) if condense else None
     captured = []
     buf = b""
