@@ -259,14 +259,24 @@ class TrainLoop:
         Collective.
         """
         def work():
-            return _move_newer_steps(self.log_dir, step) if self.rank == 0 else []
+            if self.rank != 0:
+                return [], []
+            moved = _move_newer_steps(self.log_dir, step)
+            # Temp files of saves killed mid-write are never part of a step; nothing else
+            # writes to this log dir now, so remove them whatever their age.
+            stale = (checkpoint.prune(self.log_dir, 0, temp_age_s=0.0)
+                     if bf.exists(self.log_dir) else [])
+            return moved, [os.path.basename(str(p)) for p in stale]
 
-        moved = _broadcast_from_rank0(work)
+        moved, stale = _broadcast_from_rank0(work)
         if moved:
             logger.warn(
                 f"warning: moved {len(moved)} file(s) of incomplete step(s) newer than {step} to "
                 f"{bf.join(self.log_dir, 'incomplete')}: {', '.join(moved[:4])}"
             )
+        if stale:
+            logger.warn(f"warning: removed {len(stale)} temp file(s) of interrupted saves: "
+                        f"{', '.join(stale[:4])}")
 
     def _load_ema(self, ema_paths, model_ckpt):
         """Load each rate's EMA file if present, else start from the model weights. Collective."""

@@ -463,6 +463,8 @@ def test_kill_9_at_random_moments_always_resumes_from_a_complete_step(tmp_path, 
     assert rc == 0, out[-3000:]
     assert check_step(log_dir, target, TWO_EMAS, deep=True) is None, "\n".join(history)
     assert kills >= 10, "\n".join(history)
+    stale = sorted(n for n in top_level_names(log_dir) if TEMP_FILE_RE.search(n))
+    assert not stale, f"temp files of killed saves left in the log dir: {stale}"
     assert mid_save >= 3, "too few kills landed inside a save:\n" + "\n".join(history)
 
 
