@@ -350,7 +350,8 @@ def _as_number(v):
 def weighted_mean_across_ranks(name2valcount):
     """
     Average {name: (value, count)} over all ranks of torch.distributed, weighted by count.
-    Keys logged on only some ranks are averaged over those. Non-numeric values keep rank 0's.
+    Keys logged on only some ranks are averaged over those. Non-numeric values keep rank 0's;
+    integer values that agree on every rank (step, samples) stay integers.
 
     Collective: call from all ranks with the same arguments.
     """
@@ -359,7 +360,8 @@ def weighted_mean_across_ranks(name2valcount):
     local = {}
     for k, (v, c) in name2valcount.items():
         num = _as_number(v)
-        local[k] = (num if num is not None else v, c, num is not None)
+        is_int = isinstance(v, int) and not isinstance(v, bool)
+        local[k] = (v if is_int else (num if num is not None else v), c, num is not None)
     gathered = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, local)
     sums = defaultdict(float)
@@ -373,6 +375,10 @@ def weighted_mean_across_ranks(name2valcount):
             elif k not in others:
                 others[k] = v
     out = {k: sums[k] / counts[k] for k in sums if counts[k] > 0}
+    for k in out:
+        values = {d[k][0] for d in gathered if k in d}
+        if len(values) == 1 and isinstance(next(iter(values)), int):
+            out[k] = next(iter(values))
     for k, v in others.items():
         out.setdefault(k, v)
     return out
