@@ -25,7 +25,6 @@ import re
 import time
 import uuid
 import warnings
-import zipfile
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, List, Optional

@@ -21,6 +21,8 @@ import datetime
 import io
 import os
 import socket
+import sys
+import time
 
 import blobfile as bf
 import torch as th
@@ -57,9 +59,13 @@ class DistLoadError(RuntimeError):
 # setup
 
 
+def _launched_by_mpi():
+    return any(v in os.environ for v in _MPI_LAUNCHER_VARS)
+
+
 def _mpi_comm():
     """mpi4py's COMM_WORLD when launched by an MPI launcher with more than one rank, else None."""
-    if not any(v in os.environ for v in _MPI_LAUNCHER_VARS):
+    if not _launched_by_mpi():
         return None
     try:
         from mpi4py import MPI
@@ -180,6 +186,48 @@ def cleanup():
     """
     if is_distributed():
         dist.destroy_process_group()
+
+
+def end_job_after_error(code, wait_s=10.0):
+    """
+    After an error on this rank: if every rank failed (errors of the resume are raised on all
+    ranks alike, since its decisions are broadcast), return so each exits normally; if the other
+    ranks did not fail within ``wait_s`` (say, an unreadable image in one rank's batch), they
+    would stay blocked in a collective, so abort the whole job with exit ``code`` (MPI_Abort under
+    mpiexec; under torchrun this rank's exit makes the launcher stop the rest).
+
+    Failing ranks count themselves in the process group's store; no collective is entered, so
+    this is safe to call from any rank at any point. No-op without a process group.
+    """
+    if not is_distributed():
+        return
+    world = get_world_size()
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.add("end_job_after_error/failed", 1)
+        deadline = time.time() + wait_s
+        while store.add("end_job_after_error/failed", 0) < world:
+            if time.time() > deadline:
+                raise TimeoutError
+            time.sleep(0.1)
+        store.add("end_job_after_error/left", 1)
+        while get_rank() == 0 and store.add("end_job_after_error/left", 0) < world:
+            if time.time() > deadline + wait_s:  # rank 0 holds the store: let the others read
+                break
+            time.sleep(0.05)
+        return
+    except Exception:
+        pass
+    sys.stderr.write(f"note: the other ranks did not fail; aborting all {world} ranks\n")
+    sys.stderr.flush()
+    if _launched_by_mpi():
+        try:
+            from mpi4py import MPI
+
+            MPI.COMM_WORLD.Abort(code)
+        except ImportError:
+            pass
+    os._exit(code)
 
 
 # --------------------------------------------------------------------------------------------

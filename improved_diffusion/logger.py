@@ -54,7 +54,9 @@ class HumanOutputFormat(KVWriter, SeqWriter):
     def writekvs(self, kvs):
         key2str = {}
         for key, val in sorted(kvs.items()):
-            if hasattr(val, "__float__"):
+            if isinstance(val, int) and not isinstance(val, bool):
+                valstr = str(val)  # step and sample counts exactly (upstream printed 1.2e+03)
+            elif hasattr(val, "__float__"):
                 valstr = "%-8.3g" % val
             else:
                 valstr = str(val)

@@ -15,7 +15,6 @@ Errors made by the user (missing file, bad or contradicting flags) raise `Sample
 one-line message that names the flag or file; scripts print it as ``error: ...``.
 """
 
-import argparse
 import math
 import os
 

@@ -195,9 +195,8 @@ class _TableCondenser:
 
     KEYS = ("step", "loss", "grad_norm")
 
-    def __init__(self, t0, log_interval=None):
+    def __init__(self, t0):
         self.t0 = t0
-        self.log_interval = log_interval
         self.rows = None
         self.last_step = None
 
@@ -211,11 +210,7 @@ class _TableCondenser:
             rows, self.rows = self.rows, None
             if "step" in rows:
                 try:
-                    step = float(rows["step"])  # the logger prints 3 significant digits
-                    li = self.log_interval
-                    exact = step < 1000 or not li
-                    self.last_step = int(step) if exact else int(round(step / li) * li)
-                    rows["step"] = str(self.last_step)
+                    self.last_step = int(rows["step"])
                 except ValueError:
                     pass
             parts = [f"{k} {rows[k]}" for k in self.KEYS if k in rows]
@@ -228,7 +223,7 @@ class _TableCondenser:
         return line
 
 
-def run_child(cmd, *, label, on_line=None, condense=False, log_interval=None):
+def run_child(cmd, *, label, on_line=None, condense=False):
     """Run `cmd`, streaming its output (tables condensed); returns (exit code, output text).
 
     `on_line(line, proc, condenser)` is called for every complete output line.
@@ -241,7 +236,7 @@ def run_child(cmd, *, label, on_line=None, condense=False, log_interval=None):
     except FileNotFoundError:
         raise DemoError(f"{cmd[0]} not found; install the project with `make install` (it "
                         f"brings mpiexec via the mpich package)") from None
-    cond = _TableCondenser(t0, log_interval) if condense else None
+    cond = _TableCondenser(t0) if condense else None
     captured = []
     buf = b""
     try:
@@ -370,15 +365,13 @@ def train_with_preemption(data_dir, run_dir, s, preempt=True):
         print(f"{run_dir} already holds step {already} (past halfway): continuing without the "
               f"preemption show", flush=True)
         preempt = False
-    code, text = run_child(cmd, label="train", on_line=watch, condense=True,
-                           log_interval=s["log_interval"])
+    code, text = run_child(cmd, label="train", on_line=watch, condense=True)
     if code == PREEMPTED_EXIT_CODE:
         info.update(preempted=True, preempt_exit=code, preempted_at=_newest_step(run_dir))
         print(f"\n>>> training exited with code {code} (preempted) and a complete checkpoint "
               f"at step {info['preempted_at']}. Rerunning the same command: it auto-resumes.\n",
               flush=True)
-        code, text = run_child(cmd, label="train (resumed)", condense=True,
-                               log_interval=s["log_interval"])
+        code, text = run_child(cmd, label="train (resumed)", condense=True)
         for line in text.splitlines():
             if "auto-resume" in line or line.startswith("resumed at step"):
                 print(f">>> {line.strip()}", flush=True)
@@ -487,7 +480,7 @@ def main(argv=None):
         print(f"{out} already holds a finished demo run; its results:\n", flush=True)
         with open(summary_path) as f:
             sys.stdout.write(f.read())
-        print(f"\n(nothing was changed; pass --out NEW_DIR to run the demo again)", flush=True)
+        print("\n(nothing was changed; pass --out NEW_DIR to run the demo again)", flush=True)
         return 0
     if os.path.exists(settings_path):
         with open(settings_path) as f:

@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 import torch as th  # noqa: E402
 
-from improved_diffusion import dist_util, logger, sampling  # noqa: E402
+from improved_diffusion import cli, dist_util, logger, sampling  # noqa: E402
 from improved_diffusion.image_datasets import (  # noqa: E402
     DataError,
     collate,
@@ -117,20 +117,14 @@ def main(argv=None):
 
 
 def run(argv=None):
+    """Entry point: our errors become one `error: ...` line and a non-zero exit."""
     from improved_diffusion.checkpoint import CheckpointError
+    from improved_diffusion.script_util import FlagError
 
-    try:
-        return main(argv)
-    except DataError as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        return 1
-    except (sampling.SampleError, CheckpointError) as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        return getattr(e, "exit_code", 1)
-    except ValueError as e:
-        print(f"error: {str(e).splitlines()[0] if str(e) else repr(e)}", file=sys.stderr,
-              flush=True)
-        return 2
+    # SampleError carries its own exit code (2 for bad flags, 1 otherwise).
+    return cli.run_main(main, argv, usage_errors=(FlagError,),
+                        runtime_errors=(DataError, sampling.SampleError, CheckpointError,
+                                        ValueError))
 
 
 if __name__ == "__main__":

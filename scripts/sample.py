@@ -23,7 +23,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from improved_diffusion import dist_util, logger  # noqa: E402
+from improved_diffusion import cli, dist_util, logger  # noqa: E402
 from improved_diffusion import sampling  # noqa: E402
 from improved_diffusion.script_util import (  # noqa: E402
     add_dict_to_argparser,
@@ -103,19 +103,13 @@ def main(argv=None):
 
 
 def run(argv=None):
-    """Entry point: user mistakes become one `error: ...` line and a non-zero exit."""
+    """Entry point: our errors become one `error: ...` line and a non-zero exit."""
     from improved_diffusion.checkpoint import CheckpointError
+    from improved_diffusion.script_util import FlagError
 
-    try:
-        code = main(argv)
-    except (sampling.SampleError, CheckpointError) as e:
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        code = getattr(e, "exit_code", 1)
-    except ValueError as e:  # FlagError and friends from script_util name the flag
-        print(f"error: {str(e).splitlines()[0] if str(e) else repr(e)}", file=sys.stderr,
-              flush=True)
-        code = 2
-    return code
+    # SampleError carries its own exit code (2 for bad flags, 1 otherwise).
+    return cli.run_main(main, argv, usage_errors=(FlagError,),
+                        runtime_errors=(sampling.SampleError, CheckpointError, ValueError))
 
 
 if __name__ == "__main__":

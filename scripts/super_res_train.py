@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch.nn.functional as F  # noqa: E402
 
 import train as train_script  # noqa: E402  (scripts/train.py: flags, checks, error types)
-from improved_diffusion import dist_util, logger, train_util  # noqa: E402
+from improved_diffusion import cli, dist_util, logger, train_util  # noqa: E402
 from improved_diffusion.image_datasets import load_data  # noqa: E402
 from improved_diffusion.resample import create_named_schedule_sampler  # noqa: E402
 from improved_diffusion.script_util import (  # noqa: E402
@@ -98,24 +98,18 @@ def build_train_loop(args):
     )
 
 
-def main(argv=None):
+def train(argv=None):
     args = create_argparser().parse_args(argv)
-    usage, runtime = train_script._error_types()
-    try:
-        train_script.check_args(args)
-        if args.small_size >= args.large_size:
-            raise train_script.UsageError(
-                f"--small_size {args.small_size} must be smaller than --large_size "
-                f"{args.large_size}")
-        code = build_train_loop(args).run_loop()
-    except usage as e:
-        print(f"error: {train_script._one_line(e)}", file=sys.stderr, flush=True)
-        return 2
-    except runtime as e:
-        print(f"error: {train_script._one_line(e)}", file=sys.stderr, flush=True)
-        return 1
-    dist_util.cleanup()
-    return code
+    train_script.check_args(args)
+    if args.small_size >= args.large_size:
+        raise cli.UsageError(
+            f"--small_size {args.small_size} must be smaller than --large_size {args.large_size}")
+    return train_script.run_and_close(build_train_loop(args))
+
+
+def main(argv=None):
+    return cli.run_main(train, argv, usage_errors=train_script.USAGE_ERRORS,
+                        runtime_errors=train_script.RUNTIME_ERRORS)
 
 
 if __name__ == "__main__":

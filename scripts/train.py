@@ -9,12 +9,11 @@ Exit codes: 0 done; 75 (train_util.PREEMPTED_EXIT_CODE) after a SIGTERM/SIGUSR1 
 import argparse
 import os
 import sys
-import time
-import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from improved_diffusion import checkpoint, dist_util, logger, train_util  # noqa: E402
+from improved_diffusion import checkpoint, cli, dist_util, logger, train_util  # noqa: E402
+from improved_diffusion.cli import UsageError  # noqa: E402
 from improved_diffusion.image_datasets import load_data  # noqa: E402
 from improved_diffusion.resample import create_named_schedule_sampler  # noqa: E402
 from improved_diffusion.script_util import (  # noqa: E402
@@ -24,10 +23,6 @@ from improved_diffusion.script_util import (  # noqa: E402
     create_model_and_diffusion,
     model_and_diffusion_defaults,
 )
-
-
-class UsageError(Exception):
-    """Bad command line (exit 2)."""
 
 
 def train_defaults():
@@ -127,89 +122,32 @@ def build_train_loop(args):
     )
 
 
-def _error_types():
-    """(usage errors, runtime errors) we report in one line instead of a traceback."""
-    runtime = [checkpoint.CheckpointError, ValueError, OSError]
-    mismatch = getattr(dist_util, "DistMismatchError", None)
-    if mismatch is not None:
-        runtime.insert(0, mismatch)
-    return (UsageError, FlagError), tuple(runtime)
+# One-line errors: usage (exit 2) and runtime (exit 1); anything else keeps its traceback.
+USAGE_ERRORS = (FlagError,)
+RUNTIME_ERRORS = (dist_util.DistMismatchError, checkpoint.CheckpointError, ValueError, OSError)
 
 
-def _one_line(e):
-    return " ".join(str(e).split()) or type(e).__name__
-
-
-def _stop_other_ranks(code, wait_s=10.0):
-    """After an error on this rank: if the other ranks did not fail too, end the whole job.
-
-    Errors of the resume are raised on every rank alike (decisions are broadcast); an error on
-    some ranks only (say, an unreadable image in one rank's batch) would leave the others blocked
-    in a collective. Failing ranks count themselves in the process group's store: when every rank
-    has failed, they all exit normally; otherwise, after `wait_s`, this rank aborts the MPI job
-    (under torchrun, its exit makes the launcher stop the rest).
-    """
-    if not dist_util.is_distributed():
-        return
-    world = dist_util.get_world_size()
+def run_and_close(loop):
+    """Run a TrainLoop, then take down DDP and the process group; returns the loop's exit code."""
     try:
-        import torch.distributed as dist
-
-        store = dist.distributed_c10d._get_default_store()
-        store.add("train_py/failed", 1)
-        deadline = time.time() + wait_s
-        while store.add("train_py/failed", 0) < world:
-            if time.time() > deadline:
-                raise TimeoutError
-            time.sleep(0.1)
-        store.add("train_py/left", 1)
-        while dist_util.get_rank() == 0 and store.add("train_py/left", 0) < world:
-            if time.time() > deadline + wait_s:
-                break
-            time.sleep(0.05)
-        return
-    except Exception:
-        pass
-    print(f"note: the other ranks did not fail; aborting all {world} ranks", file=sys.stderr,
-          flush=True)
-    if any(k in os.environ for k in ("PMI_RANK", "PMI_SIZE", "HYDRA_CONTROL_FD", "PMIX_RANK",
-                                         "OMPI_COMM_WORLD_SIZE")):
-        try:
-            from mpi4py import MPI
-
-            MPI.COMM_WORLD.Abort(code)
-        except ImportError:
-            pass
-    os._exit(code)
-
-
-def _fail(code, message):
-    print(f"error: {message}", file=sys.stderr, flush=True)
-    _stop_other_ranks(code)
+        code = loop.run_loop()
+    except BaseException:
+        loop.close(sync=False)  # no collective here: other ranks may be elsewhere
+        raise
+    loop.close()
+    dist_util.cleanup()
     return code
+
+
+def train(argv=None):
+    """Parse flags, build the loop, run it; returns the exit code (0 done, 75 preempted)."""
+    args = create_argparser().parse_args(argv)
+    check_args(args)
+    return run_and_close(build_train_loop(args))
 
 
 def main(argv=None):
-    args = create_argparser().parse_args(argv)
-    usage, runtime = _error_types()
-    try:
-        check_args(args)
-        loop = build_train_loop(args)
-        try:
-            code = loop.run_loop()
-        except BaseException:
-            loop.close(sync=False)  # no collective here: other ranks may be elsewhere
-            raise
-        loop.close()
-    except usage as e:
-        return _fail(2, _one_line(e))
-    except runtime as e:
-        return _fail(1, _one_line(e))
-    except Exception:  # a bug: keep the traceback, but never leave other ranks hanging
-        traceback.print_exc()
-        return _fail(1, "unexpected error (traceback above)")
-    dist_util.cleanup()
-    return code
+    return cli.run_main(train, argv, usage_errors=USAGE_ERRORS, runtime_errors=RUNTIME_ERRORS)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ import textwrap
 import pytest
 import torch as th
 
-from conftest import MPIEXEC, PY, REPO, child_env, run_module_mpi
+from conftest import PY, REPO, child_env, run_module_mpi
 from improved_diffusion import dist_util
 
 
