@@ -21,7 +21,7 @@ import os
 import numpy as np
 import torch as th
 
-from . import dist_util
+from . import cli, dist_util, logger
 
 # Model/diffusion flags that may legitimately differ from the training run at sampling time.
 SAMPLE_TIME_FLAGS = ("timestep_respacing", "use_checkpoint", "dropout")
@@ -44,6 +44,37 @@ class BadFlagError(SampleError):
 
 class FlagConflictError(BadFlagError):
     """An explicit command-line flag contradicts the flags stored in the model file."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Script plumbing shared by sample.py, nll.py and super_res_sample.py
+
+
+def start_script(parser, argv=None):
+    """
+    Parse flags, check --model_path, set up the process group and the logger (--log_dir, else
+    $OPENAI_LOGDIR, else a fresh temporary directory as upstream). Returns (args, explicit flags).
+
+    Collective: call from all ranks with the same arguments.
+    """
+    args = parser.parse_args(argv)
+    explicit = explicit_args(parser, argv)
+    if not args.model_path:
+        raise BadFlagError("--model_path is required (a model*.pt or ema_*.pt file)")
+    dist_util.setup_dist()
+    logger.configure(dir=args.log_dir or os.environ.get("OPENAI_LOGDIR") or None)
+    return args, explicit
+
+
+def run_script(main, argv=None):
+    """Entry point of the sampling scripts: our errors become one `error: ...` line; SampleError
+    carries its exit code (2 for bad flags, 1 otherwise), FlagError exits 2."""
+    from .checkpoint import CheckpointError
+    from .image_datasets import DataError
+    from .script_util import FlagError
+
+    return cli.run_main(main, argv, usage_errors=(FlagError,),
+                        runtime_errors=(SampleError, CheckpointError, DataError, ValueError))
 
 
 # ----------------------------------------------------------------------------------------------

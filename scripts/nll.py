@@ -22,9 +22,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 import torch as th  # noqa: E402
 
-from improved_diffusion import cli, dist_util, logger, sampling  # noqa: E402
+from improved_diffusion import dist_util, logger, sampling  # noqa: E402
 from improved_diffusion.image_datasets import (  # noqa: E402
-    DataError,
     collate,
     load_data,
 )
@@ -48,14 +47,7 @@ def create_argparser():
 
 
 def main(argv=None):
-    parser = create_argparser()
-    args = parser.parse_args(argv)
-    explicit = sampling.explicit_args(parser, argv)
-    if not args.model_path:
-        raise sampling.BadFlagError("--model_path is required (a model*.pt or ema_*.pt file)")
-
-    dist_util.setup_dist()
-    logger.configure(dir=args.log_dir or os.environ.get("OPENAI_LOGDIR") or None)
+    args, explicit = sampling.start_script(create_argparser(), argv)
     rank, world = dist_util.get_rank(), dist_util.get_world_size()
 
     logger.log("creating model and diffusion...")
@@ -118,13 +110,7 @@ def main(argv=None):
 
 def run(argv=None):
     """Entry point: our errors become one `error: ...` line and a non-zero exit."""
-    from improved_diffusion.checkpoint import CheckpointError
-    from improved_diffusion.script_util import FlagError
-
-    # SampleError carries its own exit code (2 for bad flags, 1 otherwise).
-    return cli.run_main(main, argv, usage_errors=(FlagError,),
-                        runtime_errors=(DataError, sampling.SampleError, CheckpointError,
-                                        ValueError))
+    return sampling.run_script(main, argv)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from improved_diffusion import cli, dist_util, logger  # noqa: E402
+from improved_diffusion import dist_util, logger  # noqa: E402
 from improved_diffusion import sampling  # noqa: E402
 from improved_diffusion.script_util import (  # noqa: E402
     add_dict_to_argparser,
@@ -41,15 +41,7 @@ def create_argparser():
 
 
 def main(argv=None):
-    parser = create_argparser()
-    args = parser.parse_args(argv)
-    explicit = sampling.explicit_args(parser, argv)
-    if not args.model_path:
-        raise sampling.BadFlagError("--model_path is required (a model*.pt or ema_*.pt file)")
-
-    dist_util.setup_dist()
-    log_dir = args.log_dir or os.environ.get("OPENAI_LOGDIR") or None
-    logger.configure(dir=log_dir)
+    args, explicit = sampling.start_script(create_argparser(), argv)
     log_dir = logger.get_dir()
 
     logger.log(f"loading {args.model_path} ...")
@@ -104,12 +96,7 @@ def main(argv=None):
 
 def run(argv=None):
     """Entry point: our errors become one `error: ...` line and a non-zero exit."""
-    from improved_diffusion.checkpoint import CheckpointError
-    from improved_diffusion.script_util import FlagError
-
-    # SampleError carries its own exit code (2 for bad flags, 1 otherwise).
-    return cli.run_main(main, argv, usage_errors=(FlagError,),
-                        runtime_errors=(sampling.SampleError, CheckpointError, ValueError))
+    return sampling.run_script(main, argv)
 
 
 if __name__ == "__main__":
