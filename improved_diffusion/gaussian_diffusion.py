@@ -638,11 +638,13 @@ class GaussianDiffusion:
         kl_prior = normal_kl(mean1=qt_mean, logvar1=qt_log_variance, mean2=0.0, logvar2=0.0)
         return mean_flat(kl_prior) / np.log(2.0)
 
-    def calc_bpd_loop(self, model, x_start, clip_denoised=True, model_kwargs=None):
+    def calc_bpd_loop(self, model, x_start, clip_denoised=True, model_kwargs=None,
+                      randn_like=None):
         """
         The whole variational lower bound in bits per dimension, and related quantities.
 
-        Noise for each timestep is drawn with th.randn_like (the global torch generator).
+        Noise for each timestep is drawn with `randn_like` (default th.randn_like, the global
+        torch generator); a per-sample-seeded one makes each row independent of its batch.
 
         :param model: the model to evaluate.
         :param x_start: [N, C, ...] inputs.
@@ -651,6 +653,7 @@ class GaussianDiffusion:
         :return: dict with "total_bpd" [N], "prior_bpd" [N], "vb" [N, T] (per-timestep terms),
             "xstart_mse" [N, T], "mse" [N, T] (epsilon MSE per timestep).
         """
+        randn_like = _default_randn_like(randn_like)
         device = x_start.device
         batch_size = x_start.shape[0]
 
@@ -659,7 +662,7 @@ class GaussianDiffusion:
         mse = []
         for t in list(range(self.num_timesteps))[::-1]:
             t_batch = th.tensor([t] * batch_size, device=device)
-            noise = th.randn_like(x_start)
+            noise = randn_like(x_start)
             x_t = self.q_sample(x_start=x_start, t=t_batch, noise=noise)
             # Calculate VLB term at the current timestep
             with th.no_grad():

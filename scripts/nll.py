@@ -5,8 +5,10 @@
     mpiexec -n 4 python scripts/nll.py ...          # each rank evaluates its share
 
 The first --num_samples images of the folder (sorted file order) are evaluated, each exactly once,
-batches dealt out to the ranks ``batches[rank::world_size]``. The model's flags come from the file
-when it carries them (ours); pass them for upstream's raw state dicts, as with sample.py.
+batches dealt out to the ranks ``batches[rank::world_size]``. Image i's noise comes from its own
+generator seeded from (--seed, i), so the figures do not depend on --batch_size or the ranks. The
+model's flags come from the file when it carries them (ours); pass them for upstream's raw state
+dicts, as with sample.py.
 
 Logged as upstream ("done N samples: bpd=..."), then the means of total_bpd, prior_bpd, vb (the
 per-timestep terms summed over timesteps), mse and xstart_mse (per-timestep terms averaged) as
@@ -72,12 +74,14 @@ def main(argv=None):
     for idx in batches:
         part = (idx, None)
         if len(idx):
-            # Noise per batch from (seed, first index): reproducible for a given sharding.
-            th.manual_seed(sampling.sample_seed(args.seed, int(idx[0]), stream=2))
+            # Image i's noise comes from its own generator seeded from (seed, i): the result
+            # does not depend on --batch_size or the number of ranks.
+            randn = sampling.PerSampleRandn(
+                [sampling.sample_seed(args.seed, int(i), stream=2) for i in idx])
             batch, cond = collate([dataset[int(i)] for i in idx])
             model_kwargs = {k: v.to(device) for k, v in cond.items()}
             m = diffusion.calc_bpd_loop(model, batch.to(device), clip_denoised=args.clip_denoised,
-                                        model_kwargs=model_kwargs)
+                                        model_kwargs=model_kwargs, randn_like=randn)
             part = (idx, {k: m[k].detach().cpu().double().numpy()
                           for k in ("total_bpd", "prior_bpd") + TERMS})
         for g_idx, g in dist_util.all_gather_object(part):
