@@ -61,6 +61,8 @@ def start_script(parser, argv=None):
     explicit = explicit_args(parser, argv)
     if not args.model_path:
         raise BadFlagError("--model_path is required (a model*.pt or ema_*.pt file)")
+    if getattr(args, "seed", 0) < 0:  # per-sample seeds need seed >= 0 (np.random.SeedSequence)
+        raise BadFlagError(f"--seed {args.seed}: must be a non-negative integer")
     dist_util.setup_dist()
     logger.configure(dir=args.log_dir or os.environ.get("OPENAI_LOGDIR") or None)
     return args, explicit
