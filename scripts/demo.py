@@ -476,6 +476,8 @@ def main(argv=None):
     settings_path = os.path.join(out, "settings.json")
     run_settings = {k: s[k] for k in RUN_KEYS}
 
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise UsageError(f"--out {out} is a file; pass a new --out directory")
     if os.path.exists(summary_path):
         print(f"{out} already holds a finished demo run; its results:\n", flush=True)
         with open(summary_path) as f:
@@ -483,8 +485,12 @@ def main(argv=None):
         print("\n(nothing was changed; pass --out NEW_DIR to run the demo again)", flush=True)
         return 0
     if os.path.exists(settings_path):
-        with open(settings_path) as f:
-            old = json.load(f)
+        try:
+            with open(settings_path) as f:
+                old = json.load(f)
+        except ValueError as e:
+            raise UsageError(f"--out {out}: {settings_path} is not readable JSON ({e}); "
+                             "pass a new --out") from None
         diff = [k for k in RUN_KEYS if str(old.get(k)) != str(run_settings[k])]
         if diff:
             k = diff[0]
