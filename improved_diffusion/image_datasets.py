@@ -384,6 +384,7 @@ def load_data(
     rank=None,
     world_size=None,
     num_workers=0,
+    num_classes=None,
 ):
     """
     A ResumableLoader over the images in `data_dir` (upstream's load_data, resumable).
@@ -392,6 +393,8 @@ def load_data(
         (the part before the first "_").
     :param deterministic: if True, visit samples in file order instead of a seeded shuffle.
     :param rank, world_size: default to dist_util's (0, 1 without a process group).
+    :param num_classes: with class_cond, the model's number of classes: a folder with more
+        class names raises DataError (instead of an IndexError inside the model).
     :return: ResumableLoader yielding (th.float32 [B, 3, image_size, image_size], cond).
     """
     if not data_dir:
@@ -411,6 +414,12 @@ def load_data(
     if class_cond:
         names, mapping = class_names_from_paths(all_files)
         classes = [mapping[x] for x in names]
+        if num_classes is not None and len(mapping) > num_classes:
+            shown = ", ".join(sorted(mapping)[:5]) + (", ..." if len(mapping) > 5 else "")
+            raise DataError(
+                f"--data_dir {data_dir} holds {len(mapping)} classes (file-name prefixes before "
+                f"'_': {shown}) but the model has --num_classes {num_classes}"
+            )
     if rank is None or world_size is None:
         r, w = _default_rank_world()
         rank = r if rank is None else rank
