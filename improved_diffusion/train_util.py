@@ -110,6 +110,7 @@ class TrainLoop:
             log_dir=log_dir, resume_checkpoint=self.resume_checkpoint, batch_size=batch_size,
             microbatch=self.microbatch, save_interval=save_interval, max_steps=max_steps,
             seed=seed, ema_rate=",".join(self.ema_rate_strs), use_fp16=use_fp16,
+            lr_anneal_steps=lr_anneal_steps, log_interval=log_interval,
         )
         seed_rngs(seed, 0, self.rank)
 
@@ -861,8 +862,10 @@ def _move_newer_steps(log_dir, step):
             src, target = bf.join(log_dir, name), bf.join(dest, name)
             if not bf.exists(src):
                 continue
-            if bf.exists(target):
-                target = f"{target}.{os.getpid()}"
+            if bf.exists(target):  # moved here before: keep both (never replace a moved file)
+                base, n = target, 1
+                while bf.exists(target):
+                    target, n = f"{base}.{n}", n + 1
             if "://" in src:
                 bf.copy(src, target)
                 bf.remove(src)
