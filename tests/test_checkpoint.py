@@ -417,7 +417,7 @@ def test_prune_of_an_upstream_dir_keeps_its_only_step(tmp_path):
 @pytest.mark.timeout(60)
 def test_save_step_on_two_ranks_writes_once_and_errors_reach_every_rank(tmp_path):
     code = textwrap.dedent(f"""
-        import json, os, torch as th
+        import json, os, sys, torch as th
         from improved_diffusion import checkpoint as C, dist_util
         dist_util.setup_dist()
         rank = dist_util.get_rank()
@@ -437,8 +437,11 @@ def test_save_step_on_two_ranks_writes_once_and_errors_reach_every_rank(tmp_path
             err2 = None
         except C.CheckpointError as e:
             err2 = str(e)
-        print("RESULT " + json.dumps(dict(rank=rank, w=ck.state_dict["w"].tolist(), err=err,
-              err2=err2, step=C.latest_complete_step(d, warn=None).step)), flush=True)
+        # one write per line, so the two ranks' lines never run together on mpiexec's stdout
+        sys.stdout.write("RESULT " + json.dumps(dict(
+            rank=rank, w=ck.state_dict["w"].tolist(), err=err, err2=err2,
+            step=C.latest_complete_step(d, warn=None).step)) + "\\n")
+        sys.stdout.flush()
     """)
     proc = run_module_mpi(2, code, timeout=50)
     res = {}

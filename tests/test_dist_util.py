@@ -29,7 +29,10 @@ from improved_diffusion import dist_util
 dist_util.setup_dist()
 rank = dist_util.get_rank()
 def report(**kw):
-    print("RESULT " + json.dumps(dict(rank=rank, **kw)), flush=True)
+    # one write per line: ranks share mpiexec's stdout, and unbuffered print() writes the text
+    # and its newline separately, so lines of different ranks could run together
+    sys.stdout.write("RESULT " + json.dumps(dict(rank=rank, **kw)) + "\\n")
+    sys.stdout.flush()
 """
 
 
