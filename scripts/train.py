@@ -94,6 +94,7 @@ def build_train_loop(args):
         batch_size=args.batch_size,
         image_size=args.image_size,
         class_cond=args.class_cond,
+        num_classes=args.num_classes if args.class_cond else None,
         seed=args.seed,
         num_workers=args.num_workers,
     )

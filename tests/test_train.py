@@ -275,3 +275,16 @@ def test_no_log_dir_is_a_usage_error(capsys, monkeypatch):
     assert train_main("--data_dir", "x") == 2
     assert capsys.readouterr().err == (
         "error: no log directory: pass --log_dir DIR (or set OPENAI_LOGDIR)\n")
+
+
+@pytest.mark.timeout(60)
+def test_a_folder_with_more_classes_than_num_classes_is_a_one_line_error(tmp_path, capsys):
+    data = tmp_path / "data"
+    for label in ("0", "1", "2"):
+        random_images(data / label, 1, 8)
+        (data / label / "img_000.png").rename(data / f"{label}_000.png")
+    code = train_main(*TINY, "--data_dir", data, "--log_dir", tmp_path / "log",
+                      "--class_cond", "True", "--num_classes", "2", "--max_steps", "1")
+    err = capsys.readouterr().err
+    assert code == 1
+    assert len(err.splitlines()) == 1 and "--num_classes" in err, err
