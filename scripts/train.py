@@ -10,6 +10,8 @@ import argparse
 import os
 import sys
 
+import blobfile as bf
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from improved_diffusion import checkpoint, cli, dist_util, logger, train_util  # noqa: E402
@@ -125,7 +127,8 @@ def build_train_loop(args):
 
 # One-line errors: usage (exit 2) and runtime (exit 1); anything else keeps its traceback.
 USAGE_ERRORS = (FlagError,)
-RUNTIME_ERRORS = (dist_util.DistMismatchError, checkpoint.CheckpointError, ValueError, OSError)
+RUNTIME_ERRORS = (dist_util.DistMismatchError, checkpoint.CheckpointError, ValueError, OSError,
+                  bf.Error)  # bf.Error: remote storage (gs://, az://) refused or failed
 
 
 def run_and_close(loop):
