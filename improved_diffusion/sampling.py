@@ -498,3 +498,18 @@ def save_samples(log_dir, images, labels=None, *, ncol=None, grid=True, overwrit
     with bf.BlobFile(png_path, "wb") as f:
         Image.fromarray(g).save(f, format="PNG")
     return npz_path, png_path
+
+
+def write_results(log_dir, images, labels=None, *, ncol=None, grid=True, overwrite=False):
+    """
+    Rank 0 writes the npz and the grid (`save_samples`) and logs where; every rank waits for it.
+
+    Collective: call from all ranks with the same arguments (``images`` may be None off rank 0).
+    """
+    if dist_util.get_rank() == 0:
+        npz, png = save_samples(log_dir, images, labels, ncol=ncol, grid=grid, overwrite=overwrite)
+        logger.log(f"saving to {npz}")
+        if png:
+            logger.log(f"grid: {png}")
+    dist_util.barrier()
+    logger.log("sampling complete")

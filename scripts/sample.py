@@ -82,15 +82,9 @@ def main(argv=None):
         use_ddim=args.use_ddim, clip_denoised=args.clip_denoised, num_classes=num_classes,
         classes=classes, progress=args.progress,
     )
-    if dist_util.get_rank() == 0:
-        ncol = len(classes) if classes and len(classes) > 1 else None
-        npz, png = sampling.save_samples(log_dir, images, labels, ncol=ncol, grid=args.grid,
-                                         overwrite=args.overwrite)
-        logger.log(f"saving to {npz}")
-        if png:
-            logger.log(f"grid: {png}")
-    dist_util.barrier()
-    logger.log("sampling complete")
+    ncol = len(classes) if classes and len(classes) > 1 else None
+    sampling.write_results(log_dir, images, labels, ncol=ncol, grid=args.grid,
+                           overwrite=args.overwrite)
     return 0
 
 

@@ -96,17 +96,8 @@ def main(argv=None):
         model, diffusion, num_samples=args.num_samples, batch_size=args.batch_size, shape=shape,
         seed=args.seed, use_ddim=args.use_ddim, clip_denoised=args.clip_denoised,
         extra_kwargs=extra_kwargs, progress=args.progress)
-    if dist_util.get_rank() == 0:
-        labels = None
-        if base_labels is not None:
-            labels = base_labels[np.arange(args.num_samples) % n_base]
-        npz, png = sampling.save_samples(log_dir, images, labels, grid=args.grid,
-                                         overwrite=args.overwrite)
-        logger.log(f"saving to {npz}")
-        if png:
-            logger.log(f"grid: {png}")
-    dist_util.barrier()
-    logger.log("sampling complete")
+    labels = None if base_labels is None else base_labels[np.arange(args.num_samples) % n_base]
+    sampling.write_results(log_dir, images, labels, grid=args.grid, overwrite=args.overwrite)
     return 0
 
 
