@@ -25,6 +25,7 @@ import re
 import time
 import uuid
 import warnings
+import zipfile
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, List, Optional
@@ -332,6 +333,22 @@ def _load_error_reason(e):
     return f"cannot be loaded ({type(e).__name__}: {first})"
 
 
+def _zip_crc_problem(data):
+    """Why a torch zip file's records fail their CRC check, else None.
+
+    torch.load does not check CRCs, so a flipped byte inside a tensor record would load silently
+    as damaged weights. (An unreadable archive is left to torch.load, which explains it.)
+    """
+    if data[:4] != b"PK\x03\x04":
+        return None
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as z:
+            bad = z.testzip()
+    except Exception:
+        return None
+    return f"corrupt record {bad!r} (CRC mismatch: the data was damaged)" if bad else None
+
+
 def _torch_load_bytes(data, name):
     if len(data) == 0:
         raise CheckpointError(
@@ -340,10 +357,14 @@ def _torch_load_bytes(data, name):
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            return th.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+            obj = th.load(io.BytesIO(data), weights_only=True, map_location="cpu")
     except Exception as e:
         raise CheckpointError(
             f"{name}: {_load_error_reason(e)}; replace it or resume from another step") from None
+    problem = _zip_crc_problem(data)  # loaded, but possibly with damaged tensor bytes
+    if problem:
+        raise CheckpointError(f"{name}: {problem}; replace it or resume from another step")
+    return obj
 
 
 def _read_local_bytes(path):

@@ -457,3 +457,21 @@ def test_save_step_on_two_ranks_writes_once_and_errors_reach_every_rank(tmp_path
         assert r["err2"] == res[0]["err2"] and "different files" in r["err2"]
     assert sorted(os.listdir(tmp_path)) == ["manifest000005.json", "model000005.pt",
                                             "opt000005.pt"]
+
+
+def test_a_flipped_byte_inside_a_tensor_record_is_caught_by_the_zip_crc(tmp_path):
+    """torch.load does not check CRCs: without our check the damaged weights would load."""
+    buf = io.BytesIO()
+    th.save({"w": th.zeros(256)}, buf)
+    data = bytearray(buf.getvalue())
+    with zipfile.ZipFile(io.BytesIO(bytes(data))) as z:
+        rec = next(i for i in z.infolist() if i.filename.endswith("data/0"))
+    h = rec.header_offset  # the local header gives the lengths before the record's data
+    name_len = int.from_bytes(data[h + 26:h + 28], "little")
+    extra_len = int.from_bytes(data[h + 28:h + 30], "little")
+    data[h + 30 + name_len + extra_len + 8] ^= 0xFF
+    damaged = tmp_path / "model000001.pt"
+    damaged.write_bytes(bytes(data))
+    assert th.load(damaged, weights_only=True)["w"].abs().sum() > 0  # loads silently, damaged
+    with pytest.raises(C.CheckpointError, match="CRC mismatch"):
+        C.load_file(damaged)

@@ -288,3 +288,58 @@ def test_a_folder_with_more_classes_than_num_classes_is_a_one_line_error(tmp_pat
     err = capsys.readouterr().err
     assert code == 1
     assert len(err.splitlines()) == 1 and "--num_classes" in err, err
+
+
+def _tree_digest(folder):
+    """{relative path: sha256} of every file below `folder` (logs excluded: runs append to them)."""
+    return {str(p.relative_to(folder)): sha(p) for p in sorted(Path(folder).rglob("*"))
+            if p.is_file() and p.name not in ("log.txt", "progress.csv")}
+
+
+@pytest.mark.timeout(240)
+def test_the_bad_file_corpus_as_resume_checkpoint_is_one_line_and_only_the_opt_slot_falls_back(
+        tmp_path, capsys):
+    from test_ckpt_tool import bad_corpus
+
+    marker = tmp_path / "MARKER"
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    files = bad_corpus(corpus, marker)
+    data = random_images(tmp_path / "data", 4, 8)
+    log = tmp_path / "log"
+    flags = [*TINY, "--data_dir", data]
+    assert train_main(*flags, "--log_dir", log, "--max_steps", "1", "--save_interval", "1") == 0
+    before = _tree_digest(corpus)
+
+    # model slot: every bad file ends the run with one line naming it; nothing is written
+    for path, expect in files.items():
+        out = tmp_path / f"model_slot_{path.name}"
+        capsys.readouterr()
+        code = train_main(*flags, "--log_dir", out, "--resume_checkpoint", path,
+                          "--max_steps", "2")
+        err = capsys.readouterr().err
+        assert code == 1, (path.name, err)
+        assert len(err.splitlines()) == 1 and err.startswith("error: "), err
+        assert path.name in err, err
+        assert not any(out.glob("*.pt")), path.name
+
+    # opt slot: the same files as opt000001.pt beside a good model -> one warning, fresh optimizer
+    for path in files:
+        if not path.is_file():
+            continue
+        run = tmp_path / f"opt_slot_{path.name}"
+        shutil.copytree(log, run)
+        shutil.copyfile(path, run / "opt000001.pt")
+        capsys.readouterr()
+        code = train_main(*flags, "--log_dir", run, "--resume_checkpoint", run / "model000001.pt",
+                          "--max_steps", "2")
+        out = capsys.readouterr().out
+        assert code == 0, (path.name, out[-2000:])
+        warnings = [line for line in out.splitlines() if line.startswith("warning:")]
+        assert len(warnings) == 1, (path.name, out[-2000:])
+        assert "opt000001.pt" in warnings[0] and "fresh optimizer" in warnings[0], warnings
+        assert "opt: fresh optimizer" in out
+        assert (run / "model000002.pt").exists()
+
+    assert not marker.exists()
+    assert _tree_digest(corpus) == before
