@@ -368,23 +368,10 @@ def _torch_load_bytes(data, name):
 
 
 def _read_local_bytes(path):
-    path = os.fspath(path)
-    try:
-        if bf.isdir(path):
-            raise CheckpointError(
-                f"{path}: is a directory, not a checkpoint file; give the path of a file")
-        with bf.BlobFile(path, "rb") as f:
-            return f.read()
-    except CheckpointError:
-        raise
-    except FileNotFoundError:
-        raise CheckpointError(f"{path}: no such file; check the path") from None
-    except IsADirectoryError:
-        raise CheckpointError(
-            f"{path}: is a directory, not a checkpoint file; give the path of a file") from None
-    except Exception as e:
-        msg = " ".join(str(e).split())[:160]
-        raise CheckpointError(f"{path}: cannot read ({type(e).__name__}: {msg})") from None
+    data, err = dist_util.read_local(os.fspath(path))
+    if err is not None:
+        raise CheckpointError(err[1])
+    return data
 
 
 def load_file(path_or_bytes, name=None):
@@ -614,18 +601,17 @@ def save_step(log_dir, step, files):
 
     Collective: call from all ranks with the same arguments.
     """
-    err = None
-    if dist_util.get_rank() == 0:
+    def write():
         try:
             _save_step_rank0(os.fspath(log_dir), int(step), files)
-        except CheckpointError as e:
-            err = str(e)
-        except Exception as e:  # disk full, permissions, ... : still tell every rank
+        except CheckpointError:
+            raise
+        except Exception as e:  # disk full, permissions, ... : still one line on every rank
             msg = " ".join(str(e).split())[:200]
-            err = f"{log_dir}: writing step {step} failed ({type(e).__name__}: {msg})"
-    err = dist_util.broadcast_object(err)
-    if err is not None:
-        raise CheckpointError(err)
+            raise CheckpointError(
+                f"{log_dir}: writing step {step} failed ({type(e).__name__}: {msg})") from None
+
+    dist_util.run_on_rank0(write)
 
 
 def _save_step_rank0(log_dir, step, files):

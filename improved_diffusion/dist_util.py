@@ -20,6 +20,7 @@ import atexit
 import datetime
 import io
 import os
+import pickle
 import socket
 import sys
 import time
@@ -293,6 +294,34 @@ def broadcast_object(obj, src=0):
     return box[0]
 
 
+def run_on_rank0(fn):
+    """
+    Run ``fn()`` on rank 0 only; every rank returns its result, or raises its exception (one that
+    cannot be pickled travels as a RuntimeError with its message), so a decision or an error made
+    on rank 0 is the same on all ranks and none is left waiting.
+
+    Collective: call from all ranks with the same arguments.
+    """
+    result = None
+    if get_rank() == 0:
+        try:
+            result = ("ok", fn())
+        except Exception as e:  # re-raised on every rank below
+            result = ("err", _picklable(e))
+    kind, value = broadcast_object(result)
+    if kind == "err":
+        raise value
+    return value
+
+
+def _picklable(e):
+    try:
+        pickle.loads(pickle.dumps(e))
+        return e
+    except Exception:
+        return RuntimeError(f"{type(e).__name__}: {' '.join(str(e).split())}")
+
+
 def all_gather_object(obj):
     """
     Return a list (indexed by rank) of every rank's picklable ``obj``.
@@ -371,8 +400,9 @@ _ERROR_TYPES = {
 }
 
 
-def _read_local(path):
-    """Read ``path`` via blobfile; returns (bytes, None) or (None, (error type name, message))."""
+def read_local(path):
+    """Read ``path`` via blobfile in this process (not collective); returns (bytes, None) or
+    (None, (error type name, one-line message naming the path))."""
     try:
         if bf.isdir(path):
             return None, ("IsADirectoryError",
@@ -410,7 +440,7 @@ def load_bytes(path):
     """
     path = os.fspath(path)
     if not is_distributed():
-        data, err = _read_local(path)
+        data, err = read_local(path)
         if err is not None:
             _raise_read_error(err)
         return data
@@ -421,7 +451,7 @@ def load_bytes(path):
             f"ranks asked to load different files ({listing}); every rank must load the same file"
         )
     if get_rank() == 0:
-        data, err = _read_local(path)
+        data, err = read_local(path)
         header = (len(data) if err is None else -1, err)
     else:
         data, header = None, None

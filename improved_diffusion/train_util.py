@@ -156,12 +156,12 @@ class TrainLoop:
             self._refuse_overwrite(step)
         self._quarantine_newer_steps(step)
         self.step = self.resume_step = step
-        beside = _broadcast_from_rank0(
+        beside = dist_util.run_on_rank0(
             lambda: _files_beside(plan["model"], step, self.ema_rate_strs))
         ema_loaded = self._load_ema(beside["ema"], model_ckpt)
         trainer, opt_note = self._load_optimizer(beside["opt"], model_ckpt)
         self._restore_trainer_state(trainer)
-        self.last_saved_step = step if _broadcast_from_rank0(
+        self.last_saved_step = step if dist_util.run_on_rank0(
             lambda: _same_dir(plan["model"], self.log_dir)) else None
         logger.log(
             f"resumed at step {step} from {plan['model']} "
@@ -193,7 +193,7 @@ class TrainLoop:
             return {"model": path, "warns": warns, "auto": True,
                     "msg": f"auto-resume: newest complete step in {self.log_dir} is {st.step}"}
 
-        plan = _broadcast_from_rank0(decide)
+        plan = dist_util.run_on_rank0(decide)
         for w in plan.get("warns", []):
             logger.warn(w)
         if plan.get("msg"):
@@ -244,7 +244,7 @@ class TrainLoop:
             st = checkpoint.latest_complete_step(self.log_dir, warn=lambda *_: None)
             return None if st is None else st.step
 
-        newer = _broadcast_from_rank0(newest)
+        newer = dist_util.run_on_rank0(newest)
         if newer is not None and newer > step:
             raise ResumeError(
                 f"--log_dir {self.log_dir} already holds a complete checkpoint at step {newer}, "
@@ -269,7 +269,7 @@ class TrainLoop:
                      if bf.exists(self.log_dir) else [])
             return moved, [os.path.basename(str(p)) for p in stale]
 
-        moved, stale = _broadcast_from_rank0(work)
+        moved, stale = dist_util.run_on_rank0(work)
         if moved:
             logger.warn(
                 f"warning: moved {len(moved)} file(s) of incomplete step(s) newer than {step} to "
@@ -802,20 +802,6 @@ def _check_same_on_all_ranks(**values):
             per_rank = ", ".join(f"rank {r}: {s!r}" for r, s in enumerate(seen))
             raise dist_util.DistMismatchError(
                 f"--{key} differs between ranks ({per_rank}); pass the same value to all")
-
-
-def _broadcast_from_rank0(fn):
-    """Run fn() on rank 0 and give its result (or its exception) to all ranks. Collective."""
-    result = None
-    if dist_util.get_rank() == 0:
-        try:
-            result = ("ok", fn())
-        except Exception as e:  # re-raised on every rank below
-            result = ("err", e)
-    result = dist_util.broadcast_object(result)
-    if result[0] == "err":
-        raise result[1]
-    return result[1]
 
 
 def _files_beside(model_path, step, rate_strs):
