@@ -806,19 +806,17 @@ def _check_same_on_all_ranks(**values):
 
 def _files_beside(model_path, step, rate_strs):
     """{"ema": {rate_str: path}, "opt": path|None} of the files of `step` beside model_path."""
-    ema = {}
+    d = bf.dirname(str(model_path))
     try:
-        found = checkpoint.ema_paths_beside(model_path, step) or {}
-    except Exception:
+        found = checkpoint.ema_paths_beside(model_path, step)
+    except Exception:  # the listing failed (a remote store): look for the exact names
         found = {}
+    ema = {}
     for r in rate_strs:
-        path = found.get(r)
-        if path is None:
-            cand = bf.join(bf.dirname(str(model_path)), checkpoint.ema_filename(r, step))
-            path = cand if bf.exists(cand) else None
-        if path is not None and bf.exists(path):
+        path = found.get(r) or bf.join(d, checkpoint.ema_filename(r, step))
+        if bf.exists(path):
             ema[r] = path
-    opt = bf.join(bf.dirname(str(model_path)), checkpoint.opt_filename(step))
+    opt = bf.join(d, checkpoint.opt_filename(step))
     return {"ema": ema, "opt": opt if bf.exists(opt) else None}
 
 
