@@ -63,7 +63,18 @@ _HEAD_BYTES = 4096
 
 
 class CheckpointError(Exception):
-    """A checkpoint file/directory problem; the one-line message names the file and what to do."""
+    """A checkpoint file/directory problem; the one-line message names the file and what to do.
+
+    Raised for *content* (a file of the wrong kind, truncated, corrupt, from a newer format): a
+    caller may explain it and fall back (the optimizer slot does). See CheckpointReadError.
+    """
+
+    exit_code = 1
+
+
+class CheckpointReadError(CheckpointError):
+    """A read that failed (I/O error, permissions, a remote store's error, out of memory): never a
+    reason to fall back, move files or start fresh; the run stops, naming the file."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -87,24 +98,57 @@ def manifest_filename(step):
     return f"manifest{step:06d}.json"
 
 
-def _basename(path):
+def basename(path):
     return os.path.basename(os.fspath(path).rstrip("/"))
 
 
-def _dirname(path):
+def dirname(path):
     path = os.fspath(path)
-    if _is_remote(path):
+    if is_remote(path):
         return bf.dirname(path)
     return os.path.dirname(path) or "."
 
 
-def _join(d, name):
+def join(d, name):
     d = os.fspath(d)
-    return bf.join(d, name) if _is_remote(d) else os.path.join(d, name)
+    return bf.join(d, name) if is_remote(d) else os.path.join(d, name)
 
 
-def _is_remote(path):
+def is_remote(path):
     return "://" in os.fspath(path)
+
+
+@dataclass(frozen=True)
+class NameInfo:
+    """What a file name says: kind ("model" | "ema" | "opt" | "manifest" | "temp"), step, rate."""
+
+    kind: str
+    step: Optional[int]
+    rate_str: Optional[str] = None
+
+
+def name_info(path):
+    """
+    The NameInfo of a checkpoint file name, or None for any other name. The one place where the
+    file-name patterns are read::
+
+        name_info("runs/a/ema_0.9999_000200.pt") -> NameInfo("ema", 200, "0.9999")
+        name_info("model000200.pt.tmp-9f3a...")  -> NameInfo("temp", 200)
+        name_info("progress.csv")                -> None
+    """
+    name = basename(path)
+    m = _TMP_RE.match(name)
+    if m:
+        final = name_info(m.group("final"))
+        return NameInfo("temp", final.step if final else None)
+    for kind, rx in (("model", _MODEL_RE), ("opt", _OPT_RE), ("manifest", _MANIFEST_RE)):
+        m = rx.match(name)
+        if m:
+            return NameInfo(kind, int(m.group(1)))
+    m = _EMA_RE.match(name)
+    if m:
+        return NameInfo("ema", int(m.group(2)), m.group(1))
+    return None
 
 
 def parse_step(path):
@@ -114,7 +158,7 @@ def parse_step(path):
 
     Raises CheckpointError naming the file when the name carries no step (never a silent 0).
     """
-    name = _basename(path)
+    name = basename(path)
     for rx in _STEP_NAME_RES:
         m = rx.match(name)
         if m:
@@ -123,24 +167,6 @@ def parse_step(path):
         f"{os.fspath(path)}: cannot read a step number from the file name (expected e.g. "
         f"model000100.pt); rename it to modelNNNNNN.pt or use a tagged checkpoint"
     )
-
-
-def ema_paths_beside(model_path, step):
-    """{rate_str: path} of the EMA files of ``step`` in the directory of ``model_path``."""
-    d = _dirname(model_path)
-    out = {}
-    for name in _listdir(d):
-        m = _EMA_RE.match(name)
-        if m and int(m.group(2)) == step:
-            out[m.group(1)] = _join(d, name)
-    return dict(sorted(out.items()))
-
-
-def _listdir(d):
-    try:
-        return sorted(bf.listdir(d))
-    except (FileNotFoundError, NotADirectoryError):
-        return []
 
 
 # ---------------------------------------------------------------------------------------------
@@ -358,7 +384,10 @@ def _torch_load_bytes(data, name):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             obj = th.load(io.BytesIO(data), weights_only=True, map_location="cpu")
-    except Exception as e:
+    except MemoryError:
+        raise CheckpointReadError(f"{name}: out of memory while loading it; free memory or load "
+                                  f"it on a machine with more") from None
+    except Exception as e:  # torch.load's failures on bad bytes have no common type
         raise CheckpointError(
             f"{name}: {_load_error_reason(e)}; replace it or resume from another step") from None
     problem = _zip_crc_problem(data)  # loaded, but possibly with damaged tensor bytes
@@ -367,11 +396,26 @@ def _torch_load_bytes(data, name):
     return obj
 
 
-def _read_local_bytes(path):
-    data, err = dist_util.read_local(os.fspath(path))
+def read_bytes(path):
+    """The bytes of ``path`` in this process (not collective); CheckpointReadError naming the file
+    when the read fails (remote paths are retried a few times first)."""
+    data, err = with_retry(lambda: _read_once(path), path)
     if err is not None:
-        raise CheckpointError(err[1])
+        raise CheckpointReadError(err[1])
     return data
+
+
+def _read_once(path):
+    data, err = dist_util.read_local(os.fspath(path))
+    if err is not None and err[0] == "OSError" and is_remote(path):
+        raise _Retryable(err)  # a remote store's error: worth another try
+    return data, err
+
+
+class _Retryable(Exception):
+    def __init__(self, err):
+        super().__init__(err[1])
+        self.err = err
 
 
 def load_file(path_or_bytes, name=None):
@@ -389,7 +433,7 @@ def load_file(path_or_bytes, name=None):
         name = os.fspath(name) if name is not None else "<bytes>"
     else:
         name = os.fspath(path_or_bytes) if name is None else os.fspath(name)
-        data = _read_local_bytes(path_or_bytes)
+        data = read_bytes(path_or_bytes)
     obj = _torch_load_bytes(data, name)
     return _make_ckpt(obj, name, len(data))
 
@@ -404,11 +448,11 @@ def load_file_collective(path):
     """
     path = os.fspath(path)
     try:
-        data = dist_util.load_bytes(path)
+        data = with_retry(lambda: dist_util.load_bytes(path), path, retry_on=(OSError,))
     except dist_util.DistMismatchError as e:
         raise CheckpointError(str(e)) from None
-    except OSError as e:
-        raise CheckpointError(str(e)) from None
+    except OSError as e:  # one line naming the file, the same on every rank
+        raise CheckpointReadError(str(e)) from None
     return load_file(data, name=path)
 
 
@@ -447,7 +491,7 @@ def _make_ckpt(obj, name, nbytes):
 
     # Untagged (upstream and others): step and rate from the name when it carries them.
     notes.insert(0, "untagged (legacy) file")
-    base = _basename(name)
+    base = basename(name)
     try:
         c.step = parse_step(base)
     except CheckpointError:
@@ -503,6 +547,85 @@ def model_state_from(ckpt, want="model"):
 
 
 # ---------------------------------------------------------------------------------------------
+# file system (local paths and blobfile URLs alike)
+
+# A remote store's transient errors are retried this often, after these pauses (seconds).
+_REMOTE_RETRY_PAUSES = (0.5, 1.0, 2.0)
+
+
+def one_line(e):
+    """An exception as one line: ``Type: message``."""
+    return f"{type(e).__name__}: {' '.join(str(e).split())}".rstrip(": ")
+
+
+def with_retry(fn, path, retry_on=()):
+    """
+    ``fn()``, retried after a short pause (a few tries, bounded) when ``path`` is remote and the
+    call raised a transient error (a remote store's error, or ``retry_on``). Not-found and
+    permission errors are never retried; local paths are tried once.
+    """
+    final = (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError)
+    pauses = _REMOTE_RETRY_PAUSES if is_remote(path) else ()
+    for pause in (*pauses, None):
+        try:
+            result = fn()
+        except final:
+            raise
+        except (_Retryable, bf.Error, *retry_on) as e:
+            if pause is None:
+                if isinstance(e, _Retryable):
+                    return None, e.err
+                raise
+            time.sleep(pause)
+            continue
+        return result
+
+
+def exists(path):
+    return bf.exists(path) if is_remote(path) else os.path.lexists(path)
+
+
+def file_size(path):
+    """Size in bytes; FileNotFoundError when missing."""
+    return bf.stat(path).size if is_remote(path) else os.stat(path).st_size
+
+
+def file_mtime(path):
+    return bf.stat(path).mtime if is_remote(path) else os.stat(path).st_mtime
+
+
+def is_tagged_file(path):
+    """Cheap check (the first 4 KB): is this one of our tagged torch files? (The schema string
+    sits near the start of the zip.) A failed read raises CheckpointReadError."""
+    try:
+        with bf.BlobFile(path, "rb") as f:
+            head = f.read(_HEAD_BYTES)
+    except FileNotFoundError:
+        return False
+    except (OSError, bf.Error) as e:
+        raise CheckpointReadError(f"{path}: cannot read ({one_line(e)})") from e
+    return SCHEMA.encode() in head
+
+
+def file_digest(path):
+    """{"size", "sha256"} of a file, read in 8 MB pieces; CheckpointReadError when a read fails."""
+    h = hashlib.sha256()
+    size = 0
+    try:
+        with bf.BlobFile(path, "rb") as f:
+            while True:
+                chunk = f.read(8 * 1024 * 1024)
+                if not chunk:
+                    break
+                h.update(chunk)
+                size += len(chunk)
+    except (OSError, bf.Error) as e:
+        raise CheckpointReadError(f"{path}: cannot read ({one_line(e)}); check that it is "
+                                  f"reachable and readable") from e
+    return {"size": size, "sha256": h.hexdigest()}
+
+
+# ---------------------------------------------------------------------------------------------
 # writing
 
 
@@ -519,10 +642,6 @@ def _fsync_dir(d):
         os.close(fd)
 
 
-def _exists(path):
-    return bf.exists(path) if _is_remote(path) else os.path.lexists(path)
-
-
 def atomic_write(path, obj):
     """
     Write ``obj`` (torch.save'd; raw ``bytes`` are written as they are) to ``path`` so that the
@@ -534,10 +653,10 @@ def atomic_write(path, obj):
     Not collective; ``save_step`` calls it on rank 0.
     """
     path = os.fspath(path)
-    if _exists(path):
+    if exists(path):
         raise CheckpointError(f"{path}: already exists; refusing to overwrite a checkpoint "
                               f"(move it away or start from a later step)")
-    if _is_remote(path):
+    if is_remote(path):
         if isinstance(obj, (bytes, bytearray)):
             data = bytes(obj)
         else:
@@ -548,8 +667,8 @@ def atomic_write(path, obj):
             f.write(data)
         return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
 
-    d = _dirname(path)
-    tmp = os.path.join(d, f"{_basename(path)}.tmp-{uuid.uuid4().hex}")
+    d = dirname(path)
+    tmp = os.path.join(d, f"{basename(path)}.tmp-{uuid.uuid4().hex}")
     try:
         with open(tmp, "wb") as f:
             if isinstance(obj, (bytes, bytearray)):
@@ -558,7 +677,7 @@ def atomic_write(path, obj):
                 th.save(obj, f)
             f.flush()
             os.fsync(f.fileno())
-        info = _file_digest(tmp)
+        info = file_digest(tmp)
         try:
             os.link(tmp, path)
         except FileExistsError:
@@ -574,19 +693,6 @@ def atomic_write(path, obj):
     finally:
         if os.path.lexists(tmp):
             os.unlink(tmp)
-
-
-def _file_digest(path):
-    h = hashlib.sha256()
-    size = 0
-    with bf.BlobFile(path, "rb") as f:
-        while True:
-            chunk = f.read(8 * 1024 * 1024)
-            if not chunk:
-                break
-            h.update(chunk)
-            size += len(chunk)
-    return {"size": size, "sha256": h.hexdigest()}
 
 
 def save_step(log_dir, step, files):
@@ -615,21 +721,21 @@ def save_step(log_dir, step, files):
 
 
 def _save_step_rank0(log_dir, step, files):
-    if not _is_remote(log_dir):
+    if not is_remote(log_dir):
         os.makedirs(log_dir, exist_ok=True)
     names = list(files)
     for name in names:
-        if _basename(name) != name or _TMP_RE.match(name) or _MANIFEST_RE.match(name):
+        if basename(name) != name or _TMP_RE.match(name) or _MANIFEST_RE.match(name):
             raise CheckpointError(f"{name}: not a valid checkpoint file name for save_step")
     manifest = manifest_filename(step)
     for name in names + [manifest]:
-        p = _join(log_dir, name)
-        if _exists(p):
+        p = join(log_dir, name)
+        if exists(p):
             raise CheckpointError(f"{p}: already exists; refusing to overwrite a checkpoint "
                                   f"(move it away or start from a later step)")
     entries = {}
     for name in names:
-        entries[name] = atomic_write(_join(log_dir, name), files[name])
+        entries[name] = atomic_write(join(log_dir, name), files[name])
     doc = {
         "schema": SCHEMA,
         "version": VERSION,
@@ -638,223 +744,4 @@ def _save_step_rank0(log_dir, step, files):
         "files": entries,
         "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
-    atomic_write(_join(log_dir, manifest), (json.dumps(doc, indent=1) + "\n").encode())
-
-
-# ---------------------------------------------------------------------------------------------
-# discovery
-
-
-@dataclass
-class StepStatus:
-    """One step found in a log dir. ``files``: paths of all its files (manifest included)."""
-
-    step: int
-    files: List[str]
-    complete: bool
-    problem: Optional[str] = None
-    legacy: bool = False
-
-    def _find(self, rx):
-        for p in self.files:
-            if rx.match(_basename(p)):
-                return p
-        return None
-
-    @property
-    def model_path(self):
-        return self._find(_MODEL_RE)
-
-    @property
-    def opt_path(self):
-        return self._find(_OPT_RE)
-
-    @property
-    def manifest_path(self):
-        return self._find(_MANIFEST_RE)
-
-    @property
-    def ema_paths(self):
-        """{rate_str: path}"""
-        out = {}
-        for p in self.files:
-            m = _EMA_RE.match(_basename(p))
-            if m:
-                out[m.group(1)] = p
-        return dict(sorted(out.items()))
-
-
-def _step_of_name(name):
-    for rx, grp in ((_MODEL_RE, 1), (_OPT_RE, 1), (_MANIFEST_RE, 1), (_EMA_RE, 2)):
-        m = rx.match(name)
-        if m:
-            return int(m.group(grp))
-    return None
-
-
-def _size(path):
-    if _is_remote(path):
-        return bf.stat(path).size
-    return os.stat(path).st_size
-
-
-def _is_tagged_file(path):
-    """Cheap check: our tag string sits near the start of a tagged torch zip file."""
-    try:
-        with bf.BlobFile(path, "rb") as f:
-            head = f.read(_HEAD_BYTES)
-    except Exception:
-        return False
-    return SCHEMA.encode() in head
-
-
-def list_steps(log_dir, verify_checksums=False):
-    """
-    Every step found in ``log_dir``, newest first, with whether it is complete (resumable).
-
-    With a manifest: complete when every listed file is present with the listed size (and sha256
-    when ``verify_checksums``). Without one: an upstream (legacy) step when its model file is
-    untagged - complete if the opt file is present too (EMA optional); a step of tagged files
-    without manifest is an interrupted save (incomplete). Not collective (read-only).
-    """
-    log_dir = os.fspath(log_dir)
-    by_step = {}
-    for name in _listdir(log_dir):
-        s = _step_of_name(name)
-        if s is not None:
-            by_step.setdefault(s, []).append(_join(log_dir, name))
-    out = []
-    for step in sorted(by_step, reverse=True):
-        paths = sorted(by_step[step])
-        st = StepStatus(step=step, files=paths, complete=False)
-        if st.manifest_path is not None:
-            st.problem = _check_manifest(st, log_dir, verify_checksums)
-        else:
-            st.problem, st.legacy = _check_legacy(st)
-        st.complete = st.problem is None
-        out.append(st)
-    return out
-
-
-def _check_manifest(st, log_dir, verify):
-    mpath = st.manifest_path
-    try:
-        with bf.BlobFile(mpath, "rb") as f:
-            doc = json.loads(f.read().decode("utf-8"))
-        files = doc["files"]
-        if doc.get("step") != st.step or not isinstance(files, dict) or not files:
-            raise ValueError("bad content")
-    except Exception:
-        return f"manifest {_basename(mpath)} is unreadable"
-    if not isinstance(doc.get("version"), int) or doc["version"] > VERSION:
-        return f"manifest {_basename(mpath)} has format version {doc.get('version')!r} (newer)"
-    for name, info in files.items():
-        p = _join(log_dir, name)
-        if not _exists(p):
-            return f"{name} is missing"
-        size = _size(p)
-        if size != info.get("size"):
-            return f"{name} has {size} bytes, manifest says {info.get('size')} (truncated?)"
-        if verify and _file_digest(p)["sha256"] != info.get("sha256"):
-            return f"{name} does not match its sha256 in the manifest (corrupt)"
-    return None
-
-
-def _check_legacy(st):
-    """(problem or None, legacy flag) for a step without manifest."""
-    model = st.model_path
-    if model is None:
-        return "no manifest and no model file (interrupted save or stray files)", False
-    if _is_tagged_file(model):
-        return "no manifest (the save was interrupted before it completed)", False
-    if _size(model) == 0:
-        return f"{_basename(model)} is empty", True
-    opt = st.opt_path
-    if opt is None:
-        return "upstream step without an opt file (no optimizer state to resume)", True
-    if _size(opt) == 0:
-        return f"{_basename(opt)} is empty", True
-    for p in st.ema_paths.values():
-        if _size(p) == 0:
-            return f"{_basename(p)} is empty", True
-    return None, True
-
-
-def latest_complete_step(log_dir, warn=print, verify_checksums=False):
-    """
-    The newest complete step in ``log_dir`` (StepStatus) or None; each newer incomplete step is
-    skipped with a one-line warning through ``warn``. Not collective: call on one rank and
-    broadcast the result (or call on all ranks of a shared filesystem that is not being written).
-    """
-    for st in list_steps(log_dir, verify_checksums=verify_checksums):
-        if st.complete:
-            return st
-        if warn is not None:
-            warn(f"warning: skipping step {st.step} in {log_dir}: {st.problem}")
-    return None
-
-
-def _remove(path):
-    if _is_remote(path):
-        bf.remove(path)
-    else:
-        os.unlink(path)
-
-
-def prune(log_dir, keep, *, temp_age_s=60.0):
-    """
-    Keep the newest ``keep`` complete steps; delete every file of steps older than the oldest
-    kept one (complete or not). Never touches the newest complete step, nor any step newer than
-    the kept ones (it may be a save in progress); with no complete step it deletes nothing. Each
-    step's manifest goes FIRST (then opt, EMA, model), so a half-deleted step is never "complete".
-    Also removes temp files (``*.tmp-<hex>``) older than ``temp_age_s`` seconds. ``keep`` < 1
-    deletes no step (only stale temp files). Returns the deleted paths. Not collective: call on
-    rank 0 after a save (save_step's return means every rank has finished it).
-    """
-    log_dir = os.fspath(log_dir)
-    deleted = []
-    if keep >= 1:
-        steps = list_steps(log_dir)
-        kept = [s for s in steps if s.complete][:keep]
-        if kept:
-            oldest_kept = kept[-1].step
-            for st in steps:
-                if st.step >= oldest_kept:
-                    continue
-                order = {"manifest": 0, "opt": 1, "ema": 2, "model": 3}
-
-                def rank_of(p):
-                    n = _basename(p)
-                    for key, rx in (("manifest", _MANIFEST_RE), ("opt", _OPT_RE),
-                                    ("ema", _EMA_RE), ("model", _MODEL_RE)):
-                        if rx.match(n):
-                            return order[key]
-                    return 9
-
-                for p in sorted(st.files, key=rank_of):
-                    try:
-                        _remove(p)
-                        deleted.append(p)
-                    except FileNotFoundError:
-                        pass
-    now = time.time()
-    for name in _listdir(log_dir):
-        if not _TMP_RE.match(name):
-            continue
-        p = _join(log_dir, name)
-        try:
-            age = now - (bf.stat(p).mtime if _is_remote(p) else os.stat(p).st_mtime)
-            if age >= temp_age_s:
-                _remove(p)
-                deleted.append(p)
-        except FileNotFoundError:
-            pass
-    return deleted
-
-
-if __name__ == "__main__":
-    import sys
-
-    from improved_diffusion.ckpt_tool import main
-
-    sys.exit(main())
+    atomic_write(join(log_dir, manifest), (json.dumps(doc, indent=1) + "\n").encode())

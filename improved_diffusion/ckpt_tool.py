@@ -9,7 +9,7 @@ safetensors.
     python scripts/ckpt.py convert SRC --to tagged|raw|safetensors --out DIR [--flags "..."]
     python scripts/ckpt.py prune DIR --keep K
 
-(also `python -m improved_diffusion.checkpoint ...`). Human-readable output by default, `--json` for
+(also `python -m improved_diffusion.ckpt_tool ...`). Human-readable output by default, `--json` for
 scripts. Exit status: 0 healthy, 1 problem found, 2 bad usage. Errors are one line on stderr,
 never a traceback. Only `convert` (into --out) and `prune` write or delete anything; every file is
 read with `torch.load(weights_only=True)`, so a checkpoint can never run code.
@@ -25,6 +25,7 @@ import sys
 import torch as th
 
 from . import checkpoint as ckpt
+from . import run_dir
 from .optim_state import (
     FORMAT,
     OptimizerStateError,
@@ -359,7 +360,7 @@ def _require_dir(path, what):
 
 def verify_dir(log_dir, deep=True):
     """JSON-able report of every step in `log_dir`, newest first, and the step resume would use."""
-    steps = ckpt.list_steps(log_dir, verify_checksums=deep)
+    steps = run_dir.list_steps(log_dir, verify_checksums=deep)
     rows = []
     resume = None
     for st in steps:
@@ -613,7 +614,7 @@ def cmd_diff(args, out):
 def _source_files(src, step):
     """[(step or None, [paths])] to convert: one group per step of a run dir, or one file."""
     if os.path.isdir(src):
-        steps = ckpt.list_steps(src)
+        steps = run_dir.list_steps(src)
         if step is not None:
             steps = [s for s in steps if s.step == step]
             if not steps:
@@ -892,11 +893,11 @@ def cmd_prune(args, out):
     if args.keep < 1:
         raise UsageError("prune: --keep must be at least 1")
     _require_dir(args.dir, "DIR")
-    steps = ckpt.list_steps(args.dir)
+    steps = run_dir.list_steps(args.dir)
     if not any(s.complete for s in steps):
         raise ToolError(f"{args.dir}: no complete step; nothing pruned (see `ckpt.py verify`)")
-    deleted = ckpt.prune(args.dir, args.keep)
-    kept = sorted({s.step for s in ckpt.list_steps(args.dir)}, reverse=True)
+    deleted = run_dir.prune(args.dir, args.keep)
+    kept = sorted({s.step for s in run_dir.list_steps(args.dir)}, reverse=True)
     rep = {"dir": args.dir, "keep": args.keep, "deleted": deleted, "remaining_steps": kept}
     if args.json:
         _dump(rep, out)

@@ -11,7 +11,7 @@ Three ways to start:
 Backend: ``nccl`` when CUDA is available, else ``gloo``. The device comes from the local rank
 (``LOCAL_RANK``, else the MPI shared-memory split, else 0), never from a hard-coded GPU count.
 
-No hidden global settings beyond the process-group state itself. Rules (DESIGN.md): every
+No hidden global settings beyond the process-group state itself. Rules (docs/ARCHITECTURE.md): every
 collective is called by every rank in the same order; each function that synchronises ranks says
 "Collective: call from all ranks with the same arguments." in its docstring.
 """
@@ -483,3 +483,25 @@ def load_state_dict(path, **kwargs):
             f"{os.fspath(path)}: not a loadable torch checkpoint "
             f"({type(e).__name__}: {first[:200]})"
         ) from None
+
+
+def all_gather_varlen(tensor):
+    """
+    Every rank's 1-D ``tensor`` (lengths may differ between ranks), as a list indexed by rank,
+    each cut to its own length. Without a process group: ``[tensor]``.
+
+    Collective: call from all ranks with the same arguments.
+    """
+    if not is_distributed():
+        return [tensor]
+    world = get_world_size()
+    device = _comm_device()
+    n = th.tensor([tensor.numel()], dtype=th.int64, device=device)
+    sizes = [th.zeros_like(n) for _ in range(world)]
+    dist.all_gather(sizes, n)
+    sizes = [int(x.item()) for x in sizes]
+    padded = th.zeros(max(sizes), dtype=tensor.dtype, device=device)
+    padded[: tensor.numel()] = tensor.reshape(-1).to(device)
+    out = [th.zeros_like(padded) for _ in range(world)]
+    dist.all_gather(out, padded)
+    return [t[:k].to(tensor.device) for t, k in zip(out, sizes)]

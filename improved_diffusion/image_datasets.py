@@ -16,6 +16,8 @@ import torch as th
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
+from . import dist_util
+
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "gif")
 
 
@@ -361,16 +363,7 @@ class ResumableLoader:
 
 
 def _default_rank_world():
-    try:
-        from . import dist_util
-
-        return dist_util.get_rank(), dist_util.get_world_size()
-    except (ImportError, AttributeError):
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_rank(), dist.get_world_size()
-        return 0, 1
+    return dist_util.get_rank(), dist_util.get_world_size()
 
 
 def load_data(

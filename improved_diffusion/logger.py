@@ -21,6 +21,8 @@ import warnings
 from collections import defaultdict
 from contextlib import contextmanager
 
+from . import dist_util
+
 DEBUG = 10
 INFO = 20
 WARN = 30
@@ -325,13 +327,9 @@ def get_current():
 
 
 def _dist_world():
-    """(rank, world_size) of the torch.distributed process group, or None without one."""
-    try:
-        import torch.distributed as dist
-    except ImportError:  # pragma: no cover
-        return None
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
+    """(rank, world_size) of the process group, or None without one."""
+    if dist_util.is_distributed():
+        return dist_util.get_rank(), dist_util.get_world_size()
     return None
 
 
@@ -357,15 +355,12 @@ def weighted_mean_across_ranks(name2valcount):
 
     Collective: call from all ranks with the same arguments.
     """
-    import torch.distributed as dist
-
     local = {}
     for k, (v, c) in name2valcount.items():
         num = _as_number(v)
         is_int = isinstance(v, int) and not isinstance(v, bool)
         local[k] = (v if is_int else (num if num is not None else v), c, num is not None)
-    gathered = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, local)
+    gathered = dist_util.all_gather_object(local)
     sums = defaultdict(float)
     counts = defaultdict(float)
     others = {}

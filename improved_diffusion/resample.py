@@ -10,7 +10,8 @@ from abc import ABC, abstractmethod
 
 import numpy as np
 import torch as th
-import torch.distributed as dist
+
+from . import dist_util
 
 
 def create_named_schedule_sampler(name, diffusion):
@@ -107,29 +108,10 @@ class LossAwareSampler(ScheduleSampler):
         :param local_ts: a long tensor [N] of timesteps.
         :param local_losses: a float tensor [N] of losses, one per timestep.
         """
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            world = dist.get_world_size()
-            device = local_ts.device
-            batch_sizes = [th.zeros(1, dtype=th.int64, device=device) for _ in range(world)]
-            dist.all_gather(
-                batch_sizes, th.tensor([len(local_ts)], dtype=th.int64, device=device)
-            )
-            batch_sizes = [int(x.item()) for x in batch_sizes]
-            max_bs = max(batch_sizes)
-
-            # Pad to the common size so that all_gather works with unequal batches.
-            ts_pad = th.zeros(max_bs, dtype=local_ts.dtype, device=device)
-            ts_pad[: len(local_ts)] = local_ts
-            losses_pad = th.zeros(max_bs, dtype=local_losses.dtype, device=local_losses.device)
-            losses_pad[: len(local_losses)] = local_losses.detach()
-            timestep_batches = [th.zeros_like(ts_pad) for _ in batch_sizes]
-            loss_batches = [th.zeros_like(losses_pad) for _ in batch_sizes]
-            dist.all_gather(timestep_batches, ts_pad)
-            dist.all_gather(loss_batches, losses_pad)
-            timesteps = [
-                x.item() for y, bs in zip(timestep_batches, batch_sizes) for x in y[:bs]
-            ]
-            losses = [x.item() for y, bs in zip(loss_batches, batch_sizes) for x in y[:bs]]
+        if dist_util.get_world_size() > 1:
+            timesteps = [x.item() for y in dist_util.all_gather_varlen(local_ts) for x in y]
+            losses = [x.item() for y in dist_util.all_gather_varlen(local_losses.detach())
+                      for x in y]
         else:
             timesteps = [x.item() for x in local_ts]
             losses = [x.item() for x in local_losses.detach()]

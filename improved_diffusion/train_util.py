@@ -4,7 +4,7 @@ Behaviour follows upstream improved-diffusion's TrainLoop (microbatches, several
 annealing, weight decay, loss logging by timestep quartile, grad-norm logging), with these fixes:
 
 - Every rank runs the same code path; every collective is called by all ranks in the same order
-  (DESIGN.md, "Distributed rules"). Resume decisions are made from bytes that were read once and
+  (docs/ARCHITECTURE.md, "Distributed rules"). Resume decisions are made from bytes that were read once and
   broadcast, so ranks cannot diverge.
 - `step` counts completed optimizer steps; the files of step S hold the state after S steps.
 - Checkpoints are schema-tagged files written by rank 0 (checkpoint.save_step), with the complete
@@ -26,7 +26,7 @@ import torch as th
 from torch.nn.parallel.distributed import DistributedDataParallel as DDP
 from torch.optim import AdamW
 
-from . import checkpoint, dist_util, logger, optim_state
+from . import checkpoint, dist_util, logger, optim_state, run_dir
 from .resample import LossAwareSampler, UniformSampler
 
 # EX_TEMPFAIL: "try again later". A job script can requeue on it.
@@ -43,7 +43,7 @@ class ResumeError(checkpoint.CheckpointError):
 
 
 class TrainLoop:
-    """Upstream's TrainLoop with the arguments of SPEC.md, plus max_steps, seed, keep_checkpoints.
+    """Upstream's TrainLoop (same keyword arguments), plus max_steps, seed, keep_checkpoints.
 
     Construction resolves and loads the resume checkpoint (if any): a collective, so construct it
     on every rank with the same arguments.
@@ -145,139 +145,79 @@ class TrainLoop:
     # ------------------------------------------------------------------ resume
 
     def _resume(self):
-        """Resolve and load the resume step (collective: call from all ranks)."""
-        plan = self._resolve_resume()
-        if plan is None:
-            self._quarantine_newer_steps(0)
+        """
+        The story of a resume (collective: call from all ranks). Two rank-0 round trips:
+
+        1. rank 0 lists the log dir once and makes a plan (run_dir.plan_resume): which model file,
+           the EMA/opt files beside it, the steps in --log_dir, leftovers of interrupted saves;
+        2. every rank loads the model file (bytes read once, broadcast) and learns its step;
+           an explicit older file is refused when --log_dir holds a newer complete step;
+        3. rank 0 moves newer (incomplete) steps to incomplete/ and removes temp files;
+        4. every rank loads the EMA and opt files named by the plan and restores the trainer state.
+
+        A failed read stops the run on every rank (nothing moved); content problems of the opt
+        file fall back to a fresh optimizer with one warning line.
+        """
+        plan = dist_util.run_on_rank0(
+            lambda: run_dir.plan_resume(self.log_dir, self.resume_checkpoint))
+        for w in plan.warnings:
+            logger.warn(w)
+        if plan.message:
+            logger.log(plan.message)
+        if plan.model is None:
+            self._tidy(plan, 0)
             return
-        model_ckpt = self._load_model(plan["model"])
-        step = self._step_of(model_ckpt)
-        if not plan.get("auto"):  # auto picked the newest complete (verified) step already
-            self._refuse_overwrite(step)
-        self._quarantine_newer_steps(step)
+        model_ckpt = self._load_model(plan.model)
+        step = model_ckpt.step if model_ckpt.step is not None else checkpoint.parse_step(plan.model)
+        if plan.source == "explicit":
+            run_dir.refuse_overwrite(plan, step)
+        self._tidy(plan, step)
         self.step = self.resume_step = step
-        beside = dist_util.run_on_rank0(
-            lambda: _files_beside(plan["model"], step, self.ema_rate_strs))
+        beside = plan.files_of(step)
         ema_loaded = self._load_ema(beside["ema"], model_ckpt)
         trainer, opt_note = self._load_optimizer(beside["opt"], model_ckpt)
         self._restore_trainer_state(trainer)
-        self.last_saved_step = step if dist_util.run_on_rank0(
-            lambda: _same_dir(plan["model"], self.log_dir)) else None
+        self.last_saved_step = step if plan.in_log_dir else None
         logger.log(
-            f"resumed at step {step} from {plan['model']} "
+            f"resumed at step {step} from {plan.model} "
             f"(ema: {', '.join(ema_loaded) or 'none'}; opt: {opt_note})"
         )
 
-    def _resolve_resume(self):
-        """Pick the model file to resume from, or None for a fresh start. Collective.
-
-        "" -> auto if log_dir already holds checkpoints; "auto" -> newest complete step in log_dir;
-        a path -> that file (each rank's own path: a mismatch fails in load_file_collective).
+    def _tidy(self, plan, step):
+        """Rank 0 moves steps newer than ``step`` to incomplete/ and removes temp files of
+        interrupted saves (nothing else writes to this log dir: the job holds its lock). Collective.
         """
-        arg = self.resume_checkpoint
-        if arg and arg != "auto":
-            return {"model": arg}
-
-        def decide():  # sha256 of the chosen step's files is checked: a damaged step is skipped
-            steps = checkpoint.list_steps(self.log_dir) if bf.exists(self.log_dir) else []
-            if not steps:
-                msg = f"--resume_checkpoint auto: no checkpoint in {self.log_dir}; starting fresh"
-                return {"model": None, "msg": msg if arg else None}
-            warns = []
-            st = checkpoint.latest_complete_step(self.log_dir, warn=warns.append,
-                                                 verify_checksums=True)
-            if st is None:
-                return {"model": None, "warns": warns, "msg":
-                        f"no complete checkpoint in --log_dir {self.log_dir}; starting fresh"}
-            path = st.model_path or bf.join(self.log_dir, checkpoint.model_filename(st.step))
-            return {"model": path, "warns": warns, "auto": True,
-                    "msg": f"auto-resume: newest complete step in {self.log_dir} is {st.step}"}
-
-        plan = dist_util.run_on_rank0(decide)
-        for w in plan.get("warns", []):
-            logger.warn(w)
-        if plan.get("msg"):
-            logger.log(plan["msg"])
-        return plan if plan["model"] else None
+        moved, removed = dist_util.run_on_rank0(lambda: run_dir.tidy_for_resume(plan, step))
+        if moved:
+            logger.warn(
+                f"warning: moved {len(moved)} file(s) of incomplete step(s) newer than {step} to "
+                f"{checkpoint.join(self.log_dir, run_dir.INCOMPLETE_DIR)}: {', '.join(moved[:4])}"
+            )
+        if removed:
+            logger.warn(f"warning: removed {len(removed)} temp file(s) of interrupted saves: "
+                        f"{', '.join(removed[:4])}")
 
     def _load_model(self, path):
-        """Load model weights from `path` (collective), strict; one-line error on mismatch."""
+        """Load model weights from ``path`` (collective), strict; one-line error on mismatch."""
         ckpt = checkpoint.load_file_collective(path)
         if ckpt.kind not in ("model", "combined"):
             raise ResumeError(
-                f"--resume_checkpoint {path}: holds {_describe_kind(ckpt)}, not model weights; "
-                f"pass a model file (modelNNNNNN.pt)"
+                f"--resume_checkpoint {path}: holds {checkpoint.describe(ckpt)}, not model "
+                f"weights; pass a model file (modelNNNNNN.pt)"
             )
-        sd = checkpoint.model_state_from(ckpt, want="model")
+        sd = checkpoint.model_state_from(ckpt, want="model")  # prefixes already stripped
         if not sd:
             raise ResumeError(f"--resume_checkpoint {path}: no model weights found in the file")
-        sd, _ = checkpoint.strip_prefixes(sd)
         _check_state_dict_matches(self.model, sd, path, ckpt.flags, self.model_flags)
         self.model.load_state_dict(sd, strict=True)
-        for note in getattr(ckpt, "notes", None) or []:
-            logger.log(f"note: {os.path.basename(str(path))}: {note}")
+        for note in ckpt.notes:
+            logger.log(f"note: {checkpoint.basename(path)}: {note}")
         changed = [k for k in self.model_flags
                    if ckpt.flags and k in ckpt.flags and ckpt.flags[k] != self.model_flags[k]]
         if changed:
             logger.log("note: flags differ from the checkpoint's: " + ", ".join(
                 f"--{k} {ckpt.flags[k]} -> {self.model_flags[k]}" for k in changed))
         return ckpt
-
-    def _step_of(self, ckpt):
-        """The step of a model file: from the file if it carries one, else from its name.
-
-        parse_step raises a one-line CheckpointError when the name carries no step (never 0).
-        """
-        if ckpt.step is not None:
-            return int(ckpt.step)
-        return checkpoint.parse_step(ckpt.path)
-
-    def _refuse_overwrite(self, step):
-        """Error if log_dir holds a complete step newer than `step` (never overwrite).
-
-        Collective.
-        """
-
-        def newest():
-            if not bf.exists(self.log_dir):
-                return None
-            st = checkpoint.latest_complete_step(self.log_dir, warn=lambda *_: None)
-            return None if st is None else st.step
-
-        newer = dist_util.run_on_rank0(newest)
-        if newer is not None and newer > step:
-            raise ResumeError(
-                f"--log_dir {self.log_dir} already holds a complete checkpoint at step {newer}, "
-                f"newer than the resume step {step}; resume from it (--resume_checkpoint auto) "
-                f"or pass a new --log_dir"
-            )
-
-    def _quarantine_newer_steps(self, step):
-        """Move the files of steps newer than `step` (none complete: an interrupted or damaged
-        save, checked before) to {log_dir}/incomplete/step{S}/ instead of deleting them.
-
-        They would otherwise block the saves of those steps (save_step never overwrites).
-        Collective.
-        """
-        def work():
-            if self.rank != 0:
-                return [], []
-            moved = _move_newer_steps(self.log_dir, step)
-            # Temp files of saves killed mid-write are never part of a step; nothing else
-            # writes to this log dir now, so remove them whatever their age.
-            stale = (checkpoint.prune(self.log_dir, 0, temp_age_s=0.0)
-                     if bf.exists(self.log_dir) else [])
-            return moved, [os.path.basename(str(p)) for p in stale]
-
-        moved, stale = dist_util.run_on_rank0(work)
-        if moved:
-            logger.warn(
-                f"warning: moved {len(moved)} file(s) of incomplete step(s) newer than {step} to "
-                f"{bf.join(self.log_dir, 'incomplete')}: {', '.join(moved[:4])}"
-            )
-        if stale:
-            logger.warn(f"warning: removed {len(stale)} temp file(s) of interrupted saves: "
-                        f"{', '.join(stale[:4])}")
 
     def _load_ema(self, ema_paths, model_ckpt):
         """Load each rate's EMA file if present, else start from the model weights. Collective."""
@@ -300,15 +240,15 @@ class TrainLoop:
             ckpt = checkpoint.load_file_collective(path)
             sd = checkpoint.model_state_from(ckpt, want="ema")
             if not sd:
-                raise ResumeError(f"{path}: holds {_describe_kind(ckpt)}, not EMA weights; "
+                raise ResumeError(f"{path}: holds {checkpoint.describe(ckpt)}, not EMA weights; "
                                   f"delete it or resume from another step")
             self.ema_params[i] = self._params_from(sd, path, ckpt.flags)
             loaded.append(os.path.basename(str(path)))
         return loaded
 
     def _params_from(self, sd, path, flags):
-        """[tensor] in parameter order from a state dict (checked like the model's)."""
-        sd, _ = checkpoint.strip_prefixes(sd)
+        """[tensor] in parameter order from a state dict (prefixes stripped; checked like the
+        model's)."""
         _check_state_dict_matches(self.model, sd, path, flags, self.model_flags, params_only=True)
         return [sd[n].detach().to(device=self.device, dtype=p.dtype).clone()
                 for n, p in self.named_params]
@@ -332,15 +272,17 @@ class TrainLoop:
                 payload = ckpt.optimizer
                 if payload is None:
                     raise optim_state.OptimizerStateError(
-                        f"{opt_path}: holds {_describe_kind(ckpt)}, not optimizer state"
+                        f"{opt_path}: holds {checkpoint.describe(ckpt)}, not optimizer state"
                     )
                 report = optim_state.load_optimizer_state(
                     self.opt, payload, self.named_params, source=str(opt_path)
                 )
                 logger.log(report.summary())
                 trainer, ok = ckpt.trainer, True
+            except checkpoint.CheckpointReadError:
+                raise  # a failed read is never a reason to drop the optimizer state
             except (optim_state.OptimizerStateError, checkpoint.CheckpointError) as e:
-                why = str(e)
+                why = str(e)  # content: the explained fallback below
         decisions = dist_util.all_gather_object(ok)
         if len(set(decisions)) != 1:
             raise RuntimeError(
@@ -624,8 +566,9 @@ class TrainLoop:
         if self.rank != 0:
             return
         try:
-            deleted = checkpoint.prune(self.log_dir, self.keep_checkpoints)
-        except Exception as e:  # pruning must never kill a run that just saved
+            deleted = run_dir.prune(self.log_dir, self.keep_checkpoints)
+        except (checkpoint.CheckpointError, OSError) as e:  # a failed delete must not kill a run
+            # that just saved (a bug still raises)
             logger.warn(f"warning: --keep_checkpoints {self.keep_checkpoints}: prune failed: {e}")
             return
         if deleted:
@@ -650,7 +593,9 @@ class TrainLoop:
         return sd
 
     def _trainer_state(self):
-        """The trainer dict of SPEC.md (weights_only-loadable). Collective (gathers RNG states)."""
+        """The "trainer" entry of opt*.pt (docs/checkpoints.md; weights_only-loadable).
+
+        Collective (gathers RNG states)."""
         return {
             "step": int(self.step),
             "world_size": int(self.world_size),
@@ -732,26 +677,6 @@ def _cpu_state_dict(sd):
     return {k: v.detach().to("cpu").clone() for k, v in sd.items()}
 
 
-def _describe_kind(ckpt):
-    kind = getattr(ckpt, "kind", "unknown")
-    return {
-        "model": "a model state dict",
-        "ema": "EMA weights",
-        "opt": "optimizer state",
-        "combined": "a combined checkpoint dict",
-    }.get(kind, "no recognisable checkpoint content")
-
-
-_FLAG_HINTS = (
-    ("label_emb", "class_cond"),
-    ("qkv", "attention_resolutions / num_heads / num_head_channels"),
-    ("attention", "attention_resolutions"),
-    ("out.2", "learn_sigma"),
-    ("input_blocks", "num_res_blocks / channel_mult / num_channels"),
-    ("output_blocks", "num_res_blocks / channel_mult / num_channels"),
-    ("emb_layers", "use_scale_shift_norm"),
-)
-
 
 def _likely_flag(keys, file_flags, my_flags, sd_keys=(), model_keys=()):
     if file_flags:
@@ -804,59 +729,7 @@ def _check_same_on_all_ranks(**values):
                 f"--{key} differs between ranks ({per_rank}); pass the same value to all")
 
 
-def _files_beside(model_path, step, rate_strs):
-    """{"ema": {rate_str: path}, "opt": path|None} of the files of `step` beside model_path."""
-    d = bf.dirname(str(model_path))
-    try:
-        found = checkpoint.ema_paths_beside(model_path, step)
-    except Exception:  # the listing failed (a remote store): look for the exact names
-        found = {}
-    ema = {}
-    for r in rate_strs:
-        path = found.get(r) or bf.join(d, checkpoint.ema_filename(r, step))
-        if bf.exists(path):
-            ema[r] = path
-    opt = bf.join(d, checkpoint.opt_filename(step))
-    return {"ema": ema, "opt": opt if bf.exists(opt) else None}
 
-
-def _same_dir(path, log_dir):
-    try:
-        return os.path.realpath(bf.dirname(str(path))) == os.path.realpath(str(log_dir))
-    except Exception:
-        return False
-
-
-def _move_newer_steps(log_dir, step):
-    """Rank-0 helper of TrainLoop._quarantine_newer_steps; returns the moved file names.
-
-    The manifest goes first, so a step is never "complete" while its files are being moved.
-    """
-    if not bf.exists(log_dir):
-        return []
-    moved = []
-    for st in checkpoint.list_steps(log_dir):
-        if st.step <= step:
-            continue
-        dest = bf.join(log_dir, "incomplete", f"step{st.step:06d}")
-        bf.makedirs(dest)
-        names = sorted((os.path.basename(str(p)) for p in st.files),
-                       key=lambda n: not n.startswith("manifest"))
-        for name in names:
-            src, target = bf.join(log_dir, name), bf.join(dest, name)
-            if not bf.exists(src):
-                continue
-            if bf.exists(target):  # moved here before: keep both (never replace a moved file)
-                base, n = target, 1
-                while bf.exists(target):
-                    target, n = f"{base}.{n}", n + 1
-            if "://" in src:
-                bf.copy(src, target)
-                bf.remove(src)
-            else:
-                os.replace(src, target)
-            moved.append(name)
-    return moved
 
 
 def _combined_ema(ckpt):

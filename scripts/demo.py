@@ -390,11 +390,11 @@ def train_with_preemption(data_dir, run_dir, s, preempt=True):
 def _newest_step(run_dir):
     """Newest complete step in run_dir (None when none)."""
     sys.path.insert(0, REPO)
-    from improved_diffusion import checkpoint
+    from improved_diffusion import run_dir as run_dir_mod
 
     if not os.path.isdir(run_dir):
         return None
-    st = checkpoint.latest_complete_step(run_dir, warn=lambda m: None)
+    st = run_dir_mod.latest_complete_step(run_dir, warn=lambda m: None)
     return None if st is None else st.step
 
 

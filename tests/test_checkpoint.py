@@ -15,6 +15,7 @@ import torch as th
 
 from conftest import FIXTURES, run_module_mpi
 from improved_diffusion import checkpoint as C
+from improved_diffusion import run_dir as R
 
 UPSTREAM = FIXTURES / "upstream_run_small"
 
@@ -64,11 +65,21 @@ def test_parse_step_refuses_a_name_without_a_step_instead_of_returning_zero():
         C.parse_step("/x/mymodel.pt")
 
 
-def test_ema_paths_beside_finds_every_rate_of_that_step(tmp_path):
+def test_name_info_reads_kind_step_and_rate_from_every_checkpoint_name():
+    assert C.name_info("/r/ema_0.9999_000020.pt") == C.NameInfo("ema", 20, "0.9999")
+    assert C.name_info("model000020.pt") == C.NameInfo("model", 20)
+    assert C.name_info("opt000020.pt").kind == "opt"
+    assert C.name_info("manifest000020.json").kind == "manifest"
+    assert C.name_info("model000020.pt.tmp-0123456789abcdef") == C.NameInfo("temp", 20)
+    assert C.name_info("progress.csv") is None and C.name_info("model.pt") is None
+
+
+def test_a_step_lists_every_ema_rate_of_that_step_only(tmp_path):
     for name in ("model000020.pt", "ema_0.999_000020.pt", "ema_0.9999_000020.pt",
                  "ema_0.9999_000010.pt"):
         (tmp_path / name).write_bytes(b"x")
-    assert C.ema_paths_beside(tmp_path / "model000020.pt", 20) == {
+    st = next(s for s in R.list_steps(tmp_path) if s.step == 20)
+    assert st.ema_paths == {
         "0.999": str(tmp_path / "ema_0.999_000020.pt"),
         "0.9999": str(tmp_path / "ema_0.9999_000020.pt"),
     }
@@ -283,9 +294,9 @@ def test_save_step_writes_files_then_a_manifest_with_sizes_and_checksums(tmp_pat
     assert set(man["files"]) == {"model000002.pt", "opt000002.pt", "ema_0.9999_000002.pt"}
     for name, info in man["files"].items():
         assert info["size"] == (tmp_path / name).stat().st_size and len(info["sha256"]) == 64
-    steps = C.list_steps(tmp_path)
+    steps = R.list_steps(tmp_path)
     assert [s.step for s in steps] == [2, 1] and all(s.complete and not s.legacy for s in steps)
-    latest = C.latest_complete_step(tmp_path, warn=pytest.fail)
+    latest = R.latest_complete_step(tmp_path, warn=pytest.fail)
     assert latest.step == 2 and latest.model_path == str(tmp_path / "model000002.pt")
     assert latest.ema_paths == {"0.9999": str(tmp_path / "ema_0.9999_000002.pt")}
     assert latest.opt_path == str(tmp_path / "opt000002.pt")
@@ -303,19 +314,19 @@ def test_save_step_never_overwrites_an_existing_file(tmp_path):
 
 
 def test_an_empty_or_missing_dir_has_no_steps(tmp_path):
-    assert C.list_steps(tmp_path / "nope") == []
-    assert C.latest_complete_step(tmp_path, warn=pytest.fail) is None
+    assert R.list_steps(tmp_path / "nope") == []
+    assert R.latest_complete_step(tmp_path, warn=pytest.fail) is None
 
 
 def test_the_upstream_run_dir_is_a_complete_legacy_step():
-    st = C.latest_complete_step(UPSTREAM, warn=pytest.fail)
+    st = R.latest_complete_step(UPSTREAM, warn=pytest.fail)
     assert (st.step, st.complete, st.legacy) == (10, True, True)
     assert st.ema_paths == {"0.9999": str(UPSTREAM / "ema_0.9999_000010.pt")}
 
 
 def test_a_legacy_step_without_opt_file_is_not_resumable(tmp_path):
     shutil.copy(UPSTREAM / "model000010.pt", tmp_path)
-    (st,) = C.list_steps(tmp_path)
+    (st,) = R.list_steps(tmp_path)
     assert not st.complete and st.legacy and "opt" in st.problem
 
 
@@ -343,7 +354,7 @@ def test_after_a_crash_the_previous_complete_step_is_chosen_with_a_warning(tmp_p
     _save_steps(tmp_path, [1, 2, 3])
     skipped = _crash(tmp_path, how)
     warnings = []
-    st = C.latest_complete_step(tmp_path, warn=warnings.append)
+    st = R.latest_complete_step(tmp_path, warn=warnings.append)
     assert st.step == 2 and st.complete
     if skipped is None:
         assert warnings == []
@@ -358,9 +369,9 @@ def test_checksum_verification_catches_same_size_corruption(tmp_path):
     data = bytearray(p.read_bytes())
     data[-100] ^= 0xFF
     p.write_bytes(bytes(data))
-    assert C.latest_complete_step(tmp_path, warn=None).step == 2
+    assert R.latest_complete_step(tmp_path, warn=None).step == 2
     warnings = []
-    assert C.latest_complete_step(tmp_path, warn=warnings.append, verify_checksums=True).step == 1
+    assert R.latest_complete_step(tmp_path, warn=warnings.append, verify_checksums=True).step == 1
     assert "sha256" in warnings[0]
 
 
@@ -370,8 +381,8 @@ def test_checksum_verification_catches_same_size_corruption(tmp_path):
 
 def test_prune_keeps_the_newest_k_complete_steps(tmp_path):
     _save_steps(tmp_path, [1, 2, 3, 4])
-    deleted = C.prune(tmp_path, keep=2)
-    assert [s.step for s in C.list_steps(tmp_path)] == [4, 3]
+    deleted = R.prune(tmp_path, keep=2)
+    assert [s.step for s in R.list_steps(tmp_path)] == [4, 3]
     assert len(deleted) == 8
     # the manifest of each pruned step goes first
     assert os.path.basename(deleted[0]).startswith("manifest")
@@ -380,12 +391,12 @@ def test_prune_keeps_the_newest_k_complete_steps(tmp_path):
 def test_prune_never_leaves_fewer_than_one_complete_step(tmp_path):
     _save_steps(tmp_path, [1, 2, 3])
     _crash(tmp_path, "no_manifest")  # step 3 looks like an interrupted (or ongoing) save
-    C.prune(tmp_path, keep=1)
-    steps = {s.step: s for s in C.list_steps(tmp_path)}
+    R.prune(tmp_path, keep=1)
+    steps = {s.step: s for s in R.list_steps(tmp_path)}
     assert sorted(steps) == [2, 3] and steps[2].complete and not steps[3].complete
     # keep=0 deletes no step
-    assert C.prune(tmp_path, keep=0) == []
-    assert C.latest_complete_step(tmp_path, warn=None).step == 2
+    assert R.prune(tmp_path, keep=0) == []
+    assert R.latest_complete_step(tmp_path, warn=None).step == 2
 
 
 def test_prune_removes_stale_temp_files_only(tmp_path):
@@ -396,17 +407,17 @@ def test_prune_removes_stale_temp_files_only(tmp_path):
     fresh.write_bytes(b"x")
     old = time.time() - 3600
     os.utime(stale, (old, old))
-    assert C.prune(tmp_path, keep=1) == [str(stale)]
-    assert fresh.exists() and C.latest_complete_step(tmp_path, warn=None).step == 1
+    assert R.prune(tmp_path, keep=1) == [str(stale)]
+    assert fresh.exists() and R.latest_complete_step(tmp_path, warn=None).step == 1
 
 
 def test_prune_of_an_upstream_dir_keeps_its_only_step(tmp_path):
     for p in UPSTREAM.iterdir():
         shutil.copy(p, tmp_path)
     _save_steps(tmp_path, [20])
-    assert C.prune(tmp_path, keep=2) == []
-    C.prune(tmp_path, keep=1)
-    assert [s.step for s in C.list_steps(tmp_path)] == [20]
+    assert R.prune(tmp_path, keep=2) == []
+    R.prune(tmp_path, keep=1)
+    assert [s.step for s in R.list_steps(tmp_path)] == [20]
     assert (tmp_path / "progress.csv").exists()
 
 
@@ -418,7 +429,7 @@ def test_prune_of_an_upstream_dir_keeps_its_only_step(tmp_path):
 def test_save_step_on_two_ranks_writes_once_and_errors_reach_every_rank(tmp_path):
     code = textwrap.dedent(f"""
         import json, os, sys, torch as th
-        from improved_diffusion import checkpoint as C, dist_util
+        from improved_diffusion import checkpoint as C, dist_util, run_dir as R
         dist_util.setup_dist()
         rank = dist_util.get_rank()
         d = {str(tmp_path)!r}
@@ -440,7 +451,7 @@ def test_save_step_on_two_ranks_writes_once_and_errors_reach_every_rank(tmp_path
         # one write per line, so the two ranks' lines never run together on mpiexec's stdout
         sys.stdout.write("RESULT " + json.dumps(dict(
             rank=rank, w=ck.state_dict["w"].tolist(), err=err, err2=err2,
-            step=C.latest_complete_step(d, warn=None).step)) + "\\n")
+            step=R.latest_complete_step(d, warn=None).step)) + "\\n")
         sys.stdout.flush()
     """)
     proc = run_module_mpi(2, code, timeout=50)

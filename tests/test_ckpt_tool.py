@@ -12,6 +12,7 @@ import pytest
 import torch as th
 
 from improved_diffusion import checkpoint as ckpt
+from improved_diffusion import run_dir
 from improved_diffusion.ckpt_tool import main
 from improved_diffusion.optim_state import named_optimizer_state
 
@@ -301,7 +302,7 @@ def test_convert_round_trip_upstream_to_tagged_to_raw_loads_in_plain_torch(tmp_p
                          "--flags", RUN_FLAGS)
     assert code == 0, err
     assert tree_hash(src) == before
-    statuses = ckpt.list_steps(tmp_path / "tagged")
+    statuses = run_dir.list_steps(tmp_path / "tagged")
     assert statuses[0].step == 10 and statuses[0].complete and not statuses[0].legacy
     tagged_model = ckpt.load_file(tmp_path / "tagged" / "model000010.pt")
     assert tagged_model.tagged and tagged_model.flags["num_channels"] == 32
@@ -384,7 +385,7 @@ def test_prune_keeps_the_newest_complete_steps(tmp_path):
 def test_module_entry_point_runs_the_tool():
     from conftest import PY, _run
 
-    proc = _run([PY, "-m", "improved_diffusion.checkpoint", "verify", RUN, "--json"], 60,
+    proc = _run([PY, "-m", "improved_diffusion.ckpt_tool", "verify", RUN, "--json"], 60,
                 check=False)
     assert proc.returncode == 0, proc.stdout
     assert json.loads(proc.stdout[proc.stdout.index("{"):])["resume_step"] == 10
@@ -400,4 +401,4 @@ def test_convert_skips_a_model_state_dict_in_the_opt_slot_and_writes_no_manifest
     assert code == 0, err
     assert "opt000004.pt: the optimizer slot holds a model state dict; not converted" in out
     assert sorted(os.listdir(tmp_path / "out")) == ["model000004.pt"]
-    assert not ckpt.list_steps(tmp_path / "out")[0].complete
+    assert not run_dir.list_steps(tmp_path / "out")[0].complete

@@ -400,7 +400,7 @@ def _crash_state(log_dir, rates, baseline):
 
 @pytest.mark.timeout(300)
 def test_kill_9_at_random_moments_always_resumes_from_a_complete_step(tmp_path, images):
-    from improved_diffusion import checkpoint
+    from improved_diffusion import run_dir
 
     rng = random.Random(20261130)
     log_dir = tmp_path / "run"
@@ -413,7 +413,7 @@ def test_kill_9_at_random_moments_always_resumes_from_a_complete_step(tmp_path, 
         steps = complete_steps(log_dir, TWO_EMAS, deep=True)
         expected = steps[-1] if steps else None
         if expected is not None:  # the library agrees with our reading of the directory
-            st = checkpoint.latest_complete_step(str(log_dir), warn=None)
+            st = run_dir.latest_complete_step(str(log_dir), warn=None)
             assert st is not None and st.step == expected, (trial, expected, st)
         log_path = tmp_path / f"trial{trial:02d}.log"
         with open(log_path, "w") as log_f:

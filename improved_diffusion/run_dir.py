@@ -1,0 +1,486 @@
+"""
+A log dir of steps: which steps it holds, which one a resume uses, and what is done with the rest.
+
+One step ``S`` is the files ``model{S:06d}.pt``, ``ema_{rate}_{S:06d}.pt`` (one per rate),
+``opt{S:06d}.pt`` and ``manifest{S:06d}.json``, the manifest written last (checkpoint.save_step).
+A step is *complete* (resumable) when its manifest parses and every file it lists is present with
+the listed size; upstream's steps (untagged files, no manifest) are complete when the model and
+opt files are there and not empty. checkpoint.py knows what is in one file; this module knows what
+is in a directory.
+
+Cost does not grow with the run's history: listing reads names, sizes and manifests (small JSON);
+checksums (``verify_step``) are read for the candidate step only, stepping back one step at a time
+when it does not match. Example, a log dir with steps 30 (manifest garbled), 20 and 10::
+
+    plan = plan_resume("runs/a", "", ["0.9999"])     # rank 0: one listing, sha256 of step 20
+    plan.model    -> "runs/a/model000020.pt"
+    plan.warnings -> ["warning: skipping step 30 in runs/a: manifest manifest000030.json ..."]
+    plan.newer_than(20) -> [30]                        # moved to runs/a/incomplete/ after loading
+
+Content and reads are different things: a step whose bytes are wrong (sizes, checksums, a garbled
+manifest) is a *problem* and is skipped with a warning; a read that fails (I/O error, permissions,
+a remote store's error) raises ``checkpoint.CheckpointReadError`` and nothing is moved or chosen
+because of it. Nothing here is collective: rank 0 calls it and broadcasts (train_util does).
+"""
+
+import json
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional
+
+import blobfile as bf
+
+from . import checkpoint as ckpt
+from .checkpoint import CheckpointError, CheckpointReadError
+
+INCOMPLETE_DIR = "incomplete"
+
+
+class NoUsableStepError(CheckpointError):
+    """The log dir holds a run's history but no step of it can be resumed (one line)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# listing
+
+
+@dataclass
+class StepStatus:
+    """One step found in a directory. ``files``: paths of all its files (manifest included).
+
+    ``problem`` says why it is not complete (None when complete); ``verified`` is True once its
+    checksums were read and matched; ``legacy``: upstream's files (no manifest).
+    """
+
+    step: int
+    files: List[str]
+    complete: bool = False
+    problem: Optional[str] = None
+    legacy: bool = False
+    verified: bool = False
+    manifest: Optional[dict] = None
+
+    def _find(self, kind):
+        for p in self.files:
+            info = ckpt.name_info(p)
+            if info is not None and info.kind == kind:
+                return p
+        return None
+
+    @property
+    def model_path(self):
+        return self._find("model")
+
+    @property
+    def opt_path(self):
+        return self._find("opt")
+
+    @property
+    def manifest_path(self):
+        return self._find("manifest")
+
+    @property
+    def ema_paths(self):
+        """{rate_str: path}"""
+        out = {}
+        for p in self.files:
+            info = ckpt.name_info(p)
+            if info is not None and info.kind == "ema":
+                out[info.rate_str] = p
+        return dict(sorted(out.items()))
+
+    @property
+    def has_history(self):
+        """True for a step that was, or claims to have been, saved completely: it has a manifest,
+        or it is an upstream (untagged) step. A step of tagged files without a manifest is only an
+        interrupted save."""
+        return self.manifest_path is not None or self.legacy
+
+
+def listdir(d):
+    """Sorted names in directory ``d``; [] when it does not exist. A failed listing raises
+    CheckpointReadError (never taken for an empty directory)."""
+    d = os.fspath(d)
+    try:
+        if ckpt.is_remote(d):
+            return sorted(ckpt.with_retry(lambda: bf.listdir(d), d))
+        return sorted(os.listdir(d))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    except CheckpointError:
+        raise
+    except (OSError, bf.Error) as e:
+        raise CheckpointReadError(f"{d}: cannot list the directory ({ckpt.one_line(e)}); "
+                                  f"check that it is reachable and readable") from e
+
+
+def list_steps(log_dir, verify_checksums=False, names=None):
+    """
+    Every step found in ``log_dir``, newest first, each with whether it is complete.
+
+    Reads names, sizes and manifests only; with ``verify_checksums`` also the sha256 of every file
+    of every step (the doctor's deep verify; a resume verifies only its candidate, see
+    ``latest_complete_step``). ``names``: a listing made before (to list once). Raises
+    CheckpointReadError when a read fails.
+    """
+    log_dir = os.fspath(log_dir)
+    by_step = {}
+    for name in listdir(log_dir) if names is None else names:
+        info = ckpt.name_info(name)
+        if info is not None and info.kind != "temp":
+            by_step.setdefault(info.step, []).append(ckpt.join(log_dir, name))
+    out = []
+    for step in sorted(by_step, reverse=True):
+        st = StepStatus(step=step, files=sorted(by_step[step]))
+        if st.manifest_path is not None:
+            st.problem = _check_manifest(st, log_dir)
+        else:
+            st.problem, st.legacy = _check_legacy(st)
+        st.complete = st.problem is None
+        if st.complete and verify_checksums:
+            verify_step(st, log_dir)
+        out.append(st)
+    return out
+
+
+def _read_manifest(st):
+    """The manifest's dict, or raise _Problem (content) / CheckpointReadError (read failure)."""
+    path = st.manifest_path
+    try:
+        data = ckpt.read_bytes(path)
+    except CheckpointReadError:
+        raise
+    except CheckpointError as e:  # vanished between listing and reading: content, not I/O
+        raise _Problem(f"manifest {ckpt.basename(path)} cannot be read ({e})") from None
+    try:
+        doc = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise _Problem(f"manifest {ckpt.basename(path)} is not valid JSON (garbled)") from None
+    files = doc.get("files") if isinstance(doc, dict) else None
+    if not isinstance(files, dict) or not files or doc.get("step") != st.step:
+        raise _Problem(f"manifest {ckpt.basename(path)} does not describe step {st.step}")
+    version = doc.get("version")
+    if not isinstance(version, int) or version > ckpt.VERSION:
+        raise _Problem(f"manifest {ckpt.basename(path)} has format version {version!r} (newer "
+                       f"than this code reads)")
+    return doc
+
+
+class _Problem(Exception):
+    """Internal: a content problem of one step (becomes StepStatus.problem)."""
+
+
+def _check_manifest(st, log_dir):
+    try:
+        doc = _read_manifest(st)
+    except _Problem as e:
+        return str(e)
+    for name, info in doc["files"].items():
+        size = _size_or_none(ckpt.join(log_dir, name))
+        if size is None:
+            return f"{name} is missing"
+        if not isinstance(info, dict) or size != info.get("size"):
+            want = info.get("size") if isinstance(info, dict) else None
+            return f"{name} has {size} bytes, manifest says {want} (truncated?)"
+    st.manifest = doc
+    return None
+
+
+def verify_step(st, log_dir):
+    """Read every file of a complete step and compare its sha256 with the manifest; sets
+    ``st.complete``/``st.problem``/``st.verified``. Upstream steps have no checksums (verified
+    means "loadable sizes"). Raises CheckpointReadError when a read fails."""
+    doc = st.manifest
+    if doc is not None:
+        for name, info in doc["files"].items():
+            digest = ckpt.file_digest(ckpt.join(log_dir, name))
+            if digest["sha256"] != info.get("sha256"):
+                st.complete, st.problem = False, (
+                    f"{name} does not match its sha256 in the manifest (corrupt)")
+                return st
+    st.verified = True
+    return st
+
+
+def _size_or_none(path):
+    """The size of ``path``, None when it does not exist; CheckpointReadError when the stat
+    fails otherwise (an I/O error is not a missing file)."""
+    try:
+        return ckpt.with_retry(lambda: ckpt.file_size(path), path)
+    except FileNotFoundError:
+        return None
+    except (OSError, bf.Error) as e:
+        raise CheckpointReadError(f"{path}: cannot read ({ckpt.one_line(e)}); check that it is "
+                                  f"reachable and readable") from e
+
+
+def _check_legacy(st):
+    """(problem or None, legacy flag) for a step without manifest."""
+    model = st.model_path
+    if model is None:
+        return "no manifest and no model file (interrupted save or stray files)", False
+    if ckpt.is_tagged_file(model):
+        return "no manifest (the save was interrupted before it completed)", False
+    for p in [model, st.opt_path, *st.ema_paths.values()]:
+        if p is None:
+            return "upstream step without an opt file (no optimizer state to resume)", True
+        if _size_or_none(p) in (0, None):
+            return f"{ckpt.basename(p)} is empty or missing", True
+    return None, True
+
+
+def latest_complete_step(log_dir, warn=print, verify_checksums=False, steps=None):
+    """
+    The newest complete step in ``log_dir`` (StepStatus) or None. Newer steps that are not
+    complete are skipped with a one-line warning each through ``warn``. With
+    ``verify_checksums`` only the candidate step's files are read (sha256); on a mismatch it is
+    skipped (warned) and the next older one tried. ``steps``: a ``list_steps`` result to reuse.
+    Raises CheckpointReadError when a read fails. Not collective.
+    """
+    for st in list_steps(log_dir) if steps is None else steps:
+        if st.complete and verify_checksums and not st.verified:
+            verify_step(st, log_dir)
+        if st.complete:
+            return st
+        if warn is not None:
+            warn(f"warning: skipping step {st.step} in {log_dir}: {st.problem}")
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# the resume plan
+
+
+@dataclass
+class ResumePlan:
+    """
+    What a resume does, decided on rank 0 from one listing and broadcast (plain data).
+
+    ``model``: the model file to load (None: a fresh start). ``step``: its step when known before
+    loading (auto-resume); an explicit file's step comes from the file. ``beside``: {step: {"ema":
+    {rate: path}, "opt": path or None}} of the model file's directory. ``log_steps``: [(step,
+    complete)] of every step in --log_dir, newest first. ``in_log_dir``: the model file lies in
+    --log_dir (so its step counts as saved). ``temp_files``: leftovers of interrupted saves.
+    ``log_files``: {step: [paths]} of those steps (acted on without listing again).
+    ``warnings`` and ``message``: what to log.
+    """
+
+    log_dir: str
+    source: str = "fresh"  # "fresh" | "auto" | "explicit"
+    model: Optional[str] = None
+    step: Optional[int] = None
+    beside: Dict[int, dict] = field(default_factory=dict)
+    log_steps: List[tuple] = field(default_factory=list)
+    log_files: Dict[int, List[str]] = field(default_factory=dict)
+    in_log_dir: bool = False
+    temp_files: List[str] = field(default_factory=list)
+    warnings: List[str] = field(default_factory=list)
+    message: Optional[str] = None
+
+    def files_of(self, step):
+        """{"ema": {rate: path}, "opt": path or None} of ``step`` beside the model file."""
+        return self.beside.get(step, {"ema": {}, "opt": None})
+
+    def newer_than(self, step):
+        """Steps in --log_dir newer than ``step`` (to move to incomplete/)."""
+        return [s for s, _ in self.log_steps if s > step]
+
+    def newest_complete(self):
+        return next((s for s, complete in self.log_steps if complete), None)
+
+
+def plan_resume(log_dir, resume_checkpoint=""):
+    """
+    Decide the resume from one listing of ``log_dir`` (and of the model file's directory when it
+    lies elsewhere). Not collective: rank 0 calls it, every rank acts on the result.
+
+    ``resume_checkpoint``: "" (auto-resume if the log dir holds steps), "auto", a model file, or a
+    directory (its newest complete step). Auto-resume verifies the checksums of the step it
+    chooses only. Raises NoUsableStepError when the log dir holds steps that were saved completely
+    once but none of them verifies (never a fresh start over a run's history), and
+    CheckpointReadError when a read fails.
+    """
+    log_dir = os.fspath(log_dir)
+    names = listdir(log_dir)
+    plan = ResumePlan(log_dir=log_dir)
+    plan.temp_files = [n for n in names if ckpt.name_info(n) is not None
+                       and ckpt.name_info(n).kind == "temp"]
+    steps = list_steps(log_dir, names=names)
+    arg = os.fspath(resume_checkpoint or "")
+    if arg and arg != "auto" and not _is_dir(arg):
+        plan.source, plan.model = "explicit", arg
+        if _same_dir(ckpt.dirname(arg), log_dir):
+            plan.in_log_dir, here = True, steps
+        else:
+            here = list_steps(ckpt.dirname(arg))
+        plan.beside = _beside(here)
+    else:
+        where = arg if arg and arg != "auto" else log_dir
+        chosen_from = steps if where == log_dir else list_steps(where)
+        _choose(plan, where, chosen_from, announce=bool(arg))
+        plan.in_log_dir = plan.model is not None and _same_dir(where, log_dir)
+    plan.log_steps = [(st.step, st.complete) for st in steps]
+    plan.log_files = {st.step: list(st.files) for st in steps}
+    return plan
+
+
+def _choose(plan, where, steps, announce):
+    """Auto-resume: the newest step of ``where`` that verifies; fills ``plan``."""
+    explicit_dir = not _same_dir(where, plan.log_dir)
+    flag = "--resume_checkpoint" if explicit_dir else "--log_dir"
+    if not steps:
+        if explicit_dir:
+            raise CheckpointError(f"--resume_checkpoint {where}: no checkpoint files in this "
+                                  f"directory; give a model file or a run directory")
+        if announce:
+            plan.message = f"--resume_checkpoint auto: no checkpoint in {where}; starting fresh"
+        return
+    st = latest_complete_step(where, warn=plan.warnings.append, verify_checksums=True,
+                              steps=steps)
+    if st is not None:
+        plan.source, plan.step = "auto", st.step
+        plan.model = st.model_path
+        plan.beside = _beside([st])
+        plan.message = f"auto-resume: newest complete step in {where} is {st.step}"
+        return
+    history = [s for s in steps if s.has_history]
+    if history or explicit_dir:
+        raise NoUsableStepError(_no_usable_step_message(flag, where, history or steps))
+    plan.message = (f"no complete checkpoint in {where} (only interrupted saves); starting "
+                    f"fresh")
+
+
+def _no_usable_step_message(flag, where, steps):
+    problems = "; ".join(f"step {s.step}: {s.problem}" for s in steps[:5])
+    more = f" (+{len(steps) - 5} more)" if len(steps) > 5 else ""
+    return (f"{flag} {where} holds {len(steps)} saved step(s) but none can be resumed "
+            f"({problems}{more}); nothing was changed. Check them with `python scripts/ckpt.py "
+            f"verify {where}`, pass --resume_checkpoint FILE to resume from a file you trust, or "
+            f"use a new --log_dir")
+
+
+def _beside(steps):
+    return {st.step: {"ema": st.ema_paths, "opt": st.opt_path} for st in steps}
+
+
+def _is_dir(path):
+    try:
+        return bf.isdir(path)
+    except (OSError, bf.Error) as e:
+        raise CheckpointReadError(f"{path}: cannot read ({ckpt.one_line(e)})") from e
+
+
+def _same_dir(a, b):
+    a, b = os.fspath(a) or ".", os.fspath(b) or "."
+    if ckpt.is_remote(a) or ckpt.is_remote(b):
+        return a.rstrip("/") == b.rstrip("/")
+    return os.path.realpath(a) == os.path.realpath(b)
+
+
+def refuse_overwrite(plan, step):
+    """Raise when --log_dir holds a complete step newer than the resume ``step`` (an explicit
+    older file would otherwise write over the run's later history)."""
+    newest = plan.newest_complete()
+    if newest is not None and newest > step:
+        raise CheckpointError(
+            f"--log_dir {plan.log_dir} already holds a complete checkpoint at step {newest}, "
+            f"newer than the resume step {step}; resume from it (--resume_checkpoint auto) or "
+            f"pass a new --log_dir")
+
+
+def tidy_for_resume(plan, step):
+    """
+    Rank 0, after the resume step is known: move the files of newer (incomplete or damaged) steps
+    to ``{log_dir}/incomplete/step{S}/`` (never deleted; they would block the saves of those
+    steps), and remove temp files of interrupted saves. Returns (moved names, removed names).
+    """
+    moved = []
+    for s in plan.newer_than(step if step is not None else -1):
+        moved += _quarantine(plan.log_dir, s, plan.log_files[s])
+    removed = []
+    for name in plan.temp_files:
+        try:
+            _remove(ckpt.join(plan.log_dir, name))
+            removed.append(name)
+        except FileNotFoundError:
+            pass
+    return moved, removed
+
+
+def _quarantine(log_dir, step, files):
+    """Move one step's files to incomplete/step{S}/, manifest first (so it is never "complete"
+    half-moved); a name moved there before is kept (suffix .1, .2, ...)."""
+    dest = ckpt.join(ckpt.join(log_dir, INCOMPLETE_DIR), f"step{step:06d}")
+    bf.makedirs(dest)
+    names = sorted((ckpt.basename(p) for p in files), key=lambda n: not n.startswith("manifest"))
+    moved = []
+    for name in names:
+        src, target = ckpt.join(log_dir, name), ckpt.join(dest, name)
+        if not ckpt.exists(src):
+            continue
+        base, n = target, 1
+        while ckpt.exists(target):
+            target, n = f"{base}.{n}", n + 1
+        if ckpt.is_remote(src):
+            bf.copy(src, target)
+            bf.remove(src)
+        else:
+            os.replace(src, target)
+        moved.append(name)
+    return moved
+
+
+# ---------------------------------------------------------------------------------------------
+# pruning
+
+
+def _remove(path):
+    if ckpt.is_remote(path):
+        bf.remove(path)
+    else:
+        os.unlink(path)
+
+
+_DELETE_ORDER = {"manifest": 0, "opt": 1, "ema": 2, "model": 3}
+
+
+def prune(log_dir, keep, *, temp_age_s=60.0):
+    """
+    Keep the newest ``keep`` complete steps; delete every file of steps older than the oldest
+    kept one (complete or not). Never touches the newest complete step, nor any step newer than
+    the kept ones (it may be a save in progress); with no complete step it deletes nothing. Each
+    step's manifest goes FIRST (then opt, EMA, model), so a half-deleted step is never "complete".
+    Also removes temp files (``*.tmp-<hex>``) older than ``temp_age_s`` seconds. ``keep`` < 1
+    deletes no step (only stale temp files). Returns the deleted paths. Not collective: call on
+    rank 0 after a save (save_step's return means every rank has finished it).
+    """
+    log_dir = os.fspath(log_dir)
+    names = listdir(log_dir)
+    deleted = []
+    if keep >= 1:
+        steps = list_steps(log_dir, names=names)
+        kept = [s for s in steps if s.complete][:keep]
+        oldest_kept = kept[-1].step if kept else None
+        for st in steps:
+            if oldest_kept is None or st.step >= oldest_kept:
+                continue
+            for p in sorted(st.files, key=lambda p: _DELETE_ORDER.get(ckpt.name_info(p).kind, 9)):
+                try:
+                    _remove(p)
+                    deleted.append(p)
+                except FileNotFoundError:
+                    pass
+    now = time.time()
+    for name in names:
+        info = ckpt.name_info(name)
+        if info is None or info.kind != "temp":
+            continue
+        p = ckpt.join(log_dir, name)
+        try:
+            if now - ckpt.file_mtime(p) >= temp_age_s:
+                _remove(p)
+                deleted.append(p)
+        except FileNotFoundError:
+            pass
+    return deleted

@@ -1,0 +1,277 @@
+"""run_dir.py: cheap discovery, verification of the candidate only, the resume plan, honest reads.
+
+Faults here are real bytes on disk (garbled manifests, flipped bytes, symlink loops) or a read
+that raises the errno a failing disk or store raises (EIO), injected where the bytes are read.
+"""
+import errno
+import hashlib
+import os
+import runpy
+import subprocess
+import sys
+from collections import OrderedDict
+from pathlib import Path
+
+import blobfile as bf
+import numpy as np
+import pytest
+import torch as th
+from PIL import Image
+
+from conftest import REPO, child_env, run_script
+from improved_diffusion import checkpoint as C
+from improved_diffusion import dist_util
+from improved_diffusion import run_dir as R
+
+
+def _sd(seed=0):
+    g = th.Generator().manual_seed(seed)
+    return OrderedDict([("a.weight", th.randn(64, 64, generator=g))])
+
+
+def _save_steps(d, steps, rates=("0.9999",)):
+    for s in steps:
+        files = {C.model_filename(s): C.model_payload(s, _sd(s), {}),
+                 C.opt_filename(s): C.opt_payload(s, {"format": "named-v1", "state": {},
+                                                      "param_groups": []}, {"step": s})}
+        for r in rates:
+            files[C.ema_filename(r, s)] = C.ema_payload(s, r, _sd(s + 100), {})
+        C.save_step(d, s, files)
+
+
+def _snapshot(d):
+    """{relative path: sha256} of every file under d (what a failed start must leave alone)."""
+    out = {}
+    for p in sorted(Path(d).rglob("*")):
+        if p.is_file() and not p.is_symlink():
+            out[str(p.relative_to(d))] = hashlib.sha256(p.read_bytes()).hexdigest()
+        elif p.is_symlink():
+            out[str(p.relative_to(d))] = "symlink -> " + os.readlink(p)
+    return out
+
+
+def _images(d, n=4):
+    d.mkdir()
+    for i in range(n):
+        Image.fromarray(np.full((8, 8, 3), 40 * i, np.uint8)).save(d / f"{i}.png")
+    return d
+
+
+def _flip_a_byte(path):
+    data = bytearray(Path(path).read_bytes())
+    data[-200] ^= 0xFF
+    Path(path).write_bytes(bytes(data))
+
+
+@pytest.fixture
+def hashed(monkeypatch):
+    """The paths whose checksums were read (file_digest calls)."""
+    seen = []
+    real = C.file_digest
+
+    def counting(path):
+        seen.append(os.path.basename(path))
+        return real(path)
+
+    monkeypatch.setattr(C, "file_digest", counting)
+    return seen
+
+
+# ------------------------------------------------------------------------------ start-up cost
+
+
+def test_auto_resume_reads_the_checksums_of_the_chosen_step_only(tmp_path, hashed):
+    _save_steps(tmp_path, range(1, 31))
+    hashed.clear()  # (the writer hashes what it writes)
+    plan = R.plan_resume(tmp_path, "")
+    assert (plan.source, plan.step) == ("auto", 30)
+    assert sorted(hashed) == sorted(["model000030.pt", "ema_0.9999_000030.pt", "opt000030.pt"])
+
+
+def test_a_damaged_newest_step_is_skipped_one_step_at_a_time(tmp_path, hashed):
+    _save_steps(tmp_path, [1, 2, 3, 4])
+    _flip_a_byte(tmp_path / "model000004.pt")  # same size: only the checksum can tell
+    hashed.clear()
+    plan = R.plan_resume(tmp_path, "")
+    assert plan.step == 3 and len(plan.warnings) == 1
+    assert "step 4" in plan.warnings[0] and "sha256" in plan.warnings[0]
+    assert not any("00000" + s in n for n in hashed for s in "12")  # older steps never read
+    assert plan.newer_than(3) == [4]
+
+
+def test_damage_in_an_old_step_costs_nothing_at_start_up(tmp_path, hashed):
+    _save_steps(tmp_path, [1, 2])
+    _flip_a_byte(tmp_path / "opt000001.pt")
+    hashed.clear()
+    assert R.plan_resume(tmp_path, "").step == 2
+    assert "opt000001.pt" not in hashed
+
+
+# ------------------------------------------------------------------- never fresh over history
+
+
+def test_a_log_dir_whose_steps_all_fail_to_verify_refuses_to_start_and_changes_nothing(tmp_path):
+    _save_steps(tmp_path, [5, 10])
+    for s in (5, 10):
+        (tmp_path / f"manifest{s:06d}.json").write_text("{not json")
+    before = _snapshot(tmp_path)
+    with pytest.raises(R.NoUsableStepError, match=r"holds 2 saved step\(s\) but none can be "
+                                                   r"resumed \(step 10: manifest .*garbled"):
+        R.plan_resume(tmp_path, "")
+    assert _snapshot(tmp_path) == before
+
+
+def test_only_interrupted_saves_in_a_new_log_dir_start_fresh_and_are_set_aside(tmp_path):
+    _save_steps(tmp_path, [2])
+    os.unlink(tmp_path / "manifest000002.json")  # the very first save was killed
+    plan = R.plan_resume(tmp_path, "")
+    assert plan.model is None and "only interrupted saves" in plan.message
+    moved, _ = R.tidy_for_resume(plan, 0)
+    assert sorted(moved) == ["ema_0.9999_000002.pt", "model000002.pt", "opt000002.pt"]
+    assert R.list_steps(tmp_path) == []
+
+
+def test_train_py_refuses_a_log_dir_whose_manifests_are_all_garbled(tmp_path, capsys):
+    train_main = runpy.run_path(str(REPO / "scripts" / "train.py"), run_name="train_module")["main"]
+    _save_steps(tmp_path / "run", [5])
+    (tmp_path / "run" / "manifest000005.json").write_text("garbage")
+    before = _snapshot(tmp_path / "run")
+    code = train_main(["--data_dir", str(_images(tmp_path / "images")), "--log_dir", str(tmp_path / "run"),
+                       "--image_size", "8", "--num_channels", "32", "--num_res_blocks", "1",
+                       "--attention_resolutions", "", "--max_steps", "1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 1 and len(err) == 1 and "none can be resumed" in err[0], err
+    assert "ckpt.py verify" in err[0] and "--resume_checkpoint" in err[0]
+    after = _snapshot(tmp_path / "run")
+    assert {k: after[k] for k in before} == before and not [k for k in after if "step" in k]
+
+
+# ---------------------------------------------------------------------- reads that fail
+
+
+def _failing_reads(monkeypatch, name, exc):
+    """Make every open of a file called ``name`` raise ``exc`` (as a failing disk or NFS does)."""
+    real = bf.BlobFile
+
+    def blob_file(path, *args, **kwargs):
+        if os.path.basename(str(path)) == name:
+            raise exc
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(bf, "BlobFile", blob_file)
+
+
+def test_a_manifest_read_error_is_an_error_not_a_skipped_step(tmp_path, monkeypatch):
+    _save_steps(tmp_path, [1, 2])
+    _failing_reads(monkeypatch, "manifest000002.json", OSError(errno.EIO, "Input/output error"))
+    before = _snapshot(tmp_path)
+    with pytest.raises(C.CheckpointReadError, match="manifest000002.json"):
+        R.plan_resume(tmp_path, "")
+    assert _snapshot(tmp_path) == before
+
+
+def test_a_stat_that_fails_with_an_io_error_is_not_a_missing_file(tmp_path):
+    _save_steps(tmp_path, [1])
+    os.unlink(tmp_path / "opt000001.pt")
+    os.symlink("opt000001.pt", tmp_path / "opt000001.pt")  # ELOOP on every stat and read
+    with pytest.raises(C.CheckpointReadError, match="opt000001.pt: cannot read"):
+        R.list_steps(tmp_path)
+
+
+def test_a_checksum_read_error_stops_the_plan_instead_of_skipping_the_step(tmp_path,
+                                                                           monkeypatch):
+    _save_steps(tmp_path, [1, 2])
+
+    def broken_digest(path):
+        raise C.CheckpointReadError(f"{path}: cannot read (OSError: [Errno 5] I/O error)")
+
+    monkeypatch.setattr(C, "file_digest", broken_digest)
+    with pytest.raises(C.CheckpointReadError, match="Errno 5"):
+        R.plan_resume(tmp_path, "")
+
+
+def test_remote_reads_are_retried_a_bounded_number_of_times(monkeypatch):
+    pauses, calls = [], []
+    monkeypatch.setattr(C.time, "sleep", pauses.append)
+
+    def flaky():
+        calls.append(1)
+        if len(calls) < 3:
+            raise OSError(errno.EIO, "transient")
+        return b"ok"
+
+    assert C.with_retry(flaky, "gs://bucket/run/opt000001.pt", retry_on=(OSError,)) == b"ok"
+    assert len(calls) == 3 and pauses == [0.5, 1.0]
+
+    calls.clear()
+    with pytest.raises(OSError, match="transient"):
+        C.with_retry(lambda: flaky() if False else (_ for _ in ()).throw(OSError("transient")),
+                     "gs://b/x", retry_on=(OSError,))
+    with pytest.raises(FileNotFoundError):  # never retried: it will not appear by waiting
+        C.with_retry(lambda: (_ for _ in ()).throw(FileNotFoundError("x")), "gs://b/x",
+                     retry_on=(OSError,))
+    local = []
+    with pytest.raises(OSError):
+        C.with_retry(lambda: local.append(1) or (_ for _ in ()).throw(OSError("eio")), "/x",
+                     retry_on=(OSError,))
+    assert local == [1]  # a local path is tried once
+
+
+# --------------------------------------------------------------------------- explicit sources
+
+
+def test_a_run_directory_as_resume_checkpoint_resumes_its_newest_complete_step(tmp_path):
+    _save_steps(tmp_path / "old", [3, 6])
+    plan = R.plan_resume(tmp_path / "new", tmp_path / "old")
+    assert (plan.source, plan.step, plan.in_log_dir) == ("auto", 6, False)
+    assert plan.model == str(tmp_path / "old" / "model000006.pt")
+    assert plan.files_of(6)["opt"] == str(tmp_path / "old" / "opt000006.pt")
+
+
+def test_an_empty_directory_as_resume_checkpoint_is_an_error(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(C.CheckpointError, match="no checkpoint files in this directory"):
+        R.plan_resume(tmp_path / "run", tmp_path / "empty")
+
+
+def test_an_explicit_file_plans_its_neighbours_from_one_listing(tmp_path, monkeypatch):
+    _save_steps(tmp_path, [4, 8], rates=("0.9999", "0.99"))
+    listed = []
+    real = R.listdir
+    monkeypatch.setattr(R, "listdir", lambda d: listed.append(str(d)) or real(d))
+    plan = R.plan_resume(tmp_path, tmp_path / "model000004.pt")
+    assert listed == [str(tmp_path)] and plan.in_log_dir and plan.source == "explicit"
+    assert plan.files_of(4)["ema"] == {"0.99": str(tmp_path / "ema_0.99_000004.pt"),
+                                        "0.9999": str(tmp_path / "ema_0.9999_000004.pt")}
+    with pytest.raises(C.CheckpointError, match="already holds a complete checkpoint at step 8"):
+        R.refuse_overwrite(plan, 4)
+
+
+def test_an_opt_file_that_cannot_be_read_stops_the_resume_instead_of_a_fresh_optimizer(
+        tmp_path, monkeypatch):
+    """The optimizer slot falls back only on content; an I/O error must not cost exact resume."""
+    run = tmp_path / "run"
+    flags = ["--image_size", "8", "--num_channels", "32", "--num_res_blocks", "1",
+             "--attention_resolutions", "", "--diffusion_steps", "20", "--batch_size", "2"]
+    images = _images(tmp_path / "images")
+    run_script("train.py", *flags, "--data_dir", images, "--log_dir", run, "--max_steps", "2",
+               timeout=120)
+    before = _snapshot(run)
+    proc = subprocess.run(
+        [sys.executable, "-c", (
+            "import errno, os, sys; sys.path.insert(0, 'scripts');"
+            "import blobfile as bf; real = bf.BlobFile\n"
+            "def blob_file(p, *a, **k):\n"
+            "    if os.path.basename(str(p)) == 'opt000002.pt':\n"
+            "        raise OSError(errno.EIO, 'Input/output error')\n"
+            "    return real(p, *a, **k)\n"
+            "bf.BlobFile = blob_file\n"
+            "import train; sys.exit(train.main(sys.argv[1:]))"),
+         *flags, "--data_dir", str(images), "--log_dir", str(run), "--max_steps", "4"],
+        cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "opt000002.pt" in proc.stderr and "fresh optimizer" not in proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr
+    after = _snapshot(run)
+    assert {k: v for k, v in after.items() if k not in ("log.txt", "progress.csv")} == \
+        {k: v for k, v in before.items() if k not in ("log.txt", "progress.csv")}
