@@ -15,6 +15,8 @@ annealing, weight decay, loss logging by timestep quartile, grad-norm logging), 
 """
 import contextlib
 import gc
+import hashlib
+import json
 import math
 import os
 import random
@@ -106,12 +108,10 @@ class TrainLoop:
         self.last_saved_step = None
         self._data_iter = None
 
-        _check_same_on_all_ranks(
-            log_dir=log_dir, resume_checkpoint=self.resume_checkpoint, batch_size=batch_size,
-            microbatch=self.microbatch, save_interval=save_interval, max_steps=max_steps,
-            seed=seed, ema_rate=",".join(self.ema_rate_strs), use_fp16=use_fp16,
-            lr_anneal_steps=lr_anneal_steps, log_interval=log_interval,
-        )
+        fingerprint = _data_fingerprint(data)
+        digest = check_config_on_all_ranks(self._config_flags(), fingerprint)
+        logger.log(f"flags (sha256 {digest[:12]}) and data ({_show_fingerprint(fingerprint)}) "
+                   f"agree on all {self.world_size} rank(s)")
         seed_rngs(seed, 0, self.rank)
 
         self.model.to(self.device)
@@ -129,6 +129,27 @@ class TrainLoop:
         self._ddp_primed = not self.use_ddp
 
     # ------------------------------------------------------------------ setup helpers
+
+    def _config_flags(self):
+        """The flags every rank must agree on: model, diffusion and training ({name: value}).
+
+        Left out, since they may differ per rank: the data folder's path (its content is compared
+        through the dataset's fingerprint instead: ranks may read local copies), the number of
+        loader workers (not seen here) and log_sample_indices (each rank's own diagnostics).
+        """
+        flags = dict(self.model_flags)
+        flags.update(
+            log_dir=str(self.log_dir), resume_checkpoint=str(self.resume_checkpoint),
+            batch_size=self.batch_size, microbatch=self.microbatch, lr=self.lr,
+            weight_decay=self.weight_decay, lr_anneal_steps=self.lr_anneal_steps,
+            schedule_sampler=getattr(self.schedule_sampler, "name", None)
+            or type(self.schedule_sampler).__name__,
+            ema_rate=",".join(self.ema_rate_strs), use_fp16=self.use_fp16,
+            fp16_scale_growth=self.fp16_scale_growth, log_interval=self.log_interval,
+            save_interval=self.save_interval, max_steps=self.max_steps, seed=self.seed,
+            keep_checkpoints=self.keep_checkpoints,
+        )
+        return flags
 
     def _make_optimizer(self):
         return AdamW(self.model.parameters(), lr=self.lr, weight_decay=self.weight_decay)
@@ -793,15 +814,70 @@ def _check_state_dict_matches(model, sd, path, file_flags, my_flags, params_only
     )
 
 
-def _check_same_on_all_ranks(**values):
-    """Fail on all ranks, naming the flag, if ranks were given different values. Collective."""
-    gathered = dist_util.all_gather_object(values)
-    for key in values:
-        seen = [g[key] for g in gathered]
-        if any(s != seen[0] for s in seen):
-            per_rank = ", ".join(f"rank {r}: {s!r}" for r, s in enumerate(seen))
-            raise dist_util.DistMismatchError(
-                f"--{key} differs between ranks ({per_rank}); pass the same value to all")
+def check_config_on_all_ranks(flags, data_fingerprint=None):
+    """Fail on every rank, with the same one-line message, if ranks were started differently.
+
+    `flags` ({name: value}: model, diffusion and training flags) and `data_fingerprint` (the
+    dataset's {"num_files", "sha256"}, or None for data that has none) are gathered from every
+    rank in one all_gather_object; the message names each differing flag with the ranks that had
+    each value, and the dataset's size and hash per rank. Called before sync_params, so ranks with
+    different model flags stop here instead of in a broadcast of mismatched tensors.
+    Returns the sha256 of the flags (the same on every rank). Collective: call from all ranks.
+    """
+    digest = _config_digest(flags)
+    gathered = dist_util.all_gather_object((digest, flags, data_fingerprint))
+    problems = []
+    if any(g[0] != digest for g in gathered):
+        for key in sorted({k for g in gathered for k in g[1]}):
+            seen = [g[1].get(key, "(not set)") for g in gathered]
+            if any(v != seen[0] for v in seen):
+                problems.append(f"--{key} differs between ranks {_by_rank(seen)}")
+    fps = [g[2] for g in gathered]
+    if any(fp != fps[0] for fp in fps):
+        problems.append("the dataset differs between ranks " + _by_rank(
+            fps, show=_show_fingerprint))
+    if problems:
+        raise dist_util.DistMismatchError(
+            "; ".join(problems) + "; start every rank with the same flags and the same image "
+            "files in --data_dir (relative paths and sizes are compared)")
+    return digest
+
+
+def _config_digest(flags):
+    text = json.dumps({k: repr(v) for k, v in flags.items()}, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _by_rank(values, show=repr):
+    """"(32 on ranks 0-2,5; 64 on ranks 3-4)": each distinct value with the ranks that had it."""
+    groups = {}
+    for rank, v in enumerate(values):
+        groups.setdefault(show(v), []).append(rank)
+    return "(" + "; ".join(f"{k} on {_ranks_text(r)}" for k, r in groups.items()) + ")"
+
+
+def _ranks_text(ranks):
+    """[0, 1, 2, 5] -> "ranks 0-2,5"; [3] -> "rank 3"."""
+    runs = []
+    for r in ranks:
+        if runs and runs[-1][1] == r - 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    text = ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+    return ("rank " if len(ranks) == 1 else "ranks ") + text
+
+
+def _show_fingerprint(fp):
+    if not fp:
+        return "no fingerprint"
+    return f"{fp.get('num_files')} files, sha256 {str(fp.get('sha256'))[:12]}"
+
+
+def _data_fingerprint(data):
+    """The data's fingerprint() ({"num_files", "sha256"}), or None if it has none."""
+    fn = getattr(data, "fingerprint", None)
+    return fn() if callable(fn) else None
 
 
 def _files_beside(model_path, step, rate_strs):
