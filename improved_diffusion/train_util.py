@@ -39,13 +39,35 @@ INITIAL_LOSS_SCALE = 2.0 ** 20
 
 PREEMPT_SIGNALS = ("SIGTERM", "SIGUSR1")
 
+# --nan_policy: what a step with a non-finite loss or gradient does (without a GradScaler).
+NAN_POLICIES = ("stop", "skip")
+
 
 class ResumeError(checkpoint.CheckpointError):
     """A resume that cannot go on (one-line message naming the file or flag)."""
 
 
+class NonFiniteError(RuntimeError):
+    """A NaN/Inf loss, gradient or weight stopped the run (one line naming the step)."""
+
+    exit_code = 1
+
+
 class TrainLoop:
     """Upstream's TrainLoop with the arguments of SPEC.md, plus max_steps, seed, keep_checkpoints.
+
+    nan_policy ("stop" or "skip") decides what a step with a non-finite loss or gradient does
+    when no GradScaler handles it (with --use_fp16 the scaler's own skip-and-back-off applies):
+    "stop" raises NonFiniteError naming the step, saving nothing for it; "skip" leaves weights,
+    Adam moments and EMA as they were, logs it, and goes on. A skipped step still counts: `step`
+    and the data position advance past its batch, so a resumed run stays aligned with its data.
+    The decision is the same on every rank: after DDP's all-reduce every rank holds the same
+    gradients (a non-finite loss on one rank makes them non-finite everywhere), and it is made
+    from their norm, which the loop computes anyway; no extra collective is needed.
+
+    data: a ResumableLoader (exact resume of the data position), or any iterator of
+    (batch, cond), e.g. upstream's load_data generator, whose position cannot be restored: its
+    checkpoints record that, and a resume reseeds the RNGs from (seed, step, rank).
 
     Construction resolves and loads the resume checkpoint (if any): a collective, so construct it
     on every rank with the same arguments.
@@ -75,6 +97,7 @@ class TrainLoop:
         seed=0,
         keep_checkpoints=0,
         log_sample_indices=False,
+        nan_policy="stop",
     ):
         self.model = model
         self.diffusion = diffusion
@@ -98,6 +121,9 @@ class TrainLoop:
         self.seed = seed
         self.keep_checkpoints = keep_checkpoints
         self.log_sample_indices = log_sample_indices
+        if nan_policy not in NAN_POLICIES:
+            raise ValueError(f"--nan_policy {nan_policy!r}: use one of {', '.join(NAN_POLICIES)}")
+        self.nan_policy = nan_policy
 
         self.rank = dist_util.get_rank()
         self.world_size = dist_util.get_world_size()
@@ -147,7 +173,7 @@ class TrainLoop:
             ema_rate=",".join(self.ema_rate_strs), use_fp16=self.use_fp16,
             fp16_scale_growth=self.fp16_scale_growth, log_interval=self.log_interval,
             save_interval=self.save_interval, max_steps=self.max_steps, seed=self.seed,
-            keep_checkpoints=self.keep_checkpoints,
+            keep_checkpoints=self.keep_checkpoints, nan_policy=self.nan_policy,
         )
         return flags
 
@@ -545,8 +571,11 @@ class TrainLoop:
                     )
                 losses = {k: v.float() for k, v in losses.items()}
                 if isinstance(self.schedule_sampler, LossAwareSampler):
-                    self.schedule_sampler.update_with_local_losses(t, losses["loss"].detach())
+                    self.schedule_sampler.update_with_local_losses(
+                        *_finite_only(t, losses["loss"].detach()))
                 loss = (losses["loss"] * weights).mean()
+                if self.grad_scaler is None:
+                    loss = _poison_if_not_finite(loss)
                 log_loss_dict(self.diffusion, t, {k: v * weights for k, v in losses.items()})
                 self._backward(loss)
 
@@ -580,9 +609,12 @@ class TrainLoop:
             loss.backward()
 
     def optimize(self):
-        """Unscale, log grad norm, anneal lr, step. Returns False if fp16 overflow skipped it."""
+        """Unscale, log grad norm, anneal lr, step. Returns False if the step was skipped (fp16
+        overflow, or non-finite gradients under --nan_policy skip)."""
         if self.grad_scaler is None:
-            self._log_grad_norm()
+            norm = self._log_grad_norm()
+            if not self._grads_finite(norm):
+                return self._non_finite_step(norm)
             self._anneal_lr()
             self.opt.step()
             return True
@@ -600,9 +632,39 @@ class TrainLoop:
         return True
 
     def _log_grad_norm(self):
+        """Log and return the global L2 norm of the (all-reduced) gradients."""
         grads = [p.grad.detach().float() for p in self.model.parameters() if p.grad is not None]
         sqsum = th.stack([(g * g).sum() for g in grads]).sum().item() if grads else 0.0
-        logger.logkv_mean("grad_norm", math.sqrt(sqsum))
+        norm = math.sqrt(sqsum)  # nan stays nan, inf stays inf
+        logger.logkv_mean("grad_norm", norm)
+        return norm
+
+    def _grads_finite(self, norm):
+        """False if a gradient is NaN/Inf. `norm` decides unless it is inf, which the squares of
+        large finite gradients can also give: then the gradients are looked at one by one."""
+        if math.isfinite(norm):
+            return True
+        if math.isnan(norm):
+            return False
+        return all(bool(th.isfinite(p.grad).all())
+                   for p in self.model.parameters() if p.grad is not None)
+
+    def _non_finite_step(self, norm):
+        """--nan_policy for a step with non-finite gradients: raise, or skip it (returns False)."""
+        step = self.step + 1
+        if self.nan_policy == "stop":
+            last = ("none saved" if self.last_saved_step is None
+                    else f"the last saved step is {self.last_saved_step}")
+            raise NonFiniteError(
+                f"step {step}: the loss or gradients are not finite (grad norm {norm}); stopped "
+                f"(--nan_policy stop) without saving it ({last}); lower --lr, resume from a "
+                f"saved step, or pass --nan_policy skip to skip such steps")
+        self.opt.zero_grad(set_to_none=True)
+        logger.logkv_mean("nan_skipped", 1)
+        logger.log(f"step {step}: the loss or gradients are not finite (grad norm {norm}); "
+                   f"optimizer step skipped (--nan_policy skip): weights, Adam moments and EMA "
+                   f"unchanged")
+        return False
 
     def _anneal_lr(self):
         """Upstream: lr * (1 - completed_steps / lr_anneal_steps)."""
@@ -631,6 +693,7 @@ class TrainLoop:
         if self.last_saved_step == self.step:
             return
         step = self.step
+        self._refuse_non_finite_weights(step)
         files = {checkpoint.model_filename(step): self._model_file(step)}
         for rate_str, params in zip(self.ema_rate_strs, self.ema_params):
             files[checkpoint.ema_filename(rate_str, step)] = self._ema_file(step, rate_str, params)
@@ -640,6 +703,28 @@ class TrainLoop:
         logger.log(f"saved step {step} to {self.log_dir}")
         if self.keep_checkpoints:
             self._prune()
+
+    def _refuse_non_finite_weights(self, step):
+        """Raise NonFiniteError (same line on every rank) if the model or an EMA holds a NaN/Inf:
+        such a checkpoint is never written. Collective (one all_gather_object)."""
+        found = []
+        n = _count_non_finite(self.model.state_dict().values())
+        if n:
+            found.append(f"model: {n} tensor(s)")
+        for rate_str, params in zip(self.ema_rate_strs, self.ema_params):
+            n = _count_non_finite(params)
+            if n:
+                found.append(f"EMA {rate_str}: {n} tensor(s)")
+        gathered = dist_util.all_gather_object(", ".join(found))
+        if not any(gathered):
+            return
+        where = (gathered[0] if all(g == gathered[0] for g in gathered)
+                 else _by_rank(gathered, show=lambda g: g or "finite"))
+        last = ("no step was saved before" if self.last_saved_step is None
+                else f"the last saved step is {self.last_saved_step}")
+        raise NonFiniteError(
+            f"step {step}: not saved: the weights hold non-finite values ({where}); {last}; "
+            f"resume from a saved step with a lower --lr")
 
     def _prune(self):
         if self.rank != 0:
@@ -747,6 +832,28 @@ def _make_amp(device, use_fp16, fp16_scale_growth):
     except (RuntimeError, AssertionError, ValueError):
         logger.log(f"--use_fp16: float16 autocast unsupported on {device.type}; using bfloat16")
         return th.bfloat16, None
+
+
+def _poison_if_not_finite(loss):
+    """`loss` unchanged (times 1.0) if finite, else times NaN, so that its gradients are NaN too
+    (a NaN loss can have finite gradients, e.g. from log of a negative number). No sync."""
+    scale = th.where(th.isfinite(loss), 1.0, float("nan")).to(loss.dtype).detach()
+    return loss * scale
+
+
+def _finite_only(ts, losses):
+    """(ts [N], losses [N]) without the entries whose loss is NaN/Inf (for a LossAwareSampler,
+    whose history a NaN would poison for good)."""
+    keep = th.isfinite(losses)
+    if bool(keep.all()):
+        return ts, losses
+    return ts[keep], losses[keep]
+
+
+def _count_non_finite(tensors):
+    """How many floating-point tensors among `tensors` hold a NaN or Inf (one device sync)."""
+    flags = [~th.isfinite(t.detach()).all() for t in tensors if t.is_floating_point()]
+    return int(th.stack(flags).sum()) if flags else 0
 
 
 def _cpu_state_dict(sd):
