@@ -133,6 +133,7 @@ class TrainLoop:
         self.resume_step = 0
         self.last_saved_step = None
         self._data_iter = None
+        self._reseed_data = False  # set on resume when the data's position cannot be restored
 
         fingerprint = _data_fingerprint(data)
         digest = check_config_on_all_ranks(self._config_flags(), fingerprint)
@@ -405,7 +406,7 @@ class TrainLoop:
         """Data position, RNG, timestep sampler, GradScaler from the trainer dict (or guesses)."""
         step = self.resume_step
         if not trainer:
-            self.data.load_state_dict(_guess_data_state(self.data, step * self.global_batch))
+            self._load_data_state(_guess_data_state(self.data, step * self.global_batch))
             logger.log(
                 f"no trainer state in the checkpoint (upstream file?): data position set to "
                 f"step*global_batch = {step * self.global_batch}, RNG reseeded from "
@@ -417,11 +418,28 @@ class TrainLoop:
         data_state = trainer.get("data")
         if not isinstance(data_state, dict) or "position" not in data_state:
             data_state = _guess_data_state(self.data, step * self.global_batch)
-            logger.log(f"no data position in the checkpoint: assuming {data_state['position']}")
-        self.data.load_state_dict(data_state)
+            if _restorable(self.data):
+                logger.log(f"no data position in the checkpoint: assuming "
+                           f"{data_state['position']}")
+        self._load_data_state(data_state)
         self._restore_rng(trainer.get("rng"), trainer.get("world_size"))
         self._restore_sampler(trainer.get("schedule_sampler"))
         self._restore_scaler(trainer.get("grad_scaler"))
+        if self._reseed_data:
+            seed_rngs(self.seed, step, self.rank)
+
+    def _load_data_state(self, state):
+        """Restore the data position; for data without load_state_dict (a plain iterator), note
+        once that it cannot be, and have the RNGs reseeded from (seed, step, rank)."""
+        if _restorable(self.data):
+            self.data.load_state_dict(state)
+            return
+        self._reseed_data = True
+        logger.log(
+            f"resume: the data ({type(self.data).__name__}, no load_state_dict) cannot be put back "
+            f"at its saved position exactly; it goes on from where the iterator is, with the RNGs "
+            f"reseeded from (seed={self.seed}, step={self.resume_step}, rank)"
+        )
 
     def _log_changes(self, trainer):
         old_ws, old_gb = trainer.get("world_size"), trainer.get("global_batch")
@@ -763,7 +781,7 @@ class TrainLoop:
             "batch_size": int(self.batch_size),
             "global_batch": int(self.global_batch),
             "seed": int(self.seed),
-            "data": self.data.state_dict(),
+            "data": _data_state(self.data),
             "rng": dist_util.all_gather_object(get_rng_state()),
             "schedule_sampler": self.schedule_sampler.state_dict(),
             "grad_scaler": None if self.grad_scaler is None else self.grad_scaler.state_dict(),
@@ -1051,9 +1069,24 @@ def _combined_ema(ckpt):
 
 
 def _guess_data_state(loader, position):
-    sd = dict(loader.state_dict())
+    sd = dict(loader.state_dict()) if _restorable(loader) else {}
     sd["position"] = int(position)
     return sd
+
+
+def _restorable(data):
+    """Whether `data` can save and restore its position (a ResumableLoader can; upstream's
+    load_data generator, or any plain iterator, cannot)."""
+    return callable(getattr(data, "state_dict", None)) and callable(
+        getattr(data, "load_state_dict", None))
+
+
+def _data_state(data):
+    """The data's state_dict() for the trainer dict, or, for a plain iterator, a record that its
+    position cannot be restored ({"restorable": False, "iterator": type name}: no "position")."""
+    if _restorable(data):
+        return data.state_dict()
+    return {"restorable": False, "iterator": type(data).__name__}
 
 
 # ---------------------------------------------------------------------- RNG
