@@ -957,14 +957,15 @@ def check_config_on_all_ranks(flags, data_fingerprint=None):
             seen = [g[1].get(key, "(not set)") for g in gathered]
             if any(v != seen[0] for v in seen):
                 problems.append(f"--{key} differs between ranks {_by_rank(seen)}")
+    if problems:
+        problems.append("start every rank with the same flags")
     fps = [g[2] for g in gathered]
     if any(fp != fps[0] for fp in fps):
         problems.append("the dataset differs between ranks " + _by_rank(
-            fps, show=_show_fingerprint))
+            fps, show=_show_fingerprint) + "; give every rank the same image files in --data_dir "
+            "(their relative paths and sizes are compared)")
     if problems:
-        raise dist_util.DistMismatchError(
-            "; ".join(problems) + "; start every rank with the same flags and the same image "
-            "files in --data_dir (relative paths and sizes are compared)")
+        raise dist_util.DistMismatchError("; ".join(problems))
     return digest
 
 

@@ -167,3 +167,14 @@ def test_a_huge_lr_stops_the_run_with_one_line_before_any_nan_checkpoint(tmp_pat
     assert len(errors) == 1 and "--nan_policy skip" in errors[0], proc.stdout
     assert "none saved" in errors[0]
     assert not log.exists() or steps_on_disk(log) == {}
+
+
+def test_an_unknown_nan_policy_is_a_usage_error_naming_the_choices(tmp_path, capsys):
+    import runpy
+
+    main = runpy.run_path(str(REPO / "scripts" / "train.py"), run_name="train_module")["main"]
+    code = main(["--data_dir", str(tmp_path), "--log_dir", str(tmp_path / "log"),
+                 "--nan_policy", "ignore"])
+    assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: --nan_policy must be one of stop, skip (got 'ignore')"]
