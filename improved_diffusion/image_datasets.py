@@ -8,6 +8,8 @@ of `batch_size * world_size` consecutive positions and rank r takes the slice
 number of ranks resumes on any other and continues at the same place: within an epoch no sample
 is visited twice or skipped.
 """
+import hashlib
+import os
 import warnings
 
 import blobfile as bf
@@ -65,9 +67,11 @@ class ImageDataset(Dataset):
     :param resolution: output side length H = W.
     :param image_paths: list of file paths.
     :param classes: optional list of int class indices, one per path.
+    :param root: the folder the paths were listed from (names in `fingerprint()` are relative
+        to it); default: the paths' common folder.
     """
 
-    def __init__(self, resolution, image_paths, classes=None):
+    def __init__(self, resolution, image_paths, classes=None, root=None):
         super().__init__()
         if classes is not None and len(classes) != len(image_paths):
             raise ValueError(
@@ -76,6 +80,27 @@ class ImageDataset(Dataset):
         self.resolution = resolution
         self.local_images = list(image_paths)
         self.local_classes = None if classes is None else [int(c) for c in classes]
+        self.root = root
+        self._fingerprint = None
+
+    def fingerprint(self):
+        """
+        What identifies this dataset's content cheaply: no image bytes are read, one stat per file.
+
+        Two folders with the same files (relative path and size) give the same fingerprint wherever
+        they are mounted, so ranks with local copies of a dataset can be compared.
+
+        :return: {"num_files": int, "sha256": hex str of the sorted (relative path, size) list}.
+        """
+        if self._fingerprint is None:
+            paths = [str(p) for p in self.local_images]
+            root = str(self.root) if self.root else (
+                os.path.commonpath([os.path.dirname(p) for p in paths]) if paths else "")
+            h = hashlib.sha256()
+            for rel, path in sorted((_relative(p, root), p) for p in paths):
+                h.update(f"{rel}\0{bf.stat(path).size}\n".encode("utf-8", "surrogateescape"))
+            self._fingerprint = {"num_files": len(paths), "sha256": h.hexdigest()}
+        return dict(self._fingerprint)
 
     def __len__(self):
         return len(self.local_images)
@@ -100,6 +125,14 @@ class ImageDataset(Dataset):
         if self.local_classes is not None:
             out_dict["y"] = np.array(self.local_classes[idx], dtype=np.int64)
         return np.transpose(arr, [2, 0, 1]), out_dict
+
+
+def _relative(path, root):
+    """`path` relative to the folder `root` ("a/b.png"), or `path` itself if not under it."""
+    root = root.rstrip("/")
+    if root and path.startswith(root + "/"):
+        return path[len(root) + 1:]
+    return path
 
 
 def center_crop_arr(pil_image, resolution):
@@ -325,6 +358,11 @@ class ResumableLoader:
         self._stream[1] += self.global_batch
         return batch
 
+    def fingerprint(self):
+        """The dataset's `fingerprint()` ({"num_files", "sha256"}), or its size alone."""
+        fn = getattr(self.dataset, "fingerprint", None)
+        return fn() if callable(fn) else {"num_files": len(self.dataset), "sha256": None}
+
     def close(self):
         """Stop the worker processes, if any (they restart on the next batch)."""
         self._stream = None
@@ -417,7 +455,7 @@ def load_data(
         r, w = _default_rank_world()
         rank = r if rank is None else rank
         world_size = w if world_size is None else world_size
-    dataset = ImageDataset(image_size, all_files, classes=classes)
+    dataset = ImageDataset(image_size, all_files, classes=classes, root=data_dir)
     return ResumableLoader(
         dataset,
         batch_size,

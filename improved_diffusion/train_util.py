@@ -15,6 +15,8 @@ annealing, weight decay, loss logging by timestep quartile, grad-norm logging), 
 """
 import contextlib
 import gc
+import hashlib
+import json
 import math
 import os
 import random
@@ -37,13 +39,35 @@ INITIAL_LOSS_SCALE = 2.0 ** 20
 
 PREEMPT_SIGNALS = ("SIGTERM", "SIGUSR1")
 
+# --nan_policy: what a step with a non-finite loss or gradient does (without a GradScaler).
+NAN_POLICIES = ("stop", "skip")
+
 
 class ResumeError(checkpoint.CheckpointError):
     """A resume that cannot go on (one-line message naming the file or flag)."""
 
 
+class NonFiniteError(RuntimeError):
+    """A NaN/Inf loss, gradient or weight stopped the run (one line naming the step)."""
+
+    exit_code = 1
+
+
 class TrainLoop:
     """Upstream's TrainLoop (same keyword arguments), plus max_steps, seed, keep_checkpoints.
+
+    nan_policy ("stop" or "skip") decides what a step with a non-finite loss or gradient does
+    when no GradScaler handles it (with --use_fp16 the scaler's own skip-and-back-off applies):
+    "stop" raises NonFiniteError naming the step, saving nothing for it; "skip" leaves weights,
+    Adam moments and EMA as they were, logs it, and goes on. A skipped step still counts: `step`
+    and the data position advance past its batch, so a resumed run stays aligned with its data.
+    The decision is the same on every rank: after DDP's all-reduce every rank holds the same
+    gradients (a non-finite loss on one rank makes them non-finite everywhere), and it is made
+    from their norm, which the loop computes anyway; no extra collective is needed.
+
+    data: a ResumableLoader (exact resume of the data position), or any iterator of
+    (batch, cond), e.g. upstream's load_data generator, whose position cannot be restored: its
+    checkpoints record that, and a resume reseeds the RNGs from (seed, step, rank).
 
     Construction resolves and loads the resume checkpoint (if any): a collective, so construct it
     on every rank with the same arguments.
@@ -73,6 +97,7 @@ class TrainLoop:
         seed=0,
         keep_checkpoints=0,
         log_sample_indices=False,
+        nan_policy="stop",
     ):
         self.model = model
         self.diffusion = diffusion
@@ -96,6 +121,9 @@ class TrainLoop:
         self.seed = seed
         self.keep_checkpoints = keep_checkpoints
         self.log_sample_indices = log_sample_indices
+        if nan_policy not in NAN_POLICIES:
+            raise ValueError(f"--nan_policy {nan_policy!r}: use one of {', '.join(NAN_POLICIES)}")
+        self.nan_policy = nan_policy
 
         self.rank = dist_util.get_rank()
         self.world_size = dist_util.get_world_size()
@@ -105,13 +133,12 @@ class TrainLoop:
         self.resume_step = 0
         self.last_saved_step = None
         self._data_iter = None
+        self._reseed_data = False  # set on resume when the data's position cannot be restored
 
-        _check_same_on_all_ranks(
-            log_dir=log_dir, resume_checkpoint=self.resume_checkpoint, batch_size=batch_size,
-            microbatch=self.microbatch, save_interval=save_interval, max_steps=max_steps,
-            seed=seed, ema_rate=",".join(self.ema_rate_strs), use_fp16=use_fp16,
-            lr_anneal_steps=lr_anneal_steps, log_interval=log_interval,
-        )
+        fingerprint = _data_fingerprint(data)
+        digest = check_config_on_all_ranks(self._config_flags(), fingerprint)
+        logger.log(f"flags (sha256 {digest[:12]}) and data ({_show_fingerprint(fingerprint)}) "
+                   f"agree on all {self.world_size} rank(s)")
         seed_rngs(seed, 0, self.rank)
 
         self.model.to(self.device)
@@ -129,6 +156,27 @@ class TrainLoop:
         self._ddp_primed = not self.use_ddp
 
     # ------------------------------------------------------------------ setup helpers
+
+    def _config_flags(self):
+        """The flags every rank must agree on: model, diffusion and training ({name: value}).
+
+        Left out, since they may differ per rank: the data folder's path (its content is compared
+        through the dataset's fingerprint instead: ranks may read local copies), the number of
+        loader workers (not seen here) and log_sample_indices (each rank's own diagnostics).
+        """
+        flags = dict(self.model_flags)
+        flags.update(
+            log_dir=str(self.log_dir), resume_checkpoint=str(self.resume_checkpoint),
+            batch_size=self.batch_size, microbatch=self.microbatch, lr=self.lr,
+            weight_decay=self.weight_decay, lr_anneal_steps=self.lr_anneal_steps,
+            schedule_sampler=getattr(self.schedule_sampler, "name", None)
+            or type(self.schedule_sampler).__name__,
+            ema_rate=",".join(self.ema_rate_strs), use_fp16=self.use_fp16,
+            fp16_scale_growth=self.fp16_scale_growth, log_interval=self.log_interval,
+            save_interval=self.save_interval, max_steps=self.max_steps, seed=self.seed,
+            keep_checkpoints=self.keep_checkpoints, nan_policy=self.nan_policy,
+        )
+        return flags
 
     def _make_optimizer(self):
         return AdamW(self.model.parameters(), lr=self.lr, weight_decay=self.weight_decay)
@@ -300,7 +348,7 @@ class TrainLoop:
         """Data position, RNG, timestep sampler, GradScaler from the trainer dict (or guesses)."""
         step = self.resume_step
         if not trainer:
-            self.data.load_state_dict(_guess_data_state(self.data, step * self.global_batch))
+            self._load_data_state(_guess_data_state(self.data, step * self.global_batch))
             logger.log(
                 f"no trainer state in the checkpoint (upstream file?): data position set to "
                 f"step*global_batch = {step * self.global_batch}, RNG reseeded from "
@@ -312,11 +360,28 @@ class TrainLoop:
         data_state = trainer.get("data")
         if not isinstance(data_state, dict) or "position" not in data_state:
             data_state = _guess_data_state(self.data, step * self.global_batch)
-            logger.log(f"no data position in the checkpoint: assuming {data_state['position']}")
-        self.data.load_state_dict(data_state)
+            if _restorable(self.data):
+                logger.log(f"no data position in the checkpoint: assuming "
+                           f"{data_state['position']}")
+        self._load_data_state(data_state)
         self._restore_rng(trainer.get("rng"), trainer.get("world_size"))
         self._restore_sampler(trainer.get("schedule_sampler"))
         self._restore_scaler(trainer.get("grad_scaler"))
+        if self._reseed_data:
+            seed_rngs(self.seed, step, self.rank)
+
+    def _load_data_state(self, state):
+        """Restore the data position; for data without load_state_dict (a plain iterator), note
+        once that it cannot be, and have the RNGs reseeded from (seed, step, rank)."""
+        if _restorable(self.data):
+            self.data.load_state_dict(state)
+            return
+        self._reseed_data = True
+        logger.log(
+            f"resume: the data ({type(self.data).__name__}, no load_state_dict) cannot be put back "
+            f"at its saved position exactly; it goes on from where the iterator is, with the RNGs "
+            f"reseeded from (seed={self.seed}, step={self.resume_step}, rank)"
+        )
 
     def _log_changes(self, trainer):
         old_ws, old_gb = trainer.get("world_size"), trainer.get("global_batch")
@@ -466,8 +531,11 @@ class TrainLoop:
                     )
                 losses = {k: v.float() for k, v in losses.items()}
                 if isinstance(self.schedule_sampler, LossAwareSampler):
-                    self.schedule_sampler.update_with_local_losses(t, losses["loss"].detach())
+                    self.schedule_sampler.update_with_local_losses(
+                        *_finite_only(t, losses["loss"].detach()))
                 loss = (losses["loss"] * weights).mean()
+                if self.grad_scaler is None:
+                    loss = _poison_if_not_finite(loss)
                 log_loss_dict(self.diffusion, t, {k: v * weights for k, v in losses.items()})
                 self._backward(loss)
 
@@ -501,9 +569,12 @@ class TrainLoop:
             loss.backward()
 
     def optimize(self):
-        """Unscale, log grad norm, anneal lr, step. Returns False if fp16 overflow skipped it."""
+        """Unscale, log grad norm, anneal lr, step. Returns False if the step was skipped (fp16
+        overflow, or non-finite gradients under --nan_policy skip)."""
         if self.grad_scaler is None:
-            self._log_grad_norm()
+            norm = self._log_grad_norm()
+            if not self._grads_finite(norm):
+                return self._non_finite_step(norm)
             self._anneal_lr()
             self.opt.step()
             return True
@@ -521,9 +592,39 @@ class TrainLoop:
         return True
 
     def _log_grad_norm(self):
+        """Log and return the global L2 norm of the (all-reduced) gradients."""
         grads = [p.grad.detach().float() for p in self.model.parameters() if p.grad is not None]
         sqsum = th.stack([(g * g).sum() for g in grads]).sum().item() if grads else 0.0
-        logger.logkv_mean("grad_norm", math.sqrt(sqsum))
+        norm = math.sqrt(sqsum)  # nan stays nan, inf stays inf
+        logger.logkv_mean("grad_norm", norm)
+        return norm
+
+    def _grads_finite(self, norm):
+        """False if a gradient is NaN/Inf. `norm` decides unless it is inf, which the squares of
+        large finite gradients can also give: then the gradients are looked at one by one."""
+        if math.isfinite(norm):
+            return True
+        if math.isnan(norm):
+            return False
+        return all(bool(th.isfinite(p.grad).all())
+                   for p in self.model.parameters() if p.grad is not None)
+
+    def _non_finite_step(self, norm):
+        """--nan_policy for a step with non-finite gradients: raise, or skip it (returns False)."""
+        step = self.step + 1
+        if self.nan_policy == "stop":
+            last = ("none saved" if self.last_saved_step is None
+                    else f"the last saved step is {self.last_saved_step}")
+            raise NonFiniteError(
+                f"step {step}: the loss or gradients are not finite (grad norm {norm}); stopped "
+                f"(--nan_policy stop) without saving it ({last}); lower --lr, resume from a "
+                f"saved step, or pass --nan_policy skip to skip such steps")
+        self.opt.zero_grad(set_to_none=True)
+        logger.logkv_mean("nan_skipped", 1)
+        logger.log(f"step {step}: the loss or gradients are not finite (grad norm {norm}); "
+                   f"optimizer step skipped (--nan_policy skip): weights, Adam moments and EMA "
+                   f"unchanged")
+        return False
 
     def _anneal_lr(self):
         """Upstream: lr * (1 - completed_steps / lr_anneal_steps)."""
@@ -552,6 +653,7 @@ class TrainLoop:
         if self.last_saved_step == self.step:
             return
         step = self.step
+        self._refuse_non_finite_weights(step)
         files = {checkpoint.model_filename(step): self._model_file(step)}
         for rate_str, params in zip(self.ema_rate_strs, self.ema_params):
             files[checkpoint.ema_filename(rate_str, step)] = self._ema_file(step, rate_str, params)
@@ -561,6 +663,28 @@ class TrainLoop:
         logger.log(f"saved step {step} to {self.log_dir}")
         if self.keep_checkpoints:
             self._prune()
+
+    def _refuse_non_finite_weights(self, step):
+        """Raise NonFiniteError (same line on every rank) if the model or an EMA holds a NaN/Inf:
+        such a checkpoint is never written. Collective (one all_gather_object)."""
+        found = []
+        n = _count_non_finite(self.model.state_dict().values())
+        if n:
+            found.append(f"model: {n} tensor(s)")
+        for rate_str, params in zip(self.ema_rate_strs, self.ema_params):
+            n = _count_non_finite(params)
+            if n:
+                found.append(f"EMA {rate_str}: {n} tensor(s)")
+        gathered = dist_util.all_gather_object(", ".join(found))
+        if not any(gathered):
+            return
+        where = (gathered[0] if all(g == gathered[0] for g in gathered)
+                 else _by_rank(gathered, show=lambda g: g or "finite"))
+        last = ("no step was saved before" if self.last_saved_step is None
+                else f"the last saved step is {self.last_saved_step}")
+        raise NonFiniteError(
+            f"step {step}: not saved: the weights hold non-finite values ({where}); {last}; "
+            f"resume from a saved step with a lower --lr")
 
     def _prune(self):
         if self.rank != 0:
@@ -602,7 +726,7 @@ class TrainLoop:
             "batch_size": int(self.batch_size),
             "global_batch": int(self.global_batch),
             "seed": int(self.seed),
-            "data": self.data.state_dict(),
+            "data": _data_state(self.data),
             "rng": dist_util.all_gather_object(get_rng_state()),
             "schedule_sampler": self.schedule_sampler.state_dict(),
             "grad_scaler": None if self.grad_scaler is None else self.grad_scaler.state_dict(),
@@ -673,6 +797,28 @@ def _make_amp(device, use_fp16, fp16_scale_growth):
         return th.bfloat16, None
 
 
+def _poison_if_not_finite(loss):
+    """`loss` unchanged (times 1.0) if finite, else times NaN, so that its gradients are NaN too
+    (a NaN loss can have finite gradients, e.g. from log of a negative number). No sync."""
+    scale = th.where(th.isfinite(loss), 1.0, float("nan")).to(loss.dtype).detach()
+    return loss * scale
+
+
+def _finite_only(ts, losses):
+    """(ts [N], losses [N]) without the entries whose loss is NaN/Inf (for a LossAwareSampler,
+    whose history a NaN would poison for good)."""
+    keep = th.isfinite(losses)
+    if bool(keep.all()):
+        return ts, losses
+    return ts[keep], losses[keep]
+
+
+def _count_non_finite(tensors):
+    """How many floating-point tensors among `tensors` hold a NaN or Inf (one device sync)."""
+    flags = [~th.isfinite(t.detach()).all() for t in tensors if t.is_floating_point()]
+    return int(th.stack(flags).sum()) if flags else 0
+
+
 def _cpu_state_dict(sd):
     return {k: v.detach().to("cpu").clone() for k, v in sd.items()}
 
@@ -718,15 +864,71 @@ def _check_state_dict_matches(model, sd, path, file_flags, my_flags, params_only
     )
 
 
-def _check_same_on_all_ranks(**values):
-    """Fail on all ranks, naming the flag, if ranks were given different values. Collective."""
-    gathered = dist_util.all_gather_object(values)
-    for key in values:
-        seen = [g[key] for g in gathered]
-        if any(s != seen[0] for s in seen):
-            per_rank = ", ".join(f"rank {r}: {s!r}" for r, s in enumerate(seen))
-            raise dist_util.DistMismatchError(
-                f"--{key} differs between ranks ({per_rank}); pass the same value to all")
+def check_config_on_all_ranks(flags, data_fingerprint=None):
+    """Fail on every rank, with the same one-line message, if ranks were started differently.
+
+    `flags` ({name: value}: model, diffusion and training flags) and `data_fingerprint` (the
+    dataset's {"num_files", "sha256"}, or None for data that has none) are gathered from every
+    rank in one all_gather_object; the message names each differing flag with the ranks that had
+    each value, and the dataset's size and hash per rank. Called before sync_params, so ranks with
+    different model flags stop here instead of in a broadcast of mismatched tensors.
+    Returns the sha256 of the flags (the same on every rank). Collective: call from all ranks.
+    """
+    digest = _config_digest(flags)
+    gathered = dist_util.all_gather_object((digest, flags, data_fingerprint))
+    problems = []
+    if any(g[0] != digest for g in gathered):
+        for key in sorted({k for g in gathered for k in g[1]}):
+            seen = [g[1].get(key, "(not set)") for g in gathered]
+            if any(v != seen[0] for v in seen):
+                problems.append(f"--{key} differs between ranks {_by_rank(seen)}")
+    if problems:
+        problems.append("start every rank with the same flags")
+    fps = [g[2] for g in gathered]
+    if any(fp != fps[0] for fp in fps):
+        problems.append("the dataset differs between ranks " + _by_rank(
+            fps, show=_show_fingerprint) + "; give every rank the same image files in --data_dir "
+            "(their relative paths and sizes are compared)")
+    if problems:
+        raise dist_util.DistMismatchError("; ".join(problems))
+    return digest
+
+
+def _config_digest(flags):
+    text = json.dumps({k: repr(v) for k, v in flags.items()}, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _by_rank(values, show=repr):
+    """"(32 on ranks 0-2,5; 64 on ranks 3-4)": each distinct value with the ranks that had it."""
+    groups = {}
+    for rank, v in enumerate(values):
+        groups.setdefault(show(v), []).append(rank)
+    return "(" + "; ".join(f"{k} on {_ranks_text(r)}" for k, r in groups.items()) + ")"
+
+
+def _ranks_text(ranks):
+    """[0, 1, 2, 5] -> "ranks 0-2,5"; [3] -> "rank 3"."""
+    runs = []
+    for r in ranks:
+        if runs and runs[-1][1] == r - 1:
+            runs[-1][1] = r
+        else:
+            runs.append([r, r])
+    text = ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+    return ("rank " if len(ranks) == 1 else "ranks ") + text
+
+
+def _show_fingerprint(fp):
+    if not fp:
+        return "no fingerprint"
+    return f"{fp.get('num_files')} files, sha256 {str(fp.get('sha256'))[:12]}"
+
+
+def _data_fingerprint(data):
+    """The data's fingerprint() ({"num_files", "sha256"}), or None if it has none."""
+    fn = getattr(data, "fingerprint", None)
+    return fn() if callable(fn) else None
 
 
 
@@ -741,9 +943,24 @@ def _combined_ema(ckpt):
 
 
 def _guess_data_state(loader, position):
-    sd = dict(loader.state_dict())
+    sd = dict(loader.state_dict()) if _restorable(loader) else {}
     sd["position"] = int(position)
     return sd
+
+
+def _restorable(data):
+    """Whether `data` can save and restore its position (a ResumableLoader can; upstream's
+    load_data generator, or any plain iterator, cannot)."""
+    return callable(getattr(data, "state_dict", None)) and callable(
+        getattr(data, "load_state_dict", None))
+
+
+def _data_state(data):
+    """The data's state_dict() for the trainer dict, or, for a plain iterator, a record that its
+    position cannot be restored ({"restorable": False, "iterator": type name}: no "position")."""
+    if _restorable(data):
+        return data.state_dict()
+    return {"restorable": False, "iterator": type(data).__name__}
 
 
 # ---------------------------------------------------------------------- RNG

@@ -50,6 +50,10 @@ def train_defaults():
         # Append this rank's dataset indices of every step to {log_dir}/sample_indices/rank{r}.csv
         # as "step,idx1,idx2,...", where step is the completed-step count after that batch.
         log_sample_indices=False,
+        # A step with a NaN/Inf loss or gradient (without --use_fp16's GradScaler, which skips
+        # such steps itself): "stop" ends the run (exit 1) naming the step, saving nothing for it;
+        # "skip" leaves weights, optimizer and EMA unchanged for that step and goes on.
+        nan_policy="stop",
     )
 
 
@@ -75,6 +79,9 @@ def check_args(args):
                  "num_workers"):
         if getattr(args, name) < 0:
             raise UsageError(f"--{name} must be >= 0 (got {getattr(args, name)})")
+    if args.nan_policy not in train_util.NAN_POLICIES:
+        raise UsageError(f"--nan_policy must be one of {', '.join(train_util.NAN_POLICIES)} "
+                         f"(got {args.nan_policy!r})")
     if args.microbatch == 0 or args.microbatch < -1:
         raise UsageError(f"--microbatch must be -1 (off) or >= 1 (got {args.microbatch})")
 
@@ -122,13 +129,16 @@ def build_train_loop(args):
         seed=args.seed,
         keep_checkpoints=args.keep_checkpoints,
         log_sample_indices=args.log_sample_indices,
+        nan_policy=args.nan_policy,
     )
 
 
 # One-line errors: usage (exit 2) and runtime (exit 1); anything else keeps its traceback.
 USAGE_ERRORS = (FlagError,)
+# bf.Error: remote storage (gs://, az://) refused or failed; NonFiniteError: --nan_policy stop,
+# or weights that went NaN/Inf before a save.
 RUNTIME_ERRORS = (dist_util.DistMismatchError, checkpoint.CheckpointError, ValueError, OSError,
-                  bf.Error)  # bf.Error: remote storage (gs://, az://) refused or failed
+                  bf.Error, train_util.NonFiniteError)
 
 
 def run_and_close(loop):
