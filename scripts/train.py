@@ -7,6 +7,7 @@ Exit codes: 0 done; 75 (train_util.PREEMPTED_EXIT_CODE) after a SIGTERM/SIGUSR1 
 1 on errors (one line "error: ..." on stderr from each failing rank); 2 bad usage.
 """
 import argparse
+import atexit
 import os
 import sys
 
@@ -14,7 +15,8 @@ import blobfile as bf
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from improved_diffusion import checkpoint, cli, dist_util, logger, train_util  # noqa: E402
+from improved_diffusion import (  # noqa: E402
+    checkpoint, cli, dist_util, logger, run_lock, train_util)
 from improved_diffusion.cli import UsageError  # noqa: E402
 from improved_diffusion.image_datasets import load_data  # noqa: E402
 from improved_diffusion.resample import create_named_schedule_sampler  # noqa: E402
@@ -50,6 +52,8 @@ def train_defaults():
         # Append this rank's dataset indices of every step to {log_dir}/sample_indices/rank{r}.csv
         # as "step,idx1,idx2,...", where step is the completed-step count after that batch.
         log_sample_indices=False,
+        # Seconds to wait for another job that holds --log_dir (one job per log dir) before failing.
+        lock_wait=300.0,
     )
 
 
@@ -75,6 +79,8 @@ def check_args(args):
                  "num_workers"):
         if getattr(args, name) < 0:
             raise UsageError(f"--{name} must be >= 0 (got {getattr(args, name)})")
+    if args.lock_wait < 0:
+        raise UsageError(f"--lock_wait must be >= 0 seconds (got {args.lock_wait})")
     if args.microbatch == 0 or args.microbatch < -1:
         raise UsageError(f"--microbatch must be -1 (off) or >= 1 (got {args.microbatch})")
 
@@ -82,6 +88,8 @@ def check_args(args):
 def build_train_loop(args):
     """Everything between flags and TrainLoop (collective: call on all ranks). Returns TrainLoop."""
     dist_util.setup_dist()
+    # One job per log dir: taken before anything touches it, held until this process ends.
+    atexit.register(run_lock.acquire_for_job(args.log_dir, args.lock_wait).release)
     logger.configure(dir=args.log_dir)
     logger.log(f"training on {dist_util.get_world_size()} rank(s), device {dist_util.dev()}")
 
@@ -127,8 +135,9 @@ def build_train_loop(args):
 
 # One-line errors: usage (exit 2) and runtime (exit 1); anything else keeps its traceback.
 USAGE_ERRORS = (FlagError,)
-RUNTIME_ERRORS = (dist_util.DistMismatchError, checkpoint.CheckpointError, ValueError, OSError,
-                  bf.Error)  # bf.Error: remote storage (gs://, az://) refused or failed
+# bf.Error: remote storage (gs://, az://) refused or failed.
+RUNTIME_ERRORS = (dist_util.DistMismatchError, checkpoint.CheckpointError, run_lock.LockError,
+                  ValueError, OSError, bf.Error)
 
 
 def run_and_close(loop):
