@@ -43,8 +43,6 @@ import uuid
 
 import blobfile as bf
 
-from . import dist_util
-
 DEFAULT_WAIT_S = 300.0
 DEFAULT_HEARTBEAT_S = 30.0
 LOCK_FILE = ".lock"  # local flavour
@@ -372,6 +370,8 @@ def acquire_for_job(log_dir, wait_s=DEFAULT_WAIT_S, heartbeat_s=DEFAULT_HEARTBEA
 
     Collective: call from all ranks with the same arguments.
     """
+    from . import dist_util  # here, so that the lock itself does not import torch
+
     lock = LogDirLock(log_dir, wait_s, heartbeat_s)
 
     def take():
