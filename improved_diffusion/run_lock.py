@@ -10,8 +10,10 @@ Two flavours, chosen by the path:
 
 * local paths: an exclusive ``fcntl.flock`` on ``{log_dir}/.lock``. The kernel drops it when the
   holder dies, even by ``kill -9``, so a dead job never blocks the next. The holder writes an owner
-  record (host, pid, job id, start time) into the file so that a waiting job can name it; the file
-  itself is never deleted (deleting a lock file races with a job opening it). On NFS, Linux maps
+  record (host, pid, job id, start time) into the file so that a waiting job can name it, and
+  removes the file when it lets go (a killed job leaves it; harmless). A job that locked a file
+  which was removed meanwhile sees that its inode is no longer the path's and tries again, so two
+  jobs never hold "the" lock on two files. On NFS, Linux maps
   flock to NFS byte-range locks (held across clients; a dead client's lock ends with its lease);
   Lustre needs the ``flock`` mount option, else taking the lock fails with a ``LockError``.
 * remote paths (anything with ``://``: ``gs://``, ``az://``, via blobfile): a lock object
@@ -181,7 +183,7 @@ class LogDirLock:
         Take the lock, waiting up to ``wait_s`` seconds while another job holds it; ``log`` gets
         one line saying whom we wait for (once). Returns self. Raises ``LogDirLockedError`` (one
         line: the holder, the log dir, what to do) when the wait runs out; nothing in the log dir
-        is changed then (the local flavour may create the directory and an empty ``.lock``).
+        is changed then.
         """
         if self.held:
             return self
@@ -232,13 +234,16 @@ class LogDirLock:
             return holder
         except OSError as e:
             os.close(fd)
-            if e.errno in (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL):
+            if e.errno in (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP):
                 raise LockError(
                     f"cannot lock {self.path}: the filesystem does not support file locks "
                     f"({os.strerror(e.errno)}); mount it with locks (Lustre: -o flock) or use a "
                     f"log dir on another filesystem"
                 ) from None
             raise
+        if not self._is_current(fd):  # its holder removed it as we opened it: try the new one
+            os.close(fd)
+            return {}
         data = json.dumps(owner_record()).encode()
         os.pwrite(fd, data, 0)  # then cut: a reader sees a whole record, maybe with a stale tail
         os.ftruncate(fd, len(data))
@@ -246,10 +251,21 @@ class LogDirLock:
         _forget_in_forked_children(self)
         return None
 
+    def _is_current(self, fd):
+        """Whether ``fd`` is still the file at self.path (not one removed by its last holder)."""
+        try:
+            here = os.stat(self.path)
+        except FileNotFoundError:
+            return False
+        mine = os.fstat(fd)
+        return (mine.st_dev, mine.st_ino) == (here.st_dev, here.st_ino)
+
     def _release_flock(self):
         fd, self._fd = self._fd, None
         try:
-            os.ftruncate(fd, 0)
+            os.unlink(self.path)  # while still locked: a waiter that opened it will retry
+        except FileNotFoundError:
+            pass
         finally:
             os.close(fd)  # drops the flock
 

@@ -7,7 +7,6 @@ Exit codes: 0 done; 75 (train_util.PREEMPTED_EXIT_CODE) after a SIGTERM/SIGUSR1 
 1 on errors (one line "error: ..." on stderr from each failing rank); 2 bad usage.
 """
 import argparse
-import atexit
 import os
 import sys
 
@@ -86,10 +85,21 @@ def check_args(args):
 
 
 def build_train_loop(args):
-    """Everything between flags and TrainLoop (collective: call on all ranks). Returns TrainLoop."""
+    """Everything between flags and TrainLoop (collective: call on all ranks). Returns TrainLoop,
+    holding the log dir's lock in ``loop.log_dir_lock`` (release it when the job ends)."""
     dist_util.setup_dist()
-    # One job per log dir: taken before anything touches it, held until this process ends.
-    atexit.register(run_lock.acquire_for_job(args.log_dir, args.lock_wait).release)
+    # One job per log dir: taken before anything touches the log dir.
+    lock = run_lock.acquire_for_job(args.log_dir, args.lock_wait)
+    try:
+        loop = _build_train_loop(args)
+    except BaseException:
+        lock.release()
+        raise
+    loop.log_dir_lock = lock
+    return loop
+
+
+def _build_train_loop(args):
     logger.configure(dir=args.log_dir)
     logger.log(f"training on {dist_util.get_world_size()} rank(s), device {dist_util.dev()}")
 
@@ -156,7 +166,11 @@ def train(argv=None):
     """Parse flags, build the loop, run it; returns the exit code (0 done, 75 preempted)."""
     args = create_argparser().parse_args(argv)
     check_args(args)
-    return run_and_close(build_train_loop(args))
+    loop = build_train_loop(args)
+    try:
+        return run_and_close(loop)
+    finally:
+        loop.log_dir_lock.release()
 
 
 def main(argv=None):

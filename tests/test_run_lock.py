@@ -5,6 +5,7 @@ killed with SIGKILL, and real `train.py` jobs (one rank or `mpiexec -n 2`) on a 
 running job holds. The remote flavour (a heartbeat lock object) runs on a local directory posing
 as a blob store, through the same `BlobStore` calls that serve gs:// and az:// paths.
 """
+import fcntl
 import hashlib
 import json
 import os
@@ -216,6 +217,29 @@ def test_a_holder_killed_with_kill_9_never_blocks_the_next_job(tmp_path, procs, 
         lock.release()
 
 
+@pytest.mark.timeout(60)
+def test_a_lock_file_removed_by_its_releasing_holder_as_the_next_job_opens_it_guards_nothing(
+        tmp_path, monkeypatch):
+    log_dir = tmp_path / "run"
+    first = LogDirLock(log_dir, wait_s=0).acquire()
+    real_flock = fcntl.flock
+
+    def holder_lets_go_first(fd, op):  # between the next job's open() and its flock()
+        if first.held:
+            first.release()  # removes .lock, then drops the flock
+        return real_flock(fd, op)
+
+    monkeypatch.setattr(fcntl, "flock", holder_lets_go_first)
+    second = LogDirLock(log_dir, wait_s=30).acquire(log=lambda m: None)
+    monkeypatch.undo()
+    try:
+        assert json.loads((log_dir / ".lock").read_text())["pid"] == os.getpid()
+        with pytest.raises(LogDirLockedError, match=f"is in use by pid {os.getpid()} "):
+            LogDirLock(log_dir, wait_s=0).acquire()  # the lock on the file that is there holds
+    finally:
+        second.release()
+
+
 # ---------------------------------------------------------------------- the remote flavour
 
 
@@ -366,3 +390,19 @@ def test_a_requeued_job_waits_for_the_one_finishing_then_resumes_from_its_last_s
     assert not (log_dir / "incomplete").exists()  # nothing of the first job was set aside
     for out in (output(first), output(second)):
         assert not error_lines(out) and "Traceback" not in out, out
+
+
+@pytest.mark.timeout(120)
+def test_train_main_releases_the_lock_when_its_job_ends_well_or_badly(tmp_path, images, capsys):
+    import runpy
+
+    main = runpy.run_path(str(TRAIN), run_name="train_module")["main"]
+    log_dir = tmp_path / "run"
+    flags = [*TINY, "--log_dir", log_dir, "--max_steps", "1", "--lock_wait", "0"]
+    assert main([str(a) for a in [*flags, "--data_dir", images]]) == 0
+    # a job that fails after taking the lock (no images there) releases it too
+    assert main([str(a) for a in [*flags, "--data_dir", tmp_path / "none"]]) == 1
+    err = capsys.readouterr().err
+    assert "--data_dir" in err and "in use" not in err, err
+    with LogDirLock(log_dir, wait_s=0) as lock:  # free at once, in this very process
+        assert lock.held
