@@ -13,9 +13,10 @@ Two flavours, chosen by the path:
   record (host, pid, job id, start time) into the file so that a waiting job can name it, and
   removes the file when it lets go (a killed job leaves it; harmless). A job that locked a file
   which was removed meanwhile sees that its inode is no longer the path's and tries again, so two
-  jobs never hold "the" lock on two files. On NFS, Linux maps
-  flock to NFS byte-range locks (held across clients; a dead client's lock ends with its lease);
-  Lustre needs the ``flock`` mount option, else taking the lock fails with a ``LockError``.
+  jobs never hold "the" lock on two files. A forked child (a data loader worker) closes its copy
+  of the descriptor, so the lock dies with the holder alone. On NFS, Linux maps flock to NFS
+  byte-range locks (held across clients; a dead client's lock ends with its lease); Lustre needs
+  the ``flock`` mount option, else taking the lock fails with a ``LockError``.
 * remote paths (anything with ``://``: ``gs://``, ``az://``, via blobfile): a lock object
   ``{log_dir}/lock.json`` with the owner's host, pid, job id, a random token and a heartbeat time
   that a daemon thread refreshes every ``heartbeat_s``. A lock whose heartbeat is older than

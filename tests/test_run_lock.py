@@ -22,7 +22,6 @@ from PIL import Image
 
 from conftest import MPIEXEC, PY, REPO, child_env
 
-from improved_diffusion import run_lock
 from improved_diffusion.run_lock import BlobStore, LogDirLock, LogDirLockedError
 
 TRAIN = REPO / "scripts" / "train.py"
@@ -38,7 +37,6 @@ TINY = [
 # FORK_CHILD=1: after taking the lock, fork a child that sleeps (a data loader worker, say).
 HOLDER = r"""
 import os, sys, time
-from improved_diffusion import run_lock
 log_dir, flavour, wait_s, heartbeat_s, release_file = sys.argv[1:6]
 store = run_lock.BlobStore() if flavour == "remote" else None
 lock = run_lock.LogDirLock(log_dir, float(wait_s), float(heartbeat_s), store=store)
@@ -182,7 +180,7 @@ def test_a_second_process_waits_for_a_held_lock_names_the_holder_and_takes_it_on
 def test_a_second_process_with_a_short_wait_fails_with_one_line_naming_the_holder_and_log_dir(
         tmp_path, procs, flavour):
     log_dir = tmp_path / "run"
-    # heartbeat 0.5 s: the remote lock stays fresh although held for longer than its stale bound (2 s)
+    # heartbeat 0.5 s: the remote lock stays fresh though held longer than its stale bound (2 s)
     first = procs.holder(log_dir, "first", flavour, heartbeat_s=0.5)
     first_pid = held_pid(first)
     before = snapshot(log_dir) if flavour == "local" else None
