@@ -37,6 +37,7 @@ TINY = [
 # FORK_CHILD=1: after taking the lock, fork a child that sleeps (a data loader worker, say).
 HOLDER = r"""
 import os, sys, time
+from improved_diffusion import run_lock
 log_dir, flavour, wait_s, heartbeat_s, release_file = sys.argv[1:6]
 store = run_lock.BlobStore() if flavour == "remote" else None
 lock = run_lock.LogDirLock(log_dir, float(wait_s), float(heartbeat_s), store=store)
