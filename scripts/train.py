@@ -14,7 +14,8 @@ import blobfile as bf
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from improved_diffusion import checkpoint, cli, dist_util, logger, train_util  # noqa: E402
+from improved_diffusion import (  # noqa: E402
+    checkpoint, cli, dist_util, logger, run_lock, train_util)
 from improved_diffusion.cli import UsageError  # noqa: E402
 from improved_diffusion.image_datasets import load_data  # noqa: E402
 from improved_diffusion.resample import create_named_schedule_sampler  # noqa: E402
@@ -54,6 +55,8 @@ def train_defaults():
         # such steps itself): "stop" ends the run (exit 1) naming the step, saving nothing for it;
         # "skip" leaves weights, optimizer and EMA unchanged for that step and goes on.
         nan_policy="stop",
+        # Seconds to wait for another job that holds --log_dir (one job per log dir) before failing.
+        lock_wait=300.0,
     )
 
 
@@ -82,13 +85,28 @@ def check_args(args):
     if args.nan_policy not in train_util.NAN_POLICIES:
         raise UsageError(f"--nan_policy must be one of {', '.join(train_util.NAN_POLICIES)} "
                          f"(got {args.nan_policy!r})")
+    if args.lock_wait < 0:
+        raise UsageError(f"--lock_wait must be >= 0 seconds (got {args.lock_wait})")
     if args.microbatch == 0 or args.microbatch < -1:
         raise UsageError(f"--microbatch must be -1 (off) or >= 1 (got {args.microbatch})")
 
 
 def build_train_loop(args):
-    """Everything between flags and TrainLoop (collective: call on all ranks). Returns TrainLoop."""
+    """Everything between flags and TrainLoop (collective: call on all ranks). Returns TrainLoop,
+    holding the log dir's lock in ``loop.log_dir_lock`` (release it when the job ends)."""
     dist_util.setup_dist()
+    # One job per log dir: taken before anything touches the log dir.
+    lock = run_lock.acquire_for_job(args.log_dir, args.lock_wait)
+    try:
+        loop = _build_train_loop(args)
+    except BaseException:
+        lock.release()
+        raise
+    loop.log_dir_lock = lock
+    return loop
+
+
+def _build_train_loop(args):
     logger.configure(dir=args.log_dir)
     logger.log(f"training on {dist_util.get_world_size()} rank(s), device {dist_util.dev()}")
 
@@ -137,8 +155,8 @@ def build_train_loop(args):
 USAGE_ERRORS = (FlagError,)
 # bf.Error: remote storage (gs://, az://) refused or failed; NonFiniteError: --nan_policy stop,
 # or weights that went NaN/Inf before a save.
-RUNTIME_ERRORS = (dist_util.DistMismatchError, checkpoint.CheckpointError, ValueError, OSError,
-                  bf.Error, train_util.NonFiniteError)
+RUNTIME_ERRORS = (dist_util.DistMismatchError, checkpoint.CheckpointError, run_lock.LockError,
+                  ValueError, OSError, bf.Error, train_util.NonFiniteError)
 
 
 def run_and_close(loop):
@@ -157,7 +175,11 @@ def train(argv=None):
     """Parse flags, build the loop, run it; returns the exit code (0 done, 75 preempted)."""
     args = create_argparser().parse_args(argv)
     check_args(args)
-    return run_and_close(build_train_loop(args))
+    loop = build_train_loop(args)
+    try:
+        return run_and_close(loop)
+    finally:
+        loop.log_dir_lock.release()
 
 
 def main(argv=None):

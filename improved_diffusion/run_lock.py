@@ -1,0 +1,402 @@
+"""The one-job lock of a log dir: at most one training job writes a log dir at a time.
+
+A requeued job can start while its predecessor is still running or writing its preemption save;
+two jobs in one log dir overwrite each other's steps, logs and prunes. So a job takes this lock
+(rank 0, before anything touches the log dir) and holds it for its whole life. A job that finds it
+held waits up to ``wait_s`` seconds (``--lock_wait``), saying once whom it waits for, then fails
+on every rank naming the holder, having touched nothing.
+
+Two flavours, chosen by the path:
+
+* local paths: an exclusive ``fcntl.flock`` on ``{log_dir}/.lock``. The kernel drops it when the
+  holder dies, even by ``kill -9``, so a dead job never blocks the next. The holder writes an owner
+  record (host, pid, job id, start time) into the file so that a waiting job can name it, and
+  removes the file when it lets go (a killed job leaves it; harmless). A job that locked a file
+  which was removed meanwhile sees that its inode is no longer the path's and tries again, so two
+  jobs never hold "the" lock on two files. A forked child (a data loader worker) closes its copy
+  of the descriptor, so the lock dies with the holder alone. On NFS, Linux maps flock to NFS
+  byte-range locks (held across clients; a dead client's lock ends with its lease); Lustre needs
+  the ``flock`` mount option, else taking the lock fails with a ``LockError``.
+* remote paths (anything with ``://``: ``gs://``, ``az://``, via blobfile): a lock object
+  ``{log_dir}/lock.json`` with the owner's host, pid, job id, a random token and a heartbeat time
+  that a daemon thread refreshes every ``heartbeat_s``. A lock whose heartbeat is older than
+  ``stale_s`` (default 4 x ``heartbeat_s``) belongs to a dead job and is taken over.
+
+  Blob stores have no flock and blobfile exposes no conditional writes, so taking the object is
+  best effort: write our record, wait ``settle_s``, read it back and keep the lock only if our
+  token is still there. Two jobs whose writes land more than ``settle_s`` apart while both saw a
+  free (or stale) lock can both believe they hold it; the first one's heartbeat then finds the
+  other token, sets ``lost`` and warns (within ``heartbeat_s``). Staleness compares the record's
+  heartbeat with this host's clock, so host clocks must agree to well within ``stale_s`` (NTP).
+
+The storage calls of the remote flavour sit behind ``BlobStore`` (``read``/``write``/``remove``),
+so its logic runs on any store, a local directory included (that is how the tests run it).
+"""
+
+import datetime
+import errno
+import fcntl
+import json
+import os
+import socket
+import sys
+import threading
+import time
+import uuid
+
+import blobfile as bf
+
+DEFAULT_WAIT_S = 300.0
+DEFAULT_HEARTBEAT_S = 30.0
+LOCK_FILE = ".lock"  # local flavour
+LOCK_OBJECT = "lock.json"  # remote flavour
+JOB_ID_VARS = ("SLURM_JOB_ID", "PBS_JOBID", "LSB_JOBID", "JOB_ID")
+
+
+class LockError(RuntimeError):
+    """The log dir's lock cannot be taken or read (not: it is held); the message says why."""
+
+    exit_code = 1
+
+
+class LogDirLockedError(LockError):
+    """Another job held the log dir for longer than we were allowed to wait."""
+
+    exit_code = 1
+
+
+# --------------------------------------------------------------------------------------------
+# owner records
+
+
+def _job_id():
+    for name in JOB_ID_VARS:
+        if os.environ.get(name):
+            return os.environ[name]
+    return None
+
+
+def owner_record():
+    """This process as a lock owner: host, pid, job id (scheduler's, or None), start time."""
+    return {"host": socket.gethostname(), "pid": os.getpid(), "job_id": _job_id(),
+            "since": time.time()}
+
+
+def _clock(t):
+    return datetime.datetime.fromtimestamp(t).astimezone().isoformat(timespec="seconds")
+
+
+def describe_owner(record):
+    """``pid 123 on host h (job 9), since 2024-05-01T12:00:00+00:00`` (what is known of it)."""
+    if not record:
+        return "another job (its owner record is not written yet)"
+    text = f"pid {record.get('pid', '?')} on host {record.get('host', '?')}"
+    if record.get("job_id"):
+        text += f" (job {record['job_id']})"
+    if isinstance(record.get("since"), (int, float)):
+        text += f", since {_clock(record['since'])}"
+    if isinstance(record.get("heartbeat"), (int, float)):
+        text += f", last heartbeat {max(0.0, time.time() - record['heartbeat']):.0f} s ago"
+    return text
+
+
+def _parse_record(data):
+    """The owner record at the start of ``data`` (trailing bytes ignored), or None."""
+    try:
+        record, _ = json.JSONDecoder().raw_decode(data.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+# --------------------------------------------------------------------------------------------
+# storage of the remote flavour
+
+
+class BlobStore:
+    """The three storage calls of the remote lock, via blobfile (works on local paths too)."""
+
+    def read(self, path):
+        """The object's bytes, or None when it does not exist (other errors propagate)."""
+        try:
+            with bf.BlobFile(path, "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            return None
+
+    def write(self, path, data):
+        with bf.BlobFile(path, "wb") as f:
+            f.write(data)
+
+    def remove(self, path):
+        try:
+            bf.remove(path)
+        except FileNotFoundError:
+            pass
+
+
+# --------------------------------------------------------------------------------------------
+# the lock
+
+
+class LogDirLock:
+    """
+    The one-job lock of ``log_dir`` (see the module docstring). Not collective: rank 0 takes it
+    (``acquire_for_job`` does that for all ranks). Usable as a context manager.
+
+    ``wait_s``: how long ``acquire`` waits for a held lock. ``heartbeat_s``/``stale_s``/
+    ``settle_s``: the remote flavour's timing. ``store``: the remote flavour's storage (a
+    ``BlobStore``-like object); giving one selects that flavour for any path.
+    """
+
+    def __init__(self, log_dir, wait_s=DEFAULT_WAIT_S, heartbeat_s=DEFAULT_HEARTBEAT_S, *,
+                 stale_s=None, settle_s=None, store=None):
+        self.log_dir = os.fspath(log_dir)
+        self.wait_s = float(wait_s)
+        self.heartbeat_s = float(heartbeat_s)
+        self.stale_s = 4 * self.heartbeat_s if stale_s is None else float(stale_s)
+        self.settle_s = min(2.0, self.heartbeat_s / 10) if settle_s is None else float(settle_s)
+        if store is None and "://" in self.log_dir:
+            store = BlobStore()
+        self.store = store
+        self.path = bf.join(self.log_dir, LOCK_OBJECT if store else LOCK_FILE)
+        self.lost = None  # remote flavour: why the lock was lost while held, else None
+        self._fd = None
+        self._token = None
+        self._record = None
+        self._stop = threading.Event()
+        self._beat_thread = None
+
+    @property
+    def held(self):
+        return self._fd is not None or self._token is not None
+
+    def __enter__(self):
+        return self.acquire()
+
+    def __exit__(self, *exc):
+        self.release()
+
+    # -------------------------------------------------------------- acquire / release
+
+    def acquire(self, log=print):
+        """
+        Take the lock, waiting up to ``wait_s`` seconds while another job holds it; ``log`` gets
+        one line saying whom we wait for (once). Returns self. Raises ``LogDirLockedError`` (one
+        line: the holder, the log dir, what to do) when the wait runs out; nothing in the log dir
+        is changed then.
+        """
+        if self.held:
+            return self
+        try_once = self._try_object if self.store else self._try_flock
+        start = time.monotonic()
+        deadline = start + self.wait_s
+        said = False
+        while True:
+            holder = try_once(log)
+            if holder is None:
+                return self
+            # Say it once, as soon as the holder's record is readable (or after 1 s without).
+            if not said and (holder or time.monotonic() - start > 1.0):
+                log(f"log dir {self.log_dir} is in use by {describe_owner(holder)}; waiting up "
+                    f"to {self.wait_s:g} s for it to end (--lock_wait)")
+                said = True
+            if time.monotonic() >= deadline:
+                raise LogDirLockedError(
+                    f"log dir {self.log_dir} is in use by {describe_owner(holder)} (lock "
+                    f"{self.path}; waited {self.wait_s:g} s): wait for that job to end, stop "
+                    f"it, or use another --log_dir"
+                )
+            time.sleep(max(0.0, min(self._poll_s(), deadline - time.monotonic())))
+
+    def release(self):
+        """Give the lock up (no-op when not held). Never raises for a remote store's error."""
+        if self._fd is not None:
+            self._release_flock()
+        if self._token is not None:
+            self._release_object()
+        if self in _FORK_HOLDERS:
+            _FORK_HOLDERS.remove(self)
+
+    def _poll_s(self):
+        return 0.2 if self.store is None else max(0.05, min(5.0, self.heartbeat_s / 4))
+
+    # -------------------------------------------------------------- local: flock
+
+    def _try_flock(self, log):
+        """Take the flock if free (returns None), else return the holder's record ({} if none)."""
+        os.makedirs(self.log_dir, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _parse_record(os.pread(fd, 4096, 0)) or {}
+            os.close(fd)
+            return holder
+        except OSError as e:
+            os.close(fd)
+            if e.errno in (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP):
+                raise LockError(
+                    f"cannot lock {self.path}: the filesystem does not support file locks "
+                    f"({os.strerror(e.errno)}); mount it with locks (Lustre: -o flock) or use a "
+                    f"log dir on another filesystem"
+                ) from None
+            raise
+        if not self._is_current(fd):  # its holder removed it as we opened it: try the new one
+            os.close(fd)
+            return {}
+        data = json.dumps(owner_record()).encode()
+        os.pwrite(fd, data, 0)  # then cut: a reader sees a whole record, maybe with a stale tail
+        os.ftruncate(fd, len(data))
+        self._fd = fd
+        _forget_in_forked_children(self)
+        return None
+
+    def _is_current(self, fd):
+        """Whether ``fd`` is still the file at self.path (not one removed by its last holder)."""
+        try:
+            here = os.stat(self.path)
+        except FileNotFoundError:
+            return False
+        mine = os.fstat(fd)
+        return (mine.st_dev, mine.st_ino) == (here.st_dev, here.st_ino)
+
+    def _release_flock(self):
+        fd, self._fd = self._fd, None
+        try:
+            os.unlink(self.path)  # while still locked: a waiter that opened it will retry
+        except FileNotFoundError:
+            pass
+        finally:
+            os.close(fd)  # drops the flock
+
+    def _forget_in_child(self):
+        """In a forked child (a data loader worker, say): hold nothing. Its copy of the flock's
+        fd is closed, so the lock dies with the holder alone; a remote lock is the parent's."""
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            os.close(fd)
+        self._token, self._beat_thread = None, None
+
+    # -------------------------------------------------------------- remote: lock object
+
+    def _read_object(self):
+        """The lock object's record or None when absent; a torn read is retried briefly."""
+        for attempt in range(3):
+            data = self.store.read(self.path)
+            if data is None:
+                return None
+            record = _parse_record(data)
+            if record is not None:
+                return record
+            time.sleep(0.05 * (attempt + 1))
+        raise LockError(
+            f"{self.path} is not a lock record; if no job uses log dir {self.log_dir}, delete it"
+        )
+
+    def _is_stale(self, record):
+        beat = record.get("heartbeat")
+        return not isinstance(beat, (int, float)) or time.time() - beat > self.stale_s
+
+    def _try_object(self, log):
+        """Take the lock object if absent or stale (returns None), else return its record."""
+        record = self._read_object()
+        if record is not None and not self._is_stale(record):
+            return record
+        if record is not None:
+            log(f"taking over the stale lock {self.path} of {describe_owner(record)} (stale "
+                f"after {self.stale_s:.0f} s)")
+        bf.makedirs(self.log_dir)
+        token = uuid.uuid4().hex
+        mine = dict(owner_record(), token=token, heartbeat=time.time())
+        self.store.write(self.path, json.dumps(mine).encode())
+        time.sleep(self.settle_s)  # let a competing write land, then see who won
+        now = self._read_object()
+        if now is None or now.get("token") != token:
+            return now or {}
+        self._token, self._record = token, mine
+        self._stop.clear()
+        self._beat_thread = threading.Thread(target=self._beat, name="log-dir-lock-heartbeat",
+                                             daemon=True)
+        self._beat_thread.start()
+        _forget_in_forked_children(self)
+        return None
+
+    def _beat(self):
+        """Daemon thread: refresh the heartbeat every heartbeat_s until released or lost."""
+        warned = False
+        while not self._stop.wait(self.heartbeat_s):
+            try:
+                now = self._read_object()
+                if self._stop.is_set():
+                    return
+                if now is None or now.get("token") != self._token:
+                    self.lost = (f"lock {self.path} was taken by {describe_owner(now)}"
+                                 if now else f"lock {self.path} was removed")
+                    _warn(f"{self.lost}; another job may write log dir {self.log_dir}")
+                    return
+                self._record = dict(self._record, heartbeat=time.time())
+                self.store.write(self.path, json.dumps(self._record).encode())
+                warned = False
+            except Exception as e:  # retried at the next beat; the lock goes stale after stale_s
+                if not warned:
+                    _warn(f"cannot refresh lock {self.path} ({type(e).__name__}: {e}); retrying "
+                          f"every {self.heartbeat_s:.0f} s")
+                    warned = True
+
+    def _release_object(self):
+        self._stop.set()
+        if self._beat_thread is not None:
+            self._beat_thread.join(timeout=self.heartbeat_s + 10)
+        token, self._token, self._beat_thread = self._token, None, None
+        try:
+            now = self._read_object()
+            if now is not None and now.get("token") == token:
+                self.store.remove(self.path)
+        except Exception as e:  # the next job takes it over once stale
+            _warn(f"cannot remove lock {self.path} ({type(e).__name__}: {e}); the next job "
+                  f"takes it over after {self.stale_s:.0f} s")
+
+
+def _warn(message):
+    sys.stderr.write(f"warning: {message}\n")
+    sys.stderr.flush()
+
+
+_FORK_HOLDERS = []  # locks taken in this process: a forked child must forget them
+
+
+def _forget_in_forked_children(lock):
+    if not _FORK_HOLDERS:
+        os.register_at_fork(after_in_child=lambda: [h._forget_in_child() for h in _FORK_HOLDERS])
+    if lock not in _FORK_HOLDERS:
+        _FORK_HOLDERS.append(lock)
+
+
+# --------------------------------------------------------------------------------------------
+# the job's lock
+
+
+def acquire_for_job(log_dir, wait_s=DEFAULT_WAIT_S, heartbeat_s=DEFAULT_HEARTBEAT_S, *,
+                    log=None):
+    """
+    Take ``log_dir``'s lock on rank 0, waiting up to ``wait_s`` seconds; returns a ``LogDirLock``
+    on every rank (held on rank 0 only; ``release()`` is safe everywhere). If rank 0 cannot take
+    it, every rank raises the same ``LogDirLockedError`` having touched nothing. The other ranks
+    wait for rank 0 inside a broadcast, so ``wait_s`` must stay below the process group's timeout.
+
+    Collective: call from all ranks with the same arguments.
+    """
+    from . import dist_util  # here, so that the lock itself does not import torch
+
+    lock = LogDirLock(log_dir, wait_s, heartbeat_s)
+
+    def take():
+        lock.acquire(log=log or (lambda message: print(message, flush=True)))
+
+    try:
+        dist_util.run_on_rank0(take)
+    except BaseException:
+        lock.release()
+        raise
+    return lock
