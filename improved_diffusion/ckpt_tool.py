@@ -178,18 +178,8 @@ def _opt_summary(opt):
 
 def _opt_problem(opt, source):
     """A reason string when an optimizer payload is unusable by this trainer (AdamW), else None."""
-    if opt.get("format") == FORMAT:
-        shapes = opt.get("shapes") or {}
-        named = [(n, th.empty(tuple(s), device="meta")) for n, s in shapes.items()]
-        if not named:
-            return None
-        reason = validate_optimizer_payload(opt, named)
-        return reason.replace("FILE", source, 1) if reason else None
-    states = list((opt.get("state") or {}).values()) if isinstance(opt.get("state"), dict) else []
-    family = _family_of_state(states, opt.get("param_groups") or [])
-    if family not in (None, "Adam"):
-        return f"{source} holds {family} optimizer state, but this trainer uses AdamW"
-    return None
+    reason = validate_optimizer_payload(opt)
+    return reason.replace("FILE", source, 1) if reason else None
 
 
 # ---------------------------------------------------------------------------------------------
