@@ -326,7 +326,7 @@ def _load_error_reason(e):
         return "truncated or corrupt (the zip archive cannot be read)"
     if isinstance(e, (EOFError,)) or "Ran out of input" in text:
         return "truncated (ended early)"
-    if (isinstance(e, pickle.UnpicklingError) or "invalid load key" in text
+    if (isinstance(e, (pickle.UnpicklingError, UnicodeDecodeError)) or "invalid load key" in text
             or "magic number" in text):
         return "not a torch checkpoint (unreadable pickle data)"
     first = text[:160] or type(e).__name__
