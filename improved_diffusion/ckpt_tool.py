@@ -17,8 +17,8 @@ read with `torch.load(weights_only=True)`, so a checkpoint can never run code.
 
 import argparse
 import json
+import math
 import os
-import re
 import shlex
 import sys
 
@@ -36,19 +36,6 @@ from .optim_state import (
 
 EXIT_OK, EXIT_PROBLEM, EXIT_USAGE = 0, 1, 2
 
-_SLOT_RES = (
-    ("model", re.compile(r"^model\d+\.pt$")),
-    ("ema", re.compile(r"^ema_.+_\d+\.pt$")),
-    ("opt", re.compile(r"^opt\d+\.pt$")),
-)
-_EMA_NAME_RE = re.compile(r"^ema_(.+)_(\d+)\.pt$")
-_KIND_PHRASE = {
-    "model": "a model state dict",
-    "ema": "EMA model weights",
-    "opt": "optimizer state",
-    "combined": "a combined dict",
-    "unknown": "something that is not a checkpoint",
-}
 _SLOT_PHRASE = {"model": "model", "ema": "EMA", "opt": "optimizer"}
 
 
@@ -67,15 +54,6 @@ class _Parser(argparse.ArgumentParser):
 
 # ---------------------------------------------------------------------------------------------
 # helpers
-
-
-def _slot_of(path):
-    """The slot a file name claims ("model", "ema", "opt") or None."""
-    name = os.path.basename(os.fspath(path).rstrip("/"))
-    for slot, rx in _SLOT_RES:
-        if rx.match(name):
-            return slot
-    return None
 
 
 def _walk_tensors(obj, depth=0):
@@ -102,64 +80,30 @@ def _shape_list(t):
     return [int(s) for s in t.shape]
 
 
-def _opt_layout(opt):
-    """("named-v1" | "index-keyed" | "flat-fp16-1" | "flat-fp16-2", params with state, groups)."""
-    if opt.get("format") == FORMAT:
-        return "named-v1", len(opt.get("state") or {}), len(opt.get("param_groups") or [])
-    groups = opt.get("param_groups") or []
-    state = opt.get("state") or {}
-    n_params = sum(len(g.get("params", [])) for g in groups if isinstance(g, dict))
-    flat_dims = [
-        _entry_numel_dims(e) for e in state.values() if isinstance(e, dict)
-    ]
-    if n_params in (1, 2) and state and all(d is not None for d in flat_dims):
-        if n_params == 1 and flat_dims[0][1] == 1 and flat_dims[0][0] > 1:
-            return "flat-fp16-1", len(state), len(groups)
-        if n_params == 2 and len(flat_dims) == 2 and flat_dims[0][1] == 1 and (
-            flat_dims[1][1] == 1 or flat_dims[1][1] == 2
-        ) and flat_dims[0][0] + flat_dims[1][0] > 2:
-            return "flat-fp16-2", len(state), len(groups)
-    return "index-keyed", len(state), len(groups)
-
-
-def _entry_numel_dims(entry):
-    t = entry.get("exp_avg")
-    if isinstance(t, th.Tensor):
-        return t.numel(), t.dim()
-    return None
-
-
-_LAYOUT_PHRASE = {
-    "named-v1": "name-keyed (named-v1)",
-    "index-keyed": "index-keyed torch state dict (upstream)",
-    "flat-fp16-1": "flattened fp16 master params, 1 group (improved-diffusion --use_fp16)",
-    "flat-fp16-2": "flattened fp16 master params, 2 groups (guided-diffusion --use_fp16)",
-}
-
-
 def _opt_summary(opt):
     """A dict describing an optimizer payload (for inspect)."""
-    layout, n_state, n_groups = _opt_layout(opt)
-    out = {"layout": layout, "groups": n_groups, "params_with_state": n_state}
-    if layout == "named-v1":
+    layout = ckpt.opt_layout(opt)
+    state = opt.get("state")
+    states = list(state.values()) if isinstance(state, dict) else []
+    groups = opt.get("param_groups") if isinstance(opt.get("param_groups"), list) else []
+    out = {"layout": layout, "groups": len(groups), "params_with_state": len(states)}
+    if layout == ckpt.LAYOUT_NAMED:
         out["optimizer"] = opt.get("optimizer")
-        shapes = opt.get("shapes") or {}
-        out["parameters"] = sum(int(th.Size(s).numel()) for s in shapes.values())
+        shapes = opt.get("shapes") if isinstance(opt.get("shapes"), dict) else {}
+        out["parameters"] = sum(int(th.Size(s).numel()) for s in shapes.values() if isinstance(
+            s, (list, tuple)) and all(isinstance(d, int) for d in s))
         out["param_tensors"] = len(shapes)
-        states = list((opt.get("state") or {}).values())
     else:
-        states = list((opt.get("state") or {}).values())
         out["param_tensors"] = sum(
-            len(g.get("params", [])) for g in opt.get("param_groups") or [] if isinstance(g, dict)
-        )
+            len(g["params"]) for g in groups
+            if isinstance(g, dict) and isinstance(g.get("params"), list))
         total = 0
         for e in states:
             if isinstance(e, dict) and isinstance(e.get("exp_avg"), th.Tensor):
                 total += e["exp_avg"].numel()
-        out["parameters"] = total if layout.startswith("flat") or total else None
-        family = _family_of_state(states, opt.get("param_groups") or [])
+        out["parameters"] = total or None
+        family = _family_of_state(states, groups)
         out["optimizer"] = {"Adam": "Adam/AdamW"}.get(family, family) or "unknown"
-    groups = opt.get("param_groups") or []
     if groups and isinstance(groups[0], dict):
         g = groups[0]
         out["hyperparams"] = {
@@ -170,6 +114,7 @@ def _opt_summary(opt):
         float(e["step"]) for e in states
         if isinstance(e, dict) and isinstance(e.get("step"), (th.Tensor, int, float))
         and (not isinstance(e.get("step"), th.Tensor) or e["step"].numel() == 1)
+        and math.isfinite(float(e["step"]))
     ]
     if steps:
         out["adam_step"] = int(max(steps))
@@ -192,7 +137,7 @@ def inspect_file(path):
     Never raises for a bad file (the reason is in "error").
     """
     path = os.fspath(path)
-    rep = {"path": path, "ok": False, "error": None, "slot": _slot_of(path), "problems": [],
+    rep = {"path": path, "ok": False, "error": None, "slot": ckpt.slot_of(path), "problems": [],
            "notes": []}
     try:
         c = ckpt.load_file(path)
@@ -273,10 +218,10 @@ def _slot_problems(rep, c, path):
                 f"file name says step {name_step} but the file holds step {c.step}; rename it"
             )
     if slot == "ema" and c.tagged and c.rate_str is not None:
-        m = _EMA_NAME_RE.match(name)
-        if m and m.group(1) != c.rate_str:
+        rate = ckpt.ema_rate_of(name)
+        if rate is not None and rate != c.rate_str:
             rep["problems"].append(
-                f"file name says EMA rate {m.group(1)} but the file holds rate {c.rate_str}"
+                f"file name says EMA rate {rate} but the file holds rate {c.rate_str}"
             )
 
 
@@ -303,7 +248,7 @@ def _print_inspect(rep, out):
     if "optimizer" in rep:
         o = rep["optimizer"]
         hp = " ".join(f"{k}={v}" for k, v in (o.get("hyperparams") or {}).items())
-        w(f"  optimizer   {o.get('optimizer')}, {_LAYOUT_PHRASE.get(o['layout'], o['layout'])}, "
+        w(f"  optimizer   {o.get('optimizer')}, {ckpt.LAYOUT_PHRASES[o['layout']]}, "
           f"{o['groups']} group(s), {o['params_with_state']} with state"
           + (f", adam step {o['adam_step']}" if "adam_step" in o else "") + "\n")
         if hp:
@@ -451,7 +396,7 @@ def _shapes_of(c, want):
             f"{c.path}: holds index-keyed (upstream) optimizer state without parameter names; "
             "diff the model file of the same step instead"
         )
-    raise ToolError(f"{c.path}: holds {_KIND_PHRASE.get(c.kind, c.kind)}; nothing to diff")
+    raise ToolError(f"{c.path}: holds {ckpt.describe(c)}; nothing to diff")
 
 
 def _norm_flag(v):
@@ -636,7 +581,7 @@ def _param_names_for_opt(opt_path, files, flags, c_opt):
     if flags is not None:
         model = _build_model(flags)
         return [(n, tuple(p.shape)) for n, p in model.named_parameters()]
-    beside = [p for p in files if _slot_of(p) == "model"]
+    beside = [p for p in files if ckpt.slot_of(p) == "model"]
     if not beside:
         d = os.path.dirname(os.path.abspath(opt_path))
         if c_opt.step is not None:
@@ -664,11 +609,11 @@ class _Payloads(dict):
 
 def _wrong_slot(c, path, notes):
     """True (with a note) when a file's kind contradicts its name's slot: it is not converted."""
-    slot = _slot_of(path)
+    slot = ckpt.slot_of(path)
     if (slot == "opt" and c.kind in ("model", "ema")) or (slot in ("model", "ema")
                                                           and c.kind == "opt"):
         notes.append(f"{os.path.basename(path)}: the {_SLOT_PHRASE[slot]} slot holds "
-                     f"{_KIND_PHRASE[c.kind]}; not converted (see `ckpt.py inspect`)")
+                     f"{ckpt.describe(c)}; not converted (see `ckpt.py inspect`)")
         return True
     return False
 
@@ -725,7 +670,7 @@ def _tagged_payloads(group_files, flags, step_arg):
                 except OptimizerStateError as e:
                     notes.append(f"{base}: optimizer entry skipped ({e})")
         else:
-            raise ToolError(f"{path}: holds {_KIND_PHRASE['unknown']}; nothing to convert")
+            raise ToolError(f"{path}: holds {ckpt.KIND_PHRASES['unknown']}; nothing to convert")
     return payloads, notes
 
 
@@ -776,7 +721,7 @@ def _raw_payloads(group_files, step_arg):
             if c.optimizer is not None:
                 payloads[ckpt.opt_filename(step)] = c.optimizer
         else:
-            raise ToolError(f"{path}: holds {_KIND_PHRASE['unknown']}; nothing to convert")
+            raise ToolError(f"{path}: holds {ckpt.KIND_PHRASES['unknown']}; nothing to convert")
     return payloads, notes
 
 
@@ -845,8 +790,8 @@ def cmd_convert(args, out):
     os.makedirs(out_dir, exist_ok=True)
     for step, payloads, status in plans:
         whole_step = (args.to == "tagged" and status is not None and status.complete
-                      and any(_slot_of(n) == "opt" for n in payloads)
-                      and any(_slot_of(n) == "model" for n in payloads))
+                      and any(ckpt.slot_of(n) == "opt" for n in payloads)
+                      and any(ckpt.slot_of(n) == "model" for n in payloads))
         try:
             if whole_step:
                 ckpt.save_step(out_dir, step, payloads)

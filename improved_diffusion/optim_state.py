@@ -37,7 +37,18 @@ from typing import List, Optional, Tuple
 
 import torch as th
 
-FORMAT = "named-v1"
+from .checkpoint import (
+    LAYOUT_FLAT1,
+    LAYOUT_FLAT2,
+    LAYOUT_INDEXED,
+    LAYOUT_NAMED,
+    LAYOUT_PHRASES,
+    SCHEMA,
+    describe_object,
+    opt_layout,
+)
+
+FORMAT = LAYOUT_NAMED
 
 # The param-group hyperparameters restored from a saved state (others stay as constructed).
 HYPERPARAM_KEYS = ("lr", "betas", "eps", "weight_decay")
@@ -63,12 +74,6 @@ _CLASS_FAMILY = {
     "Adamax": "Adamax",
 }
 
-LAYOUT_NAMED = "named-v1"
-LAYOUT_INDEXED = "index-keyed torch state dict"
-LAYOUT_FLAT1 = "flattened fp16 master params (improved-diffusion: 1 flat param)"
-LAYOUT_FLAT2 = "flattened fp16 master params (guided-diffusion: 2 flat params)"
-
-
 class OptimizerStateError(ValueError):
     """The payload is not usable optimizer state; the message is one line naming the file."""
 
@@ -89,14 +94,14 @@ class LoadReport:
     dropped: int = 0
     reshaped: int = 0
     source: str = "FILE"
-    layout: str = LAYOUT_NAMED
+    layout: str = LAYOUT_PHRASES[LAYOUT_NAMED]  # the phrase of checkpoint.opt_layout's value
     fresh_names: List[str] = field(default_factory=list)
     dropped_names: List[str] = field(default_factory=list)
     reshaped_names: List[str] = field(default_factory=list)
 
     def summary(self) -> str:
         line = (
-            f"optimizer state from {self.source} ({self.layout}): "
+            f"optimizer state from {self.source}, {self.layout}: "
             f"{self.matched} parameters restored, {self.fresh} fresh"
         )
         if self.reshaped:
@@ -193,27 +198,12 @@ def named_optimizer_state(optimizer, named_params) -> dict:
 
 def _describe_non_optimizer(payload) -> str:
     """What a payload that is not optimizer state holds, for a one-line message."""
-    if not isinstance(payload, dict):
-        return f"a {type(payload).__name__}, not optimizer state"
-    if not payload:
-        return "an empty dict, not optimizer state"
-    if payload.get("schema") == "improved_diffusion.checkpoint":
-        kind = payload.get("kind", "?")
-        return f"a tagged {kind} checkpoint, not optimizer state"
-    tensors = [k for k, v in payload.items() if isinstance(v, th.Tensor)]
-    if tensors and len(tensors) == len(payload) and all(isinstance(k, str) for k in payload):
-        return (
-            f"a model state dict ({len(tensors)} tensors, e.g. {tensors[0]!r}), "
-            "not optimizer state"
-        )
-    keys = ", ".join(repr(k) for k in list(payload)[:4])
-    more = ", ..." if len(payload) > 4 else ""
-    return f"a dict with keys [{keys}{more}], not optimizer state"
+    return f"{describe_object(payload)}, not optimizer state"
 
 
 def _unwrap(payload, source):
     """Accept a whole opt file (tagged) or a combined dict; return the optimizer payload."""
-    if isinstance(payload, dict) and payload.get("schema") == "improved_diffusion.checkpoint":
+    if isinstance(payload, dict) and payload.get("schema") == SCHEMA:
         if payload.get("kind") == "opt" and isinstance(payload.get("optimizer"), dict):
             return payload["optimizer"]
         raise OptimizerStateError(f"{source} holds {_describe_non_optimizer(payload)}")
@@ -438,26 +428,13 @@ def _plan_named(payload, source) -> Tuple[dict, dict, dict, str]:
     return state, shape_by_name, hyper_by_name, str(payload.get("optimizer", "?"))
 
 
-def _flat_layout(raw_states, raw_params, named):
-    """Detect upstream's flattened fp16 layouts; return (layout, [(names, flat entry)]) or None."""
-    n_total = sum(p.numel() for _, p in named)
-    if len(raw_params) == 1 and len(named) > 1:
-        entry = raw_states.get(raw_params[0])
-        if entry is not None and _entry_shape(entry) is not None:
-            shape = _entry_shape(entry)
-            if len(shape) == 1:
-                return LAYOUT_FLAT1, [([n for n, _ in named], entry)], shape[0], n_total
-    if len(raw_params) == 2 and len(named) > 2:
-        e1, e2 = raw_states.get(raw_params[0]), raw_states.get(raw_params[1])
-        if e1 is not None and e2 is not None:
-            s1, s2 = _entry_shape(e1), _entry_shape(e2)
-            if s1 is not None and s2 is not None and len(s1) == 1 and (
-                len(s2) == 2 and s2[0] == 1 or len(s2) == 1
-            ):
-                vec = [n for n, p in named if p.ndim <= 1]
-                mat = [n for n, p in named if p.ndim > 1]
-                return LAYOUT_FLAT2, [(vec, e1), (mat, e2)], s1[0] + s2[-1], n_total
-    return None
+def _flat_parts(layout, states, raw_params, named):
+    """[(parameter names, flat entry)] of a flattened fp16 layout (see checkpoint.opt_layout)."""
+    if layout == LAYOUT_FLAT1:
+        return [([n for n, _ in named], states[raw_params[0]])]
+    vec = [n for n, p in named if p.ndim <= 1]
+    mat = [n for n, p in named if p.ndim > 1]
+    return [(vec, states[raw_params[0]]), (mat, states[raw_params[1]])]
 
 
 def _unflatten(parts, named, source, layout, saved_numel, model_numel):
@@ -505,14 +482,17 @@ def _plan_raw(payload, named, source):
         for i in g["params"]:
             hyper_of_index[i] = hyper
     names = [n for n, _ in named]
+    layout = opt_layout(payload, len(named))
     if len(raw_params) != len(named):
-        flat = _flat_layout(states, raw_params, named)
-        if flat is not None:
-            layout, parts, saved_numel, model_numel = flat
-            state_by_name = _unflatten(parts, named, source, layout, saved_numel, model_numel)
+        if layout in (LAYOUT_FLAT1, LAYOUT_FLAT2):
+            parts = _flat_parts(layout, states, raw_params, named)
+            saved_numel = sum(_entry_shape(e)[-1] for _, e in parts)
+            model_numel = sum(p.numel() for _, p in named)
+            state_by_name = _unflatten(parts, named, source, LAYOUT_PHRASES[layout], saved_numel,
+                                       model_numel)
             shape_by_name = {n: tuple(p.shape) for n, p in named}
             hyper = hyper_of_index[raw_params[0]]
-            return state_by_name, shape_by_name, {n: hyper for n in names}, layout
+            return state_by_name, shape_by_name, {n: hyper for n in names}, LAYOUT_PHRASES[layout]
         raise OptimizerStateError(
             f"{source} holds index-keyed optimizer state for {len(raw_params)} parameters but the "
             f"model has {len(named)}; it cannot be matched to parameters by name "
@@ -528,7 +508,7 @@ def _plan_raw(payload, named, source):
         else:
             state_by_name[name] = entry
             shape_by_name[name] = _entry_shape(entry)
-    return state_by_name, shape_by_name, hyper_by_name, LAYOUT_INDEXED
+    return state_by_name, shape_by_name, hyper_by_name, LAYOUT_PHRASES[LAYOUT_INDEXED]
 
 
 def _target(optimizer) -> Tuple[Optional[str], str]:
@@ -578,7 +558,7 @@ def _make_plan(payload, named, source, optimizer=None) -> _Plan:
     payload, kind = _checked(payload, source, optimizer)
     if kind == "named":
         state_by_name, shape_by_name, hyper_by_name, _ = _plan_named(payload, source)
-        layout = LAYOUT_NAMED
+        layout = LAYOUT_PHRASES[LAYOUT_NAMED]
     else:
         state_by_name, shape_by_name, hyper_by_name, layout = _plan_raw(payload, named, source)
 
