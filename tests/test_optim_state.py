@@ -382,7 +382,8 @@ NAMED_CASES = {
     "negative step": (_set(["state", A, "step"], th.tensor(-1.0)),
                       r"\['step'\] is a float32 tensor -1\.0, not a non-negative number"),
     "step a string": (_set(["state", A, "step"], "3"), r"\['step'\] is '3', not a non-negative"),
-    "nan step": (_set(["state", A, "step"], th.tensor(float("nan"))), r"\['step'\] is a float32 tensor nan"),
+    "nan step": (_set(["state", A, "step"], th.tensor(float("nan"))),
+                 r"\['step'\] is a float32 tensor nan"),
     "step a vector": (_set(["state", A, "step"], th.tensor([1.0, 2.0])),
                       r"\['step'\] is a float32 tensor of shape \[2\]"),
     "optimizer name a list": (_set(["optimizer"], ["AdamW"]), r"'optimizer' is \['AdamW'\], not "
