@@ -25,6 +25,7 @@ import sys
 import torch as th
 
 from . import checkpoint as ckpt
+from .state_fit import fit_state_dict, shapes_of
 from .optim_state import (
     FORMAT,
     OptimizerStateError,
@@ -399,85 +400,6 @@ def _shapes_of(c, want):
     raise ToolError(f"{c.path}: holds {ckpt.describe(c)}; nothing to diff")
 
 
-def _norm_flag(v):
-    if isinstance(v, bool):
-        return str(v).lower()
-    if isinstance(v, (int, float)):
-        return float(v)
-    s = str(v).strip().lower()
-    if s in ("true", "false", "yes", "no", "1", "0", "t", "f", "y", "n"):
-        return "true" if s in ("true", "yes", "1", "t", "y") else "false"
-    try:
-        return float(s)
-    except ValueError:
-        return s.replace(" ", "")
-
-
-def likely_flags(file_shapes, want_shapes, file_flags=None, want_flags=None):
-    """
-    The flags that most likely explain a key/shape mismatch, as "--flag (file: X, other: Y)".
-
-    Stored flags are compared when both sides have them; otherwise upstream's key layout is read.
-    """
-    hints = []
-    if file_flags and want_flags:
-        from . import script_util as su
-
-        keys = su.model_flag_keys()
-        for k in keys:
-            if k in file_flags and k in want_flags and \
-                    _norm_flag(file_flags[k]) != _norm_flag(want_flags[k]):
-                hints.append(f"--{k} (file: {file_flags[k]}, other: {want_flags[k]})")
-        if hints:
-            return hints
-
-    def shape(d, k):
-        return d.get(k)
-
-    out_f, out_w = shape(file_shapes, "out.2.weight"), shape(want_shapes, "out.2.weight")
-    if out_f and out_w and out_f[0] != out_w[0]:
-        hints.append(f"--learn_sigma (file has {out_f[0]} output channels, other {out_w[0]})")
-    lab_f, lab_w = "label_emb.weight" in file_shapes, "label_emb.weight" in want_shapes
-    if lab_f != lab_w:
-        hints.append(f"--class_cond (file: {lab_f}, other: {lab_w})")
-    elif lab_f and file_shapes["label_emb.weight"][0] != want_shapes["label_emb.weight"][0]:
-        hints.append(f"--num_classes (file: {file_shapes['label_emb.weight'][0]}, "
-                     f"other: {want_shapes['label_emb.weight'][0]})")
-    te_f = shape(file_shapes, "time_embed.0.weight")
-    te_w = shape(want_shapes, "time_embed.0.weight")
-    if te_f and te_w and te_f[1] != te_w[1]:
-        hints.append(f"--num_channels (file: {te_f[1]}, other: {te_w[1]})")
-    diff = set(file_shapes) ^ set(want_shapes)
-    if any(".qkv." in k or ".proj_out." in k for k in diff):
-        hints.append("--attention_resolutions (attention blocks differ)")
-    if _n_blocks(file_shapes) != _n_blocks(want_shapes):
-        hints.append("--num_res_blocks / --channel_mult / --image_size (block layout differs)")
-    for k in file_shapes if te_f == te_w else ():
-        if k.endswith("emb_layers.1.weight") and k in want_shapes:
-            a, b = file_shapes[k][0], want_shapes[k][0]
-            if a != b and (a == 2 * b or b == 2 * a):
-                hints.append(f"--use_scale_shift_norm (file: {a == 2 * b}, other: {b == 2 * a})")
-                break
-    return hints
-
-
-def _n_blocks(shapes):
-    """(number of input blocks, number of output blocks) of an upstream UNet state dict."""
-    def count(prefix):
-        idx = [int(k.split(".")[1]) for k in shapes
-               if k.startswith(prefix) and k.split(".")[1].isdigit()]
-        return max(idx) + 1 if idx else 0
-    return count("input_blocks."), count("output_blocks.")
-
-
-def diff_shapes(file_shapes, want_shapes):
-    missing = [k for k in want_shapes if k not in file_shapes]
-    unexpected = [k for k in file_shapes if k not in want_shapes]
-    reshaped = {k: {"file": file_shapes[k], "other": want_shapes[k]}
-                for k in file_shapes if k in want_shapes and file_shapes[k] != want_shapes[k]}
-    return missing, unexpected, reshaped
-
-
 def cmd_diff(args, out):
     if bool(args.flags is not None) == bool(args.against is not None):
         raise UsageError("diff: give exactly one of --flags \"...\" or --against FILE2")
@@ -504,9 +426,9 @@ def cmd_diff(args, out):
         want_shapes = _shapes_of(c2, args.want)
         other = args.against
         file_flags, want_flags = c.flags, c2.flags
-    missing, unexpected, reshaped = diff_shapes(file_shapes, want_shapes)
-    same = not (missing or unexpected or reshaped)
-    hints = [] if same else likely_flags(file_shapes, want_shapes, file_flags, want_flags)
+    fit = fit_state_dict(want_shapes, file_shapes, file_flags, want_flags, other="other")
+    missing, unexpected, same, hints = fit.missing, fit.unexpected, fit.ok, fit.likely_flags
+    reshaped = {k: {"file": list(a), "other": list(b)} for k, (a, b) in fit.reshaped.items()}
     rep = {
         "file": args.file, "other": other, "same": same,
         "file_parameters": sum(int(th.Size(s).numel()) for s in file_shapes.values()),
@@ -675,16 +597,11 @@ def _tagged_payloads(group_files, flags, step_arg):
 
 
 def _check_fits(sd, flags, path):
-    model = _build_model(flags)
-    want = {k: _shape_list(v) for k, v in model.state_dict().items()}
-    have = {k: _shape_list(v) for k, v in sd.items()}
-    missing, unexpected, reshaped = diff_shapes(have, want)
-    if missing or unexpected or reshaped:
-        hints = likely_flags(have, want)
+    fit = fit_state_dict(shapes_of(_build_model(flags).state_dict()), shapes_of(sd))
+    if not fit.ok:
         raise ToolError(
-            f"{path}: does not fit the model of --flags ({len(missing)} missing, "
-            f"{len(unexpected)} unexpected, {len(reshaped)} reshaped keys"
-            + (f"; likely {hints[0]}" if hints else "") + "); fix --flags"
+            f"{path}: does not fit the model of --flags ({fit.summary()}"
+            + (f"; likely {fit.likely_flags[0]}" if fit.likely_flags else "") + "); fix --flags"
         )
 
 
