@@ -58,7 +58,6 @@ _PREFIXES = ("module.", "_orig_mod.")
 _COMBINED_MODEL_KEYS = ("model", "state_dict", "model_state_dict", "net")
 _COMBINED_EMA_KEYS = ("ema", "ema_state_dict", "model_ema", "ema_model")
 _COMBINED_OPT_KEYS = ("opt", "optimizer", "optimizer_state_dict", "optim")
-_FLAT_FP16_NOTE = "flattened fp16 master-parameter optimizer state (upstream: 1 group; guided: 2)"
 _HEAD_BYTES = 4096
 
 
@@ -169,6 +168,12 @@ def parse_step(path):
     )
 
 
+def slot_of(path):
+    """The slot a step file's name claims: "model", "ema", "opt", or None for any other name."""
+    info = name_info(path)
+    return info.kind if info is not None and info.kind in KINDS else None
+
+
 # ---------------------------------------------------------------------------------------------
 # file contents
 
@@ -251,23 +256,58 @@ def _is_optimizer_state(obj):
     return isinstance(obj, dict) and "param_groups" in obj and "state" in obj
 
 
-def _flattened_fp16_groups(opt):
-    """Number of groups when ``opt`` is upstream's flat master-param layout (1 or 2), else 0."""
+# Optimizer payload layouts (see optim_state): one detection, one phrase each.
+LAYOUT_NAMED = "named-v1"
+LAYOUT_INDEXED = "index-keyed"
+LAYOUT_FLAT1 = "flat-fp16-1"
+LAYOUT_FLAT2 = "flat-fp16-2"
+LAYOUT_PHRASES = {
+    LAYOUT_NAMED: "name-keyed (named-v1)",
+    LAYOUT_INDEXED: "index-keyed torch state dict (upstream)",
+    LAYOUT_FLAT1: "flattened fp16 master params, 1 flat param (improved-diffusion --use_fp16)",
+    LAYOUT_FLAT2: "flattened fp16 master params, 2 flat params (guided-diffusion --use_fp16)",
+}
+
+
+def _moment_shape(entry):
+    """The shape of a per-parameter optimizer state entry's largest tensor (step aside)."""
+    if not isinstance(entry, dict):
+        return None
+    shape, numel = None, -1
+    for k, v in entry.items():
+        if k != "step" and isinstance(v, th.Tensor) and v.numel() > numel:
+            shape, numel = tuple(v.shape), v.numel()
+    return shape
+
+
+def opt_layout(opt, n_params=None):
+    """
+    The layout of an optimizer payload: LAYOUT_NAMED, LAYOUT_FLAT1 (improved-diffusion's fp16
+    master param: one flat [N] param), LAYOUT_FLAT2 (guided-diffusion's: [N1] for the params with
+    ndim <= 1, then [1, N2]) or LAYOUT_INDEXED (any other torch optimizer state dict).
+
+    :param n_params: the model's parameter count when known; a payload with as many params is
+        index-keyed whatever its shapes (without it, a model of 1 or 2 parameters looks flat).
+    """
+    if opt.get("format") == LAYOUT_NAMED:
+        return LAYOUT_NAMED
     groups = opt.get("param_groups")
     state = opt.get("state")
-    if not isinstance(groups, list) or len(groups) not in (1, 2) or not isinstance(state, dict):
-        return 0
-    if not all(isinstance(g, dict) and len(g.get("params", ())) == 1 for g in groups):
-        return 0
-    total = sum(len(g["params"]) for g in groups)
-    if len(state) not in (0, total):
-        return 0
-    for s in state.values():
-        t = s.get("exp_avg") if isinstance(s, dict) else None
-        if not isinstance(t, th.Tensor) or t.dim() != 1:
-            return 0
-    # One flat 1-D buffer per group: a real (non-flat) model has many more parameters.
-    return len(groups) if state else 0
+    if not isinstance(groups, list) or not isinstance(state, dict):
+        return LAYOUT_INDEXED
+    params = [i for g in groups if isinstance(g, dict) and isinstance(g.get("params"), list)
+              for i in g["params"] if isinstance(i, (int, str))]
+    shapes = [_moment_shape(state.get(i)) for i in params]
+    if None in shapes or len(params) not in (1, 2) or (n_params or 3) <= len(params):
+        return LAYOUT_INDEXED
+    values = sum(s[-1] for s in shapes if s)
+    if len(shapes) == 1 and len(shapes[0]) == 1 and (n_params or values) > 1:
+        return LAYOUT_FLAT1
+    if len(shapes) == 2 and len(shapes[0]) == 1 and (
+            len(shapes[1]) == 1 or len(shapes[1]) == 2 and shapes[1][0] == 1) \
+            and (n_params or values) > 2:
+        return LAYOUT_FLAT2
+    return LAYOUT_INDEXED
 
 
 def classify(obj):
@@ -297,7 +337,7 @@ def classify(obj):
         return kind, notes
     if not obj:
         return "unknown", ["empty dict"]
-    if _is_optimizer_state(obj) or obj.get("format") == "named-v1":
+    if _is_optimizer_state(obj) or obj.get("format") == LAYOUT_NAMED:
         return "opt", notes + _opt_notes(obj)
     if _is_state_dict(obj):
         return "model", strip_prefixes(obj)[1]
@@ -314,24 +354,47 @@ def classify(obj):
 
 
 def _opt_notes(opt):
-    if opt.get("format") == "named-v1":
-        return ["name-keyed optimizer state (named-v1)"]
-    n = _flattened_fp16_groups(opt)
-    if n:
-        return [f"{_FLAT_FP16_NOTE}: {n} group{'s' if n > 1 else ''}"]
-    return []
+    layout = opt_layout(opt)
+    return [] if layout == LAYOUT_INDEXED else [f"optimizer layout: {LAYOUT_PHRASES[layout]}"]
+
+
+# What a file holds, as messages say it ("FILE: holds {phrase}"); keyed by CkptFile.kind.
+KIND_PHRASES = {
+    "model": "a model state dict",
+    "ema": "EMA model weights",
+    "opt": "optimizer state",
+    "combined": "a combined dict",
+    "unknown": "something that is not a checkpoint",
+}
 
 
 def describe(ckpt):
-    """A short phrase for messages: "a model state dict", "optimizer state", ..."""
-    return {
-        "model": "a model state dict",
-        "ema": "an EMA model state dict",
-        "opt": "optimizer state",
-        "combined": "a combined dict (" + ", ".join(
-            k for k in ckpt.raw if isinstance(ckpt.raw.get(k), dict)) + ")"
-        if isinstance(ckpt.raw, dict) else "a combined dict",
-    }.get(ckpt.kind, "something that is not a checkpoint")
+    """The phrase for what a loaded file (CkptFile) holds: "a model state dict", ..."""
+    phrase = KIND_PHRASES.get(ckpt.kind, KIND_PHRASES["unknown"])
+    if ckpt.kind == "combined" and isinstance(ckpt.raw, dict):
+        entries = [str(k) for k in ckpt.raw if isinstance(ckpt.raw.get(k), dict)]
+        phrase += f" ({', '.join(entries)})"
+    return phrase
+
+
+def describe_object(obj):
+    """
+    The phrase for what any loaded object holds, with a detail that helps find the file's
+    origin (its type, tagged kind, tensor count, or keys): for a file found in the wrong slot.
+    """
+    if not isinstance(obj, dict):
+        return f"a {type(obj).__name__}"
+    if not obj:
+        return "an empty dict"
+    if obj.get("schema") == SCHEMA:
+        return f"a tagged {obj.get('kind', '?')} checkpoint"
+    kind, _ = classify(obj)
+    if kind == "model":
+        return f"{KIND_PHRASES['model']} ({len(obj)} tensors, e.g. {next(iter(obj))!r})"
+    if kind in ("opt", "combined"):
+        return describe(CkptFile(path="", kind=kind, tagged=False, raw=obj))
+    keys = ", ".join(repr(k) for k in list(obj)[:4]) + (", ..." if len(obj) > 4 else "")
+    return f"a dict with keys [{keys}]"
 
 
 def _load_error_reason(e):
@@ -352,7 +415,7 @@ def _load_error_reason(e):
         return "truncated or corrupt (the zip archive cannot be read)"
     if isinstance(e, (EOFError,)) or "Ran out of input" in text:
         return "truncated (ended early)"
-    if (isinstance(e, pickle.UnpicklingError) or "invalid load key" in text
+    if (isinstance(e, (pickle.UnpicklingError, UnicodeDecodeError)) or "invalid load key" in text
             or "magic number" in text):
         return "not a torch checkpoint (unreadable pickle data)"
     first = text[:160] or type(e).__name__
@@ -497,9 +560,9 @@ def _make_ckpt(obj, name, nbytes):
     except CheckpointError:
         c.step = None
     if kind == "model":
-        m = _EMA_RE.match(base)
-        if m:
-            c.kind, c.rate_str = "ema", m.group(1)
+        info = name_info(base)
+        if info is not None and info.kind == "ema":
+            c.kind, c.rate_str = "ema", info.rate_str
         c.state_dict, _ = strip_prefixes(obj)
     elif kind == "opt":
         c.optimizer = obj

@@ -17,8 +17,8 @@ read with `torch.load(weights_only=True)`, so a checkpoint can never run code.
 
 import argparse
 import json
+import math
 import os
-import re
 import shlex
 import sys
 
@@ -26,6 +26,7 @@ import torch as th
 
 from . import checkpoint as ckpt
 from . import run_dir
+from .state_fit import fit_state_dict, shapes_of
 from .optim_state import (
     FORMAT,
     OptimizerStateError,
@@ -37,19 +38,6 @@ from .optim_state import (
 
 EXIT_OK, EXIT_PROBLEM, EXIT_USAGE = 0, 1, 2
 
-_SLOT_RES = (
-    ("model", re.compile(r"^model\d+\.pt$")),
-    ("ema", re.compile(r"^ema_.+_\d+\.pt$")),
-    ("opt", re.compile(r"^opt\d+\.pt$")),
-)
-_EMA_NAME_RE = re.compile(r"^ema_(.+)_(\d+)\.pt$")
-_KIND_PHRASE = {
-    "model": "a model state dict",
-    "ema": "EMA model weights",
-    "opt": "optimizer state",
-    "combined": "a combined dict",
-    "unknown": "something that is not a checkpoint",
-}
 _SLOT_PHRASE = {"model": "model", "ema": "EMA", "opt": "optimizer"}
 
 
@@ -68,15 +56,6 @@ class _Parser(argparse.ArgumentParser):
 
 # ---------------------------------------------------------------------------------------------
 # helpers
-
-
-def _slot_of(path):
-    """The slot a file name claims ("model", "ema", "opt") or None."""
-    name = os.path.basename(os.fspath(path).rstrip("/"))
-    for slot, rx in _SLOT_RES:
-        if rx.match(name):
-            return slot
-    return None
 
 
 def _walk_tensors(obj, depth=0):
@@ -103,64 +82,30 @@ def _shape_list(t):
     return [int(s) for s in t.shape]
 
 
-def _opt_layout(opt):
-    """("named-v1" | "index-keyed" | "flat-fp16-1" | "flat-fp16-2", params with state, groups)."""
-    if opt.get("format") == FORMAT:
-        return "named-v1", len(opt.get("state") or {}), len(opt.get("param_groups") or [])
-    groups = opt.get("param_groups") or []
-    state = opt.get("state") or {}
-    n_params = sum(len(g.get("params", [])) for g in groups if isinstance(g, dict))
-    flat_dims = [
-        _entry_numel_dims(e) for e in state.values() if isinstance(e, dict)
-    ]
-    if n_params in (1, 2) and state and all(d is not None for d in flat_dims):
-        if n_params == 1 and flat_dims[0][1] == 1 and flat_dims[0][0] > 1:
-            return "flat-fp16-1", len(state), len(groups)
-        if n_params == 2 and len(flat_dims) == 2 and flat_dims[0][1] == 1 and (
-            flat_dims[1][1] == 1 or flat_dims[1][1] == 2
-        ) and flat_dims[0][0] + flat_dims[1][0] > 2:
-            return "flat-fp16-2", len(state), len(groups)
-    return "index-keyed", len(state), len(groups)
-
-
-def _entry_numel_dims(entry):
-    t = entry.get("exp_avg")
-    if isinstance(t, th.Tensor):
-        return t.numel(), t.dim()
-    return None
-
-
-_LAYOUT_PHRASE = {
-    "named-v1": "name-keyed (named-v1)",
-    "index-keyed": "index-keyed torch state dict (upstream)",
-    "flat-fp16-1": "flattened fp16 master params, 1 group (improved-diffusion --use_fp16)",
-    "flat-fp16-2": "flattened fp16 master params, 2 groups (guided-diffusion --use_fp16)",
-}
-
-
 def _opt_summary(opt):
     """A dict describing an optimizer payload (for inspect)."""
-    layout, n_state, n_groups = _opt_layout(opt)
-    out = {"layout": layout, "groups": n_groups, "params_with_state": n_state}
-    if layout == "named-v1":
+    layout = ckpt.opt_layout(opt)
+    state = opt.get("state")
+    states = list(state.values()) if isinstance(state, dict) else []
+    groups = opt.get("param_groups") if isinstance(opt.get("param_groups"), list) else []
+    out = {"layout": layout, "groups": len(groups), "params_with_state": len(states)}
+    if layout == ckpt.LAYOUT_NAMED:
         out["optimizer"] = opt.get("optimizer")
-        shapes = opt.get("shapes") or {}
-        out["parameters"] = sum(int(th.Size(s).numel()) for s in shapes.values())
+        shapes = opt.get("shapes") if isinstance(opt.get("shapes"), dict) else {}
+        out["parameters"] = sum(int(th.Size(s).numel()) for s in shapes.values() if isinstance(
+            s, (list, tuple)) and all(isinstance(d, int) for d in s))
         out["param_tensors"] = len(shapes)
-        states = list((opt.get("state") or {}).values())
     else:
-        states = list((opt.get("state") or {}).values())
         out["param_tensors"] = sum(
-            len(g.get("params", [])) for g in opt.get("param_groups") or [] if isinstance(g, dict)
-        )
+            len(g["params"]) for g in groups
+            if isinstance(g, dict) and isinstance(g.get("params"), list))
         total = 0
         for e in states:
             if isinstance(e, dict) and isinstance(e.get("exp_avg"), th.Tensor):
                 total += e["exp_avg"].numel()
-        out["parameters"] = total if layout.startswith("flat") or total else None
-        family = _family_of_state(states, opt.get("param_groups") or [])
+        out["parameters"] = total or None
+        family = _family_of_state(states, groups)
         out["optimizer"] = {"Adam": "Adam/AdamW"}.get(family, family) or "unknown"
-    groups = opt.get("param_groups") or []
     if groups and isinstance(groups[0], dict):
         g = groups[0]
         out["hyperparams"] = {
@@ -171,6 +116,7 @@ def _opt_summary(opt):
         float(e["step"]) for e in states
         if isinstance(e, dict) and isinstance(e.get("step"), (th.Tensor, int, float))
         and (not isinstance(e.get("step"), th.Tensor) or e["step"].numel() == 1)
+        and math.isfinite(float(e["step"]))
     ]
     if steps:
         out["adam_step"] = int(max(steps))
@@ -179,18 +125,8 @@ def _opt_summary(opt):
 
 def _opt_problem(opt, source):
     """A reason string when an optimizer payload is unusable by this trainer (AdamW), else None."""
-    if opt.get("format") == FORMAT:
-        shapes = opt.get("shapes") or {}
-        named = [(n, th.empty(tuple(s), device="meta")) for n, s in shapes.items()]
-        if not named:
-            return None
-        reason = validate_optimizer_payload(opt, named)
-        return reason.replace("FILE", source, 1) if reason else None
-    states = list((opt.get("state") or {}).values()) if isinstance(opt.get("state"), dict) else []
-    family = _family_of_state(states, opt.get("param_groups") or [])
-    if family not in (None, "Adam"):
-        return f"{source} holds {family} optimizer state, but this trainer uses AdamW"
-    return None
+    reason = validate_optimizer_payload(opt)
+    return reason.replace("FILE", source, 1) if reason else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -203,7 +139,7 @@ def inspect_file(path):
     Never raises for a bad file (the reason is in "error").
     """
     path = os.fspath(path)
-    rep = {"path": path, "ok": False, "error": None, "slot": _slot_of(path), "problems": [],
+    rep = {"path": path, "ok": False, "error": None, "slot": ckpt.slot_of(path), "problems": [],
            "notes": []}
     try:
         c = ckpt.load_file(path)
@@ -284,10 +220,10 @@ def _slot_problems(rep, c, path):
                 f"file name says step {name_step} but the file holds step {c.step}; rename it"
             )
     if slot == "ema" and c.tagged and c.rate_str is not None:
-        m = _EMA_NAME_RE.match(name)
-        if m and m.group(1) != c.rate_str:
+        info = ckpt.name_info(name)
+        if info is not None and info.rate_str != c.rate_str:
             rep["problems"].append(
-                f"file name says EMA rate {m.group(1)} but the file holds rate {c.rate_str}"
+                f"file name says EMA rate {info.rate_str} but the file holds rate {c.rate_str}"
             )
 
 
@@ -314,7 +250,7 @@ def _print_inspect(rep, out):
     if "optimizer" in rep:
         o = rep["optimizer"]
         hp = " ".join(f"{k}={v}" for k, v in (o.get("hyperparams") or {}).items())
-        w(f"  optimizer   {o.get('optimizer')}, {_LAYOUT_PHRASE.get(o['layout'], o['layout'])}, "
+        w(f"  optimizer   {o.get('optimizer')}, {ckpt.LAYOUT_PHRASES[o['layout']]}, "
           f"{o['groups']} group(s), {o['params_with_state']} with state"
           + (f", adam step {o['adam_step']}" if "adam_step" in o else "") + "\n")
         if hp:
@@ -462,86 +398,7 @@ def _shapes_of(c, want):
             f"{c.path}: holds index-keyed (upstream) optimizer state without parameter names; "
             "diff the model file of the same step instead"
         )
-    raise ToolError(f"{c.path}: holds {_KIND_PHRASE.get(c.kind, c.kind)}; nothing to diff")
-
-
-def _norm_flag(v):
-    if isinstance(v, bool):
-        return str(v).lower()
-    if isinstance(v, (int, float)):
-        return float(v)
-    s = str(v).strip().lower()
-    if s in ("true", "false", "yes", "no", "1", "0", "t", "f", "y", "n"):
-        return "true" if s in ("true", "yes", "1", "t", "y") else "false"
-    try:
-        return float(s)
-    except ValueError:
-        return s.replace(" ", "")
-
-
-def likely_flags(file_shapes, want_shapes, file_flags=None, want_flags=None):
-    """
-    The flags that most likely explain a key/shape mismatch, as "--flag (file: X, other: Y)".
-
-    Stored flags are compared when both sides have them; otherwise upstream's key layout is read.
-    """
-    hints = []
-    if file_flags and want_flags:
-        from . import script_util as su
-
-        keys = su.model_flag_keys()
-        for k in keys:
-            if k in file_flags and k in want_flags and \
-                    _norm_flag(file_flags[k]) != _norm_flag(want_flags[k]):
-                hints.append(f"--{k} (file: {file_flags[k]}, other: {want_flags[k]})")
-        if hints:
-            return hints
-
-    def shape(d, k):
-        return d.get(k)
-
-    out_f, out_w = shape(file_shapes, "out.2.weight"), shape(want_shapes, "out.2.weight")
-    if out_f and out_w and out_f[0] != out_w[0]:
-        hints.append(f"--learn_sigma (file has {out_f[0]} output channels, other {out_w[0]})")
-    lab_f, lab_w = "label_emb.weight" in file_shapes, "label_emb.weight" in want_shapes
-    if lab_f != lab_w:
-        hints.append(f"--class_cond (file: {lab_f}, other: {lab_w})")
-    elif lab_f and file_shapes["label_emb.weight"][0] != want_shapes["label_emb.weight"][0]:
-        hints.append(f"--num_classes (file: {file_shapes['label_emb.weight'][0]}, "
-                     f"other: {want_shapes['label_emb.weight'][0]})")
-    te_f = shape(file_shapes, "time_embed.0.weight")
-    te_w = shape(want_shapes, "time_embed.0.weight")
-    if te_f and te_w and te_f[1] != te_w[1]:
-        hints.append(f"--num_channels (file: {te_f[1]}, other: {te_w[1]})")
-    diff = set(file_shapes) ^ set(want_shapes)
-    if any(".qkv." in k or ".proj_out." in k for k in diff):
-        hints.append("--attention_resolutions (attention blocks differ)")
-    if _n_blocks(file_shapes) != _n_blocks(want_shapes):
-        hints.append("--num_res_blocks / --channel_mult / --image_size (block layout differs)")
-    for k in file_shapes if te_f == te_w else ():
-        if k.endswith("emb_layers.1.weight") and k in want_shapes:
-            a, b = file_shapes[k][0], want_shapes[k][0]
-            if a != b and (a == 2 * b or b == 2 * a):
-                hints.append(f"--use_scale_shift_norm (file: {a == 2 * b}, other: {b == 2 * a})")
-                break
-    return hints
-
-
-def _n_blocks(shapes):
-    """(number of input blocks, number of output blocks) of an upstream UNet state dict."""
-    def count(prefix):
-        idx = [int(k.split(".")[1]) for k in shapes
-               if k.startswith(prefix) and k.split(".")[1].isdigit()]
-        return max(idx) + 1 if idx else 0
-    return count("input_blocks."), count("output_blocks.")
-
-
-def diff_shapes(file_shapes, want_shapes):
-    missing = [k for k in want_shapes if k not in file_shapes]
-    unexpected = [k for k in file_shapes if k not in want_shapes]
-    reshaped = {k: {"file": file_shapes[k], "other": want_shapes[k]}
-                for k in file_shapes if k in want_shapes and file_shapes[k] != want_shapes[k]}
-    return missing, unexpected, reshaped
+    raise ToolError(f"{c.path}: holds {ckpt.describe(c)}; nothing to diff")
 
 
 def cmd_diff(args, out):
@@ -570,9 +427,9 @@ def cmd_diff(args, out):
         want_shapes = _shapes_of(c2, args.want)
         other = args.against
         file_flags, want_flags = c.flags, c2.flags
-    missing, unexpected, reshaped = diff_shapes(file_shapes, want_shapes)
-    same = not (missing or unexpected or reshaped)
-    hints = [] if same else likely_flags(file_shapes, want_shapes, file_flags, want_flags)
+    fit = fit_state_dict(want_shapes, file_shapes, file_flags, want_flags, other="other")
+    missing, unexpected, same, hints = fit.missing, fit.unexpected, fit.ok, fit.likely_flags
+    reshaped = {k: {"file": list(a), "other": list(b)} for k, (a, b) in fit.reshaped.items()}
     rep = {
         "file": args.file, "other": other, "same": same,
         "file_parameters": sum(int(th.Size(s).numel()) for s in file_shapes.values()),
@@ -647,7 +504,7 @@ def _param_names_for_opt(opt_path, files, flags, c_opt):
     if flags is not None:
         model = _build_model(flags)
         return [(n, tuple(p.shape)) for n, p in model.named_parameters()]
-    beside = [p for p in files if _slot_of(p) == "model"]
+    beside = [p for p in files if ckpt.slot_of(p) == "model"]
     if not beside:
         d = os.path.dirname(os.path.abspath(opt_path))
         if c_opt.step is not None:
@@ -675,11 +532,11 @@ class _Payloads(dict):
 
 def _wrong_slot(c, path, notes):
     """True (with a note) when a file's kind contradicts its name's slot: it is not converted."""
-    slot = _slot_of(path)
+    slot = ckpt.slot_of(path)
     if (slot == "opt" and c.kind in ("model", "ema")) or (slot in ("model", "ema")
                                                           and c.kind == "opt"):
         notes.append(f"{os.path.basename(path)}: the {_SLOT_PHRASE[slot]} slot holds "
-                     f"{_KIND_PHRASE[c.kind]}; not converted (see `ckpt.py inspect`)")
+                     f"{ckpt.describe(c)}; not converted (see `ckpt.py inspect`)")
         return True
     return False
 
@@ -736,21 +593,16 @@ def _tagged_payloads(group_files, flags, step_arg):
                 except OptimizerStateError as e:
                     notes.append(f"{base}: optimizer entry skipped ({e})")
         else:
-            raise ToolError(f"{path}: holds {_KIND_PHRASE['unknown']}; nothing to convert")
+            raise ToolError(f"{path}: holds {ckpt.KIND_PHRASES['unknown']}; nothing to convert")
     return payloads, notes
 
 
 def _check_fits(sd, flags, path):
-    model = _build_model(flags)
-    want = {k: _shape_list(v) for k, v in model.state_dict().items()}
-    have = {k: _shape_list(v) for k, v in sd.items()}
-    missing, unexpected, reshaped = diff_shapes(have, want)
-    if missing or unexpected or reshaped:
-        hints = likely_flags(have, want)
+    fit = fit_state_dict(shapes_of(_build_model(flags).state_dict()), shapes_of(sd))
+    if not fit.ok:
         raise ToolError(
-            f"{path}: does not fit the model of --flags ({len(missing)} missing, "
-            f"{len(unexpected)} unexpected, {len(reshaped)} reshaped keys"
-            + (f"; likely {hints[0]}" if hints else "") + "); fix --flags"
+            f"{path}: does not fit the model of --flags ({fit.summary()}"
+            + (f"; likely {fit.likely_flags[0]}" if fit.likely_flags else "") + "); fix --flags"
         )
 
 
@@ -787,7 +639,7 @@ def _raw_payloads(group_files, step_arg):
             if c.optimizer is not None:
                 payloads[ckpt.opt_filename(step)] = c.optimizer
         else:
-            raise ToolError(f"{path}: holds {_KIND_PHRASE['unknown']}; nothing to convert")
+            raise ToolError(f"{path}: holds {ckpt.KIND_PHRASES['unknown']}; nothing to convert")
     return payloads, notes
 
 
@@ -856,8 +708,8 @@ def cmd_convert(args, out):
     os.makedirs(out_dir, exist_ok=True)
     for step, payloads, status in plans:
         whole_step = (args.to == "tagged" and status is not None and status.complete
-                      and any(_slot_of(n) == "opt" for n in payloads)
-                      and any(_slot_of(n) == "model" for n in payloads))
+                      and any(ckpt.slot_of(n) == "opt" for n in payloads)
+                      and any(ckpt.slot_of(n) == "model" for n in payloads))
         try:
             if whole_step:
                 ckpt.save_step(out_dir, step, payloads)

@@ -31,12 +31,24 @@ Loading is exact: `load_optimizer_state(fresh_opt, named_optimizer_state(opt, pa
 makes `fresh_opt.state_dict()` equal `opt.state_dict()` tensor for tensor.
 """
 
+import math
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
 import torch as th
 
-FORMAT = "named-v1"
+from .checkpoint import (
+    LAYOUT_FLAT1,
+    LAYOUT_FLAT2,
+    LAYOUT_INDEXED,
+    LAYOUT_NAMED,
+    LAYOUT_PHRASES,
+    SCHEMA,
+    describe_object,
+    opt_layout,
+)
+
+FORMAT = LAYOUT_NAMED
 
 # The param-group hyperparameters restored from a saved state (others stay as constructed).
 HYPERPARAM_KEYS = ("lr", "betas", "eps", "weight_decay")
@@ -62,12 +74,6 @@ _CLASS_FAMILY = {
     "Adamax": "Adamax",
 }
 
-LAYOUT_NAMED = "named-v1"
-LAYOUT_INDEXED = "index-keyed torch state dict"
-LAYOUT_FLAT1 = "flattened fp16 master params (improved-diffusion: 1 flat param)"
-LAYOUT_FLAT2 = "flattened fp16 master params (guided-diffusion: 2 flat params)"
-
-
 class OptimizerStateError(ValueError):
     """The payload is not usable optimizer state; the message is one line naming the file."""
 
@@ -88,14 +94,14 @@ class LoadReport:
     dropped: int = 0
     reshaped: int = 0
     source: str = "FILE"
-    layout: str = LAYOUT_NAMED
+    layout: str = LAYOUT_PHRASES[LAYOUT_NAMED]  # the phrase of checkpoint.opt_layout's value
     fresh_names: List[str] = field(default_factory=list)
     dropped_names: List[str] = field(default_factory=list)
     reshaped_names: List[str] = field(default_factory=list)
 
     def summary(self) -> str:
         line = (
-            f"optimizer state from {self.source} ({self.layout}): "
+            f"optimizer state from {self.source}, {self.layout}: "
             f"{self.matched} parameters restored, {self.fresh} fresh"
         )
         if self.reshaped:
@@ -192,27 +198,12 @@ def named_optimizer_state(optimizer, named_params) -> dict:
 
 def _describe_non_optimizer(payload) -> str:
     """What a payload that is not optimizer state holds, for a one-line message."""
-    if not isinstance(payload, dict):
-        return f"a {type(payload).__name__}, not optimizer state"
-    if not payload:
-        return "an empty dict, not optimizer state"
-    if payload.get("schema") == "improved_diffusion.checkpoint":
-        kind = payload.get("kind", "?")
-        return f"a tagged {kind} checkpoint, not optimizer state"
-    tensors = [k for k, v in payload.items() if isinstance(v, th.Tensor)]
-    if tensors and len(tensors) == len(payload) and all(isinstance(k, str) for k in payload):
-        return (
-            f"a model state dict ({len(tensors)} tensors, e.g. {tensors[0]!r}), "
-            "not optimizer state"
-        )
-    keys = ", ".join(repr(k) for k in list(payload)[:4])
-    more = ", ..." if len(payload) > 4 else ""
-    return f"a dict with keys [{keys}{more}], not optimizer state"
+    return f"{describe_object(payload)}, not optimizer state"
 
 
 def _unwrap(payload, source):
     """Accept a whole opt file (tagged) or a combined dict; return the optimizer payload."""
-    if isinstance(payload, dict) and payload.get("schema") == "improved_diffusion.checkpoint":
+    if isinstance(payload, dict) and payload.get("schema") == SCHEMA:
         if payload.get("kind") == "opt" and isinstance(payload.get("optimizer"), dict):
             return payload["optimizer"]
         raise OptimizerStateError(f"{source} holds {_describe_non_optimizer(payload)}")
@@ -238,15 +229,168 @@ class _Plan:
         self.default_hyper = default_hyper
 
 
-def _check_state_entries(states, source):
-    for entry in states:
-        if not isinstance(entry, dict) or not all(
-            isinstance(v, (th.Tensor, int, float)) for v in entry.values()
+def _malformed(source, what):
+    return OptimizerStateError(f"{source} holds malformed optimizer state: {what}")
+
+
+def _show(v) -> str:
+    """A short description of a value for a message."""
+    if isinstance(v, th.Tensor):
+        dtype = str(v.dtype).replace("torch.", "")
+        if v.dim() == 0:
+            return f"a {dtype} tensor {v.item()!r}"
+        return f"a {dtype} tensor of shape {list(v.shape)}"
+    text = repr(v)
+    return text if len(text) <= 40 else f"a {type(v).__name__}"
+
+
+def _number(v) -> Optional[float]:
+    """`v` as a finite float when it is a real number (or a one-element real tensor), else None."""
+    if isinstance(v, th.Tensor):
+        if v.numel() != 1 or v.dtype == th.bool or v.is_complex():
+            return None
+        v = v.item()
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        return None
+    return float(v)
+
+
+def _check_hyper(group, where, source):
+    """The restored hyperparameters of one param group have the types torch's AdamW expects."""
+    for k in HYPERPARAM_KEYS:
+        if k not in group:
+            continue
+        v = group[k]
+        if k == "betas":
+            ok = isinstance(v, (list, tuple)) and len(v) == 2 and all(
+                _number(b) is not None and 0.0 <= _number(b) < 1.0 for b in v)
+            want = "two numbers in [0, 1)"
+        else:
+            ok = _number(v) is not None and _number(v) >= 0.0
+            want = "a non-negative number"
+        if not ok:
+            raise _malformed(source, f"{where}[{k!r}] is {_show(v)}, not {want}")
+
+
+def _check_groups(groups, source, key_ok, key_what):
+    """param_groups is a non-empty list of dicts whose 'params' lists keys once each."""
+    if not isinstance(groups, list) or not groups:
+        what = "empty" if isinstance(groups, list) else f"{_show(groups)}, not a list"
+        raise _malformed(source, f"'param_groups' is {what}")
+    seen = set()
+    for i, g in enumerate(groups):
+        where = f"param_groups[{i}]"
+        if not isinstance(g, dict) or not isinstance(g.get("params"), list):
+            raise _malformed(source, f"{where} has no 'params' list")
+        for key in g["params"]:
+            if not key_ok(key):
+                raise _malformed(source, f"{where}['params'] holds {_show(key)}, not {key_what}")
+            if key in seen:
+                raise _malformed(source, f"{key!r} is listed by two param groups")
+            seen.add(key)
+        _check_hyper(g, where, source)
+    return seen
+
+
+def _check_state_container(state, source):
+    if not isinstance(state, dict):
+        raise _malformed(source, f"'state' is {_show(state)}, not a dict")
+    for key, entry in state.items():
+        if not isinstance(entry, dict):
+            raise _malformed(source, f"state[{key!r}] is {_show(entry)}, not a dict of tensors")
+
+
+def _needed_keys(family, optimizer) -> Tuple[str, ...]:
+    """The per-parameter state keys the target optimizer reads at its next step."""
+    if family is None:
+        return ()
+    keys = tuple(sorted(_FAMILY_STATE_KEYS[family]))
+    if family == "Adam":
+        amsgrad = optimizer is not None and any(
+            g.get("amsgrad") for g in optimizer.param_groups)
+        keys = ("step",) + keys + (("max_exp_avg_sq",) if amsgrad else ())
+    return keys
+
+
+def _check_step(v, where, source):
+    n = _number(v)
+    if n is None or n < 0:
+        raise _malformed(source, f"{where}['step'] is {_show(v)}, not a non-negative number")
+
+
+def _check_entry(entry, where, needed, shape, source):
+    """
+    One parameter's state: every key the optimizer reads is there, 'step' is a non-negative
+    number, moments are floating-point tensors of one shape (`shape` when given).
+    Returns the moments' shape (None when the entry has no moment).
+    """
+    for k in needed:
+        if k not in entry:
+            raise _malformed(source, f"{where} has no {k!r}")
+    seen = None
+    for k, v in entry.items():
+        if not isinstance(k, str):
+            raise _malformed(source, f"{where} has a key {k!r} that is not a string")
+        if k == "step":
+            _check_step(v, where, source)
+            continue
+        if not isinstance(v, th.Tensor):
+            if k in needed or _number(v) is None and v is not None:
+                raise _malformed(source, f"{where}[{k!r}] is {_show(v)}, not a tensor")
+            continue
+        if not v.is_floating_point():
+            raise _malformed(source, f"{where}[{k!r}] is {_show(v)}, not floating point")
+        if k not in needed:
+            continue
+        want = shape if shape is not None else seen
+        if want is not None and tuple(v.shape) != tuple(want):
+            whose = "the parameter has" if shape is not None else "its other moments have"
+            raise _malformed(source, f"{where}[{k!r}] has shape {list(v.shape)} but {whose} "
+                                     f"shape {list(want)}")
+        seen = tuple(v.shape)
+    return seen
+
+
+def _check_shapes(shapes, source):
+    if not isinstance(shapes, dict):
+        raise _malformed(source, f"'shapes' is {_show(shapes)}, not a dict of parameter shapes")
+    for name, shape in shapes.items():
+        if not isinstance(name, str) or not isinstance(shape, (list, tuple)) or not all(
+            isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape
         ):
-            raise OptimizerStateError(
-                f"{source} holds a malformed optimizer state (per-parameter state is not a dict "
-                "of tensors)"
-            )
+            raise _malformed(source, f"shapes[{name!r}] is {_show(shape)}, not a list of sizes")
+
+
+def _check_named(payload, source, needed):
+    """The whole named-v1 structure (see the module docstring), before anything is loaded."""
+    if not isinstance(payload.get("optimizer", ""), str):
+        raise _malformed(source, f"'optimizer' is {_show(payload['optimizer'])}, not a name")
+    shapes = payload.get("shapes")
+    _check_shapes(shapes, source)
+    names = _check_groups(payload.get("param_groups"), source,
+                          lambda k: isinstance(k, str), "parameter names")
+    unknown = [n for n in names if n not in shapes]
+    if unknown:
+        raise _malformed(source, f"param group parameter {unknown[0]!r} is not in 'shapes'")
+    state = payload.get("state")
+    _check_state_container(state, source)
+    for name, entry in state.items():
+        if name not in names:
+            raise _malformed(source, f"state[{name!r}] belongs to no param group")
+        _check_entry(entry, f"state[{name!r}]", needed, tuple(shapes[name]), source)
+
+
+def _check_raw(payload, source, needed):
+    """The whole index-keyed torch structure, before anything is loaded."""
+    indices = _check_groups(payload["param_groups"], source,
+                            lambda k: isinstance(k, int) and not isinstance(k, bool),
+                            "parameter indices")
+    state = payload["state"]
+    _check_state_container(state, source)
+    for index, entry in state.items():
+        if index not in indices:
+            raise _malformed(source, f"state[{index!r}] belongs to no param group")
+        _check_entry(entry, f"state[{index!r}]", needed, None, source)
 
 
 def _entry_shape(entry) -> Optional[Tuple[int, ...]]:
@@ -260,56 +404,37 @@ def _entry_shape(entry) -> Optional[Tuple[int, ...]]:
     return shape
 
 
-def _plan_named(payload, named, source) -> Tuple[dict, dict, dict, str]:
-    """(state_by_name, shape_by_name, hyper_by_name, optimizer name) from a named-v1 payload."""
-    groups = payload.get("param_groups")
-    state = payload.get("state")
-    shapes = payload.get("shapes") or {}
-    if not isinstance(groups, list) or not isinstance(state, dict):
-        raise OptimizerStateError(
-            f"{source} holds a malformed named optimizer state (missing 'param_groups' or 'state')"
-        )
-    _check_state_entries(state.values(), source)
+def _as_step_tensor(entry):
+    """The entry with 'step' as a float tensor, as torch's Adam keeps it (old torch saved ints)."""
+    step = entry.get("step")
+    if step is None or isinstance(step, th.Tensor) and step.is_floating_point() \
+            and step.dim() == 0:
+        return entry
+    out = dict(entry)
+    out["step"] = th.tensor(_number(step), dtype=th.float32)
+    return out
+
+
+def _plan_named(payload, source) -> Tuple[dict, dict, dict, str]:
+    """(state_by_name, shape_by_name, hyper_by_name, optimizer name) from a checked payload."""
     hyper_by_name = {}
-    for g in groups:
-        if not isinstance(g, dict) or not isinstance(g.get("params"), list):
-            raise OptimizerStateError(
-                f"{source} holds a malformed named optimizer state (a param group has no params)"
-            )
+    for g in payload["param_groups"]:
         hyper = {k: v for k, v in g.items() if k != "params"}
         for name in g["params"]:
             hyper_by_name[name] = hyper
-    shape_by_name = {}
-    for name in set(hyper_by_name) | set(state):
-        if name in shapes:
-            shape_by_name[name] = tuple(shapes[name])
-        elif name in state:
-            shape_by_name[name] = _entry_shape(state[name])
-        else:
-            shape_by_name[name] = None
-    return dict(state), shape_by_name, hyper_by_name, str(payload.get("optimizer", "?"))
+    shapes = payload["shapes"]
+    shape_by_name = {n: tuple(shapes[n]) for n in hyper_by_name}
+    state = {n: _as_step_tensor(e) for n, e in payload["state"].items()}
+    return state, shape_by_name, hyper_by_name, str(payload.get("optimizer", "?"))
 
 
-def _flat_layout(raw_states, raw_params, named):
-    """Detect upstream's flattened fp16 layouts; return (layout, [(names, flat entry)]) or None."""
-    n_total = sum(p.numel() for _, p in named)
-    if len(raw_params) == 1 and len(named) > 1:
-        entry = raw_states.get(raw_params[0])
-        if entry is not None and _entry_shape(entry) is not None:
-            shape = _entry_shape(entry)
-            if len(shape) == 1:
-                return LAYOUT_FLAT1, [([n for n, _ in named], entry)], shape[0], n_total
-    if len(raw_params) == 2 and len(named) > 2:
-        e1, e2 = raw_states.get(raw_params[0]), raw_states.get(raw_params[1])
-        if e1 is not None and e2 is not None:
-            s1, s2 = _entry_shape(e1), _entry_shape(e2)
-            if s1 is not None and s2 is not None and len(s1) == 1 and (
-                len(s2) == 2 and s2[0] == 1 or len(s2) == 1
-            ):
-                vec = [n for n, p in named if p.ndim <= 1]
-                mat = [n for n, p in named if p.ndim > 1]
-                return LAYOUT_FLAT2, [(vec, e1), (mat, e2)], s1[0] + s2[-1], n_total
-    return None
+def _flat_parts(layout, states, raw_params, named):
+    """[(parameter names, flat entry)] of a flattened fp16 layout (see checkpoint.opt_layout)."""
+    if layout == LAYOUT_FLAT1:
+        return [([n for n, _ in named], states[raw_params[0]])]
+    vec = [n for n, p in named if p.ndim <= 1]
+    mat = [n for n, p in named if p.ndim > 1]
+    return [(vec, states[raw_params[0]]), (mat, states[raw_params[1]])]
 
 
 def _unflatten(parts, named, source, layout, saved_numel, model_numel):
@@ -347,17 +472,9 @@ def _unflatten(parts, named, source, layout, saved_numel, model_numel):
 
 
 def _plan_raw(payload, named, source):
-    """(state_by_name, shape_by_name, hyper_by_name, layout) from a raw torch state dict."""
+    """(state_by_name, shape_by_name, hyper_by_name, layout) from a checked raw torch state dict."""
     groups = payload["param_groups"]
-    states = payload["state"]
-    if not isinstance(groups, list) or not isinstance(states, dict) or not all(
-        isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups
-    ):
-        raise OptimizerStateError(
-            f"{source} holds a malformed optimizer state dict ('param_groups' or 'state' has the "
-            "wrong type)"
-        )
-    _check_state_entries(states.values(), source)
+    states = {i: _as_step_tensor(e) for i, e in payload["state"].items()}
     raw_params = [i for g in groups for i in g["params"]]
     hyper_of_index = {}
     for g in groups:
@@ -365,14 +482,17 @@ def _plan_raw(payload, named, source):
         for i in g["params"]:
             hyper_of_index[i] = hyper
     names = [n for n, _ in named]
+    layout = opt_layout(payload, len(named))
     if len(raw_params) != len(named):
-        flat = _flat_layout(states, raw_params, named)
-        if flat is not None:
-            layout, parts, saved_numel, model_numel = flat
-            state_by_name = _unflatten(parts, named, source, layout, saved_numel, model_numel)
+        if layout in (LAYOUT_FLAT1, LAYOUT_FLAT2):
+            parts = _flat_parts(layout, states, raw_params, named)
+            saved_numel = sum(_entry_shape(e)[-1] for _, e in parts)
+            model_numel = sum(p.numel() for _, p in named)
+            state_by_name = _unflatten(parts, named, source, LAYOUT_PHRASES[layout], saved_numel,
+                                       model_numel)
             shape_by_name = {n: tuple(p.shape) for n, p in named}
             hyper = hyper_of_index[raw_params[0]]
-            return state_by_name, shape_by_name, {n: hyper for n in names}, layout
+            return state_by_name, shape_by_name, {n: hyper for n in names}, LAYOUT_PHRASES[layout]
         raise OptimizerStateError(
             f"{source} holds index-keyed optimizer state for {len(raw_params)} parameters but the "
             f"model has {len(named)}; it cannot be matched to parameters by name "
@@ -388,36 +508,59 @@ def _plan_raw(payload, named, source):
         else:
             state_by_name[name] = entry
             shape_by_name[name] = _entry_shape(entry)
-    return state_by_name, shape_by_name, hyper_by_name, LAYOUT_INDEXED
+    return state_by_name, shape_by_name, hyper_by_name, LAYOUT_PHRASES[LAYOUT_INDEXED]
 
 
-def _make_plan(payload, named, source, optimizer=None) -> _Plan:
-    """Check the payload against the model's parameters; raise OptimizerStateError if unusable."""
+def _target(optimizer) -> Tuple[Optional[str], str]:
+    """(family, class name) of the optimizer to load into; None means our trainer's AdamW."""
+    if optimizer is None:
+        return "Adam", "AdamW"
+    return _family_of_class(optimizer), type(optimizer).__name__
+
+
+def _checked(payload, source, optimizer):
+    """
+    The unwrapped payload and its layout ("named" or "raw"), after checking its WHOLE structure
+    (types, keys, moment shapes, hyperparameters) against what the target optimizer reads at its
+    next step: a payload that passes cannot fail later in `optimizer.step()`.
+    """
     payload = _unwrap(payload, source)
+    family, target_name = _target(optimizer)
+    needed = _needed_keys(family, optimizer)
     if isinstance(payload, dict) and "format" in payload:
         if payload.get("format") != FORMAT:
             raise OptimizerStateError(
                 f"{source} holds optimizer state in format {payload.get('format')!r}, which this "
                 f"version does not read (it reads {FORMAT!r}); upgrade improved_diffusion"
             )
-        state_by_name, shape_by_name, hyper_by_name, saved_opt = _plan_named(
-            payload, named, source
-        )
-        layout = LAYOUT_NAMED
-        groups = payload["param_groups"]
+        _check_state_container(payload.get("state"), source)
+        saved_opt = payload.get("optimizer")
+        saved_opt = saved_opt if isinstance(saved_opt, str) else None
+        groups = payload.get("param_groups")
         saved_family = _CLASS_FAMILY.get(saved_opt) or _family_of_state(
-            state_by_name.values(), groups
-        )
-        _check_family(saved_family, optimizer, source, saved_opt)
-    elif isinstance(payload, dict) and "state" in payload and "param_groups" in payload:
-        saved_family = _family_of_state(
-            payload["state"].values() if isinstance(payload["state"], dict) else [],
-            payload["param_groups"] if isinstance(payload["param_groups"], list) else [],
-        )
-        _check_family(saved_family, optimizer, source)
-        state_by_name, shape_by_name, hyper_by_name, layout = _plan_raw(payload, named, source)
+            payload["state"].values(), groups if isinstance(groups, list) else [])
+        _check_family(saved_family, family, target_name, source, saved_opt)
+        _check_named(payload, source, needed)
+        return payload, "named"
+    if isinstance(payload, dict) and "state" in payload and "param_groups" in payload:
+        _check_state_container(payload["state"], source)
+        groups = payload["param_groups"]
+        saved_family = _family_of_state(payload["state"].values(),
+                                        groups if isinstance(groups, list) else [])
+        _check_family(saved_family, family, target_name, source)
+        _check_raw(payload, source, needed)
+        return payload, "raw"
+    raise OptimizerStateError(f"{source} holds {_describe_non_optimizer(payload)}")
+
+
+def _make_plan(payload, named, source, optimizer=None) -> _Plan:
+    """Check the payload against the model's parameters; raise OptimizerStateError if unusable."""
+    payload, kind = _checked(payload, source, optimizer)
+    if kind == "named":
+        state_by_name, shape_by_name, hyper_by_name, _ = _plan_named(payload, source)
+        layout = LAYOUT_PHRASES[LAYOUT_NAMED]
     else:
-        raise OptimizerStateError(f"{source} holds {_describe_non_optimizer(payload)}")
+        state_by_name, shape_by_name, hyper_by_name, layout = _plan_raw(payload, named, source)
 
     model_shapes = {n: tuple(p.shape) for n, p in named}
     report = LoadReport(source=source, layout=layout)
@@ -458,11 +601,7 @@ def _make_plan(payload, named, source, optimizer=None) -> _Plan:
     return _Plan(report, usable, hyper_by_name, default_hyper)
 
 
-def _check_family(saved_family, optimizer, source, saved_name=None):
-    if optimizer is None:
-        target_family, target_name = "Adam", "AdamW"
-    else:
-        target_family, target_name = _family_of_class(optimizer), type(optimizer).__name__
+def _check_family(saved_family, target_family, target_name, source, saved_name=None):
     if saved_family is None or target_family is None:
         return
     if saved_family != target_family:
@@ -473,17 +612,22 @@ def _check_family(saved_family, optimizer, source, saved_name=None):
         )
 
 
-def validate_optimizer_payload(payload, named_params, optimizer=None) -> Optional[str]:
+def validate_optimizer_payload(payload, named_params=None, optimizer=None) -> Optional[str]:
     """
     Check, without loading, that `payload` is optimizer state usable for these parameters.
 
     :param payload: named-v1 dict, upstream raw torch optimizer state dict, or anything else.
-    :param named_params: list of (name, parameter) in the model's order.
+    :param named_params: list of (name, parameter) in the model's order; None checks the
+                         payload's whole structure only (no model at hand, as in `ckpt.py`).
     :param optimizer: the target optimizer (its type is checked); None means AdamW.
-    :return: None when usable, else the one-line reason (as OptimizerStateError would say).
+    :return: None when usable, else the one-line reason (as OptimizerStateError would say), with
+             "FILE" for the file name.
     """
     try:
-        _make_plan(payload, _as_named_list(named_params), "FILE", optimizer)
+        if named_params is None:
+            _checked(payload, "FILE", optimizer)
+        else:
+            _make_plan(payload, _as_named_list(named_params), "FILE", optimizer)
     except OptimizerStateError as e:
         return str(e)
     return None
@@ -611,7 +755,7 @@ def named_to_raw(payload, source="FILE") -> dict:
         )
     if not isinstance(payload, dict) or "format" not in payload:
         raise OptimizerStateError(f"{source} holds {_describe_non_optimizer(payload)}")
-    _plan_named(payload, [], source)
+    _checked(payload, source, None)
     state = payload["state"]
     groups = []
     raw_state = {}

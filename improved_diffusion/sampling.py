@@ -22,6 +22,8 @@ import numpy as np
 import torch as th
 
 from . import cli, dist_util, logger
+from .script_util import same_flag_value
+from .state_fit import fit_state_dict, shapes_of
 
 # Model/diffusion flags that may legitimately differ from the training run at sampling time.
 SAMPLE_TIME_FLAGS = ("timestep_respacing", "use_checkpoint", "dropout")
@@ -113,33 +115,6 @@ def explicit_args(parser, argv=None):
     quiet = copy.deepcopy(parser)
     quiet.set_defaults(**{a.dest: unset for a in quiet._actions if a.dest != "help"})
     return {k: v for k, v in vars(quiet.parse_args(argv)).items() if v is not unset}
-
-
-def _norm(v):
-    """A comparable form of a flag value (bools, numbers, comma lists written differently)."""
-    if isinstance(v, bool):
-        return v
-    if isinstance(v, (int, float)):
-        return float(v)
-    if isinstance(v, str):
-        s = v.strip()
-        low = s.lower()
-        if low in ("true", "yes", "t", "y"):
-            return True
-        if low in ("false", "no", "f", "n"):
-            return False
-        try:
-            return float(s)
-        except ValueError:
-            return ",".join(p.strip() for p in s.split(","))
-    if isinstance(v, (list, tuple)):
-        return ",".join(str(_norm(p)) for p in v)
-    return v
-
-
-def same_flag_value(a, b):
-    """True when two flag values mean the same (``True`` == ``"True"``, ``16`` == ``16.0``)."""
-    return _norm(a) == _norm(b)
 
 
 def reconcile_flags(file_flags, explicit, defaults, *, source="the model file",
@@ -247,24 +222,16 @@ def load_weights(path, want="auto"):
     return sd, ckpt
 
 
-def _fit_error(path, model, sd, from_file):
-    """A one-line explanation of why `sd` does not fit `model`."""
-    own = model.state_dict()
-    missing = [k for k in own if k not in sd]
-    unexpected = [k for k in sd if k not in own]
-    shape = [k for k in own if k in sd and tuple(own[k].shape) != tuple(sd[k].shape)]
-    if shape:
-        k = shape[0]
-        what = (f"{k} is {tuple(sd[k].shape)} in the file but {tuple(own[k].shape)} in the model "
-                f"({len(shape)} shape mismatches)")
-    elif missing:
-        what = f"the file lacks {len(missing)} of the model's weights (e.g. {missing[0]})"
+def _fit_error(path, fit, from_file):
+    """A one-line SampleError saying why the weights of `path` do not fit (a state_fit.Fit)."""
+    if from_file:
+        hint = "the flags stored in the file do not match its weights"
+    elif fit.likely_flags:
+        hint = f"pass the model flags it was trained with (likely {'; '.join(fit.likely_flags)})"
     else:
-        what = f"the file has {len(unexpected)} weights the model lacks (e.g. {unexpected[0]})"
-    hint = ("the flags stored in the file do not match its weights" if from_file else
-            "pass the model flags it was trained with (e.g. --image_size, --num_channels, "
-            "--num_res_blocks, --learn_sigma, --class_cond)")
-    return SampleError(f"--model_path {path} does not fit the model: {what}; {hint}")
+        hint = ("pass the model flags it was trained with (e.g. --image_size, --num_channels, "
+                "--num_res_blocks, --learn_sigma, --class_cond)")
+    return SampleError(f"--model_path {path} does not fit the model: {fit.summary()}; {hint}")
 
 
 def load_for_sampling(path, explicit, *, defaults=None, create=None, want="auto",
@@ -294,10 +261,10 @@ def load_for_sampling(path, explicit, *, defaults=None, create=None, want="auto"
         model, diffusion = create(**flags)
     except ValueError as e:  # script_util.FlagError and friends name the flag
         raise SampleError(str(e).splitlines()[0] if str(e) else repr(e)) from None
-    try:
-        model.load_state_dict(sd)
-    except RuntimeError:
-        raise _fit_error(path, model, sd, file_flags is not None) from None
+    fit = fit_state_dict(shapes_of(model.state_dict()), shapes_of(sd))
+    if not fit.ok:
+        raise _fit_error(path, fit, file_flags is not None)
+    model.load_state_dict(sd)
     model.to(device if device is not None else dist_util.dev())
     model.eval()
     return model, diffusion, flags, ckpt

@@ -74,6 +74,36 @@ def model_flag_keys():
     return list(MODEL_FLAG_KEYS)
 
 
+def normalize_flag_value(v):
+    """
+    A comparable form of a flag value, however it was written: ``True`` / ``"true"`` / ``"yes"``,
+    ``16`` / ``"16"`` / ``16.0``, ``"16, 8"`` / ``"16,8"`` / ``(16, 8)`` compare equal.
+    """
+    if isinstance(v, bool):
+        return v
+    if isinstance(v, (int, float)):
+        return float(v)
+    if isinstance(v, str):
+        s = v.strip()
+        low = s.lower()
+        if low in ("true", "yes", "t", "y"):
+            return True
+        if low in ("false", "no", "f", "n"):
+            return False
+        try:
+            return float(s)
+        except ValueError:
+            return ",".join(p.strip() for p in s.split(","))
+    if isinstance(v, (list, tuple)):
+        return ",".join(str(normalize_flag_value(p)) for p in v)
+    return v
+
+
+def same_flag_value(a, b):
+    """True when two flag values mean the same (``True`` == ``"True"``, ``16`` == ``16.0``)."""
+    return normalize_flag_value(a) == normalize_flag_value(b)
+
+
 def _check_image_size(image_size, flag="--image_size"):
     if isinstance(image_size, bool) or not isinstance(image_size, int) or image_size <= 0:
         raise FlagError(f"{flag} must be a positive integer, got {image_size!r}")

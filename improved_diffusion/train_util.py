@@ -28,7 +28,7 @@ import torch as th
 from torch.nn.parallel.distributed import DistributedDataParallel as DDP
 from torch.optim import AdamW
 
-from . import checkpoint, dist_util, logger, optim_state, run_dir
+from . import checkpoint, dist_util, logger, optim_state, run_dir, state_fit
 from .resample import LossAwareSampler, UniformSampler
 
 # EX_TEMPFAIL: "try again later". A job script can requeue on it.
@@ -824,42 +824,18 @@ def _cpu_state_dict(sd):
 
 
 
-def _likely_flag(keys, file_flags, my_flags, sd_keys=(), model_keys=()):
-    if file_flags:
-        diff = [k for k in my_flags if k in file_flags and file_flags[k] != my_flags[k]]
-        if diff:
-            return ", ".join(f"--{k} (file: {file_flags[k]}, given: {my_flags[k]})"
-                             for k in diff[:4])
-    if any("time_embed.0" in k for k in keys):
-        return "--num_channels"
-
-    def blocks(ks):
-        return {k.split(".")[1] for k in ks if k.startswith("input_blocks.")}
-
-    if len(blocks(sd_keys)) != len(blocks(model_keys)):
-        return "--num_res_blocks / --channel_mult / --image_size"
-    for needle, flag in _FLAG_HINTS:
-        if any(needle in k for k in keys):
-            return f"--{flag}"
-    return "the model flags"
-
-
 def _check_state_dict_matches(model, sd, path, file_flags, my_flags, params_only=False):
-    """Raise ResumeError (one line) listing missing/unexpected/reshaped keys and the likely flag."""
+    """Raise ResumeError (one line) naming missing/unexpected/reshaped keys and the likely flag.
+    ``params_only``: compare the parameters only (EMA weights; buffers are the model's)."""
     mine = dict(model.named_parameters()) if params_only else model.state_dict()
-    missing = [k for k in mine if k not in sd]
-    unexpected = [] if params_only else [k for k in sd if k not in mine]
-    reshaped = [k for k in mine if k in sd and tuple(sd[k].shape) != tuple(mine[k].shape)]
-    if not (missing or unexpected or reshaped):
+    want = state_fit.shapes_of(mine)
+    have = state_fit.shapes_of({k: v for k, v in sd.items() if k in want} if params_only else sd)
+    fit = state_fit.fit_state_dict(want, have, file_flags, my_flags)
+    if fit.ok:
         return
-    parts = []
-    for label, keys in (("missing", missing), ("unexpected", unexpected), ("shape", reshaped)):
-        if keys:
-            more = f" (+{len(keys) - 3} more)" if len(keys) > 3 else ""
-            parts.append(f"{label} {len(keys)}: {', '.join(keys[:3])}{more}")
-    flag = _likely_flag(reshaped + missing + unexpected, file_flags, my_flags, sd, mine)
+    flag = fit.likely_flags[0] if fit.likely_flags else "the model flags"
     raise ResumeError(
-        f"{path}: weights do not fit the model built from the flags ({'; '.join(parts)}); "
+        f"{path}: weights do not fit the model built from the flags ({fit.summary()}); "
         f"check {flag}"
     )
 

@@ -266,15 +266,26 @@ def test_model_state_from_an_optimizer_file_is_a_clear_error():
         C.model_state_from(ck)
 
 
-@pytest.mark.parametrize("groups", [1, 2])
-def test_flattened_fp16_optimizer_layouts_are_recognised(groups):
-    state = {i: {"step": th.tensor(3.0), "exp_avg": th.zeros(1000), "exp_avg_sq": th.zeros(1000)}
-             for i in range(groups)}
-    opt = {"state": state, "param_groups": [{"lr": 1e-4, "params": [i]} for i in range(groups)]}
+def _adam_entry(*shape):
+    return {"step": th.tensor(3.0), "exp_avg": th.zeros(*shape), "exp_avg_sq": th.zeros(*shape)}
+
+
+@pytest.mark.parametrize("layout,shapes", [
+    (C.LAYOUT_FLAT1, [(1000,)]),           # improved-diffusion: one flat master param
+    (C.LAYOUT_FLAT2, [(400,), (1, 600)]),  # guided-diffusion: [N1] (ndim <= 1), then [1, N2]
+    (C.LAYOUT_INDEXED, [(5, 3), (5,)]),    # a plain model of two parameters
+])
+def test_optimizer_layouts_are_detected_once_and_named_by_one_phrase(layout, shapes):
+    opt = {"state": {i: _adam_entry(*s) for i, s in enumerate(shapes)},
+           "param_groups": [{"lr": 1e-4, "params": list(range(len(shapes)))}]}
+    assert C.opt_layout(opt) == layout
     kind, notes = C.classify(opt)
     assert kind == "opt"
-    assert any("flattened fp16 master-parameter optimizer state (upstream: 1 group; guided: 2)"
-               in n and f"{groups} group" in n for n in notes)
+    flat = [n for n in notes if "flattened fp16" in n]
+    assert flat == ([] if layout == C.LAYOUT_INDEXED else
+                    [f"optimizer layout: {C.LAYOUT_PHRASES[layout]}"])
+    # knowing the model has as many parameters, even a flat-looking payload is index-keyed
+    assert C.opt_layout(opt, n_params=len(shapes)) == C.LAYOUT_INDEXED
 
 
 def test_unknown_objects_classify_as_unknown():

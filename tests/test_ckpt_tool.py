@@ -199,7 +199,7 @@ def test_inspect_reports_prefixes_and_flat_fp16_layouts(tmp_path):
     th.save(flat, tmp_path / "opt000001.pt")
     code, out, _ = cli("inspect", tmp_path / "opt000001.pt")
     assert code == 0
-    assert "flattened fp16 master-parameter optimizer state (upstream: 1 group; guided: 2)" in out
+    assert ckpt.LAYOUT_PHRASES[ckpt.LAYOUT_FLAT1] in out
     assert f"parameters  {n:,}" in out
 
 
@@ -402,3 +402,24 @@ def test_convert_skips_a_model_state_dict_in_the_opt_slot_and_writes_no_manifest
     assert "opt000004.pt: the optimizer slot holds a model state dict; not converted" in out
     assert sorted(os.listdir(tmp_path / "out")) == ["model000004.pt"]
     assert not run_dir.list_steps(tmp_path / "out")[0].complete
+
+
+@pytest.mark.parametrize("fault,expect", [
+    ("betas", "param_groups[0]['betas'] is (0.9,), not two numbers"),
+    ("shapes", "'shapes' is"),
+    ("step", "['step'] is a float32 tensor nan"),
+])
+def test_inspect_names_what_is_malformed_in_an_optimizer_file(tmp_path, fault, expect):
+    model = tiny_model()
+    named = named_optimizer_state(tiny_opt_state(model), list(model.named_parameters()))
+    if fault == "betas":
+        named["param_groups"][0]["betas"] = (0.9,)
+    elif fault == "shapes":
+        named["shapes"] = list(named["shapes"])
+    else:
+        next(iter(named["state"].values()))["step"] = th.tensor(float("nan"))
+    th.save(ckpt.opt_payload(1, named, {}), tmp_path / "opt000001.pt")
+    code, out, err = cli("inspect", tmp_path / "opt000001.pt")
+    assert code == 1 and not err, err
+    assert f"problem     {tmp_path / 'opt000001.pt'} holds malformed optimizer state: " in out
+    assert expect in out

@@ -314,3 +314,143 @@ def test_param_groups_of_a_different_split_get_hyperparameters_by_name():
     split = th.optim.AdamW([{"params": no_decay}, {"params": decay}], lr=1.0)
     load_optimizer_state(split, payload, named)
     assert [g["weight_decay"] for g in split.param_groups] == [0.0, 0.1]
+
+
+# ---------------------------------------------------------------------------------------------
+# malformed payloads: refused before the optimizer is touched, with a message naming the fault
+
+
+def _set(path, value):
+    """A mutation: payload[path[0]][path[1]]... = value (or value(old); DEL deletes the key)."""
+    def mutate(payload):
+        target = payload
+        for key in path[:-1]:
+            target = target[key]
+        if value is DEL:
+            del target[path[-1]]
+        else:
+            target[path[-1]] = value(target[path[-1]]) if callable(value) else value
+    return mutate
+
+
+DEL = object()
+A = "a.weight"
+NAMED_CASES = {
+    "no exp_avg_sq": (_set(["state", A, "exp_avg_sq"], DEL), r"state\['a.weight'\] has no "
+                                                            r"'exp_avg_sq'"),
+    "no step": (_set(["state", A, "step"], DEL), r"state\['a.weight'\] has no 'step'"),
+    "one-element betas": (_set(["param_groups", 0, "betas"], (0.9,)),
+                          r"param_groups\[0\]\['betas'\] is \(0\.9,\), not two numbers"),
+    "betas a string": (_set(["param_groups", 0, "betas"], "0.9,0.99"), r"'betas'\] is '0\.9"),
+    "beta of 1": (_set(["param_groups", 0, "betas"], (0.9, 1.0)), r"not two numbers in \[0, 1\)"),
+    "lr a string": (_set(["param_groups", 0, "lr"], "fast"),
+                    r"\['lr'\] is 'fast', not a non-negative number"),
+    "negative eps": (_set(["param_groups", 0, "eps"], -1e-8), r"\['eps'\] is -1e-08"),
+    "weight_decay None": (_set(["param_groups", 0, "weight_decay"], None),
+                          r"\['weight_decay'\] is None"),
+    "int shapes entry": (_set(["shapes", A], 5), r"shapes\['a.weight'\] is 5, not a list of sizes"),
+    "negative size": (_set(["shapes", A], [5, -3]), r"shapes\['a.weight'\] is \[5, -3\]"),
+    "shapes a list of names": (_set(["shapes"], lambda s: list(s)),
+                               r"'shapes' is .*not a dict of parameter shapes"),
+    "state a list of names": (_set(["state"], lambda s: list(s)), r"'state' is .*not a dict"),
+    "state entry a tensor": (_set(["state", A], th.zeros(5, 3)),
+                             r"state\['a.weight'\] is a float32 tensor of shape \[5, 3\], not a "
+                             r"dict"),
+    "param_groups a dict": (_set(["param_groups"], lambda g: g[0]),
+                            r"'param_groups' is .*not a list"),
+    "no param groups": (_set(["param_groups"], []), r"'param_groups' is empty"),
+    "group without params": (_set(["param_groups", 0, "params"], DEL),
+                             r"param_groups\[0\] has no 'params' list"),
+    "group naming an unknown parameter": (
+        _set(["param_groups", 0, "params"], lambda p: p + ["zz.weight"]),
+        r"param group parameter 'zz.weight' is not in 'shapes'"),
+    "group holding an index": (_set(["param_groups", 0, "params"], lambda p: p + [3]),
+                               r"\['params'\] holds 3, not parameter names"),
+    "name in two groups": (_set(["param_groups"], lambda g: g + [dict(g[0], params=[A])]),
+                           r"'a.weight' is listed by two param groups"),
+    "state of a name in no group": (lambda p: p["state"].__setitem__("ghost", {}),
+                                    r"state\['ghost'\] belongs to no param group"),
+    "moment a string": (_set(["state", A, "exp_avg"], "zeros"),
+                        r"state\['a.weight'\]\['exp_avg'\] is 'zeros', not a tensor"),
+    "moment a number": (_set(["state", A, "exp_avg_sq"], 0.0), r"\['exp_avg_sq'\] is 0\.0, not a "
+                                                               r"tensor"),
+    "moment of another shape": (_set(["state", A, "exp_avg"], th.zeros(5, 2)),
+                                r"\['exp_avg'\] has shape \[5, 2\] but the parameter has "
+                                r"shape \[5, 3\]"),
+    "integer moment": (_set(["state", A, "exp_avg"], th.zeros(5, 3, dtype=th.int64)),
+                       r"\['exp_avg'\] is a int64 tensor .*not floating point"),
+    "negative step": (_set(["state", A, "step"], th.tensor(-1.0)),
+                      r"\['step'\] is a float32 tensor -1\.0, not a non-negative number"),
+    "step a string": (_set(["state", A, "step"], "3"), r"\['step'\] is '3', not a non-negative"),
+    "nan step": (_set(["state", A, "step"], th.tensor(float("nan"))),
+                 r"\['step'\] is a float32 tensor nan"),
+    "step a vector": (_set(["state", A, "step"], th.tensor([1.0, 2.0])),
+                      r"\['step'\] is a float32 tensor of shape \[2\]"),
+    "optimizer name a list": (_set(["optimizer"], ["AdamW"]), r"'optimizer' is \['AdamW'\], not "
+                                                              r"a name"),
+}
+RAW_CASES = {
+    "no exp_avg_sq": (_set(["state", 0, "exp_avg_sq"], DEL), r"state\[0\] has no 'exp_avg_sq'"),
+    "one-element betas": (_set(["param_groups", 0, "betas"], [0.9]),
+                          r"param_groups\[0\]\['betas'\] is \[0\.9\], not two numbers"),
+    "params holding names": (_set(["param_groups", 0, "params"], lambda p: [A] + p[1:]),
+                             r"\['params'\] holds 'a.weight', not parameter indices"),
+    "state of an unknown index": (lambda p: p["state"].__setitem__(99, dict(p["state"][0])),
+                                  r"state\[99\] belongs to no param group"),
+    "moments of two shapes": (_set(["state", 1, "exp_avg_sq"], th.zeros(5, 2)),
+                              r"state\[1\]\['exp_avg_sq'\] has shape \[5, 2\] but its other "
+                              r"moments have shape \[5, 3\]"),
+    "negative step": (_set(["state", 0, "step"], -4), r"state\[0\]\['step'\] is -4"),
+    "state a list": (_set(["state"], lambda s: list(s.values())), r"'state' is .*not a dict"),
+    "param_groups a string": (_set(["param_groups"], "adam"), r"'param_groups' is 'adam', not a "
+                                                              r"list"),
+}
+
+
+def _trained_payloads():
+    model = Tiny()
+    opt = th.optim.AdamW(model.parameters(), lr=3e-3)
+    fake_steps(model, opt)
+    named = list(model.named_parameters())
+    return model, named, through_file(named_optimizer_state(opt, named)), \
+        through_file(opt.state_dict())
+
+
+@pytest.mark.parametrize("layout,case", [("named", c) for c in NAMED_CASES]
+                         + [("raw", c) for c in RAW_CASES])
+def test_a_malformed_payload_is_refused_naming_the_fault_and_the_optimizer_is_untouched(
+        layout, case):
+    import copy
+
+    model, named, named_payload, raw_payload = _trained_payloads()
+    mutate, message = (NAMED_CASES if layout == "named" else RAW_CASES)[case]
+    payload = copy.deepcopy(named_payload if layout == "named" else raw_payload)
+    mutate(payload)
+    opt = th.optim.AdamW(model.parameters(), lr=1.0)
+    before = copy.deepcopy(opt.state_dict())
+    with pytest.raises(OptimizerStateError,
+                       match=r"^run/opt000003\.pt holds malformed optimizer state: .*" + message):
+        load_optimizer_state(opt, payload, named, source="run/opt000003.pt")
+    assert opt.state_dict() == before and not opt.state
+    reason = validate_optimizer_payload(payload, named)
+    assert reason is not None and reason.startswith("FILE holds malformed optimizer state: ")
+    assert "\n" not in reason
+
+
+def test_the_unmutated_payloads_of_the_malformed_table_load_and_step():
+    model, named, named_payload, raw_payload = _trained_payloads()
+    for payload in (named_payload, raw_payload):
+        opt = th.optim.AdamW(model.parameters())
+        assert load_optimizer_state(opt, payload, named).complete
+        fake_steps(model, opt, n=1)
+
+
+def test_old_torch_integer_steps_load_as_tensors_and_the_optimizer_steps():
+    model, named, _, raw_payload = _trained_payloads()
+    for entry in raw_payload["state"].values():
+        entry["step"] = int(entry["step"])  # torch < 1.12 saved Adam's step as an int
+    opt = th.optim.AdamW(model.parameters())
+    assert load_optimizer_state(opt, raw_payload, named).complete
+    assert all(isinstance(s["step"], th.Tensor) for s in opt.state.values())
+    fake_steps(model, opt, n=1)
+    assert all(float(s["step"]) == 4.0 for s in opt.state.values())

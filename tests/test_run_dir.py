@@ -20,7 +20,6 @@ from PIL import Image
 
 from conftest import REPO, child_env, run_script
 from improved_diffusion import checkpoint as C
-from improved_diffusion import dist_util
 from improved_diffusion import run_dir as R
 
 

@@ -343,3 +343,59 @@ def test_the_bad_file_corpus_as_resume_checkpoint_is_one_line_and_only_the_opt_s
 
     assert not marker.exists()
     assert _tree_digest(corpus) == before
+
+
+def _rewrite_in_step(run, name, obj):
+    """Replace `name` in a step of `run` by `obj`, tagged as it was, and update the manifest so
+    the step still verifies (the file is well formed on disk; only its content is wrong)."""
+    import json
+
+    th.save(obj, run / name)
+    manifest = next(run.glob("manifest*.json"))
+    doc = json.loads(manifest.read_text())
+    doc["files"][name] = {"size": (run / name).stat().st_size, "sha256": sha(run / name)}
+    manifest.write_text(json.dumps(doc, indent=1) + "\n")
+
+
+@pytest.mark.timeout(180)
+def test_a_malformed_optimizer_payload_warns_once_and_training_finishes_with_a_fresh_optimizer(
+        tmp_path, capsys):
+    from improved_diffusion.optim_state import validate_optimizer_payload
+
+    data = random_images(tmp_path / "data", 4, 8)
+    log = tmp_path / "log"
+    flags = [*TINY, "--data_dir", data]
+    assert train_main(*flags, "--log_dir", log, "--max_steps", "1", "--save_interval", "1") == 0
+    first = next(iter(load(log / "opt000001.pt")["optimizer"]["state"]))
+
+    def drop_exp_avg_sq(opt):
+        del opt["state"][first]["exp_avg_sq"]
+
+    def one_beta(opt):
+        opt["param_groups"][0]["betas"] = (0.9,)
+
+    cases = {drop_exp_avg_sq: "has no 'exp_avg_sq'", one_beta: "not two numbers"}
+    for mutate, fault in cases.items():
+        run = tmp_path / mutate.__name__
+        shutil.copytree(log, run)
+        tagged = load(run / "opt000001.pt")
+        assert tagged["schema"] == "improved_diffusion.checkpoint" and tagged["kind"] == "opt"
+        mutate(tagged["optimizer"])
+        _rewrite_in_step(run, "opt000001.pt", tagged)
+        capsys.readouterr()
+        code = train_main(*flags, "--log_dir", run, "--resume_checkpoint", run / "model000001.pt",
+                          "--max_steps", "2", "--save_interval", "1")
+        captured = capsys.readouterr()
+        out = captured.out
+        assert code == 0, (mutate.__name__, captured.err, out[-2000:])
+        assert "Traceback" not in out + captured.err
+        warnings = [line for line in out.splitlines() if line.startswith("warning:")]
+        assert len(warnings) == 1, (mutate.__name__, out[-2000:])
+        assert "opt000001.pt holds malformed optimizer state" in warnings[0], warnings
+        assert fault in warnings[0] and "fresh optimizer" in warnings[0], warnings
+        assert "opt: fresh optimizer" in out
+        # the fresh optimizer took step 2 only; its saved state is well formed
+        saved = load(run / "opt000002.pt")["optimizer"]
+        assert validate_optimizer_payload(saved) is None
+        assert {float(s["step"]) for s in saved["state"].values()} == {1.0}
+        assert (run / "manifest000002.json").exists()
