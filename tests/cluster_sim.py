@@ -64,6 +64,8 @@ def two_node_torchrun(train_args, work, dist_timeout=20, env=None):
     for node in (0, 1):
         cmd = [TORCHRUN, "--nnodes", "2", "--nproc_per_node", "1", "--rdzv_backend", "c10d",
                "--rdzv_endpoint", f"127.0.0.1:{port}", "--node_rank", str(node),
+               # node 0 hosts the rendezvous store, as the endpoint's host would
+               "--rdzv_conf", f"is_host={int(node == 0)}",
                "--max_restarts", "0", DRIVER, *train_args, "--dist_timeout", str(dist_timeout)]
         nodes.append(start(cmd, Path(work) / f"node{node}.out", env))
     return tuple(nodes)
