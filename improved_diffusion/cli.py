@@ -86,7 +86,7 @@ def run_main(main, argv=None, *, usage_errors=(), runtime_errors=()):
 
 
 def _diagnose(e):
-    """A RankLostError when ``e`` is a collective that failed because ranks died/ended, else None."""
+    """RankLostError when ``e`` is a collective that failed as ranks died or ended, else None."""
     if not (dist_util.is_distributed() and dist_util.looks_like_comm_failure(e)):
         return None
     return dist_util.diagnose_failure(e)

@@ -118,7 +118,7 @@ def _set_threads(local_world_size):
 
 
 def as_timedelta(timeout):
-    """``timeout`` (seconds as int/float, or a timedelta) as a timedelta; it must be finite and > 0."""
+    """``timeout`` (seconds, int/float, or a timedelta) as a timedelta; must be finite and > 0."""
     seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
     if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or \
             not math.isfinite(seconds) or seconds <= 0:
