@@ -1,22 +1,26 @@
-"""Seconds from `kill -9` of one rank to the end of the job, one JSON line per figure.
+"""Seconds from `kill -9` (or SIGSTOP) of one rank to the end of the job, one JSON line per figure.
 
     python benchmarks/dead_rank.py [--dist_timeout 20] [--repeats 1]
 
 Figures (tiny model of tests/test_train.py, CPU/gloo, training with a save every 2 steps; the
 rank is killed once two steps are complete on disk):
 
-* ``mpiexec_one_host``: `mpiexec -n 2` on this host, rank 1 killed; the job ends when mpiexec
+* ``mpiexec_one_host_kill9``: `mpiexec -n 2` on this host, rank 1 killed; the job ends when mpiexec
   exits (the launcher itself ends the other rank).
-* ``torchrun_two_nodes``: two `torchrun --nnodes 2 --nproc_per_node 1 --rdzv_backend c10d`
+* ``torchrun_two_nodes_kill9``: two `torchrun --nnodes 2 --nproc_per_node 1 --rdzv_backend c10d`
   launchers ("two hosts" on one machine); node 1 (its launcher and its worker) killed; the job ends
   when node 0's launcher exits, after its rank names the lost rank (heartbeat, dist_util).
+* ``torchrun_two_nodes_sigstop``: the same with node 1 frozen (SIGSTOP) instead: no socket closes,
+  as when a host loses power or network; the collective fails after --dist_timeout.
 
 Each line also says whether the newest complete step on disk matched its manifest afterwards.
 """
 import argparse
+import functools
 import json
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -70,14 +74,14 @@ def mpiexec_one_host(work, dist_timeout):
         cs.kill9(cs.process_tree(job.pid))
 
 
-def torchrun_two_nodes(work, dist_timeout):
+def torchrun_two_nodes(work, dist_timeout, sig=signal.SIGKILL):
     n0, n1 = cs.two_node_torchrun(train_args(work), work, dist_timeout,
                                   env={"FAULT_PID_DIR": str(work / "pids")})
     try:
         wait_two_saves(work, (n0, n1))
         tree = cs.process_tree(n1.pid)
         t0 = time.monotonic()
-        cs.kill9(tree)
+        cs.signal_all(tree, sig)
         n0.wait(max(600, 3 * dist_timeout))
         return time.monotonic() - t0
     finally:
@@ -89,14 +93,16 @@ def main():
     p.add_argument("--dist_timeout", type=float, default=20.0)
     p.add_argument("--repeats", type=int, default=1)
     args = p.parse_args()
-    for name, fn in (("mpiexec_one_host", mpiexec_one_host),
-                     ("torchrun_two_nodes", torchrun_two_nodes)):
+    frozen = functools.partial(torchrun_two_nodes, sig=signal.SIGSTOP)
+    for name, fn in (("mpiexec_one_host_kill9", mpiexec_one_host),
+                     ("torchrun_two_nodes_kill9", torchrun_two_nodes),
+                     ("torchrun_two_nodes_sigstop", frozen)):
         for i in range(args.repeats):
             work = Path(tempfile.mkdtemp(prefix=f"dead_rank_{name}_"))
             try:
                 seconds = fn(work, args.dist_timeout)
                 print(json.dumps({
-                    "figure": f"{name}_kill9_to_job_end_s", "seconds": round(seconds, 2),
+                    "figure": f"{name}_to_job_end_s", "seconds": round(seconds, 2),
                     "repeat": i, "dist_timeout_s": args.dist_timeout,
                     "last_step_intact": intact(work), "cpus": os.cpu_count(),
                     "command": f"{COMMAND} --dist_timeout {args.dist_timeout:g}"}), flush=True)

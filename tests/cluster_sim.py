@@ -95,12 +95,16 @@ def process_tree(pid):
     return out
 
 
-def kill9(pids):
+def signal_all(pids, sig):
     for p in pids:
         try:
-            os.kill(p, signal.SIGKILL)
+            os.kill(p, sig)
         except ProcessLookupError:
             pass
+
+
+def kill9(pids):
+    signal_all(pids, signal.SIGKILL)
 
 
 def alive(pid):
