@@ -4,9 +4,20 @@ Three ways to start:
 
 * ``torchrun`` (env ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``): ``env://``.
 * ``mpiexec -n N`` (mpi4py): MPI is used ONLY for the rendezvous (rank 0 opens a TCP store on a
-  free port and MPI-broadcasts host and port); every collective afterwards is torch.distributed.
+  free port, or ``MASTER_PORT`` when set, and MPI-broadcasts host and port); every collective
+  afterwards is torch.distributed. On one host the address is 127.0.0.1. Across hosts it is
+  ``MASTER_ADDR`` when set in the environment (e.g. ``mpiexec -genv MASTER_ADDR 10.0.0.5 ...``),
+  else an address of rank 0's host that is never a loopback one: the source address of a route
+  towards another rank's host, else an address of one of rank 0's interfaces. When none exists
+  the job fails at once on every rank, saying to set ``MASTER_ADDR``; any error of rank 0 while
+  finding the address or opening the store reaches every rank.
 * a plain ``python`` process: no process group at all; every helper below degrades to the
   identity / a no-op, so single-process code paths need no special casing.
+
+Every wait is bounded by ``timeout`` (``--dist_timeout``, default 600 s): the rendezvous, each
+collective, and so a rank that dies. Each rank of a process group beats a heartbeat in the group's
+TCP store (a daemon thread); when a collective fails, ``diagnose_failure`` names the ranks whose
+heartbeat stopped (``RankLostError``), so a dead rank or host ends the job with a message naming it.
 
 Backend: ``nccl`` when CUDA is available, else ``gloo``. The device comes from the local rank
 (``LOCAL_RANK``, else the MPI shared-memory split, else 0), never from a hard-coded GPU count.
@@ -19,10 +30,13 @@ collective is called by every rank in the same order; each function that synchro
 import atexit
 import datetime
 import io
+import ipaddress
+import math
 import os
 import pickle
 import socket
 import sys
+import threading
 import time
 
 import blobfile as bf
@@ -45,7 +59,8 @@ _MPI_LAUNCHER_VARS = (
     "MV2_COMM_WORLD_SIZE",
 )
 
-DEFAULT_TIMEOUT = datetime.timedelta(minutes=30)
+# Bound of the rendezvous and of every collective, in seconds (scripts: --dist_timeout).
+DEFAULT_TIMEOUT_S = 600.0
 
 
 class DistMismatchError(RuntimeError):
@@ -54,6 +69,21 @@ class DistMismatchError(RuntimeError):
 
 class DistLoadError(RuntimeError):
     """The bytes of a file could be read, but torch.load refused them."""
+
+
+class RendezvousError(RuntimeError):
+    """The ranks could not form a process group; the one-line message says what to set."""
+
+
+class RankLostError(RuntimeError):
+    """A collective failed because some rank died or ended; the message names the rank(s).
+
+    ``lost``: ranks whose heartbeat stopped; ``ended``: {rank: state} of ranks that stopped on
+    their own ("exited", "ended the job (cause)").
+    """
+
+    lost = ()
+    ended = {}
 
 
 # --------------------------------------------------------------------------------------------
@@ -87,19 +117,31 @@ def _set_threads(local_world_size):
         th.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size))
 
 
-def setup_dist(backend=None, *, timeout=DEFAULT_TIMEOUT):
+def as_timedelta(timeout):
+    """``timeout`` (seconds, int/float, or a timedelta) as a timedelta; must be finite and > 0."""
+    seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or \
+            not math.isfinite(seconds) or seconds <= 0:
+        raise ValueError(f"timeout must be a number of seconds > 0 (got {timeout!r})")
+    return datetime.timedelta(seconds=float(seconds))
+
+
+def setup_dist(backend=None, *, timeout=DEFAULT_TIMEOUT_S):
     """
     Set up the process group if this process is one of several; idempotent.
 
     torchrun env vars -> ``init_process_group("env://")``; else mpi4py under an MPI launcher with
-    size > 1 -> TCP store rendezvous (host/port broadcast over MPI); else nothing (single process,
-    no process group). ``timeout`` bounds every later collective, so a rank that never arrives
-    fails the job instead of hanging it forever.
+    size > 1 -> TCP store rendezvous (host/port broadcast over MPI, see the module docstring);
+    else nothing (single process, no process group). ``timeout`` (seconds, or a timedelta) bounds
+    the rendezvous and every later collective, so a rank that never arrives or dies fails the job
+    instead of hanging it. Raises ``RendezvousError`` (the same one line on every rank) when the
+    ranks cannot meet. Starts this rank's heartbeat (see ``diagnose_failure``).
 
     Collective: call from all ranks with the same arguments.
     """
     if dist.is_available() and dist.is_initialized():
         return
+    timeout = as_timedelta(timeout)
     backend = backend or _default_backend()
     env = os.environ
     if all(k in env for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
@@ -110,6 +152,7 @@ def setup_dist(backend=None, *, timeout=DEFAULT_TIMEOUT):
             _set_threads(int(env.get("LOCAL_WORLD_SIZE", world)))
             dist.init_process_group(backend=backend, init_method="env://", timeout=timeout)
             atexit.register(_cleanup_at_exit)
+            _start_heartbeat(timeout)
         return
 
     comm = _mpi_comm()
@@ -122,24 +165,7 @@ def setup_dist(backend=None, *, timeout=DEFAULT_TIMEOUT):
     local = comm.Split_type(MPI.COMM_TYPE_SHARED)
     local_rank, local_world = local.Get_rank(), local.Get_size()
     local.Free()
-    hosts = comm.allgather(socket.gethostname())
-    single_host = len(set(hosts)) == 1
-
-    if rank == 0:
-        host = "127.0.0.1" if single_host else _routable_address()
-        try:
-            store = dist.TCPStore(host if single_host else "0.0.0.0", 0, world, is_master=True,
-                                  timeout=timeout, wait_for_workers=False)
-            info = (host, store.port, None)
-        except Exception as e:  # broadcast so the other ranks do not wait forever
-            store, info = None, (None, None, f"{type(e).__name__}: {e}")
-    else:
-        info = None
-    host, port, err = comm.bcast(info, root=0)
-    if err is not None:
-        raise RuntimeError(f"rank 0 could not open the rendezvous store: {err}")
-    if rank != 0:
-        store = dist.TCPStore(host, port, world, is_master=False, timeout=timeout)
+    store = _mpi_rendezvous(comm, timeout)
 
     if "LOCAL_RANK" in env:
         local_rank = int(env["LOCAL_RANK"])
@@ -150,19 +176,185 @@ def setup_dist(backend=None, *, timeout=DEFAULT_TIMEOUT):
                             timeout=timeout)
     # Registered after mpi4py's MPI_Finalize hook, so it runs first (atexit is LIFO).
     atexit.register(_cleanup_at_exit)
+    _start_heartbeat(timeout)
 
 
-def _routable_address():
-    """An address of this host that other hosts can reach (best effort: its name's address)."""
-    for name in (socket.getfqdn(), socket.gethostname()):
+# --------------------------------------------------------------------------------------------
+# rendezvous under mpiexec
+
+
+def _attempt(fn):
+    """("ok", fn()) or ("err", one-line message): something that can travel over MPI."""
+    try:
+        return "ok", fn()
+    except Exception as e:  # sent to every rank, which all raise it
+        return "err", f"{type(e).__name__}: {' '.join(str(e).split())}"
+
+
+def _mpi_rendezvous(comm, timeout):
+    """
+    Open the TCP store: rank 0 serves it, the others connect; host and port travel over MPI.
+    Every failure (on any rank, at any stage) raises the same RendezvousError on every rank.
+
+    Collective (MPI): call from all ranks with the same arguments.
+    """
+    rank, world = comm.Get_rank(), comm.Get_size()
+    seconds = timeout.total_seconds()
+    infos = comm.allgather(_attempt(lambda: _bounded(_host_info, seconds, "looking up this host")))
+    bad = [(r, v) for r, (k, v) in enumerate(infos) if k == "err"]
+    if bad:
+        r, msg = bad[0]
+        raise RendezvousError(f"rank {r} could not look up its host for the rendezvous: {msg}")
+    infos = [v for _, v in infos]
+
+    store = None
+    if rank == 0:
+        def open_store():
+            nonlocal store
+            host = _choose_address(infos, os.environ)
+            port = int(os.environ.get("MASTER_PORT", 0) or 0)
+            store = dist.TCPStore("0.0.0.0", port, world, is_master=True, timeout=timeout,
+                                  wait_for_workers=False)
+            return host, store.port
+
+        decided = _attempt(open_store)
+    else:
+        decided = None
+    kind, value = comm.bcast(decided, root=0)
+    if kind == "err":
+        if value.startswith("RendezvousError: "):
+            raise RendezvousError(value[len("RendezvousError: "):])
+        raise RendezvousError(f"rank 0 could not open the rendezvous store: {value}")
+    host, port = value
+
+    if rank != 0:
+        joined = _attempt(lambda: dist.TCPStore(host, port, world, is_master=False,
+                                                timeout=timeout))
+        store = joined[1] if joined[0] == "ok" else None
+        joined = (joined[0], None if joined[0] == "ok" else joined[1])
+    else:
+        joined = ("ok", None)
+    results = comm.allgather(joined)
+    failed = [r for r, (k, _) in enumerate(results) if k == "err"]
+    if failed:
+        raise RendezvousError(
+            f"rank(s) {', '.join(map(str, failed))} could not reach the rendezvous store at "
+            f"{host}:{port} within {seconds:g} s ({results[failed[0]][1]}); set MASTER_ADDR to an "
+            f"address of rank 0's host that every host can reach (e.g. mpiexec -genv MASTER_ADDR "
+            f"ADDR), or raise --dist_timeout")
+    return store
+
+
+def _bounded(fn, seconds, what):
+    """``fn()`` in a daemon thread, waited for at most ``seconds`` (name lookups can hang)."""
+    box = {}
+
+    def run():
         try:
-            return socket.gethostbyname(name)
-        except OSError:
-            continue
-    raise RuntimeError(
-        "cannot find this host's address for the multi-host rendezvous; launch with torchrun "
-        "(MASTER_ADDR/MASTER_PORT) instead"
-    )
+            box["ok"] = fn()
+        except Exception as e:
+            box["err"] = e
+
+    t = threading.Thread(target=run, name="dist-lookup", daemon=True)
+    t.start()
+    t.join(seconds)
+    if t.is_alive():
+        raise TimeoutError(f"{what} took more than {seconds:g} s")
+    if "err" in box:
+        raise box["err"]
+    return box["ok"]
+
+
+def _host_info():
+    """{"host": this host's name, "addrs": its non-loopback IPv4 addresses} (interfaces first)."""
+    name = socket.gethostname()
+    addrs = _interface_addresses()
+    try:
+        addrs += [a[4][0] for a in socket.getaddrinfo(name, None, socket.AF_INET)]
+    except OSError:
+        pass
+    return {"host": name, "addrs": _dedup(a for a in addrs if _reachable_kind(a))}
+
+
+def _interface_addresses():
+    """IPv4 addresses of this host's network interfaces (Linux; [] where unsupported)."""
+    try:
+        import fcntl
+        import struct
+
+        names = [n for _, n in socket.if_nameindex()]
+    except (ImportError, OSError, AttributeError):
+        return []
+    out = []
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for n in names:
+            try:
+                packed = fcntl.ioctl(s.fileno(), 0x8915,  # SIOCGIFADDR
+                                     struct.pack("256s", n[:15].encode()))
+            except OSError:
+                continue  # no IPv4 address on this interface
+            out.append(socket.inet_ntoa(packed[20:24]))
+    return out
+
+
+def _reachable_kind(addr):
+    """True for an address another host could use: not loopback, not unspecified."""
+    try:
+        ip = ipaddress.ip_address(addr)
+    except ValueError:
+        return False
+    return not (ip.is_loopback or ip.is_unspecified)
+
+
+def _dedup(items):
+    return list(dict.fromkeys(items))
+
+
+def _source_address_towards(addr):
+    """The local address this host would send from to reach ``addr`` (no packet is sent)."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((addr, 9))
+            return s.getsockname()[0]
+    except OSError:
+        return None
+
+
+def _choose_address(infos, env, probe=_source_address_towards):
+    """
+    The address rank 0 publishes for the store, given every rank's ``_host_info()``: 127.0.0.1
+    when all ranks share rank 0's host; else ``MASTER_ADDR`` from ``env`` (never a loopback
+    one); else the source address of a route from rank 0's host towards another host's address;
+    else one of rank 0's own non-loopback addresses. Raises RendezvousError (saying to set
+    MASTER_ADDR) when there is none.
+    """
+    home = infos[0]["host"]
+    others = [i for i in infos[1:] if i["host"] != home]
+    if not others:
+        return "127.0.0.1"
+    hint = ("set MASTER_ADDR to an address of rank 0's host that every host can reach "
+            "(e.g. mpiexec -genv MASTER_ADDR 10.0.0.5 ...)")
+    explicit = env.get("MASTER_ADDR", "").strip()
+    if explicit:
+        try:
+            resolved = socket.gethostbyname(explicit)
+        except OSError as e:
+            raise RendezvousError(f"MASTER_ADDR={explicit}: cannot resolve it ({e}); {hint}")
+        if not _reachable_kind(resolved):
+            raise RendezvousError(
+                f"MASTER_ADDR={explicit} is {resolved}, a loopback address that the ranks on "
+                f"other hosts cannot reach; {hint}")
+        return explicit
+    for info in others:
+        for addr in info["addrs"]:
+            src = probe(addr)
+            if src and _reachable_kind(src):
+                return src
+    if infos[0]["addrs"]:
+        return infos[0]["addrs"][0]
+    raise RendezvousError(
+        f"rank 0's host {home!r} has no address that the other hosts can reach (its name "
+        f"resolves to a loopback address and no interface has another); {hint}")
 
 
 def _select_device(backend, local_rank):
@@ -181,46 +373,235 @@ def _cleanup_at_exit():
 
 def cleanup():
     """
-    Destroy the process group (if any).
+    Stop this rank's heartbeat and destroy the process group (if any).
 
     Collective: call from all ranks with the same arguments.
     """
+    _stop_heartbeat("exited")
     if is_distributed():
         dist.destroy_process_group()
 
 
-def end_job_after_error(code, wait_s=10.0):
+# --------------------------------------------------------------------------------------------
+# heartbeat: naming the ranks that died
+
+
+def heartbeat_interval(timeout_s):
+    """Seconds between two heartbeats of a rank, for a process group bounded by ``timeout_s``."""
+    return min(5.0, max(0.5, float(timeout_s) / 60.0))
+
+
+class _Heartbeat:
+    """
+    A daemon thread that adds 1 to ``beat/{rank}`` in the process group's TCP store every
+    ``interval`` seconds, through its own connection; ``state/{rank}`` says why a rank stopped
+    ("exited", or "ended: cause" from ``end_job_after_error``). Keys live under a prefix of this
+    launch, so a torchrun restart does not read the last attempt's beats.
+    """
+
+    def __init__(self, host, port, rank, world, timeout_s):
+        self.host, self.port, self.rank, self.world = host, port, rank, world
+        self.interval = heartbeat_interval(timeout_s)
+        self.prefix = "improved_diffusion/heartbeat/{}/{}/".format(
+            os.environ.get("TORCHELASTIC_RUN_ID", "job"),
+            os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._client = self.connect(max(10.0, 3 * self.interval))
+        self._client.add(f"beat/{rank}", 1)  # the first beat before returning from setup
+        self._thread = threading.Thread(target=self._run, name="dist-heartbeat", daemon=True)
+        self._thread.start()
+
+    def connect(self, timeout_s):
+        client = dist.TCPStore(self.host, self.port, is_master=False,
+                               timeout=datetime.timedelta(seconds=timeout_s))
+        return dist.PrefixStore(self.prefix, client)
+
+    def _run(self):
+        while not self._stop.wait(self.interval):
+            try:
+                with self._lock:
+                    self._client.add(f"beat/{self.rank}", 1)
+            except Exception:
+                return  # the store is gone: the collectives will say so
+
+    def mark(self, state):
+        """Record why this rank stops (best effort)."""
+        try:
+            with self._lock:
+                self._client.set(f"state/{self.rank}", state)
+        except Exception:
+            pass
+
+    def stop(self, state):
+        self._stop.set()
+        self._thread.join(self.interval + 1.0)
+        self.mark(state)
+
+
+_heartbeat = None
+
+
+def _start_heartbeat(timeout):
+    """Start this rank's heartbeat when the process group's store is a TCPStore (best effort)."""
+    global _heartbeat
+    _stop_heartbeat("restarted")
+    store = dist.distributed_c10d._get_default_store()
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    if not isinstance(store, dist.TCPStore):
+        return
+    host = "127.0.0.1" if store.host in ("", "0.0.0.0", "::") else store.host
+    try:
+        _heartbeat = _Heartbeat(host, store.port, get_rank(), get_world_size(),
+                                timeout.total_seconds())
+    except Exception:
+        _heartbeat = None  # no heartbeat: failures are still bounded by the timeout
+
+
+def _stop_heartbeat(state):
+    global _heartbeat
+    if _heartbeat is not None:
+        _heartbeat.stop(state)
+        _heartbeat = None
+
+
+def peer_states(window_s=None):
+    """
+    What became of the other ranks, from their heartbeats: ``{rank: state}`` for each rank that
+    did not beat within ``window_s`` (default 2.5 heartbeat intervals): "lost" (no beat: the
+    process or its host died) or the state it recorded ("exited", "ended: cause"). Ranks still
+    beating are left out. Raises ``RankLostError`` when the store itself is unreachable (its host,
+    rank 0's under mpiexec, is gone). {} without a heartbeat. Not collective.
+    """
+    hb = _heartbeat
+    if hb is None:
+        return {}
+    window = window_s if window_s is not None else 2.5 * hb.interval + 0.5
+    others = [r for r in range(hb.world) if r != hb.rank]
+    try:
+        client = hb.connect(window + 5.0)
+        seen = {r: client.add(f"beat/{r}", 0) for r in others}
+        deadline = time.monotonic() + window
+        quiet = set(others)
+        while quiet and time.monotonic() < deadline:
+            time.sleep(min(0.2, hb.interval))
+            quiet = {r for r in quiet if client.add(f"beat/{r}", 0) == seen[r]}
+        states = {}
+        for r in sorted(quiet):
+            key = f"state/{r}"
+            states[r] = client.get(key).decode() if client.check([key]) else "lost"
+        return states
+    except RankLostError:
+        raise
+    except Exception as e:
+        raise RankLostError(
+            f"the process group's store at {hb.host}:{hb.port} is unreachable "
+            f"({type(e).__name__}): the rank that holds it (rank 0 under mpiexec; the rendezvous "
+            f"host under torchrun) or its host is lost") from None
+
+
+def diagnose_failure(error):
+    """
+    After ``error`` (a collective that raised, e.g. gloo's "Connection reset by peer", or a
+    timeout): ``RankLostError`` naming the ranks that died or ended, or None when every other rank
+    is still alive (``error`` is then something else). Waits up to a few heartbeat intervals.
+    Not collective.
+    """
+    if _heartbeat is None:
+        return None
+    cause = " ".join(str(error).split())[:160] or type(error).__name__
+    try:
+        states = peer_states()
+    except RankLostError as e:
+        return RankLostError(f"{e} (the collective failed with: {cause})")
+    lost = [r for r, s in states.items() if s == "lost"]
+    ended = {r: s for r, s in states.items() if s != "lost"}
+    if not lost and not ended:
+        return None
+    parts = []
+    if lost:
+        parts.append(f"lost rank(s) {', '.join(map(str, lost))}: no heartbeat for "
+                     f"{2.5 * _heartbeat.interval + 0.5:.1f} s (the process or its host died)")
+    for r, s in ended.items():
+        parts.append(f"rank {r} {s}")
+    err = RankLostError("; ".join(parts) + f"; the collective failed with: {cause}")
+    err.lost = lost
+    err.ended = ended
+    return err
+
+
+_COMM_FAILURE_WORDS = ("gloo", "nccl", "connection", "peer", "timed out", "timeout", "socket",
+                       "broken pipe", "store")
+
+
+def looks_like_comm_failure(error):
+    """True for what a collective raises when a peer is gone or late (torch's DistError, or the
+    RuntimeError gloo raises: "Connection reset by peer", "Timed out waiting ...")."""
+    if isinstance(error, (dist.DistError, ConnectionError, TimeoutError)):
+        return True
+    text = str(error).lower()
+    return isinstance(error, RuntimeError) and any(w in text for w in _COMM_FAILURE_WORDS)
+
+
+def first_to_report(topic):
+    """True on the first rank that asks about ``topic`` (best effort: True without a store), so a
+    cause shared by several ranks is printed once. Not collective."""
+    hb = _heartbeat
+    if hb is None or not is_distributed():
+        return True
+    try:
+        with hb._lock:
+            return hb._client.add(f"first_to_report/{topic}", 1) == 1
+    except Exception:
+        return True
+
+
+def end_job_after_error(code, wait_s=10.0, *, cause=None, lost=()):
     """
     After an error on this rank: if every rank failed (errors of the resume are raised on all
     ranks alike, since its decisions are broadcast), return so each exits normally; if the other
-    ranks did not fail within ``wait_s`` (say, an unreadable image in one rank's batch), they
-    would stay blocked in a collective, so abort the whole job with exit ``code`` (MPI_Abort under
-    mpiexec; under torchrun this rank's exit makes the launcher stop the rest).
+    ranks did not fail within ``wait_s`` (say, an unreadable image in one rank's batch, or a
+    KeyboardInterrupt on one rank), they would stay blocked in a collective, so abort the whole
+    job with exit ``code`` (MPI_Abort under mpiexec; under torchrun this rank's exit makes the
+    launcher stop the rest). ``lost``: ranks known dead (not waited for). ``cause`` (one line) is
+    recorded in this rank's heartbeat state, so the other ranks can name it.
 
     Failing ranks count themselves in the process group's store; no collective is entered, so
     this is safe to call from any rank at any point. No-op without a process group.
     """
     if not is_distributed():
         return
+    if _heartbeat is not None:
+        _heartbeat.mark(f"ended the job ({cause or f'exit {code}'})")
     world = get_world_size()
+    expected = world - len(set(lost))
     try:
         store = dist.distributed_c10d._get_default_store()
         store.add("end_job_after_error/failed", 1)
         deadline = time.time() + wait_s
-        while store.add("end_job_after_error/failed", 0) < world:
+        while store.add("end_job_after_error/failed", 0) < expected:
             if time.time() > deadline:
                 raise TimeoutError
             time.sleep(0.1)
         store.add("end_job_after_error/left", 1)
-        while get_rank() == 0 and store.add("end_job_after_error/left", 0) < world:
+        while get_rank() == 0 and store.add("end_job_after_error/left", 0) < expected:
             if time.time() > deadline + wait_s:  # rank 0 holds the store: let the others read
                 break
             time.sleep(0.05)
-        return
+        if not lost:
+            return
     except Exception:
         pass
-    sys.stderr.write(f"note: the other ranks did not fail; aborting all {world} ranks\n")
+    if lost:
+        sys.stderr.write(f"note: ending the job ({len(set(lost))} of {world} ranks lost)\n")
+    else:
+        sys.stderr.write(f"note: the other ranks did not fail; aborting all {world} ranks\n")
     sys.stderr.flush()
+    _abort(code)
+
+
+def _abort(code):
     if _launched_by_mpi():
         try:
             from mpi4py import MPI

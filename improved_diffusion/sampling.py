@@ -65,7 +65,9 @@ def start_script(parser, argv=None):
         raise BadFlagError("--model_path is required (a model*.pt or ema_*.pt file)")
     if getattr(args, "seed", 0) < 0:  # per-sample seeds need seed >= 0 (np.random.SeedSequence)
         raise BadFlagError(f"--seed {args.seed}: must be a non-negative integer")
-    dist_util.setup_dist()
+    timeout = getattr(args, "dist_timeout", dist_util.DEFAULT_TIMEOUT_S)
+    cli.check_dist_timeout(timeout)
+    dist_util.setup_dist(timeout=timeout)
     logger.configure(dir=args.log_dir or os.environ.get("OPENAI_LOGDIR") or None)
     return args, explicit
 
@@ -100,6 +102,7 @@ def sample_defaults():
         grid=True,
         overwrite=False,
         progress=True,
+        dist_timeout=600.0,  # seconds any wait between ranks may take (see dist_util)
     )
 
 

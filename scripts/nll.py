@@ -40,7 +40,7 @@ TERMS = ("vb", "mse", "xstart_mse")
 def create_argparser():
     defaults = dict(
         data_dir="", clip_denoised=True, num_samples=1000, batch_size=1, model_path="",
-        log_dir="", seed=0, weights="auto",
+        log_dir="", seed=0, weights="auto", dist_timeout=600.0,
     )
     defaults.update(model_and_diffusion_defaults())
     parser = argparse.ArgumentParser(description="Bits/dim of an image folder under a model.")

@@ -74,7 +74,7 @@ def create_argparser():
 
 def build_train_loop(args):
     """Flags -> TrainLoop for the super-res model (collective: call on all ranks)."""
-    dist_util.setup_dist()
+    dist_util.setup_dist(timeout=args.dist_timeout)
     logger.configure(dir=args.log_dir)
     logger.log(f"training super-res {args.small_size}->{args.large_size} on "
                f"{dist_util.get_world_size()} rank(s), device {dist_util.dev()}")

@@ -4,7 +4,13 @@
         $TRAIN_FLAGS [--resume_checkpoint auto|L/modelNNNNNN.pt] [--max_steps N]
 
 Exit codes: 0 done; 75 (train_util.PREEMPTED_EXIT_CODE) after a SIGTERM/SIGUSR1 save;
-1 on errors (one line "error: ..." on stderr from each failing rank); 2 bad usage.
+1 on errors (one line "error: ..." on stderr from each failing rank); 2 bad usage; 130 after a
+KeyboardInterrupt (a SystemExit keeps its code) on any rank, which ends every rank.
+
+--dist_timeout SECONDS (default 600) bounds the rendezvous and every wait between ranks: a rank or
+host that dies ends the job within about that long, with a message naming the lost rank(s). Under
+a multi-host mpiexec, set MASTER_ADDR to an address of rank 0's host that every host can reach
+when it cannot be found (the job says so at once).
 """
 import argparse
 import os
@@ -57,6 +63,9 @@ def train_defaults():
         nan_policy="stop",
         # Seconds to wait for another job that holds --log_dir (one job per log dir) before failing.
         lock_wait=300.0,
+        # Seconds any wait between ranks may take (rendezvous, each collective): a dead rank or
+        # host ends the job within about this long, naming it.
+        dist_timeout=600.0,
     )
 
 
@@ -89,12 +98,13 @@ def check_args(args):
         raise UsageError(f"--lock_wait must be >= 0 seconds (got {args.lock_wait})")
     if args.microbatch == 0 or args.microbatch < -1:
         raise UsageError(f"--microbatch must be -1 (off) or >= 1 (got {args.microbatch})")
+    cli.check_dist_timeout(args.dist_timeout)
 
 
 def build_train_loop(args):
     """Everything between flags and TrainLoop (collective: call on all ranks). Returns TrainLoop,
     holding the log dir's lock in ``loop.log_dir_lock`` (release it when the job ends)."""
-    dist_util.setup_dist()
+    dist_util.setup_dist(timeout=args.dist_timeout)
     # One job per log dir: taken before anything touches the log dir.
     lock = run_lock.acquire_for_job(args.log_dir, args.lock_wait)
     try:

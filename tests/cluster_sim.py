@@ -1,0 +1,163 @@
+"""Start scripts/train.py (through tests/fault_train.py) as a two-node torchrun job or under
+mpiexec, ``kill -9`` part of it, and time how long the rest takes to end.
+
+"Two hosts" on one machine: two ``torchrun --nnodes 2 --nproc_per_node 1 --rdzv_backend c10d``
+launchers, each in its own session; killing "node 1" kills its launcher and its worker (torchrun
+starts workers in sessions of their own, so the whole tree is killed, not one process group).
+Used by tests/test_dist_faults.py and benchmarks/dead_rank.py.
+"""
+import hashlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+PY = sys.executable
+BIN = Path(sys.executable).parent
+MPIEXEC = str(BIN / "mpiexec") if (BIN / "mpiexec").exists() else "mpiexec"
+TORCHRUN = str(BIN / "torchrun")
+DRIVER = REPO / "tests" / "fault_train.py"
+
+# The tiny model of tests/test_train.py.
+TINY = [
+    "--image_size", "8", "--num_channels", "32", "--num_res_blocks", "1",
+    "--attention_resolutions", "", "--diffusion_steps", "20", "--noise_schedule", "cosine",
+    "--batch_size", "2", "--log_interval", "1",
+]
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def child_env(extra=None):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env["PATH"] = str(BIN) + os.pathsep + env.get("PATH", "")
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONUNBUFFERED"] = "1"
+    for k in ("OPENAI_LOGDIR", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    env.update(extra or {})
+    return env
+
+
+def start(cmd, out_path, env=None):
+    """Popen ``cmd`` in a session of its own, stdout+stderr to ``out_path``."""
+    out = open(out_path, "w")
+    return subprocess.Popen([str(c) for c in cmd], cwd=str(REPO), env=child_env(env),
+                            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            start_new_session=True)
+
+
+def two_node_torchrun(train_args, work, dist_timeout=20, env=None):
+    """Start node 0 then node 1 of a two-node torchrun job; returns (node0, node1) Popens."""
+    port = free_port()
+    nodes = []
+    for node in (0, 1):
+        cmd = [TORCHRUN, "--nnodes", "2", "--nproc_per_node", "1", "--rdzv_backend", "c10d",
+               "--rdzv_endpoint", f"127.0.0.1:{port}", "--node_rank", str(node),
+               # node 0 hosts the rendezvous store, as the endpoint's host would
+               "--rdzv_conf", f"is_host={int(node == 0)}",
+               "--max_restarts", "0", DRIVER, *train_args, "--dist_timeout", str(dist_timeout)]
+        nodes.append(start(cmd, Path(work) / f"node{node}.out", env))
+    return tuple(nodes)
+
+
+def mpiexec(n, train_args, work, dist_timeout=20, env=None):
+    cmd = [MPIEXEC, "-n", str(n), PY, DRIVER, *train_args, "--dist_timeout", str(dist_timeout)]
+    return start(cmd, Path(work) / "mpiexec.out", env)
+
+
+def process_tree(pid):
+    """``pid`` and all its descendants (from /proc)."""
+    children = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(d.name))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(children.get(p, []))
+    return out
+
+
+def signal_all(pids, sig):
+    for p in pids:
+        try:
+            os.kill(p, sig)
+        except ProcessLookupError:
+            pass
+
+
+def kill9(pids):
+    signal_all(pids, signal.SIGKILL)
+
+
+def alive(pid):
+    """True while ``pid`` runs (a zombie counts as gone)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state not in ("Z", "X")
+
+
+def rank_pids(pid_dir, n):
+    return {r: int((Path(pid_dir) / f"rank{r}.pid").read_text()) for r in range(n)}
+
+
+def wait_until(predicate, timeout, procs=(), what="condition"):
+    """Poll ``predicate`` until true; raise if ``timeout`` passes or one of ``procs`` exits."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        for p in procs:
+            if p.poll() is not None:
+                raise RuntimeError(f"a process exited ({p.returncode}) while waiting for {what}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: not within {timeout} s")
+        time.sleep(0.1)
+
+
+def complete_steps(log_dir):
+    """Steps with a manifest in ``log_dir``, ascending."""
+    return sorted(int(p.stem[len("manifest"):]) for p in Path(log_dir).glob("manifest*.json"))
+
+
+def step_problems(log_dir, step):
+    """Check step ``step`` against its manifest (sizes and sha256, computed here); [] if intact."""
+    doc = json.loads((Path(log_dir) / f"manifest{step:06d}.json").read_text())
+    problems = []
+    for name, meta in doc["files"].items():
+        path = Path(log_dir) / name
+        if not path.is_file():
+            problems.append(f"{name}: missing")
+            continue
+        data = path.read_bytes()
+        if len(data) != meta["size"] or hashlib.sha256(data).hexdigest() != meta["sha256"]:
+            problems.append(f"{name}: does not match the manifest")
+    return problems
+
+
+def wait_exit(proc, timeout):
+    """Seconds until ``proc`` exits (at most ``timeout``; then kills its tree and raises)."""
+    t0 = time.monotonic()
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        kill9(process_tree(proc.pid))
+        raise TimeoutError(f"still running {timeout} s later")
+    return time.monotonic() - t0
