@@ -124,7 +124,9 @@ def train_cmd(images, log_dir, max_steps):
 
 
 def resume(images, log_dir, max_steps):
-    proc = subprocess.run([str(c) for c in train_cmd(images, log_dir, max_steps)], cwd=REPO,
+    """Auto-resume on one rank (cheaper to start; a resume works on any world size)."""
+    cmd = train_cmd(images, log_dir, max_steps)[3:]  # without "mpiexec -n 2"
+    proc = subprocess.run([str(c) for c in cmd], cwd=REPO,
                           env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True, timeout=180, stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, proc.stdout[-4000:]
@@ -136,14 +138,43 @@ def resumed_step(output):
     return int(found[-1]) if found else None
 
 
+def job_pids(root):
+    """`root` and all its descendants (from /proc): mpiexec, its proxies and the ranks, which
+    hydra starts in sessions of their own (a killpg of the launcher would miss them)."""
+    children = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo += children.get(pid, [])
+    return out
+
+
+def signal_all(pids, sig):
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
 @contextlib.contextmanager
 def frozen(proc):
-    """The whole job (launcher and ranks: one process group) stopped while the body runs."""
-    os.killpg(proc.pid, signal.SIGSTOP)
+    """The whole job (launcher, proxies, ranks) stopped while the body runs."""
+    pids = job_pids(proc.pid)
+    assert len(pids) >= 3, f"expected mpiexec and its 2 ranks, found {pids}"
+    signal_all(pids, signal.SIGSTOP)
     try:
         yield
     finally:
-        os.killpg(proc.pid, signal.SIGCONT)
+        signal_all(pids, signal.SIGCONT)
 
 
 def run_into_fault(tmp_path, images, log_dir, inject):
@@ -153,21 +184,22 @@ def run_into_fault(tmp_path, images, log_dir, inject):
     with open(log_path, "w") as log_f:
         proc = subprocess.Popen([str(c) for c in train_cmd(images, log_dir, 3 * N)], cwd=REPO,
                                 env=child_env(), stdout=log_f, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
+                                stdin=subprocess.DEVNULL)
     try:
         end = time.monotonic() + 120
-        while not (Path(log_dir) / f"manifest{N:06d}.json").exists():
+        while not (Path(log_dir) / f"manifest{N:06d}.json").exists() or any(
+                TEMP_RE.search(n) for n in names_in(log_dir)):
             assert proc.poll() is None, log_path.read_text()[-4000:]
             assert time.monotonic() < end, "step N was never saved:\n" + log_path.read_text()
             time.sleep(0.01)
         with frozen(proc):
-            begun = [n for n in names_in(log_dir) if step_of(n) == 2 * N or TEMP_RE.search(n)]
+            begun = [n for n in names_in(log_dir) if step_of(n.split(".tmp")[0]) == 2 * N]
             assert not begun, f"the save of step {2 * N} had begun before the fault: {begun}"
             inject()
         proc.wait(timeout=120)
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            signal_all(job_pids(proc.pid), signal.SIGKILL)
             proc.wait()
     return proc.returncode, log_path.read_text()
 

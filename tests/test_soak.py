@@ -149,23 +149,59 @@ def deep_diff(a, b, path="", out=None):
 # ------------------------------------------------------------------------------- one job
 
 
-def rank_pids(marker):
-    """{rank: pid} of the MPI ranks of train.py whose command line contains `marker`."""
-    pids = {}
+def job_pids(root):
+    """`root` and all its descendants (from /proc): mpiexec, its proxies and the ranks, which
+    hydra starts in sessions of their own (a killpg of the launcher would leave them running)."""
+    children = {}
     for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
+        if entry.isdigit():
+            try:
+                ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo += children.get(pid, [])
+    return out
+
+
+def rank_pids(root):
+    """The pids of the ranks (processes running train.py) of the job started as `root`."""
+    out = []
+    for pid in job_pids(root):
         try:
-            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
-            environ = Path(f"/proc/{entry}/environ").read_bytes().split(b"\0")
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
             continue
-        if marker.encode() not in cmdline or b"train.py" not in cmdline:
-            continue
-        for kv in environ:
-            if kv.startswith(b"PMI_RANK="):
-                pids[int(kv.split(b"=", 1)[1])] = int(entry)
+        if b"train.py" in cmdline and not cmdline.startswith(str(MPIEXEC).encode()):
+            out.append(pid)
+    return out
+
+
+def leftovers(marker):
+    """Processes still running train.py on the log dir `marker` (a job's ranks that outlived it)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                cmdline = Path(f"/proc/{entry}/cmdline").read_bytes()
+                state = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except (OSError, IndexError):
+                continue
+            if b"train.py" in cmdline and marker.encode() in cmdline and state != "Z":
+                pids.append(int(entry))
     return pids
+
+
+def kill_all(pids, sig):
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
 
 
 def trained_past(log_dir, step):
@@ -201,8 +237,7 @@ def run_job(images, log_dir, ranks, max_steps, action, rng, log_path):
     start_step = newest_complete(log_dir) or 0
     with open(log_path, "w") as f:
         proc = subprocess.Popen([str(c) for c in cmd], cwd=REPO, env=child_env(), stdout=f,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     try:
         if action == "kill9":  # anywhere: start-up, resume, a step, a save, a prune
             if rng.random() < 0.7:  # mostly once training, so that the run moves on
@@ -211,26 +246,31 @@ def run_job(images, log_dir, ranks, max_steps, action, rng, log_path):
             while time.monotonic() < deadline and proc.poll() is None:
                 time.sleep(0.01)
             if proc.poll() is None:
-                pids = rank_pids(str(log_dir)) if ranks > 1 and rng.random() < 0.5 else {}
-                if pids:  # one rank dies (a lost node); the launcher must end the rest
-                    os.kill(rng.choice(list(pids.values())), signal.SIGKILL)
-                else:
-                    os.killpg(proc.pid, signal.SIGKILL)
+                pids = rank_pids(proc.pid)
+                if ranks > 1 and pids and rng.random() < 0.5:
+                    # one rank dies (a lost node); the launcher must end the rest
+                    os.kill(rng.choice(pids), signal.SIGKILL)
+                else:  # the whole job dies at once
+                    kill_all(job_pids(proc.pid), signal.SIGKILL)
         elif action == "sigterm":  # a preemption while training, to one rank
             wait_until(lambda: trained_past(log_dir, start_step), proc)
             time.sleep(rng.uniform(0.0, 1.0))
             if proc.poll() is None:
-                pids = rank_pids(str(log_dir)) if ranks > 1 else {0: proc.pid}
-                os.kill(rng.choice(list(pids.values()) or [proc.pid]), signal.SIGTERM)
+                os.kill(rng.choice(rank_pids(proc.pid) or [proc.pid]), signal.SIGTERM)
         proc.wait(timeout=180)
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_all(job_pids(proc.pid), signal.SIGKILL)
             proc.wait()
-        try:  # nothing of the job may outlive it (a rank left behind would hold the log dir)
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    # Nothing of the job may outlive it (a rank left running would write into the log dir).
+    left = []
+    for _ in range(50):
+        left = leftovers(str(log_dir))
+        if not left:
+            break
+        time.sleep(0.1)
+    kill_all(left, signal.SIGKILL)
+    assert not left, f"ranks {left} outlived their job (rc {proc.returncode})"
     return proc.returncode, Path(log_path).read_text()
 
 
