@@ -204,18 +204,22 @@ def kill_all(pids, sig):
             pass
 
 
-def trained_past(log_dir, step):
-    """progress.csv logged a step > `step` (this job is training, past its resume point)."""
+def progress_lines(log_dir):
     try:
-        rows = (Path(log_dir) / "progress.csv").read_text().splitlines()
+        return (Path(log_dir) / "progress.csv").read_text().splitlines()
     except FileNotFoundError:
+        return []
+
+
+def trained_past(log_dir, step, lines_before):
+    """This job (progress.csv grew beyond `lines_before` lines) logged a step > `step`: it is
+    training, past its resume point (with its preemption handlers installed)."""
+    rows = progress_lines(log_dir)
+    if len(rows) <= max(lines_before, 1):
         return False
-    if len(rows) < 2:
-        return False
-    col = rows[0].split(",").index("step") if "step" in rows[0].split(",") else None
-    last = rows[-1].split(",")
+    header = rows[0].split(",")
     try:
-        return col is not None and float(last[col]) > step
+        return float(rows[-1].split(",")[header.index("step")]) > step
     except (IndexError, ValueError):
         return False
 
@@ -235,13 +239,14 @@ def run_job(images, log_dir, ranks, max_steps, action, rng, log_path):
     if ranks > 1:
         cmd = [MPIEXEC, "-n", ranks, *cmd]
     start_step = newest_complete(log_dir) or 0
+    lines_before = len(progress_lines(log_dir))
     with open(log_path, "w") as f:
         proc = subprocess.Popen([str(c) for c in cmd], cwd=REPO, env=child_env(), stdout=f,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
     try:
         if action == "kill9":  # anywhere: start-up, resume, a step, a save, a prune
             if rng.random() < 0.7:  # mostly once training, so that the run moves on
-                wait_until(lambda: trained_past(log_dir, start_step), proc)
+                wait_until(lambda: trained_past(log_dir, start_step, lines_before), proc)
             deadline = time.monotonic() + rng.uniform(0.0, 3.0)
             while time.monotonic() < deadline and proc.poll() is None:
                 time.sleep(0.01)
@@ -253,7 +258,7 @@ def run_job(images, log_dir, ranks, max_steps, action, rng, log_path):
                 else:  # the whole job dies at once
                     kill_all(job_pids(proc.pid), signal.SIGKILL)
         elif action == "sigterm":  # a preemption while training, to one rank
-            wait_until(lambda: trained_past(log_dir, start_step), proc)
+            wait_until(lambda: trained_past(log_dir, start_step, lines_before), proc)
             time.sleep(rng.uniform(0.0, 1.0))
             if proc.poll() is None:
                 os.kill(rng.choice(rank_pids(proc.pid) or [proc.pid]), signal.SIGTERM)
