@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo demo-run test install clean-venv
+.PHONY: demo demo-run test soak install clean-venv
 DEMO_ARGS ?=
 
 $(STAMP): setup.py
@@ -19,6 +19,11 @@ install: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+
+# The slow tests the default suite skips: 200 save/resume cycles with random kills
+# (SOAK_CYCLES=N to change the count).
+soak: $(STAMP)
+	$(PY) -m pytest -q -m slow tests
 
 demo: $(STAMP)
 	$(MAKE) --no-print-directory demo-run PY=$(PY)

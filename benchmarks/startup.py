@@ -37,13 +37,14 @@ def make_model(params):
 
 
 def write_steps(d, model, steps):
+    os.makedirs(d, exist_ok=True)
     opt = th.optim.AdamW(model.parameters(), lr=1e-4)
     model(th.zeros(1, 1024)).sum().backward()
     opt.step()
     named = list(model.named_parameters())
     sd = {k: v.detach().clone() for k, v in model.state_dict().items()}
     for s in range(1, steps + 1):
-        checkpoint.save_step(d, s, {
+        run_dir.save_step(d, s, {
             checkpoint.model_filename(s): checkpoint.model_payload(s, sd, {}),
             checkpoint.ema_filename("0.9999", s): checkpoint.ema_payload(s, "0.9999", sd, {}),
             checkpoint.opt_filename(s): checkpoint.opt_payload(

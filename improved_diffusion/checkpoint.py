@@ -15,10 +15,9 @@ Reading always uses ``torch.load(weights_only=True, map_location="cpu")``: a fil
 code. Every failure is a ``CheckpointError`` whose one-line message names the file.
 """
 
-import datetime
+import errno
 import hashlib
 import io
-import json
 import os
 import pickle
 import re
@@ -713,9 +712,26 @@ def atomic_write(path, obj):
     (gs://, az://) are written directly (the object appears only once the upload completes).
     Refuses to overwrite an existing file (CheckpointError). Returns {"size", "sha256"}.
 
+    A full disk, an exceeded quota, a read-only file system, a denied permission or a vanished
+    directory is a CheckpointError whose one line names the directory and what to do (see
+    ``_disk_fault``); the temp file is removed. Any other error keeps its type and traceback.
+
     Not collective; ``save_step`` calls it on rank 0.
     """
     path = os.fspath(path)
+    try:
+        return write_file(path, obj)
+    except (OSError, RuntimeError) as e:
+        fault = _disk_fault(e, dirname(path))
+        if fault is None:
+            raise
+        raise CheckpointError(_fault_message(fault, dirname(path), f"writing {basename(path)}",
+                                             "nothing partial was left there")) from None
+
+
+def write_file(path, obj):
+    """``atomic_write`` without the disk-fault messages (raises the OSError itself); for a caller
+    that words the fault itself (run_dir.save_step)."""
     if exists(path):
         raise CheckpointError(f"{path}: already exists; refusing to overwrite a checkpoint "
                               f"(move it away or start from a later step)")
@@ -734,10 +750,7 @@ def atomic_write(path, obj):
     tmp = os.path.join(d, f"{basename(path)}.tmp-{uuid.uuid4().hex}")
     try:
         with open(tmp, "wb") as f:
-            if isinstance(obj, (bytes, bytearray)):
-                f.write(obj)
-            else:
-                th.save(obj, f)
+            _save_into(obj, f)
             f.flush()
             os.fsync(f.fileno())
         info = file_digest(tmp)
@@ -746,7 +759,9 @@ def atomic_write(path, obj):
         except FileExistsError:
             raise CheckpointError(f"{path}: already exists; refusing to overwrite a checkpoint "
                                   f"(move it away or start from a later step)") from None
-        except OSError:  # no hard links on this filesystem
+        except OSError as e:
+            if e.errno not in _NO_HARD_LINKS:
+                raise
             if os.path.lexists(path):
                 raise CheckpointError(f"{path}: already exists; refusing to overwrite a "
                                       f"checkpoint (move it away or start from a later step)")
@@ -754,57 +769,138 @@ def atomic_write(path, obj):
         _fsync_dir(d)
         return info
     finally:
-        if os.path.lexists(tmp):
-            os.unlink(tmp)
+        _unlink_quietly(tmp)
 
 
-def save_step(log_dir, step, files):
+# os.link fails with these where the filesystem has no hard links (then os.replace is used).
+_NO_HARD_LINKS = {errno.EPERM, errno.EXDEV, errno.EMLINK,
+                  getattr(errno, "ENOTSUP", errno.EOPNOTSUPP), errno.EOPNOTSUPP}
+
+
+def _unlink_quietly(path):
+    """Remove a local file if it is there; a failure to remove it is not worth a second error."""
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+class _WriteGuard:
+    """A file wrapper for torch.save that remembers the OSError of a failed write.
+
+    torch.save reports a failed write as "RuntimeError: [enforce fail at inline_container.cc]
+    unexpected pos ..." without the errno; ``_save_into`` raises the remembered OSError instead.
     """
-    Write one step's checkpoint files, then its manifest LAST.
 
-    ``files``: {filename: object}, e.g. {model_filename(s): model_payload(...), ...}. Only rank
-    0's ``files`` are used (other ranks may pass the same dict or ``{}``). Rank 0 refuses to
-    overwrite any existing file (checked before anything is written), writes each file with
-    ``atomic_write``, then ``manifest{step:06d}.json`` with each file's size and sha256. An error on
-    rank 0 is broadcast, so every rank raises the same CheckpointError; all ranks return together.
+    def __init__(self, f):
+        self._f = f
+        self.error = None
 
-    Collective: call from all ranks with the same arguments.
-    """
-    def write():
+    def write(self, data):
         try:
-            _save_step_rank0(os.fspath(log_dir), int(step), files)
-        except CheckpointError:
+            return self._f.write(data)
+        except OSError as e:
+            self.error = e
             raise
-        except Exception as e:  # disk full, permissions, ... : still one line on every rank
-            msg = " ".join(str(e).split())[:200]
-            raise CheckpointError(
-                f"{log_dir}: writing step {step} failed ({type(e).__name__}: {msg})") from None
 
-    dist_util.run_on_rank0(write)
+    def flush(self):
+        return self._f.flush()
 
 
-def _save_step_rank0(log_dir, step, files):
-    if not is_remote(log_dir):
-        os.makedirs(log_dir, exist_ok=True)
-    names = list(files)
-    for name in names:
-        if basename(name) != name or _TMP_RE.match(name) or _MANIFEST_RE.match(name):
-            raise CheckpointError(f"{name}: not a valid checkpoint file name for save_step")
-    manifest = manifest_filename(step)
-    for name in names + [manifest]:
-        p = join(log_dir, name)
-        if exists(p):
-            raise CheckpointError(f"{p}: already exists; refusing to overwrite a checkpoint "
-                                  f"(move it away or start from a later step)")
-    entries = {}
-    for name in names:
-        entries[name] = atomic_write(join(log_dir, name), files[name])
-    doc = {
-        "schema": SCHEMA,
-        "version": VERSION,
-        "kind": "manifest",
-        "step": step,
-        "files": entries,
-        "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-    }
-    atomic_write(join(log_dir, manifest), (json.dumps(doc, indent=1) + "\n").encode())
+def _save_into(obj, f):
+    """Write ``obj`` (raw bytes as they are, else torch.save) into the open file ``f``."""
+    if isinstance(obj, (bytes, bytearray)):
+        f.write(obj)
+        return
+    guard = _WriteGuard(f)
+    try:
+        th.save(obj, guard)
+    except RuntimeError:
+        if guard.error is not None:
+            raise guard.error from None
+        raise
+
+
+# errno -> (what happened, what to do); the message names the directory before them.
+_FAULTS = {
+    errno.ENOSPC: ("no space left on device",
+                   "free space there (delete old steps, or pass --keep_checkpoints N) or copy the "
+                   "log dir to a bigger disk and rerun with --log_dir there"),
+    errno.EDQUOT: ("disk quota exceeded (no space left for this user)",
+                   "free space there (delete old steps, or pass --keep_checkpoints N) or raise "
+                   "the quota"),
+    errno.EROFS: ("read-only file system",
+                  "remount it read-write, or copy the log dir to a writable disk and rerun with "
+                  "--log_dir there"),
+    errno.EACCES: ("permission denied",
+                   "give this user write access to it (or rerun with another --log_dir)"),
+    errno.EPERM: ("permission denied (operation not permitted)",
+                  "give this user write access to it (or rerun with another --log_dir)"),
+}
+_GONE = ("the log dir no longer exists (removed while the job ran?)",
+         "it is not recreated, since an empty log dir would hide the lost checkpoints: restore it "
+         "and rerun, or rerun with a new --log_dir to start over")
+# torch.save's text for a write that failed below it (the errno is lost on the way).
+_TORCH_WRITE_FAILED = re.compile(r"inline_container|PytorchStreamWriter|unexpected pos|"
+                                 r"file write failed", re.I)
+_LOW_SPACE_BYTES = 1 << 20
+
+
+def _disk_fault(e, directory):
+    """(what happened, what to do) when ``e`` is a disk fault of writing into ``directory``.
+
+    Only these are mapped: ENOSPC, EDQUOT, EROFS, EACCES/EPERM, and a directory that no longer
+    exists; also torch.save's RuntimeError for a failed write when the file system is (nearly)
+    full (``os.statvfs``). Anything else (a bug, an unexpected errno) returns None.
+    """
+    if isinstance(e, OSError):
+        if e.errno == errno.ENOENT and not is_remote(directory) and not os.path.isdir(directory):
+            return _GONE
+        return _FAULTS.get(e.errno)
+    if isinstance(e, RuntimeError) and _TORCH_WRITE_FAILED.search(str(e)):
+        free = _free_bytes(directory)
+        if free is not None and free < _LOW_SPACE_BYTES:
+            return _FAULTS[errno.ENOSPC]
+    return None
+
+
+def _free_bytes(directory):
+    """Bytes available to this user on the file system of a local ``directory``, else None."""
+    if is_remote(directory):
+        return None
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def _fault_message(fault, directory, doing, kept):
+    """One line: "<dir>: <what happened> while <doing>[ (free space)]; <kept>; <what to do>"."""
+    what, todo = fault
+    free = _free_bytes(directory) if fault in (_FAULTS[errno.ENOSPC],
+                                               _FAULTS[errno.EDQUOT]) else None
+    where = f" (only {_human_bytes(free)} free there)" if free is not None else ""
+    return f"{directory}: {what} while {doing}{where}; {kept}; {todo}"
+
+
+def _human_bytes(n):
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1024
+
+
+def write_fault_message(e, directory, doing, kept):
+    """The one-line message for a write that failed with ``e`` in ``directory`` when it is a disk
+    fault (full, quota, read-only, permission, vanished directory), else None (a bug: re-raise).
+    ``doing``: "saving step 6 (model000006.pt)"; ``kept``: what is left intact."""
+    if not isinstance(e, (OSError, RuntimeError)):
+        return None
+    fault = _disk_fault(e, directory)
+    return None if fault is None else _fault_message(fault, directory, doing, kept)
+
+
+def gone_message(directory, doing, kept):
+    """The one-line message for a log dir that no longer exists."""
+    return _fault_message(_GONE, directory, doing, kept)

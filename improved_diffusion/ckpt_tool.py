@@ -712,7 +712,7 @@ def cmd_convert(args, out):
                       and any(ckpt.slot_of(n) == "model" for n in payloads))
         try:
             if whole_step:
-                ckpt.save_step(out_dir, step, payloads)
+                run_dir.save_step(out_dir, step, payloads)
                 written.append(os.path.join(out_dir, ckpt.manifest_filename(step)))
             else:
                 for name, obj in payloads.items():

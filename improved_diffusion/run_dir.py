@@ -2,7 +2,7 @@
 A log dir of steps: which steps it holds, which one a resume uses, and what is done with the rest.
 
 One step ``S`` is the files ``model{S:06d}.pt``, ``ema_{rate}_{S:06d}.pt`` (one per rate),
-``opt{S:06d}.pt`` and ``manifest{S:06d}.json``, the manifest written last (checkpoint.save_step).
+``opt{S:06d}.pt`` and ``manifest{S:06d}.json``, the manifest written last (save_step below).
 A step is *complete* (resumable) when its manifest parses and every file it lists is present with
 the listed size; upstream's steps (untagged files, no manifest) are complete when the model and
 opt files are there and not empty. checkpoint.py knows what is in one file; this module knows what
@@ -23,6 +23,7 @@ a remote store's error) raises ``checkpoint.CheckpointReadError`` and nothing is
 because of it. Nothing here is collective: rank 0 calls it and broadcasts (train_util does).
 """
 
+import datetime
 import json
 import os
 import time
@@ -32,6 +33,7 @@ from typing import Dict, List, Optional
 import blobfile as bf
 
 from . import checkpoint as ckpt
+from . import dist_util
 from .checkpoint import CheckpointError, CheckpointReadError
 
 INCOMPLETE_DIR = "incomplete"
@@ -429,6 +431,86 @@ def _quarantine(log_dir, step, files):
             os.replace(src, target)
         moved.append(name)
     return moved
+
+
+# ---------------------------------------------------------------------------------------------
+# writing a step
+
+
+def save_step(log_dir, step, files):
+    """
+    Write one step's checkpoint files, then its manifest LAST.
+
+    ``files``: {filename: object}, e.g. {model_filename(s): model_payload(...), ...}. Only rank
+    0's ``files`` are used (other ranks may pass the same dict or ``{}``). Rank 0 refuses to
+    overwrite any existing file (checked before anything is written), writes each file with
+    ``checkpoint.write_file`` (temp name, fsync, no-overwrite rename), then
+    ``manifest{step:06d}.json`` with each file's size and sha256. An error on rank 0 is broadcast,
+    so every rank raises the same exception; all ranks return together.
+
+    A local ``log_dir`` must exist (the caller creates it at start; train.py's logger does): one
+    that vanished is an error, never silently recreated empty. When the write fails (full disk,
+    quota, read-only, permission, vanished log dir: one-line CheckpointError naming the log dir
+    and what to do; anything else keeps its type), the files already written for this step are
+    removed, so no partial step is left and the previous complete step stays the newest.
+
+    Collective: call from all ranks with the same arguments.
+    """
+    dist_util.run_on_rank0(lambda: _save_step_rank0(os.fspath(log_dir), int(step), files))
+
+
+def _save_step_rank0(log_dir, step, files):
+    kept = (f"step {step} was not saved (no manifest; its partial files were removed) and the "
+            f"last complete step is intact, so a rerun resumes from it")
+    if not ckpt.is_remote(log_dir) and not os.path.isdir(log_dir):
+        raise CheckpointError(ckpt.gone_message(log_dir, f"saving step {step}", kept))
+    names = list(files)
+    for name in names:
+        info = ckpt.name_info(name)
+        if ckpt.basename(name) != name or info is None or info.kind in ("temp", "manifest"):
+            raise CheckpointError(f"{name}: not a valid checkpoint file name for save_step")
+    manifest = ckpt.manifest_filename(step)
+    for name in names + [manifest]:
+        p = ckpt.join(log_dir, name)
+        if ckpt.exists(p):
+            raise CheckpointError(f"{p}: already exists; refusing to overwrite a checkpoint "
+                                  f"(move it away or start from a later step)")
+    written, current = [], None
+    try:
+        entries = {}
+        for name in names:
+            current = name
+            entries[name] = ckpt.write_file(ckpt.join(log_dir, name), files[name])
+            written.append(name)
+        current = manifest
+        ckpt.write_file(ckpt.join(log_dir, manifest), _manifest_bytes(step, entries))
+    except BaseException as e:
+        _remove_written(log_dir, written)
+        message = ckpt.write_fault_message(e, log_dir, f"saving step {step} ({current})", kept)
+        if message is None:
+            raise
+        raise CheckpointError(message) from None
+
+
+def _manifest_bytes(step, entries):
+    doc = {
+        "schema": ckpt.SCHEMA,
+        "version": ckpt.VERSION,
+        "kind": "manifest",
+        "step": step,
+        "files": entries,
+        "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+    return (json.dumps(doc, indent=1) + "\n").encode()
+
+
+def _remove_written(log_dir, names):
+    """Best effort: remove the files of an unfinished save (no manifest), newest first."""
+    for name in reversed(names):
+        try:
+            _remove(ckpt.join(log_dir, name))
+        except (OSError, bf.Error):  # no manifest: the step is never taken for complete anyway
+            pass
 
 
 # ---------------------------------------------------------------------------------------------

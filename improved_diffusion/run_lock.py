@@ -265,8 +265,8 @@ class LogDirLock:
         fd, self._fd = self._fd, None
         try:
             os.unlink(self.path)  # while still locked: a waiter that opened it will retry
-        except FileNotFoundError:
-            pass
+        except OSError:  # gone, or a read-only / vanished log dir: the flock still drops below,
+            pass  # and a stale .lock file blocks nobody (it is never locked)
         finally:
             os.close(fd)  # drops the flock
 

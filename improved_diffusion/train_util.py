@@ -7,7 +7,7 @@ annealing, weight decay, loss logging by timestep quartile, grad-norm logging), 
   (docs/ARCHITECTURE.md, "Distributed rules"). Resume decisions are made from bytes that were read once and
   broadcast, so ranks cannot diverge.
 - `step` counts completed optimizer steps; the files of step S hold the state after S steps.
-- Checkpoints are schema-tagged files written by rank 0 (checkpoint.save_step), with the complete
+- Checkpoints are schema-tagged files written by rank 0 (run_dir.save_step), with the complete
   trainer state (data position, per-rank RNG, timestep-sampler history, GradScaler) in opt*.pt.
 - Mixed precision is torch.autocast + torch.amp.GradScaler, no hand-rolled master params.
 - SIGTERM / SIGUSR1 on any rank: all ranks agree at the next step boundary, save, and run_loop()
@@ -658,7 +658,7 @@ class TrainLoop:
         for rate_str, params in zip(self.ema_rate_strs, self.ema_params):
             files[checkpoint.ema_filename(rate_str, step)] = self._ema_file(step, rate_str, params)
         files[checkpoint.opt_filename(step)] = self._opt_file(step)
-        checkpoint.save_step(self.log_dir, step, files)
+        run_dir.save_step(self.log_dir, step, files)
         self.last_saved_step = step
         logger.log(f"saved step {step} to {self.log_dir}")
         if self.keep_checkpoints:

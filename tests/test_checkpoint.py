@@ -39,7 +39,7 @@ def _step_files(step, rates=("0.9999",)):
 
 def _save_steps(d, steps, rates=("0.9999",)):
     for s in steps:
-        C.save_step(d, s, _step_files(s, rates))
+        R.save_step(d, s, _step_files(s, rates))
 
 
 def _snapshot(d):
@@ -447,10 +447,10 @@ def test_save_step_on_two_ranks_writes_once_and_errors_reach_every_rank(tmp_path
         w = th.full((3,), float(rank))
         files = {{C.model_filename(5): C.model_payload(5, {{"w": w}}, {{}}),
                  C.opt_filename(5): C.opt_payload(5, {{"state": {{}}, "param_groups": []}}, {{}})}}
-        C.save_step(d, 5, files)
+        R.save_step(d, 5, files)
         ck = C.load_file_collective(os.path.join(d, C.model_filename(5)))
         try:
-            C.save_step(d, 5, files)
+            R.save_step(d, 5, files)
             err = None
         except C.CheckpointError as e:
             err = str(e)

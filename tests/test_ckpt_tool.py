@@ -221,7 +221,7 @@ def write_tagged_step(d, step, model, opt, save=True):
             step, named_optimizer_state(opt, list(model.named_parameters())), {}),
     }
     if save:
-        ckpt.save_step(d, step, files)
+        run_dir.save_step(d, step, files)
     else:
         for name, obj in files.items():
             th.save(obj, d / name)

@@ -29,13 +29,14 @@ def _sd(seed=0):
 
 
 def _save_steps(d, steps, rates=("0.9999",)):
+    os.makedirs(d, exist_ok=True)
     for s in steps:
         files = {C.model_filename(s): C.model_payload(s, _sd(s), {}),
                  C.opt_filename(s): C.opt_payload(s, {"format": "named-v1", "state": {},
                                                       "param_groups": []}, {"step": s})}
         for r in rates:
             files[C.ema_filename(r, s)] = C.ema_payload(s, r, _sd(s + 100), {})
-        C.save_step(d, s, files)
+        R.save_step(d, s, files)
 
 
 def _snapshot(d):
