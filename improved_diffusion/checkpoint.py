@@ -1,6 +1,7 @@
 """
-The checkpoint file format: schema-tagged files, a rank-0 atomic writer, a validated reader,
-discovery of the newest complete step, legacy (upstream) files, and pruning.
+One checkpoint file and its vocabulary: names, schema-tagged payloads, kinds and layouts (our
+files and upstream's), the validated reader and the atomic writer. What a *directory* of steps
+holds (discovery, verification, the resume plan, pruning) is run_dir.py's.
 
 docs/checkpoints.md is the reference for the format; keep it in step with this module.
 
@@ -12,7 +13,9 @@ Files of one step (``step`` = completed optimizer steps), in the log dir:
     manifest{step:06d}.json       written LAST: {"step", "files": {name: {"size", "sha256"}}, ...}
 
 Reading always uses ``torch.load(weights_only=True, map_location="cpu")``: a file can never run
-code. Every failure is a ``CheckpointError`` whose one-line message names the file.
+code. Every failure is a ``CheckpointError`` whose one-line message names the file; a read that
+failed (I/O, permissions, a remote store, memory) is its subclass ``CheckpointReadError``, which
+no caller takes as a reason to fall back.
 """
 
 import errno
@@ -33,6 +36,8 @@ import blobfile as bf
 import torch as th
 
 from . import dist_util
+
+from .errors import UserError
 
 SCHEMA = "improved_diffusion.checkpoint"
 VERSION = 1
@@ -60,14 +65,12 @@ _COMBINED_OPT_KEYS = ("opt", "optimizer", "optimizer_state_dict", "optim")
 _HEAD_BYTES = 4096
 
 
-class CheckpointError(Exception):
+class CheckpointError(UserError):
     """A checkpoint file/directory problem; the one-line message names the file and what to do.
 
     Raised for *content* (a file of the wrong kind, truncated, corrupt, from a newer format): a
     caller may explain it and fall back (the optimizer slot does). See CheckpointReadError.
     """
-
-    exit_code = 1
 
 
 class CheckpointReadError(CheckpointError):

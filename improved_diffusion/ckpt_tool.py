@@ -21,10 +21,12 @@ import math
 import os
 import shlex
 import sys
+import traceback
 
 import torch as th
 
 from . import checkpoint as ckpt
+from .errors import UsageError, UserError
 from . import run_dir
 from .state_fit import fit_state_dict, shapes_of
 from .optim_state import (
@@ -41,11 +43,7 @@ EXIT_OK, EXIT_PROBLEM, EXIT_USAGE = 0, 1, 2
 _SLOT_PHRASE = {"model": "model", "ema": "EMA", "opt": "optimizer"}
 
 
-class UsageError(Exception):
-    """Bad command line (exit 2)."""
-
-
-class ToolError(Exception):
+class ToolError(UserError):
     """A problem with the user's files (exit 1); one line."""
 
 
@@ -378,8 +376,8 @@ def _build_model(flags):
 
     try:
         model, _ = su.create_model_and_diffusion(**flags)
-    except (ValueError, TypeError, KeyError) as e:
-        raise UsageError(f"--flags: {' '.join(str(e).split())}") from None
+    except su.FlagError as e:
+        raise UsageError(f"--flags: {e}") from None
     return model
 
 
@@ -830,15 +828,15 @@ def main(argv=None, out=None, err=None):
     except UsageError as e:
         _fail(f"{e} (see ckpt.py --help)", as_json, out, err)
         return EXIT_USAGE
-    except (ToolError, ckpt.CheckpointError, OptimizerStateError) as e:
+    except UserError as e:  # ToolError, CheckpointError, OptimizerStateError, ...
         _fail(str(e), as_json, out, err)
-        return EXIT_PROBLEM
+        return e.exit_code
     except KeyboardInterrupt:
         _fail("interrupted", as_json, out, err)
         return EXIT_PROBLEM
-    except Exception as e:  # never a traceback for a user's file
-        msg = " ".join(str(e).split())[:300]
-        _fail(f"unexpected {type(e).__name__}: {msg}", as_json, out, err)
+    except Exception:  # a bug: keep its traceback (files' faults are UserErrors above)
+        traceback.print_exc(file=err)
+        _fail("unexpected error (traceback above)", as_json, out, err)
         return EXIT_PROBLEM
 
 

@@ -1,21 +1,19 @@
 """What every command-line script does with an error: one line, an exit code, no rank left hanging.
 
-Scripts stay thin: ``sys.exit(cli.run_main(main, usage_errors=..., runtime_errors=...))``.
+Scripts stay thin: ``sys.exit(cli.run_main(main))``. The error model is errors.py's: a UserError
+(UsageError: exit 2) is one ``error: ...`` line, printed once for the job; anything else is a bug
+and keeps its traceback.
 """
 import sys
 import traceback
 
 from . import dist_util
 
-USAGE_EXIT_CODE = 2  # bad command line or flag values
-ERROR_EXIT_CODE = 1  # anything else that stops the run
+from .errors import USAGE_EXIT_CODE, USER_ERROR_EXIT_CODE, UsageError, UserError
+
+ERROR_EXIT_CODE = USER_ERROR_EXIT_CODE  # anything that stops the run (a bug too)
 INTERRUPTED_EXIT_CODE = 130  # KeyboardInterrupt, as a shell reports Ctrl-C (128 + SIGINT)
-
-
-class UsageError(Exception):
-    """A bad command line (exit 2); the message names the flag and what to do."""
-
-    exit_code = USAGE_EXIT_CODE
+__all__ = ["USAGE_EXIT_CODE", "UsageError", "UserError", "run_main", "print_error", "one_line"]
 
 
 def one_line(e):
@@ -43,27 +41,22 @@ def check_dist_timeout(seconds, flag="--dist_timeout"):
         raise UsageError(f"{flag} must be a number of seconds > 0 (got {seconds})") from None
 
 
-def run_main(main, argv=None, *, usage_errors=(), runtime_errors=()):
+def run_main(main, argv=None):
     """
-    Run ``main(argv)`` and turn our errors into one ``error: ...`` line and an exit code:
-    ``usage_errors`` (and ``UsageError``) exit 2, ``runtime_errors`` exit with their
-    ``exit_code`` attribute or 1; a failed rendezvous or a collective that failed because a rank
-    died (``dist_util.diagnose_failure``) is one line naming the rank(s), exit 1; any other
-    exception is a bug: its traceback is kept, exit 1. A KeyboardInterrupt (exit 130) or
-    SystemExit (its code) on one rank of a process group ends the job on every rank, its cause
-    printed once; in a single process they keep Python's own handling.
-    After an error on some ranks only, the whole job is ended instead of left hanging
-    (``dist_util.end_job_after_error``), within a bounded wait.
+    Run ``main(argv)`` and turn a UserError into one ``error: ...`` line and its ``exit_code``
+    (a failed rendezvous or a collective that failed because a rank died is one too, naming the
+    rank(s)); any other exception is a bug: its traceback is kept, exit 1. A line that several
+    ranks would print alike (a decision made on rank 0 and broadcast) is printed once for the
+    job. A KeyboardInterrupt (exit 130) or SystemExit (its code) on one rank of a process group
+    ends the job on every rank, its cause printed once; in a single process they keep Python's
+    own handling. After an error on some ranks only, the whole job is ended instead of left
+    hanging (``dist_util.end_job_after_error``), within a bounded wait.
     """
     lost = ()
     try:
         return main(argv)
-    except (UsageError, *usage_errors) as e:
-        code, message = USAGE_EXIT_CODE, one_line(e)
-    except (dist_util.RendezvousError, dist_util.RankLostError) as e:
-        code, message = ERROR_EXIT_CODE, one_line(e)
-    except runtime_errors as e:
-        code, message = getattr(e, "exit_code", ERROR_EXIT_CODE), one_line(e)
+    except UserError as e:
+        code, message = e.exit_code, one_line(e)
     except Exception as e:
         diagnosis = _diagnose(e)
         if diagnosis is None:
@@ -79,7 +72,8 @@ def run_main(main, argv=None, *, usage_errors=(), runtime_errors=()):
         if not dist_util.is_distributed():
             raise
         return _end_job_after_exit(e)
-    if message:
+    if message and (message.startswith("unexpected error")
+                    or dist_util.first_to_report("error: " + message)):
         print_error(message)
     dist_util.end_job_after_error(code, cause=message, lost=lost)
     return code

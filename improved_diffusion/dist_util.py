@@ -43,6 +43,8 @@ import blobfile as bf
 import torch as th
 import torch.distributed as dist
 
+from .errors import UserError
+
 # Payloads bigger than this are broadcast in pieces (bounded extra memory, works over gloo).
 _CHUNK_BYTES = 64 * 1024 * 1024
 
@@ -63,19 +65,19 @@ _MPI_LAUNCHER_VARS = (
 DEFAULT_TIMEOUT_S = 600.0
 
 
-class DistMismatchError(RuntimeError):
+class DistMismatchError(UserError):
     """Ranks called a collective with different arguments (e.g. asked to load different files)."""
 
 
-class DistLoadError(RuntimeError):
+class DistLoadError(UserError):
     """The bytes of a file could be read, but torch.load refused them."""
 
 
-class RendezvousError(RuntimeError):
+class RendezvousError(UserError):
     """The ranks could not form a process group; the one-line message says what to set."""
 
 
-class RankLostError(RuntimeError):
+class RankLostError(UserError):
     """A collective failed because some rank died or ended; the message names the rank(s).
 
     ``lost``: ranks whose heartbeat stopped; ``ended``: {rank: state} of ranks that stopped on

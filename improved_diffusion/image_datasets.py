@@ -19,11 +19,12 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
 from . import dist_util
+from .errors import UserError
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "gif")
 
 
-class DataError(FileNotFoundError):
+class DataError(UserError):
     """The data directory is missing, empty, or holds unusable files (one-line message)."""
 
 

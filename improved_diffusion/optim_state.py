@@ -37,6 +37,7 @@ from typing import List, Optional, Tuple
 
 import torch as th
 
+from .errors import UserError
 from .checkpoint import (
     LAYOUT_FLAT1,
     LAYOUT_FLAT2,
@@ -74,7 +75,7 @@ _CLASS_FAMILY = {
     "Adamax": "Adamax",
 }
 
-class OptimizerStateError(ValueError):
+class OptimizerStateError(UserError):
     """The payload is not usable optimizer state; the message is one line naming the file."""
 
 

@@ -12,6 +12,7 @@ import numpy as np
 import torch as th
 
 from . import dist_util
+from .errors import UsageError
 
 
 def create_named_schedule_sampler(name, diffusion):
@@ -20,13 +21,13 @@ def create_named_schedule_sampler(name, diffusion):
 
     :param name: "uniform" or "loss-second-moment" (the `--schedule_sampler` flag).
     :param diffusion: the diffusion object to sample for (its num_timesteps is used).
-    :raises ValueError: for an unknown name.
+    :raises UsageError: for an unknown name (one line naming the flag, exit 2).
     """
     if name == "uniform":
         return UniformSampler(diffusion)
     elif name == "loss-second-moment":
         return LossSecondMomentResampler(diffusion)
-    raise ValueError(
+    raise UsageError(
         f"unknown --schedule_sampler {name!r}; use 'uniform' or 'loss-second-moment'"
     )
 

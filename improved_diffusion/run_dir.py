@@ -26,6 +26,7 @@ because of it. Nothing here is collective: rank 0 calls it and broadcasts (train
 import datetime
 import json
 import os
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
@@ -149,12 +150,7 @@ def list_steps(log_dir, verify_checksums=False, names=None):
 def _read_manifest(st):
     """The manifest's dict, or raise _Problem (content) / CheckpointReadError (read failure)."""
     path = st.manifest_path
-    try:
-        data = ckpt.read_bytes(path)
-    except CheckpointReadError:
-        raise
-    except CheckpointError as e:  # vanished between listing and reading: content, not I/O
-        raise _Problem(f"manifest {ckpt.basename(path)} cannot be read ({e})") from None
+    data = ckpt.read_bytes(path)  # a failed read (even a vanished file) is CheckpointReadError
     try:
         doc = json.loads(data.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError):
@@ -524,6 +520,32 @@ def _remove(path):
         os.unlink(path)
 
 
+_SET_ASIDE_RE = re.compile(r"^step(\d+)$")
+
+
+def _prune_set_aside(log_dir, oldest_kept):
+    """Delete incomplete/stepNNNNNN/ folders of steps older than ``oldest_kept``."""
+    root = ckpt.join(log_dir, INCOMPLETE_DIR)
+    deleted = []
+    for name in listdir(root):
+        m = _SET_ASIDE_RE.match(name)
+        if not m or int(m.group(1)) >= oldest_kept:
+            continue
+        folder = ckpt.join(root, name)
+        for inner in listdir(folder):
+            try:
+                _remove(ckpt.join(folder, inner))
+                deleted.append(ckpt.join(folder, inner))
+            except FileNotFoundError:
+                pass
+        if not ckpt.is_remote(folder):
+            try:
+                os.rmdir(folder)
+            except OSError:  # something else was put there: leave it
+                pass
+    return deleted
+
+
 _DELETE_ORDER = {"manifest": 0, "opt": 1, "ema": 2, "model": 3}
 
 
@@ -533,9 +555,11 @@ def prune(log_dir, keep, *, temp_age_s=60.0):
     kept one (complete or not). Never touches the newest complete step, nor any step newer than
     the kept ones (it may be a save in progress); with no complete step it deletes nothing. Each
     step's manifest goes FIRST (then opt, EMA, model), so a half-deleted step is never "complete".
-    Also removes temp files (``*.tmp-<hex>``) older than ``temp_age_s`` seconds. ``keep`` < 1
-    deletes no step (only stale temp files). Returns the deleted paths. Not collective: call on
-    rank 0 after a save (save_step's return means every rank has finished it).
+    Also removes temp files (``*.tmp-<hex>``) older than ``temp_age_s`` seconds, and the
+    interrupted saves set aside in ``incomplete/stepNNNNNN/`` once they are older than the oldest
+    kept step (so repeated crashes cannot fill the disk). ``keep`` < 1 deletes no step (only stale
+    temp files). Returns the deleted paths. Not collective: call on rank 0 after a save
+    (save_step's return means every rank has finished it).
     """
     log_dir = os.fspath(log_dir)
     names = listdir(log_dir)
@@ -553,6 +577,8 @@ def prune(log_dir, keep, *, temp_age_s=60.0):
                     deleted.append(p)
                 except FileNotFoundError:
                     pass
+        if oldest_kept is not None:
+            deleted += _prune_set_aside(log_dir, oldest_kept)
     now = time.time()
     for name in names:
         info = ckpt.name_info(name)

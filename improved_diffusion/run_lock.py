@@ -46,23 +46,22 @@ import uuid
 
 import blobfile as bf
 
+from .errors import UserError
+
 DEFAULT_WAIT_S = 300.0
 DEFAULT_HEARTBEAT_S = 30.0
 LOCK_FILE = ".lock"  # local flavour
 LOCK_OBJECT = "lock.json"  # remote flavour
+_JOB_SLICE_S = 5.0  # acquire_for_job: rank 0 reports to the others this often while it waits
 JOB_ID_VARS = ("SLURM_JOB_ID", "PBS_JOBID", "LSB_JOBID", "JOB_ID")
 
 
-class LockError(RuntimeError):
+class LockError(UserError):
     """The log dir's lock cannot be taken or read (not: it is held); the message says why."""
-
-    exit_code = 1
 
 
 class LogDirLockedError(LockError):
     """Another job held the log dir for longer than we were allowed to wait."""
-
-    exit_code = 1
 
 
 # --------------------------------------------------------------------------------------------
@@ -164,6 +163,8 @@ class LogDirLock:
         self._fd = None
         self._token = None
         self._record = None
+        self._wait_start = None  # acquire(): when the wait began (wait_s counts from there)
+        self._said = False  # acquire(): the "waiting for ..." line was printed
         self._stop = threading.Event()
         self._beat_thread = None
 
@@ -179,35 +180,40 @@ class LogDirLock:
 
     # -------------------------------------------------------------- acquire / release
 
-    def acquire(self, log=print):
+    def acquire(self, log=print, slice_s=None):
         """
         Take the lock, waiting up to ``wait_s`` seconds while another job holds it; ``log`` gets
         one line saying whom we wait for (once). Returns self. Raises ``LogDirLockedError`` (one
         line: the holder, the log dir, what to do) when the wait runs out; nothing in the log dir
-        is changed then.
+        is changed then. ``slice_s``: return None after that many seconds without the lock
+        (the ``wait_s`` bound counts from the first call), so a caller can report in between.
         """
         if self.held:
             return self
         try_once = self._try_object if self.store else self._try_flock
-        start = time.monotonic()
-        deadline = start + self.wait_s
-        said = False
+        if self._wait_start is None:
+            self._wait_start = time.monotonic()
+        deadline = self._wait_start + self.wait_s
+        stop = deadline if slice_s is None else min(deadline, time.monotonic() + slice_s)
         while True:
             holder = try_once(log)
             if holder is None:
                 return self
             # Say it once, as soon as the holder's record is readable (or after 1 s without).
-            if not said and (holder or time.monotonic() - start > 1.0):
+            if not self._said and (holder or time.monotonic() - self._wait_start > 1.0):
                 log(f"log dir {self.log_dir} is in use by {describe_owner(holder)}; waiting up "
                     f"to {self.wait_s:g} s for it to end (--lock_wait)")
-                said = True
-            if time.monotonic() >= deadline:
+                self._said = True
+            now = time.monotonic()
+            if now >= deadline:
                 raise LogDirLockedError(
                     f"log dir {self.log_dir} is in use by {describe_owner(holder)} (lock "
                     f"{self.path}; waited {self.wait_s:g} s): wait for that job to end, stop "
                     f"it, or use another --log_dir"
                 )
-            time.sleep(max(0.0, min(self._poll_s(), deadline - time.monotonic())))
+            if now >= stop:
+                return None
+            time.sleep(max(0.0, min(self._poll_s(), stop - now)))
 
     def release(self):
         """Give the lock up (no-op when not held). Never raises for a remote store's error."""
@@ -383,19 +389,22 @@ def acquire_for_job(log_dir, wait_s=DEFAULT_WAIT_S, heartbeat_s=DEFAULT_HEARTBEA
     Take ``log_dir``'s lock on rank 0, waiting up to ``wait_s`` seconds; returns a ``LogDirLock``
     on every rank (held on rank 0 only; ``release()`` is safe everywhere). If rank 0 cannot take
     it, every rank raises the same ``LogDirLockedError`` having touched nothing. The other ranks
-    wait for rank 0 inside a broadcast, so ``wait_s`` must stay below the process group's timeout.
+    wait for rank 0 in a broadcast per slice of ``_JOB_SLICE_S`` seconds, so ``wait_s`` may exceed the
+    process group's timeout.
 
     Collective: call from all ranks with the same arguments.
     """
     from . import dist_util  # here, so that the lock itself does not import torch
 
     lock = LogDirLock(log_dir, wait_s, heartbeat_s)
+    say = log or (lambda message: print(message, flush=True))
 
-    def take():
-        lock.acquire(log=log or (lambda message: print(message, flush=True)))
+    def take():  # one slice of the wait: each broadcast stays far inside --dist_timeout
+        return lock.acquire(log=say, slice_s=_JOB_SLICE_S) is not None
 
     try:
-        dist_util.run_on_rank0(take)
+        while not dist_util.run_on_rank0(take):
+            pass
     except BaseException:
         lock.release()
         raise

@@ -22,29 +22,20 @@ import numpy as np
 import torch as th
 
 from . import cli, dist_util, logger
-from .script_util import same_flag_value
+from .errors import UserError
+from .script_util import FlagError, same_flag_value
 from .state_fit import fit_state_dict, shapes_of
 
 # Model/diffusion flags that may legitimately differ from the training run at sampling time.
 SAMPLE_TIME_FLAGS = ("timestep_respacing", "use_checkpoint", "dropout")
 
 
-class SampleError(ValueError):
-    """A user mistake in sampling input (file, flags); the message is one line.
-
-    `exit_code`: what a script exits with (2 for bad usage, 1 otherwise).
-    """
-
-    exit_code = 1
+class SampleError(UserError):
+    """A user mistake in sampling input (a file, its contents); the message is one line (exit 1).
+    Bad flag values are script_util.FlagError (exit 2)."""
 
 
-class BadFlagError(SampleError):
-    """A flag value that cannot work (names the flag)."""
-
-    exit_code = 2
-
-
-class FlagConflictError(BadFlagError):
+class FlagConflictError(FlagError):
     """An explicit command-line flag contradicts the flags stored in the model file."""
 
 
@@ -62,9 +53,9 @@ def start_script(parser, argv=None):
     args = parser.parse_args(argv)
     explicit = explicit_args(parser, argv)
     if not args.model_path:
-        raise BadFlagError("--model_path is required (a model*.pt or ema_*.pt file)")
+        raise FlagError("--model_path is required (a model*.pt or ema_*.pt file)")
     if getattr(args, "seed", 0) < 0:  # per-sample seeds need seed >= 0 (np.random.SeedSequence)
-        raise BadFlagError(f"--seed {args.seed}: must be a non-negative integer")
+        raise FlagError(f"--seed {args.seed}: must be a non-negative integer")
     timeout = getattr(args, "dist_timeout", dist_util.DEFAULT_TIMEOUT_S)
     cli.check_dist_timeout(timeout)
     dist_util.setup_dist(timeout=timeout)
@@ -73,37 +64,13 @@ def start_script(parser, argv=None):
 
 
 def run_script(main, argv=None):
-    """Entry point of the sampling scripts: our errors become one `error: ...` line; SampleError
-    carries its exit code (2 for bad flags, 1 otherwise), FlagError exits 2."""
-    from .checkpoint import CheckpointError
-    from .image_datasets import DataError
-    from .script_util import FlagError
-
-    return cli.run_main(main, argv, usage_errors=(FlagError,),
-                        runtime_errors=(SampleError, CheckpointError, DataError, ValueError))
+    """Entry point of the sampling scripts: a UserError becomes one `error: ...` line and its exit
+    code (FlagError: 2); anything else keeps its traceback (cli.run_main)."""
+    return cli.run_main(main, argv)
 
 
 # ----------------------------------------------------------------------------------------------
 # Flags
-
-
-def sample_defaults():
-    """Defaults of the sampling flags (upstream's image_sample.py plus ours)."""
-    return dict(
-        clip_denoised=True,
-        num_samples=10000,
-        batch_size=16,
-        use_ddim=False,
-        model_path="",
-        log_dir="",
-        seed=0,
-        classes="",
-        weights="auto",
-        grid=True,
-        overwrite=False,
-        progress=True,
-        dist_timeout=600.0,  # seconds any wait between ranks may take (see dist_util)
-    )
 
 
 def explicit_args(parser, argv=None):
@@ -162,12 +129,12 @@ def parse_classes(text, num_classes):
     try:
         classes = [int(p) for p in str(text).split(",") if p.strip() != ""]
     except ValueError:
-        raise BadFlagError(f"--classes {text!r}: expected comma-separated integers, e.g. 3,7")
+        raise FlagError(f"--classes {text!r}: expected comma-separated integers, e.g. 3,7")
     if not classes:
-        raise BadFlagError(f"--classes {text!r}: expected comma-separated integers, e.g. 3,7")
+        raise FlagError(f"--classes {text!r}: expected comma-separated integers, e.g. 3,7")
     bad = [c for c in classes if not 0 <= c < num_classes]
     if bad:
-        raise BadFlagError(
+        raise FlagError(
             f"--classes {text}: class {bad[0]} is out of range for a model with "
             f"num_classes={num_classes} (use 0..{num_classes - 1})"
         )
@@ -190,7 +157,7 @@ def load_weights(path, want="auto"):
     from . import checkpoint
 
     if want not in ("auto", "ema", "model"):
-        raise BadFlagError(f"--weights {want}: expected auto, ema or model")
+        raise FlagError(f"--weights {want}: expected auto, ema or model")
     try:
         ckpt = checkpoint.load_file_collective(path)
     except checkpoint.CheckpointError as e:
@@ -260,10 +227,7 @@ def load_for_sampling(path, explicit, *, defaults=None, create=None, want="auto"
     if file_flags is None and ckpt.kind == "combined" and isinstance(ckpt.raw, dict):
         file_flags = ckpt.raw.get("flags") if isinstance(ckpt.raw.get("flags"), dict) else None
     flags = reconcile_flags(file_flags, explicit, defaults, source=f"{path}")
-    try:
-        model, diffusion = create(**flags)
-    except ValueError as e:  # script_util.FlagError and friends name the flag
-        raise SampleError(str(e).splitlines()[0] if str(e) else repr(e)) from None
+    model, diffusion = create(**flags)  # a bad flag value is a FlagError naming the flag
     fit = fit_state_dict(shapes_of(model.state_dict()), shapes_of(sd))
     if not fit.ok:
         raise _fit_error(path, fit, file_flags is not None)
@@ -331,9 +295,9 @@ def shard_batches(num_samples, batch_size, rank=0, world_size=1):
     same number of batches (some may be empty) and no batch exceeds `batch_size`.
     """
     if num_samples < 1:
-        raise BadFlagError(f"--num_samples {num_samples}: must be at least 1")
+        raise FlagError(f"--num_samples {num_samples}: must be at least 1")
     if batch_size < 1:
-        raise BadFlagError(f"--batch_size {batch_size}: must be at least 1")
+        raise FlagError(f"--batch_size {batch_size}: must be at least 1")
     n_batches = math.ceil(num_samples / (batch_size * world_size)) * world_size
     batches = np.array_split(np.arange(num_samples, dtype=np.int64), n_batches)
     return batches[rank::world_size]
@@ -472,14 +436,14 @@ def save_samples(log_dir, images, labels=None, *, ncol=None, grid=True, overwrit
 
 def write_results(log_dir, images, labels=None, *, ncol=None, grid=True, overwrite=False):
     """
-    Rank 0 writes the npz and the grid (`save_samples`) and logs where; every rank waits for it.
+    Rank 0 writes the npz and the grid (`save_samples`) and logs where; a failed write there is
+    raised on every rank (dist_util.run_on_rank0), so no rank is left waiting.
 
     Collective: call from all ranks with the same arguments (``images`` may be None off rank 0).
     """
-    if dist_util.get_rank() == 0:
-        npz, png = save_samples(log_dir, images, labels, ncol=ncol, grid=grid, overwrite=overwrite)
-        logger.log(f"saving to {npz}")
-        if png:
-            logger.log(f"grid: {png}")
-    dist_util.barrier()
+    npz, png = dist_util.run_on_rank0(
+        lambda: save_samples(log_dir, images, labels, ncol=ncol, grid=grid, overwrite=overwrite))
+    logger.log(f"saving to {npz}")
+    if png:
+        logger.log(f"grid: {png}")
     logger.log("sampling complete")

@@ -18,6 +18,7 @@ import argparse
 import inspect
 
 from .unet import SuperResModel, UNetModel
+from .errors import UsageError
 
 NUM_CLASSES = 1000
 
@@ -32,8 +33,8 @@ KNOWN_CHANNEL_MULT = {
 _DEFAULT_LOWER_MULTS = (2, 2, 2, 4, 4, 4)
 
 
-class FlagError(ValueError):
-    """A flag has a bad value; the one-line message names the flag and says what to do."""
+class FlagError(UsageError):
+    """A flag has a bad value; the one-line message names the flag and says what to do (exit 2)."""
 
 
 def model_and_diffusion_defaults():
@@ -67,6 +68,67 @@ def model_and_diffusion_defaults():
 
 
 MODEL_FLAG_KEYS = tuple(model_and_diffusion_defaults().keys())
+
+
+def train_defaults():
+    """Defaults of the training flags (upstream's image_train.py plus ours); every training script
+    takes these with the model and diffusion flags."""
+    return dict(
+        data_dir="",
+        schedule_sampler="uniform",
+        lr=1e-4,
+        weight_decay=0.0,
+        lr_anneal_steps=0,
+        batch_size=1,
+        microbatch=-1,  # -1 disables microbatches
+        ema_rate="0.9999",  # comma-separated list of EMA values
+        log_interval=10,
+        save_interval=10000,
+        resume_checkpoint="",
+        use_fp16=False,
+        fp16_scale_growth=1e-3,
+        log_dir="",
+        max_steps=0,
+        seed=0,
+        keep_checkpoints=0,
+        num_workers=0,
+        # Append this rank's dataset indices of every step to {log_dir}/sample_indices/rank{r}.csv
+        # as "step,idx1,idx2,...", where step is the completed-step count after that batch.
+        log_sample_indices=False,
+        # A step with a NaN/Inf loss or gradient (without --use_fp16's GradScaler, which skips
+        # such steps itself): "stop" ends the run (exit 1) naming the step, saving nothing for it;
+        # "skip" leaves weights, optimizer and EMA unchanged for that step and goes on.
+        nan_policy="stop",
+        # Seconds to wait for another job that holds --log_dir (one job per log dir) before failing.
+        lock_wait=300.0,
+        # Seconds any wait between ranks may take (rendezvous, each collective): a dead rank or
+        # host ends the job within about this long, naming it.
+        dist_timeout=600.0,
+    )
+
+
+def sample_defaults():
+    """Defaults of the sampling flags (upstream's image_sample.py plus ours)."""
+    return dict(
+        clip_denoised=True,
+        num_samples=10000,
+        batch_size=16,
+        use_ddim=False,
+        model_path="",
+        log_dir="",
+        seed=0,
+        classes="",
+        weights="auto",
+        grid=True,
+        overwrite=False,
+        progress=True,
+        dist_timeout=600.0,  # seconds any wait between ranks may take (see dist_util)
+    )
+
+def nll_defaults():
+    """Defaults of nll.py's own flags (bits/dim of an image folder under a model)."""
+    return dict(data_dir="", clip_denoised=True, num_samples=1000, batch_size=1, model_path="",
+                log_dir="", seed=0, weights="auto", dist_timeout=600.0)
 
 
 def model_flag_keys():
@@ -468,6 +530,10 @@ def create_gaussian_diffusion(
     from . import gaussian_diffusion as gd
     from .respace import SpacedDiffusion, space_timesteps
 
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise FlagError(f"--diffusion_steps must be a positive integer, got {steps!r}")
+    if noise_schedule not in ("linear", "cosine"):
+        raise FlagError(f"--noise_schedule {noise_schedule!r} is unknown; use linear or cosine")
     betas = gd.get_named_beta_schedule(noise_schedule, steps)
     if use_kl:
         loss_type = gd.LossType.RESCALED_KL
@@ -477,8 +543,12 @@ def create_gaussian_diffusion(
         loss_type = gd.LossType.MSE
     if not timestep_respacing:
         timestep_respacing = [steps]
+    try:  # space_timesteps' ValueError explains a bad --timestep_respacing in one line
+        use_timesteps = space_timesteps(steps, timestep_respacing)
+    except ValueError as e:
+        raise FlagError(f"--timestep_respacing {timestep_respacing!r}: {e}") from None
     return SpacedDiffusion(
-        use_timesteps=space_timesteps(steps, timestep_respacing),
+        use_timesteps=use_timesteps,
         betas=betas,
         model_mean_type=(
             gd.ModelMeanType.EPSILON if not predict_xstart else gd.ModelMeanType.START_X

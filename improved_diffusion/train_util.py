@@ -29,6 +29,7 @@ from torch.nn.parallel.distributed import DistributedDataParallel as DDP
 from torch.optim import AdamW
 
 from . import checkpoint, dist_util, logger, optim_state, run_dir, state_fit
+from .errors import UsageError, UserError
 from .resample import LossAwareSampler, UniformSampler
 
 # EX_TEMPFAIL: "try again later". A job script can requeue on it.
@@ -47,10 +48,8 @@ class ResumeError(checkpoint.CheckpointError):
     """A resume that cannot go on (one-line message naming the file or flag)."""
 
 
-class NonFiniteError(RuntimeError):
+class NonFiniteError(UserError):
     """A NaN/Inf loss, gradient or weight stopped the run (one line naming the step)."""
-
-    exit_code = 1
 
 
 class TrainLoop:
@@ -122,7 +121,7 @@ class TrainLoop:
         self.keep_checkpoints = keep_checkpoints
         self.log_sample_indices = log_sample_indices
         if nan_policy not in NAN_POLICIES:
-            raise ValueError(f"--nan_policy {nan_policy!r}: use one of {', '.join(NAN_POLICIES)}")
+            raise UsageError(f"--nan_policy {nan_policy!r}: use one of {', '.join(NAN_POLICIES)}")
         self.nan_policy = nan_policy
 
         self.rank = dist_util.get_rank()
@@ -217,8 +216,8 @@ class TrainLoop:
             return
         model_ckpt = self._load_model(plan.model)
         step = model_ckpt.step if model_ckpt.step is not None else checkpoint.parse_step(plan.model)
-        if plan.source == "explicit":
-            run_dir.refuse_overwrite(plan, step)
+        if not (plan.source == "auto" and plan.in_log_dir):  # a file or run from elsewhere
+            run_dir.refuse_overwrite(plan, step)  # never over --log_dir's newer history
         self._tidy(plan, step)
         self.step = self.resume_step = step
         beside = plan.files_of(step)
@@ -350,7 +349,8 @@ class TrainLoop:
         if not trainer:
             self._load_data_state(_guess_data_state(self.data, step * self.global_batch))
             logger.log(
-                f"no trainer state in the checkpoint (upstream file?): data position set to "
+                f"no usable trainer state (an upstream file, or an opt file that fell back): "
+                f"data position set to "
                 f"step*global_batch = {step * self.global_batch}, RNG reseeded from "
                 f"(seed={self.seed}, step={step}, rank)"
             )
@@ -751,9 +751,10 @@ def parse_ema_rates(ema_rate):
         try:
             r = float(x)
         except ValueError:
-            raise ValueError(f"--ema_rate: {x!r} is not a number; pass e.g. 0.9999 or 0.9999,0.999")
+            raise UsageError(f"--ema_rate: {x!r} is not a number; pass e.g. 0.9999 or "
+                             f"0.9999,0.999") from None
         if not 0.0 <= r <= 1.0:
-            raise ValueError(f"--ema_rate: {x} is not in [0, 1]")
+            raise UsageError(f"--ema_rate: {x} is not in [0, 1]")
         out.append(str(r))
     return out
 

@@ -30,6 +30,9 @@ import sys
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from improved_diffusion.errors import UsageError, UserError  # noqa: E402  (no torch import)
 BIN = os.path.dirname(sys.executable)
 PREEMPTED_EXIT_CODE = 75  # train_util.PREEMPTED_EXIT_CODE (not imported: keep startup light)
 
@@ -39,14 +42,8 @@ RUN_KEYS = ("image_size", "steps", "batch_size", "lr", "ema_rate", "num_channels
             "seed", "ranks")
 
 
-class DemoError(Exception):
-    """A stage failed or the input is unusable; one line."""
-
-    exit_code = 1
-
-
-class UsageError(DemoError):
-    exit_code = 2
+class DemoError(UserError):
+    """A stage failed or the input is unusable; one line (exit 1). Bad flags: UsageError."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -526,7 +523,7 @@ def main(argv=None):
 if __name__ == "__main__":
     try:
         sys.exit(main())
-    except DemoError as e:
+    except UserError as e:  # DemoError, UsageError
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(e.exit_code)
     except KeyboardInterrupt:

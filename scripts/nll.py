@@ -32,16 +32,14 @@ from improved_diffusion.image_datasets import (  # noqa: E402
 from improved_diffusion.script_util import (  # noqa: E402
     add_dict_to_argparser,
     model_and_diffusion_defaults,
+    nll_defaults,
 )
 
 TERMS = ("vb", "mse", "xstart_mse")
 
 
 def create_argparser():
-    defaults = dict(
-        data_dir="", clip_denoised=True, num_samples=1000, batch_size=1, model_path="",
-        log_dir="", seed=0, weights="auto", dist_timeout=600.0,
-    )
+    defaults = nll_defaults()
     defaults.update(model_and_diffusion_defaults())
     parser = argparse.ArgumentParser(description="Bits/dim of an image folder under a model.")
     add_dict_to_argparser(parser, defaults)
@@ -103,12 +101,13 @@ def main(argv=None):
     logger.logkv("xstart_mse", float(terms["xstart_mse"].mean()))
     logger.logkv("num_samples", n)
     logger.dumpkvs()
-    if rank == 0:
+    def write_terms():  # rank 0 writes; an error there reaches every rank
         for name in TERMS:
             out_path = os.path.join(logger.get_dir(), f"{name}_terms.npz")
             logger.log(f"saving {name} terms to {out_path}")
             np.savez(out_path, terms[name].mean(axis=0))
-    dist_util.barrier()
+
+    dist_util.run_on_rank0(write_terms)
     logger.log("evaluation complete")
     return 0
 

@@ -26,13 +26,15 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from improved_diffusion import dist_util, logger  # noqa: E402
 from improved_diffusion import sampling  # noqa: E402
 from improved_diffusion.script_util import (  # noqa: E402
+    FlagError,
+    sample_defaults,
     add_dict_to_argparser,
     model_and_diffusion_defaults,
 )
 
 
 def create_argparser():
-    defaults = sampling.sample_defaults()
+    defaults = sample_defaults()
     defaults.update(model_and_diffusion_defaults())
     parser = argparse.ArgumentParser(
         description="Sample from a trained model (any model/ema file, ours or upstream's).")
@@ -58,7 +60,7 @@ def main(argv=None):
 
     num_classes = flags["num_classes"] if flags["class_cond"] else None
     if args.classes and not num_classes:
-        raise sampling.BadFlagError(
+        raise FlagError(
             f"--classes {args.classes}: the model is not class-conditional (class_cond=False)")
     classes = sampling.parse_classes(args.classes, num_classes) if num_classes else None
 

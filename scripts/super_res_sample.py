@@ -23,6 +23,8 @@ import torch as th  # noqa: E402
 
 from improved_diffusion import dist_util, logger, sampling  # noqa: E402
 from improved_diffusion.script_util import (  # noqa: E402
+    FlagError,
+    sample_defaults,
     add_dict_to_argparser,
     sr_create_model_and_diffusion,
     sr_model_and_diffusion_defaults,
@@ -30,7 +32,7 @@ from improved_diffusion.script_util import (  # noqa: E402
 
 
 def create_argparser():
-    defaults = sampling.sample_defaults()
+    defaults = sample_defaults()
     defaults.update(base_samples="")
     defaults.update(sr_model_and_diffusion_defaults())
     parser = argparse.ArgumentParser(description="Upsample samples with a super-res model.")
@@ -44,7 +46,7 @@ def load_base_samples(path, small_size, class_cond):
     :return: (low_res float32 [N x C x h x w] in [-1, 1], labels int64 [N] or None).
     """
     if not path:
-        raise sampling.BadFlagError("--base_samples is required (an npz written by sample.py)")
+        raise FlagError("--base_samples is required (an npz written by sample.py)")
     try:
         data = dist_util.load_bytes(path)
     except OSError as e:
@@ -58,11 +60,11 @@ def load_base_samples(path, small_size, class_cond):
             f"--base_samples {path} is not an npz with arr_0 (N x H x W x C uint8 images)"
         ) from None
     if images.ndim != 4 or images.shape[1] != small_size or images.shape[2] != small_size:
-        raise sampling.BadFlagError(
+        raise FlagError(
             f"--base_samples {path} holds images of shape {tuple(images.shape)}; the model "
             f"expects N x {small_size} x {small_size} x C (--small_size {small_size})")
     if class_cond and labels is None:
-        raise sampling.BadFlagError(
+        raise FlagError(
             f"--base_samples {path} has no labels (arr_1) but the model is class-conditional")
     low_res = th.from_numpy(images.astype(np.float32) / 127.5 - 1.0).permute(0, 3, 1, 2)
     return low_res.contiguous(), (None if labels is None else labels.astype(np.int64))

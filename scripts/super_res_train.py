@@ -7,16 +7,16 @@ The model learns p(high-res | low-res): each training batch of --large_size imag
 its own --small_size version (area downsampling), passed to the model as ``low_res``. Training
 flags, checkpoints, auto-resume, preemption (exit 75) and exit codes are those of scripts/train.py.
 """
+import argparse
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import torch.nn.functional as F  # noqa: E402
 
-import train as train_script  # noqa: E402  (scripts/train.py: flags, checks, error types)
-from improved_diffusion import cli, dist_util, logger, train_util  # noqa: E402
+from improved_diffusion import cli, dist_util, logger, train_job, train_util  # noqa: E402
+from improved_diffusion.errors import UsageError  # noqa: E402
 from improved_diffusion.image_datasets import load_data  # noqa: E402
 from improved_diffusion.resample import create_named_schedule_sampler  # noqa: E402
 from improved_diffusion.script_util import (  # noqa: E402
@@ -24,6 +24,7 @@ from improved_diffusion.script_util import (  # noqa: E402
     args_to_dict,
     sr_create_model_and_diffusion,
     sr_model_and_diffusion_defaults,
+    train_defaults,
 )
 
 
@@ -63,53 +64,38 @@ def load_superres_data(data_dir, batch_size, large_size, small_size, class_cond=
 
 
 def create_argparser():
-    import argparse
-
-    defaults = train_script.train_defaults()
+    defaults = train_defaults()
     defaults.update(sr_model_and_diffusion_defaults())
     parser = argparse.ArgumentParser(description="Train a super-resolution diffusion model.")
     add_dict_to_argparser(parser, defaults)
     return parser
 
 
-def build_train_loop(args):
-    """Flags -> TrainLoop for the super-res model (collective: call on all ranks)."""
-    dist_util.setup_dist(timeout=args.dist_timeout)
-    logger.configure(dir=args.log_dir)
-    logger.log(f"training super-res {args.small_size}->{args.large_size} on "
-               f"{dist_util.get_world_size()} rank(s), device {dist_util.dev()}")
+def build(args):
+    """Flags -> the super-res model, diffusion and data of a TrainLoop (collective)."""
+    logger.log(f"super-res {args.small_size}->{args.large_size}")
     model_flags = args_to_dict(args, sr_model_and_diffusion_defaults().keys())
     train_util.seed_rngs(args.seed, 0, 0)  # identical model init on every rank
     model, diffusion = sr_create_model_and_diffusion(**model_flags)
     model.to(dist_util.dev())
-    schedule_sampler = create_named_schedule_sampler(args.schedule_sampler, diffusion)
     data = load_superres_data(args.data_dir, args.batch_size, args.large_size, args.small_size,
                               class_cond=args.class_cond, seed=args.seed,
                               num_workers=args.num_workers)
-    return train_util.TrainLoop(
-        model=model, diffusion=diffusion, data=data, batch_size=args.batch_size,
-        microbatch=args.microbatch, lr=args.lr, ema_rate=args.ema_rate,
-        log_interval=args.log_interval, save_interval=args.save_interval,
-        resume_checkpoint=args.resume_checkpoint, use_fp16=args.use_fp16,
-        fp16_scale_growth=args.fp16_scale_growth, schedule_sampler=schedule_sampler,
-        weight_decay=args.weight_decay, lr_anneal_steps=args.lr_anneal_steps,
-        log_dir=args.log_dir, model_flags=model_flags, max_steps=args.max_steps, seed=args.seed,
-        keep_checkpoints=args.keep_checkpoints,
-    )
+    sampler = create_named_schedule_sampler(args.schedule_sampler, diffusion)
+    return train_job.Parts(model, diffusion, data, model_flags, sampler)
 
 
 def train(argv=None):
     args = create_argparser().parse_args(argv)
-    train_script.check_args(args)
+    train_job.check_train_args(args)
     if args.small_size >= args.large_size:
-        raise cli.UsageError(
+        raise UsageError(
             f"--small_size {args.small_size} must be smaller than --large_size {args.large_size}")
-    return train_script.run_and_close(build_train_loop(args))
+    return train_job.run_training(args, build)
 
 
 def main(argv=None):
-    return cli.run_main(train, argv, usage_errors=train_script.USAGE_ERRORS,
-                        runtime_errors=train_script.RUNTIME_ERRORS)
+    return cli.run_main(train, argv)
 
 
 if __name__ == "__main__":

@@ -206,9 +206,11 @@ def run_into_fault(tmp_path, images, log_dir, inject):
 
 
 def assert_one_line_on_every_rank(rc, out, log_dir, phrase):
+    """Exit 1 on every rank and one error line for the job (each rank raised the same error; a
+    line that several ranks would print alike is printed once)."""
     errors = [ln for ln in out.splitlines() if ln.startswith("error:")]
     assert rc == 1, f"exit {rc}:\n{out[-4000:]}"
-    assert len(errors) == 2 and errors[0] == errors[1], out[-4000:]
+    assert len(errors) == 1, out[-4000:]
     assert phrase in errors[0] and str(log_dir) in errors[0] and f"step {2 * N}" in errors[0], (
         errors[0])
     assert "Traceback" not in out and "aborting" not in out, out[-4000:]

@@ -85,7 +85,7 @@ def test_a_nan_loss_with_policy_stop_ends_every_rank_naming_the_step_and_saves_n
                       env={"NAN_LOSS_STEPS": "5", "NAN_RANKS": nan_ranks})
     assert proc.returncode == 1, proc.stdout
     errors = error_lines(proc.stdout)
-    assert len(errors) == ranks and len(set(errors)) == 1, proc.stdout  # one line per rank
+    assert len(errors) == 1, proc.stdout  # the same on every rank: printed once for the job
     assert errors[0].startswith("error: step 5: the loss or gradients are not finite")
     assert "--nan_policy skip" in errors[0] and "the last saved step is 4" in errors[0]
     assert "Traceback" not in proc.stdout and "aborting" not in proc.stdout
@@ -138,7 +138,7 @@ def test_a_checkpoint_whose_ema_went_nan_on_one_rank_is_never_written(tmp_path):
                       env={"NAN_EMA_AFTER_STEP": "3", "NAN_RANKS": "1"})
     assert proc.returncode == 1, proc.stdout
     errors = error_lines(proc.stdout)
-    assert len(errors) == 2 and errors[0] == errors[1], proc.stdout
+    assert len(errors) == 1, proc.stdout
     assert errors[0].startswith("error: step 4: not saved: the weights hold non-finite values")
     assert "(finite on rank 0; EMA 0.9: 1 tensor(s) on rank 1)" in errors[0]
     assert "the last saved step is 2" in errors[0]

@@ -7,6 +7,7 @@ import pytest
 import torch as th
 
 from conftest import run_module_mpi
+from improved_diffusion.errors import UsageError
 from improved_diffusion.resample import (
     LossSecondMomentResampler,
     UniformSampler,
@@ -41,7 +42,7 @@ def test_named_samplers_and_unknown_name_names_the_flag():
         create_named_schedule_sampler("loss-second-moment", FakeDiffusion()),
         LossSecondMomentResampler,
     )
-    with pytest.raises(ValueError, match="--schedule_sampler"):
+    with pytest.raises(UsageError, match="--schedule_sampler"):
         create_named_schedule_sampler("importance", FakeDiffusion())
 
 

@@ -275,3 +275,41 @@ def test_an_opt_file_that_cannot_be_read_stops_the_resume_instead_of_a_fresh_opt
     after = _snapshot(run)
     assert {k: v for k, v in after.items() if k not in ("log.txt", "progress.csv")} == \
         {k: v for k, v in before.items() if k not in ("log.txt", "progress.csv")}
+
+
+def test_a_run_directory_from_elsewhere_never_sets_aside_newer_complete_steps_of_log_dir(
+        tmp_path, capsys):
+    train_main = runpy.run_path(str(REPO / "scripts" / "train.py"), run_name="train_module")["main"]
+    images = _images(tmp_path / "images")
+    flags = ["--data_dir", str(images), "--image_size", "8", "--num_channels", "32",
+             "--num_res_blocks", "1", "--attention_resolutions", "", "--diffusion_steps", "20",
+             "--batch_size", "2", "--save_interval", "2"]
+    assert train_main([*flags, "--log_dir", str(tmp_path / "a"), "--max_steps", "4"]) == 0
+    assert train_main([*flags, "--log_dir", str(tmp_path / "b"), "--max_steps", "2"]) == 0
+    before = _snapshot(tmp_path / "a")
+    capsys.readouterr()
+    code = train_main([*flags, "--log_dir", str(tmp_path / "a"), "--max_steps", "6",
+                       "--resume_checkpoint", str(tmp_path / "b")])
+    err = capsys.readouterr().err
+    assert code == 1 and "already holds a complete checkpoint at step 4" in err, err
+    after = _snapshot(tmp_path / "a")
+    assert {k: v for k, v in after.items() if "step" not in k and k.endswith((".pt", ".json"))} \
+        == {k: v for k, v in before.items() if k.endswith((".pt", ".json"))}
+    assert not (tmp_path / "a" / "incomplete").exists()
+
+
+def test_prune_deletes_set_aside_interrupted_saves_once_older_than_the_kept_steps(tmp_path):
+    _save_steps(tmp_path, [2])
+    os.unlink(tmp_path / "manifest000002.json")  # killed mid-save: set aside at the next start
+    R.tidy_for_resume(R.plan_resume(tmp_path, ""), 0)
+    assert (tmp_path / "incomplete" / "step000002" / "model000002.pt").exists()
+    _save_steps(tmp_path, [1, 3, 4])
+    R.prune(tmp_path, keep=2)  # keeps 3 and 4: the set-aside step 2 is older
+    assert not (tmp_path / "incomplete" / "step000002").exists()
+    assert [s.step for s in R.list_steps(tmp_path)] == [4, 3]
+    _save_steps(tmp_path / "b", [5])
+    os.unlink(tmp_path / "b" / "manifest000005.json")
+    _save_steps(tmp_path / "b", [4])
+    R.tidy_for_resume(R.plan_resume(tmp_path / "b", ""), 4)  # step 5 set aside, newer than 4
+    R.prune(tmp_path / "b", keep=1)
+    assert (tmp_path / "b" / "incomplete" / "step000005" / "model000005.pt").exists()

@@ -128,8 +128,11 @@ def test_bad_image_size_raises_a_flag_error(bad):
         parse_channel_mult("", bad)
 
 
-def test_flag_error_is_a_value_error():
-    assert issubclass(FlagError, ValueError)
+def test_flag_error_is_a_usage_error_that_exits_2():
+    from improved_diffusion.errors import UsageError, UserError
+
+    assert issubclass(FlagError, UsageError) and issubclass(FlagError, UserError)
+    assert FlagError("x").exit_code == 2 and not issubclass(FlagError, ValueError)
 
 
 def test_attention_resolutions_become_downsample_rates_as_upstream():

@@ -18,7 +18,7 @@ import torch as th
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from improved_diffusion import dist_util, optim_state  # noqa: E402
+from improved_diffusion import dist_util, optim_state, train_job  # noqa: E402
 
 
 def dump(loop, path):
@@ -38,14 +38,18 @@ def main():
     os.makedirs(dump_dir, exist_ok=True)
     train = runpy.run_path(str(REPO / "scripts" / "train.py"), run_name="train_module")
     args = train["create_argparser"]().parse_args(argv)
-    train["check_args"](args)
-    loop = train["build_train_loop"](args)
-    rank = dist_util.get_rank()
-    dump(loop, os.path.join(dump_dir, f"loaded_rank{rank}.pt"))
-    code = loop.run_loop()
-    loop.close()
-    dump(loop, os.path.join(dump_dir, f"final_rank{rank}.pt"))
-    dist_util.cleanup()
+    train_job.check_train_args(args)
+    lock = train_job.start_job(args)
+    try:
+        loop = train_job.make_loop(args, train["build"](args))
+        rank = dist_util.get_rank()
+        dump(loop, os.path.join(dump_dir, f"loaded_rank{rank}.pt"))
+        code = loop.run_loop()
+        loop.close()
+        dump(loop, os.path.join(dump_dir, f"final_rank{rank}.pt"))
+        dist_util.cleanup()
+    finally:
+        lock.release()
     return code
 
 
