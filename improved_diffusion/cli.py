@@ -4,6 +4,7 @@ Scripts stay thin: ``sys.exit(cli.run_main(main))``. The error model is errors.p
 (UsageError: exit 2) is one ``error: ...`` line, printed once for the job; anything else is a bug
 and keeps its traceback.
 """
+import hashlib
 import sys
 import traceback
 
@@ -72,8 +73,8 @@ def run_main(main, argv=None):
         if not dist_util.is_distributed():
             raise
         return _end_job_after_exit(e)
-    if message and (message.startswith("unexpected error")
-                    or dist_util.first_to_report("error: " + message)):
+    topic = "error/" + hashlib.sha1((message or "").encode()).hexdigest()
+    if message and (message.startswith("unexpected error") or dist_util.first_to_report(topic)):
         print_error(message)
     dist_util.end_job_after_error(code, cause=message, lost=lost)
     return code

@@ -198,9 +198,10 @@ class TrainLoop:
         1. rank 0 lists the log dir once and makes a plan (run_dir.plan_resume): which model file,
            the EMA/opt files beside it, the steps in --log_dir, leftovers of interrupted saves;
         2. every rank loads the model file (bytes read once, broadcast) and learns its step;
-           an explicit older file is refused when --log_dir holds a newer complete step;
-        3. rank 0 moves newer (incomplete) steps to incomplete/ and removes temp files;
-        4. every rank loads the EMA and opt files named by the plan and restores the trainer state.
+           a file or run from elsewhere is refused when --log_dir holds a newer complete step;
+        3. every rank loads the EMA and opt files named by the plan and restores the trainer state;
+        4. rank 0 moves newer (incomplete) steps to incomplete/ and removes temp files, once every
+           file of the step was read.
 
         A failed read stops the run on every rank (nothing moved); content problems of the opt
         file fall back to a fresh optimizer with one warning line.
@@ -218,12 +219,12 @@ class TrainLoop:
         step = model_ckpt.step if model_ckpt.step is not None else checkpoint.parse_step(plan.model)
         if not (plan.source == "auto" and plan.in_log_dir):  # a file or run from elsewhere
             run_dir.refuse_overwrite(plan, step)  # never over --log_dir's newer history
-        self._tidy(plan, step)
         self.step = self.resume_step = step
         beside = plan.files_of(step)
         ema_loaded = self._load_ema(beside["ema"], model_ckpt)
         trainer, opt_note = self._load_optimizer(beside["opt"], model_ckpt)
         self._restore_trainer_state(trainer)
+        self._tidy(plan, step)  # only once every file of the step was read
         self.last_saved_step = step if plan.in_log_dir else None
         logger.log(
             f"resumed at step {step} from {plan.model} "

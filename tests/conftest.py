@@ -73,3 +73,45 @@ def run_module_mpi(n, code, timeout=120, env=None, check=True):
 @pytest.fixture
 def fixtures_dir():
     return FIXTURES
+
+
+def job_pids(root):
+    """`root` and all its descendants (from /proc): mpiexec, its proxies and the ranks, which
+    hydra starts in sessions of their own (a killpg of the launcher would leave them running)."""
+    children = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo += children.get(pid, [])
+    return out
+
+
+def signal_all(pids, sig):
+    """Send ``sig`` to each pid that still exists."""
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def write_images(d, n=14, size=8, seed=14):
+    """A folder of ``n`` random ``size``x``size`` RGB PNGs named img_000.png..., returned."""
+    import numpy as np
+    from PIL import Image
+
+    d = Path(d)
+    d.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    for i in range(n):
+        Image.fromarray(rng.integers(0, 256, size=(size, size, 3), dtype=np.uint8)).save(
+            d / f"img_{i:03d}.png")
+    return d

@@ -21,12 +21,10 @@ import subprocess
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 
-from conftest import MPIEXEC, PY, REPO, child_env
+from conftest import MPIEXEC, PY, REPO, child_env, job_pids, signal_all, write_images
 
 from improved_diffusion import checkpoint as C
 from improved_diffusion import run_dir as R
@@ -47,12 +45,7 @@ TEMP_RE = re.compile(r"\.tmp")
 
 @pytest.fixture(scope="module")
 def images(tmp_path_factory):
-    d = tmp_path_factory.mktemp("images")
-    rng = np.random.default_rng(14)
-    for i in range(14):
-        Image.fromarray(rng.integers(0, 256, size=(8, 8, 3), dtype=np.uint8)).save(
-            d / f"img_{i:03d}.png")
-    return d
+    return write_images(tmp_path_factory.mktemp("images"), seed=14)
 
 
 def _sh(*cmd):
@@ -139,31 +132,6 @@ def resumed_step(output):
     return int(found[-1]) if found else None
 
 
-def job_pids(root):
-    """`root` and all its descendants (from /proc): mpiexec, its proxies and the ranks, which
-    hydra starts in sessions of their own (a killpg of the launcher would miss them)."""
-    children = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        out.append(pid)
-        todo += children.get(pid, [])
-    return out
-
-
-def signal_all(pids, sig):
-    for pid in pids:
-        try:
-            os.kill(pid, sig)
-        except ProcessLookupError:
-            pass
 
 
 @contextlib.contextmanager

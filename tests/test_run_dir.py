@@ -283,7 +283,7 @@ def test_a_run_directory_from_elsewhere_never_sets_aside_newer_complete_steps_of
     images = _images(tmp_path / "images")
     flags = ["--data_dir", str(images), "--image_size", "8", "--num_channels", "32",
              "--num_res_blocks", "1", "--attention_resolutions", "", "--diffusion_steps", "20",
-             "--batch_size", "2", "--save_interval", "2"]
+             "--noise_schedule", "cosine", "--batch_size", "2", "--save_interval", "2"]
     assert train_main([*flags, "--log_dir", str(tmp_path / "a"), "--max_steps", "4"]) == 0
     assert train_main([*flags, "--log_dir", str(tmp_path / "b"), "--max_steps", "2"]) == 0
     before = _snapshot(tmp_path / "a")

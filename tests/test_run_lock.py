@@ -16,11 +16,9 @@ import subprocess
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
-from PIL import Image
 
-from conftest import MPIEXEC, PY, REPO, child_env
+from conftest import MPIEXEC, PY, REPO, child_env, write_images
 
 from improved_diffusion.run_lock import BlobStore, LogDirLock, LogDirLockedError
 
@@ -319,12 +317,7 @@ def test_a_remote_holder_whose_lock_object_was_overwritten_knows_it_lost_the_loc
 
 @pytest.fixture(scope="module")
 def images(tmp_path_factory):
-    d = tmp_path_factory.mktemp("images")
-    rng = np.random.default_rng(0)
-    for i in range(14):
-        Image.fromarray(rng.integers(0, 256, size=(8, 8, 3), dtype=np.uint8)).save(
-            d / f"img_{i:03d}.png")
-    return d
+    return write_images(tmp_path_factory.mktemp("images"), seed=0)
 
 
 def train_cmd(images, log_dir, *extra, ranks=1):

@@ -28,12 +28,10 @@ import textwrap
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 
-from conftest import MPIEXEC, PY, REPO, child_env, run_module_mpi
+from conftest import MPIEXEC, PY, REPO, child_env, job_pids, run_module_mpi, write_images
 
 pytestmark = pytest.mark.slow
 
@@ -53,12 +51,7 @@ VOLATILE_KEYS = {"time", "timestamp", "created", "hostname", "host", "pid", "wal
 
 @pytest.fixture(scope="module")
 def images(tmp_path_factory):
-    d = tmp_path_factory.mktemp("images")
-    rng = np.random.default_rng(14)
-    for i in range(14):
-        Image.fromarray(rng.integers(0, 256, size=(8, 8, 3), dtype=np.uint8)).save(
-            d / f"img_{i:03d}.png")
-    return d
+    return write_images(tmp_path_factory.mktemp("images"), seed=14)
 
 
 # ------------------------------------------------------------------ our reading of a log dir
@@ -148,24 +141,6 @@ def deep_diff(a, b, path="", out=None):
 
 # ------------------------------------------------------------------------------- one job
 
-
-def job_pids(root):
-    """`root` and all its descendants (from /proc): mpiexec, its proxies and the ranks, which
-    hydra starts in sessions of their own (a killpg of the launcher would leave them running)."""
-    children = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        out.append(pid)
-        todo += children.get(pid, [])
-    return out
 
 
 def rank_pids(root):
@@ -353,6 +328,7 @@ def test_cycles_of_random_kills_and_preemptions_keep_disk_bounded_and_end_like_a
 FD_RSS_CODE = textwrap.dedent("""
     import json, os, runpy, signal, sys
     train = runpy.run_path({train!r})
+    from improved_diffusion import train_job  # (train.py put the repo on sys.path)
     cycles, argv = {cycles}, {argv!r}
 
     def fds():
@@ -372,8 +348,9 @@ FD_RSS_CODE = textwrap.dedent("""
     codes = []
     for cycle in range(cycles):
         args = train["create_argparser"]().parse_args(argv)
-        train["check_args"](args)
-        loop = train["build_train_loop"](args)
+        train_job.check_train_args(args)
+        lock = train_job.start_job(args)
+        loop = train_job.make_loop(args, train["build"](args))
         loop.max_steps = loop.resume_step + 2
         if cycle % 3 == 2 and loop.rank == 1:  # a preemption signal on one rank, mid-run
             run_step = loop.run_step
@@ -382,7 +359,10 @@ FD_RSS_CODE = textwrap.dedent("""
                 run_step(*a, **k)
                 signal.raise_signal(signal.SIGTERM)
             loop.run_step = preempted_step
-        codes.append(train["run_and_close"](loop))
+        try:
+            codes.append(train_job.run_and_close(loop))
+        finally:
+            lock.release()
         del loop
         if cycle == {warmup} - 1:
             report("warm", cycle)
