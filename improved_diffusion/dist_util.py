@@ -799,7 +799,7 @@ def read_local(path):
                       f"{path}: is a directory, not a checkpoint file; give the path of a file")
     except PermissionError:
         return None, ("PermissionError", f"{path}: permission denied; check the file's permissions")
-    except Exception as e:  # blobfile raises its own types for remote paths
+    except (OSError, bf.Error, MemoryError) as e:  # blobfile has its own types for remote paths
         msg = " ".join(str(e).split()) or type(e).__name__
         return None, ("OSError", f"{path}: cannot read ({type(e).__name__}: {msg})")
 

@@ -7,6 +7,7 @@ import errno
 import hashlib
 import os
 import runpy
+import shutil
 import subprocess
 import sys
 from collections import OrderedDict
@@ -18,7 +19,7 @@ import pytest
 import torch as th
 from PIL import Image
 
-from conftest import REPO, child_env, run_script
+from conftest import MPIEXEC, REPO, child_env, run_script
 from improved_diffusion import checkpoint as C
 from improved_diffusion import run_dir as R
 
@@ -247,18 +248,24 @@ def test_an_explicit_file_plans_its_neighbours_from_one_listing(tmp_path, monkey
         R.refuse_overwrite(plan, 4)
 
 
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("ranks", [1, 2])
 def test_an_opt_file_that_cannot_be_read_stops_the_resume_instead_of_a_fresh_optimizer(
-        tmp_path, monkeypatch):
-    """The optimizer slot falls back only on content; an I/O error must not cost exact resume."""
+        tmp_path, ranks):
+    """The optimizer slot falls back only on content; an I/O error must not cost exact resume,
+    and nothing is moved because of it (not even a newer interrupted save)."""
     run = tmp_path / "run"
     flags = ["--image_size", "8", "--num_channels", "32", "--num_res_blocks", "1",
-             "--attention_resolutions", "", "--diffusion_steps", "20", "--batch_size", "2"]
+             "--attention_resolutions", "", "--diffusion_steps", "20", "--noise_schedule",
+             "cosine", "--batch_size", "2"]
     images = _images(tmp_path / "images")
     run_script("train.py", *flags, "--data_dir", images, "--log_dir", run, "--max_steps", "2",
                timeout=120)
+    shutil.copy(run / "model000002.pt", run / "model000003.pt")  # an interrupted save of step 3
     before = _snapshot(run)
+    launcher = [] if ranks == 1 else [MPIEXEC, "-n", str(ranks)]
     proc = subprocess.run(
-        [sys.executable, "-c", (
+        [*launcher, sys.executable, "-c", (
             "import errno, os, sys; sys.path.insert(0, 'scripts');"
             "import blobfile as bf; real = bf.BlobFile\n"
             "def blob_file(p, *a, **k):\n"
@@ -268,10 +275,12 @@ def test_an_opt_file_that_cannot_be_read_stops_the_resume_instead_of_a_fresh_opt
             "bf.BlobFile = blob_file\n"
             "import train; sys.exit(train.main(sys.argv[1:]))"),
          *flags, "--data_dir", str(images), "--log_dir", str(run), "--max_steps", "4"],
-        cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 1, proc.stdout + proc.stderr
-    assert "opt000002.pt" in proc.stderr and "fresh optimizer" not in proc.stdout + proc.stderr
-    assert "Traceback" not in proc.stderr
+        cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=180)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 1, out
+    errors = [ln for ln in out.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and "opt000002.pt" in errors[0] and "Errno 5" in errors[0], out
+    assert "fresh optimizer" not in out and "Traceback" not in out, out
     after = _snapshot(run)
     assert {k: v for k, v in after.items() if k not in ("log.txt", "progress.csv")} == \
         {k: v for k, v in before.items() if k not in ("log.txt", "progress.csv")}
