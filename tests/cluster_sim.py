@@ -116,6 +116,17 @@ def alive(pid):
     return state not in ("Z", "X")
 
 
+def all_gone(pids, within_s):
+    """True once none of ``pids`` runs, polled for at most ``within_s`` seconds (a rank that
+    the launcher just killed can take a moment to leave the process table)."""
+    deadline = time.monotonic() + within_s
+    while any(alive(p) for p in pids):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
 def rank_pids(pid_dir, n):
     return {r: int((Path(pid_dir) / f"rank{r}.pid").read_text()) for r in range(n)}
 
