@@ -4,11 +4,16 @@ Every helper here runs a child under a timeout; a hang becomes a failed test wit
 output attached, never a blocked CI run.
 """
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
+
+import cluster_sim
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURES = REPO / "tests" / "fixtures"
@@ -75,32 +80,8 @@ def fixtures_dir():
     return FIXTURES
 
 
-def job_pids(root):
-    """`root` and all its descendants (from /proc): mpiexec, its proxies and the ranks, which
-    hydra starts in sessions of their own (a killpg of the launcher would leave them running)."""
-    children = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [root]
-    while todo:
-        pid = todo.pop()
-        out.append(pid)
-        todo += children.get(pid, [])
-    return out
-
-
-def signal_all(pids, sig):
-    """Send ``sig`` to each pid that still exists."""
-    for pid in pids:
-        try:
-            os.kill(pid, sig)
-        except ProcessLookupError:
-            pass
+# The process-tree helpers live in cluster_sim (benchmarks use them without pytest).
+process_tree, signal_all = cluster_sim.process_tree, cluster_sim.signal_all
 
 
 def write_images(d, n=14, size=8, seed=14):
@@ -115,3 +96,44 @@ def write_images(d, n=14, size=8, seed=14):
         Image.fromarray(rng.integers(0, 256, size=(size, size, 3), dtype=np.uint8)).save(
             d / f"img_{i:03d}.png")
     return d
+
+
+# Keys of checkpoint dicts that may differ between two runs without the state differing.
+VOLATILE_KEYS = {"time", "timestamp", "created", "hostname", "host", "pid", "wall_time"}
+
+
+def resumed_step(output):
+    """The step a run said it resumed at ("resumed at step N ..."), or None."""
+    found = re.findall(r"(?i)resum\w*[^\n]*?\bstep\s+(\d+)", output)
+    return int(found[-1]) if found else None
+
+
+def deep_diff(a, b, path="", out=None):
+    """Paths where nested dicts/lists/tensors a and b differ (tensors: torch.equal, dtype too)."""
+    out = [] if out is None else out
+    if isinstance(a, dict) and isinstance(b, dict):
+        for k in sorted(set(a) | set(b), key=str):
+            if k in VOLATILE_KEYS:
+                continue
+            if k not in a or k not in b:
+                out.append(f"{path}/{k}: only in {'second' if k not in a else 'first'}")
+            else:
+                deep_diff(a[k], b[k], f"{path}/{k}", out)
+    elif isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        if len(a) != len(b):
+            out.append(f"{path}: length {len(a)} != {len(b)}")
+        for i, (x, y) in enumerate(zip(a, b)):
+            deep_diff(x, y, f"{path}[{i}]", out)
+    elif isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        if a.dtype != b.dtype or a.shape != b.shape or not torch.equal(a, b):
+            extra = ""
+            if a.shape == b.shape and a.dtype == b.dtype and a.is_floating_point():
+                extra = f" max|diff|={(a.double() - b.double()).abs().max().item():.3g}"
+            out.append(f"{path}: tensors differ ({a.dtype}{list(a.shape)} vs "
+                       f"{b.dtype}{list(b.shape)}){extra}")
+    elif isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        if not np.array_equal(a, b):
+            out.append(f"{path}: arrays differ")
+    elif type(a) is not type(b) or a != b:
+        out.append(f"{path}: {a!r} != {b!r}")
+    return out

@@ -24,7 +24,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import MPIEXEC, PY, REPO, child_env, job_pids, signal_all, write_images
+from conftest import (MPIEXEC, PY, REPO, child_env, process_tree, resumed_step, signal_all,
+                      write_images)
 
 from improved_diffusion import checkpoint as C
 from improved_diffusion import run_dir as R
@@ -127,17 +128,10 @@ def resume(images, log_dir, max_steps):
     return proc.stdout
 
 
-def resumed_step(output):
-    found = re.findall(r"(?i)resum\w*[^\n]*?\bstep\s+(\d+)", output)
-    return int(found[-1]) if found else None
-
-
-
-
 @contextlib.contextmanager
 def frozen(proc):
     """The whole job (launcher, proxies, ranks) stopped while the body runs."""
-    pids = job_pids(proc.pid)
+    pids = process_tree(proc.pid)
     assert len(pids) >= 3, f"expected mpiexec and its 2 ranks, found {pids}"
     signal_all(pids, signal.SIGSTOP)
     try:
@@ -168,7 +162,7 @@ def run_into_fault(tmp_path, images, log_dir, inject):
         proc.wait(timeout=120)
     finally:
         if proc.poll() is None:
-            signal_all(job_pids(proc.pid), signal.SIGKILL)
+            signal_all(process_tree(proc.pid), signal.SIGKILL)
             proc.wait()
     return proc.returncode, log_path.read_text()
 

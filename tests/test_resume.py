@@ -22,7 +22,8 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import MPIEXEC, PY, REPO, child_env, run_mpi, run_script
+from conftest import (MPIEXEC, PY, REPO, child_env, deep_diff, resumed_step, run_mpi,
+                      run_script)
 
 SLOW_SAVE_TRAIN = REPO / "tests" / "slow_save_train.py"
 TRAIN = REPO / "scripts" / "train.py"
@@ -41,8 +42,6 @@ HARD = ["--schedule_sampler", "loss-second-moment", "--dropout", "0.1", "--micro
 
 STEP_FILE_RE = re.compile(r"^(?:model|opt|manifest)(\d{6,})\.(?:pt|json)$|^ema_.+_(\d{6,})\.pt$")
 TEMP_FILE_RE = re.compile(r"\.tmp")
-# Keys of checkpoint dicts that may differ between two runs without the state differing.
-VOLATILE_KEYS = {"time", "timestamp", "created", "hostname", "host", "pid", "wall_time"}
 # progress.csv columns that measure time, not training.
 TIME_COLUMN_RE = re.compile(r"time|sec|elapsed|wall|throughput|per_s", re.I)
 
@@ -78,12 +77,6 @@ def train(ranks, data_dir, log_dir, *extra, timeout=150, check=True):
     if ranks == 1:
         return run_script("train.py", *args, timeout=timeout, check=check)
     return run_mpi(ranks, "train.py", *args, timeout=timeout, check=check)
-
-
-def resumed_step(output):
-    """The step a run said it resumed at ("resumed at step N ..."), or None."""
-    found = re.findall(r"(?i)resum\w*[^\n]*?\bstep\s+(\d+)", output)
-    return int(found[-1]) if found else None
 
 
 def load_pt(path):
@@ -150,37 +143,6 @@ def complete_steps(log_dir, rates="0.9999", deep=False):
         return []
     steps = {step_of(n) for n in os.listdir(log_dir)} - {None}
     return sorted(s for s in steps if check_step(log_dir, s, rates, deep=deep) is None)
-
-
-def deep_diff(a, b, path="", out=None):
-    """Paths where nested dicts/lists/tensors a and b differ (tensors: torch.equal, dtype too)."""
-    out = [] if out is None else out
-    if isinstance(a, dict) and isinstance(b, dict):
-        for k in sorted(set(a) | set(b), key=str):
-            if k in VOLATILE_KEYS:
-                continue
-            if k not in a or k not in b:
-                out.append(f"{path}/{k}: only in {'second' if k not in a else 'first'}")
-            else:
-                deep_diff(a[k], b[k], f"{path}/{k}", out)
-    elif isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        if len(a) != len(b):
-            out.append(f"{path}: length {len(a)} != {len(b)}")
-        for i, (x, y) in enumerate(zip(a, b)):
-            deep_diff(x, y, f"{path}[{i}]", out)
-    elif isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        if a.dtype != b.dtype or a.shape != b.shape or not torch.equal(a, b):
-            extra = ""
-            if a.shape == b.shape and a.dtype == b.dtype and a.is_floating_point():
-                extra = f" max|diff|={(a.double() - b.double()).abs().max().item():.3g}"
-            out.append(f"{path}: tensors differ ({a.dtype}{list(a.shape)} vs "
-                       f"{b.dtype}{list(b.shape)}){extra}")
-    elif isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
-        if not np.array_equal(a, b):
-            out.append(f"{path}: arrays differ")
-    elif type(a) is not type(b) or a != b:
-        out.append(f"{path}: {a!r} != {b!r}")
-    return out
 
 
 def progress_rows(log_dir):

@@ -31,7 +31,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import MPIEXEC, PY, REPO, child_env, job_pids, run_module_mpi, write_images
+from conftest import (MPIEXEC, PY, REPO, child_env, deep_diff, process_tree, resumed_step,
+                      run_module_mpi, signal_all, write_images)
 
 pytestmark = pytest.mark.slow
 
@@ -46,7 +47,6 @@ TINY = [
 ]
 STEP_FILE_RE = re.compile(r"^(?:model|opt|manifest)(\d{6,})\.(?:pt|json)$|^ema_.+_(\d{6,})\.pt$")
 TEMP_RE = re.compile(r"\.tmp")
-VOLATILE_KEYS = {"time", "timestamp", "created", "hostname", "host", "pid", "wall_time"}
 
 
 @pytest.fixture(scope="module")
@@ -111,34 +111,6 @@ def quarantined(log_dir):
             sum(p.stat().st_size for p in root.rglob("*") if p.is_file()))
 
 
-def resumed_step(output):
-    found = re.findall(r"(?i)resum\w*[^\n]*?\bstep\s+(\d+)", output)
-    return int(found[-1]) if found else None
-
-
-def deep_diff(a, b, path="", out=None):
-    out = [] if out is None else out
-    if isinstance(a, dict) and isinstance(b, dict):
-        for k in sorted(set(a) | set(b), key=str):
-            if k in VOLATILE_KEYS:
-                continue
-            if k not in a or k not in b:
-                out.append(f"{path}/{k}: only in one")
-            else:
-                deep_diff(a[k], b[k], f"{path}/{k}", out)
-    elif isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        if len(a) != len(b):
-            out.append(f"{path}: length {len(a)} != {len(b)}")
-        for i, (x, y) in enumerate(zip(a, b)):
-            deep_diff(x, y, f"{path}[{i}]", out)
-    elif isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        if a.dtype != b.dtype or a.shape != b.shape or not torch.equal(a, b):
-            out.append(f"{path}: tensors differ")
-    elif type(a) is not type(b) or a != b:
-        out.append(f"{path}: {a!r} != {b!r}")
-    return out
-
-
 # ------------------------------------------------------------------------------- one job
 
 
@@ -146,7 +118,7 @@ def deep_diff(a, b, path="", out=None):
 def rank_pids(root):
     """The pids of the ranks (processes running train.py) of the job started as `root`."""
     out = []
-    for pid in job_pids(root):
+    for pid in process_tree(root):
         try:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
         except OSError:
@@ -169,14 +141,6 @@ def leftovers(marker):
             if b"train.py" in cmdline and marker.encode() in cmdline and state != "Z":
                 pids.append(int(entry))
     return pids
-
-
-def kill_all(pids, sig):
-    for pid in pids:
-        try:
-            os.kill(pid, sig)
-        except ProcessLookupError:
-            pass
 
 
 def progress_lines(log_dir):
@@ -231,7 +195,7 @@ def run_job(images, log_dir, ranks, max_steps, action, rng, log_path):
                     # one rank dies (a lost node); the launcher must end the rest
                     os.kill(rng.choice(pids), signal.SIGKILL)
                 else:  # the whole job dies at once
-                    kill_all(job_pids(proc.pid), signal.SIGKILL)
+                    signal_all(process_tree(proc.pid), signal.SIGKILL)
         elif action == "sigterm":  # a preemption while training, to one rank
             wait_until(lambda: trained_past(log_dir, start_step, lines_before), proc)
             time.sleep(rng.uniform(0.0, 1.0))
@@ -240,7 +204,7 @@ def run_job(images, log_dir, ranks, max_steps, action, rng, log_path):
         proc.wait(timeout=180)
     finally:
         if proc.poll() is None:
-            kill_all(job_pids(proc.pid), signal.SIGKILL)
+            signal_all(process_tree(proc.pid), signal.SIGKILL)
             proc.wait()
     # Nothing of the job may outlive it (a rank left running would write into the log dir).
     left = []
@@ -249,7 +213,7 @@ def run_job(images, log_dir, ranks, max_steps, action, rng, log_path):
         if not left:
             break
         time.sleep(0.1)
-    kill_all(left, signal.SIGKILL)
+    signal_all(left, signal.SIGKILL)
     assert not left, f"ranks {left} outlived their job (rc {proc.returncode})"
     return proc.returncode, Path(log_path).read_text()
 
