@@ -37,7 +37,7 @@ import torch as th
 
 from . import dist_util
 
-from .errors import UserError
+from .errors import UserError, typed_one_line
 
 SCHEMA = "improved_diffusion.checkpoint"
 VERSION = 1
@@ -618,11 +618,6 @@ def model_state_from(ckpt, want="model"):
 _REMOTE_RETRY_PAUSES = (0.5, 1.0, 2.0)
 
 
-def one_line(e):
-    """An exception as one line: ``Type: message``."""
-    return f"{type(e).__name__}: {' '.join(str(e).split())}".rstrip(": ")
-
-
 def with_retry(fn, path, retry_on=()):
     """
     ``fn()``, retried after a short pause (a few tries, bounded) when ``path`` is remote and the
@@ -668,7 +663,7 @@ def is_tagged_file(path):
     except FileNotFoundError:
         return False
     except (OSError, bf.Error) as e:
-        raise CheckpointReadError(f"{path}: cannot read ({one_line(e)})") from e
+        raise CheckpointReadError(f"{path}: cannot read ({typed_one_line(e)})") from e
     return SCHEMA.encode() in head
 
 
@@ -685,7 +680,7 @@ def file_digest(path):
                 h.update(chunk)
                 size += len(chunk)
     except (OSError, bf.Error) as e:
-        raise CheckpointReadError(f"{path}: cannot read ({one_line(e)}); check that it is "
+        raise CheckpointReadError(f"{path}: cannot read ({typed_one_line(e)}); check that it is "
                                   f"reachable and readable") from e
     return {"size": size, "sha256": h.hexdigest()}
 

@@ -10,16 +10,11 @@ import traceback
 
 from . import dist_util
 
-from .errors import USAGE_EXIT_CODE, USER_ERROR_EXIT_CODE, UsageError, UserError
+from .errors import USAGE_EXIT_CODE, USER_ERROR_EXIT_CODE, UsageError, UserError, one_line
 
 ERROR_EXIT_CODE = USER_ERROR_EXIT_CODE  # anything that stops the run (a bug too)
 INTERRUPTED_EXIT_CODE = 130  # KeyboardInterrupt, as a shell reports Ctrl-C (128 + SIGINT)
 __all__ = ["USAGE_EXIT_CODE", "UsageError", "UserError", "run_main", "print_error", "one_line"]
-
-
-def one_line(e):
-    """An exception's message on one line (its type name when it has none)."""
-    return " ".join(str(e).split()) or type(e).__name__
 
 
 def print_error(message):

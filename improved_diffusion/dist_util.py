@@ -43,7 +43,7 @@ import blobfile as bf
 import torch as th
 import torch.distributed as dist
 
-from .errors import UserError
+from .errors import UserError, typed_one_line
 
 # Payloads bigger than this are broadcast in pieces (bounded extra memory, works over gloo).
 _CHUNK_BYTES = 64 * 1024 * 1024
@@ -190,7 +190,7 @@ def _attempt(fn):
     try:
         return "ok", fn()
     except Exception as e:  # sent to every rank, which all raise it
-        return "err", f"{type(e).__name__}: {' '.join(str(e).split())}"
+        return "err", typed_one_line(e)
 
 
 def _mpi_rendezvous(comm, timeout):
@@ -702,7 +702,7 @@ def _picklable(e):
         pickle.loads(pickle.dumps(e))
         return e
     except Exception:
-        return RuntimeError(f"{type(e).__name__}: {' '.join(str(e).split())}")
+        return RuntimeError(typed_one_line(e))
 
 
 def all_gather_object(obj):

@@ -27,3 +27,13 @@ class UsageError(UserError):
     """A bad command line or flag value (exit 2)."""
 
     exit_code = USAGE_EXIT_CODE
+
+
+def one_line(e):
+    """An exception's message on one line (its type name when it has none)."""
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+def typed_one_line(e):
+    """An exception as one line with its type: ``OSError: [Errno 5] Input/output error``."""
+    return f"{type(e).__name__}: {' '.join(str(e).split())}".rstrip(": ")

@@ -36,6 +36,7 @@ import blobfile as bf
 from . import checkpoint as ckpt
 from . import dist_util
 from .checkpoint import CheckpointError, CheckpointReadError
+from .errors import typed_one_line
 
 INCOMPLETE_DIR = "incomplete"
 
@@ -114,7 +115,7 @@ def listdir(d):
     except CheckpointError:
         raise
     except (OSError, bf.Error) as e:
-        raise CheckpointReadError(f"{d}: cannot list the directory ({ckpt.one_line(e)}); "
+        raise CheckpointReadError(f"{d}: cannot list the directory ({typed_one_line(e)}); "
                                   f"check that it is reachable and readable") from e
 
 
@@ -209,7 +210,7 @@ def _size_or_none(path):
     except FileNotFoundError:
         return None
     except (OSError, bf.Error) as e:
-        raise CheckpointReadError(f"{path}: cannot read ({ckpt.one_line(e)}); check that it is "
+        raise CheckpointReadError(f"{path}: cannot read ({typed_one_line(e)}); check that it is "
                                   f"reachable and readable") from e
 
 
@@ -302,8 +303,7 @@ def plan_resume(log_dir, resume_checkpoint=""):
     log_dir = os.fspath(log_dir)
     names = listdir(log_dir)
     plan = ResumePlan(log_dir=log_dir)
-    plan.temp_files = [n for n in names if ckpt.name_info(n) is not None
-                       and ckpt.name_info(n).kind == "temp"]
+    plan.temp_files = [n for n in names if getattr(ckpt.name_info(n), "kind", None) == "temp"]
     steps = list_steps(log_dir, names=names)
     arg = os.fspath(resume_checkpoint or "")
     if arg and arg != "auto" and not _is_dir(arg):
@@ -366,7 +366,7 @@ def _is_dir(path):
     try:
         return bf.isdir(path)
     except (OSError, bf.Error) as e:
-        raise CheckpointReadError(f"{path}: cannot read ({ckpt.one_line(e)})") from e
+        raise CheckpointReadError(f"{path}: cannot read ({typed_one_line(e)})") from e
 
 
 def _same_dir(a, b):
