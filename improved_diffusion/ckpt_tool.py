@@ -7,11 +7,12 @@ safetensors.
     python scripts/ckpt.py verify DIR [--quick]
     python scripts/ckpt.py diff FILE (--flags "--image_size 32 ..." | --against FILE2) [--want ema]
     python scripts/ckpt.py convert SRC --to tagged|raw|safetensors --out DIR [--flags "..."]
+    python scripts/ckpt.py adapt SRC --flags "..." --out DIR [--seed N] [--step N]
     python scripts/ckpt.py prune DIR --keep K
 
 (also `python -m improved_diffusion.ckpt_tool ...`). Human-readable output by default, `--json` for
 scripts. Exit status: 0 healthy, 1 problem found, 2 bad usage. Errors are one line on stderr,
-never a traceback. Only `convert` (into --out) and `prune` write or delete anything; every file is
+never a traceback. Only `convert` and `adapt` (into --out) and `prune` write or delete anything; every file is
 read with `torch.load(weights_only=True)`, so a checkpoint can never run code.
 """
 
@@ -27,13 +28,14 @@ import torch as th
 
 from . import checkpoint as ckpt
 from .errors import UsageError, UserError
-from . import run_dir
+from . import model_change, run_dir
 from .state_fit import fit_state_dict, shapes_of
 from .optim_state import (
     FORMAT,
     OptimizerStateError,
     _family_of_state,
     convert_to_named,
+    convert_with_report,
     named_to_raw,
     validate_optimizer_payload,
 )
@@ -172,6 +174,9 @@ def inspect_file(path):
         rep["trainer"] = {k: c.trainer[k] for k in ("step", "world_size", "batch_size",
                                                      "global_batch", "seed", "ema_rates", "lr")
                           if k in c.trainer}
+    changes = (c.trainer or {}).get("model_changes")
+    if changes:  # resumed into (or adapted to) a changed model: model_change.ModelChange.record
+        rep["model_changes"] = list(changes)
     if not c.tagged and c.step is not None:
         rep["notes"].append(f"step {c.step} read from the file name")
     _slot_problems(rep, c, path)
@@ -256,6 +261,8 @@ def _print_inspect(rep, out):
     if "trainer" in rep:
         tr = " ".join(f"{k}={v}" for k, v in rep["trainer"].items())
         w(f"  trainer     {tr or '(empty: no trainer state)'}\n")
+    for rec in rep.get("model_changes") or ():
+        w(f"  changed     model change at {model_change.record_text(rec)}\n")
     if rep["kind"] in ("model", "ema"):
         if rep.get("flags"):
             w("  flags       " + " ".join(f"--{k} {v}" for k, v in rep["flags"].items()) + "\n")
@@ -736,6 +743,113 @@ def cmd_convert(args, out):
 
 
 # ---------------------------------------------------------------------------------------------
+# adapt
+
+
+def cmd_adapt(args, out):
+    """A complete tagged step in a new --out, adapted to the model of --flags (model_change.py)."""
+    from .train_util import seed_rngs  # the seeding of train.py's build(): the same fresh init
+
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise ToolError(f"{args.out}: is a file; --out must be a directory")
+    if run_dir.list_steps(args.out):
+        raise ToolError(f"{args.out}: already holds checkpoint files; adapt never writes into a "
+                        "run: choose a new --out")
+    if not os.path.exists(args.src):
+        raise ToolError(f"{args.src}: no such file or directory; check the path")
+    src = args.src
+    if os.path.isdir(src) and args.step is not None:
+        src = os.path.join(src, ckpt.model_filename(args.step))
+        if not os.path.exists(src):
+            raise ToolError(f"{args.src}: no model file of step {args.step}; see "
+                            f"`ckpt.py verify {args.src}`")
+    plan = run_dir.plan_resume(args.out, src)  # the model file and the files beside it
+    c = _load(plan.model)
+    if c.kind not in ("model", "combined"):
+        raise ToolError(f"{plan.model}: holds {ckpt.describe(c)}, not model weights; give a "
+                        "model file, a run directory or a combined dict")
+    sd = ckpt.model_state_from(c)
+    step = _step_of(c, plan.model, args.step)
+    beside = plan.files_of(step) if ckpt.slot_of(plan.model) == "model" else {"ema": {},
+                                                                              "opt": None}
+    opt_path = beside["opt"] or (plan.model if c.optimizer is not None else None)
+    opt_file = None if opt_path is None else (c if opt_path == plan.model else _load(opt_path))
+    trainer = dict((opt_file.trainer if opt_file is not None else None) or {})
+
+    flags, given, ignored = _parse_model_flags(args.flags)
+    for k, v in (c.flags or {}).items():  # flags not given keep the file's values
+        if k in flags and k not in given:
+            flags[k] = v
+    seed = args.seed if args.seed is not None else int(trainer.get("seed") or 0)
+    seed_rngs(seed, 0, 0)
+    model = _build_model(flags)
+    fresh = model.state_dict()
+    change = model_change.plan_change(shapes_of(fresh), shapes_of(sd), c.flags, flags, step)
+    notes = [f"ignored non-model flags: {' '.join(ignored)}"] if ignored else []
+    notes.append(f"new and reshaped tensors: a fresh model built from the flags with --seed "
+                 f"{seed}")
+
+    def adapted(weights):
+        return {k: v.detach().clone() for k, v in model_change.take_matching(fresh, weights).items()}
+
+    files = {ckpt.model_filename(step): ckpt.model_payload(step, adapted(sd), flags)}
+    emas = {rate: ckpt.model_state_from(_load(p), want="ema") for rate, p in beside["ema"].items()}
+    if not emas and c.kind == "combined":
+        ema = _combined_ema_or_none(c)
+        if ema is not None:
+            emas["0.9999"] = ema
+            notes.append(f"{os.path.basename(plan.model)}: EMA entry written with rate 0.9999 "
+                         "(the file does not say)")
+    for rate, ema in emas.items():
+        files[ckpt.ema_filename(rate, step)] = ckpt.ema_payload(step, rate, adapted(ema), flags)
+    if not emas:
+        notes.append("no EMA weights in SRC: a resume starts the EMA from the model weights")
+    if opt_file is not None:
+        try:
+            by_name = model_change.optimizer_by_name(opt_file.optimizer,
+                                                     list(shapes_of(sd).items()), str(opt_path))
+            named, report = convert_with_report(
+                by_name, [(n, tuple(p.shape)) for n, p in model.named_parameters()],
+                source=str(opt_path))
+        except OptimizerStateError as e:
+            raise ToolError(f"{e}; adapt needs usable optimizer state (or remove the file to "
+                            "start a fresh optimizer)") from None
+        change.optimizer = (f"Adam moments {report.matched} kept, {report.fresh} fresh, "
+                            f"{report.dropped} dropped ({os.path.basename(str(opt_path))})")
+        if change.changed:
+            trainer["model_changes"] = list(trainer.get("model_changes") or []) + [
+                change.record()]
+        files[ckpt.opt_filename(step)] = ckpt.opt_payload(step, named, trainer)
+    else:
+        notes.append("no optimizer state in SRC: a resume starts a fresh optimizer")
+    os.makedirs(args.out, exist_ok=True)
+    try:
+        run_dir.save_step(args.out, step, files)
+    except ckpt.CheckpointError as e:
+        raise ToolError(str(e)) from None
+    written = [os.path.join(args.out, n) for n in list(files) + [ckpt.manifest_filename(step)]]
+    rep = {"src": args.src, "out": args.out, "step": step, "seed": seed, "written": written,
+           "change": change.record(), "summary": change.lines(), "notes": notes}
+    if args.json:
+        _dump(rep, out)
+    else:
+        for line in change.lines():
+            out.write(line + "\n")
+        for p in written:
+            out.write(f"wrote {p}\n")
+        for n in notes:
+            out.write(f"note: {n}\n")
+    return EXIT_OK
+
+
+def _combined_ema_or_none(c):
+    try:
+        return ckpt.model_state_from(c, want="ema")
+    except ckpt.CheckpointError:
+        return None
+
+
+# ---------------------------------------------------------------------------------------------
 # prune
 
 
@@ -797,6 +911,20 @@ def build_parser():
     sp.add_argument("--flags", default=None, help="model flags to store in tagged files")
     sp.add_argument("--step", type=int, default=None,
                     help="only this step of a run dir (or the step of a file without one)")
+    sp = sub.add_parser("adapt", help="a complete step adapted to other model flags: matching "
+                        "tensors kept, the others fresh")
+    sp.add_argument("src", metavar="SRC",
+                    help="a model file, a run directory (its newest complete step) or a combined "
+                    "dict")
+    sp.add_argument("--flags", required=True,
+                    help='the new model flags, e.g. "--class_cond True" (others: the file\'s)')
+    sp.add_argument("--out", required=True, metavar="DIR",
+                    help="a new directory (one holding checkpoint files is refused)")
+    sp.add_argument("--seed", type=int, default=None,
+                    help="seed of the fresh model whose initialisation new tensors take (default: "
+                    "the run's --seed from the opt file, else 0)")
+    sp.add_argument("--step", type=int, default=None,
+                    help="this step of a run dir (or the step of a file without one)")
     sp = sub.add_parser("prune", help="delete old steps, keeping the newest K complete ones")
     sp.add_argument("dir", metavar="DIR")
     sp.add_argument("--keep", type=int, required=True, metavar="K")
@@ -804,7 +932,7 @@ def build_parser():
 
 
 _COMMANDS = {"inspect": cmd_inspect, "verify": cmd_verify, "diff": cmd_diff,
-             "convert": cmd_convert, "prune": cmd_prune}
+             "convert": cmd_convert, "adapt": cmd_adapt, "prune": cmd_prune}
 
 
 def main(argv=None, out=None, err=None):
@@ -821,7 +949,8 @@ def main(argv=None, out=None, err=None):
         except SystemExit as e:  # --help
             return int(e.code or 0)
         if not args.command:
-            raise UsageError("ckpt.py: give a command: inspect, verify, diff, convert or prune")
+            raise UsageError("ckpt.py: give a command: inspect, verify, diff, convert, adapt or "
+                             "prune")
         args.json = as_json
         args.err = err
         return _COMMANDS[args.command](args, out)

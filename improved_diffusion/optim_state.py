@@ -33,7 +33,7 @@ makes `fresh_opt.state_dict()` equal `opt.state_dict()` tensor for tensor.
 
 import math
 from dataclasses import dataclass, field
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch as th
 
@@ -88,6 +88,8 @@ class LoadReport:
     fresh:    model parameters that start with fresh state (new ones and reshaped ones).
     dropped:  saved parameters the model no longer has.
     reshaped: model parameters saved with a different shape (counted in `fresh` too).
+    regrouped: {name: (saved group index, current group index)} of the parameters that sit in
+              another param group than in the file (their state follows the name all the same).
     """
 
     matched: int = 0
@@ -99,6 +101,7 @@ class LoadReport:
     fresh_names: List[str] = field(default_factory=list)
     dropped_names: List[str] = field(default_factory=list)
     reshaped_names: List[str] = field(default_factory=list)
+    regrouped: Dict[str, Tuple[int, int]] = field(default_factory=dict)
 
     def summary(self) -> str:
         line = (
@@ -108,6 +111,8 @@ class LoadReport:
         if self.reshaped:
             line += f" ({self.reshaped} reshaped)"
         line += f", {self.dropped} dropped"
+        if self.regrouped:
+            line += f", {len(self.regrouped)} in another param group than in the file"
         return line
 
     @property
@@ -197,6 +202,13 @@ def named_optimizer_state(optimizer, named_params) -> dict:
     }
 
 
+def is_named(payload, source="FILE") -> bool:
+    """True when `payload` (or the optimizer entry of a whole opt file / combined dict) is
+    named-v1 optimizer state, keyed by parameter name."""
+    inner = _unwrap(payload, source)
+    return isinstance(inner, dict) and inner.get("format") == FORMAT
+
+
 def _describe_non_optimizer(payload) -> str:
     """What a payload that is not optimizer state holds, for a one-line message."""
     return f"{describe_object(payload)}, not optimizer state"
@@ -223,11 +235,12 @@ def _unwrap(payload, source):
 class _Plan:
     """The per-name state and per-name hyperparameters to load, and the report."""
 
-    def __init__(self, report, state_by_name, hyper_by_name, default_hyper):
+    def __init__(self, report, state_by_name, hyper_by_name, default_hyper, group_by_name):
         self.report = report
         self.state_by_name = state_by_name
         self.hyper_by_name = hyper_by_name
         self.default_hyper = default_hyper
+        self.group_by_name = group_by_name  # {name: index of its param group in the file}
 
 
 def _malformed(source, what):
@@ -599,7 +612,17 @@ def _make_plan(payload, named, source, optimizer=None) -> _Plan:
             f"({len(shape_by_name)} saved, e.g. {example!r}); is it from another model?"
         )
     default_hyper = next(iter(hyper_by_name.values()), {}) if hyper_by_name else {}
-    return _Plan(report, usable, hyper_by_name, default_hyper)
+    group_index = _group_index(hyper_by_name)
+    return _Plan(report, usable, hyper_by_name, default_hyper, group_index)
+
+
+def _group_index(hyper_by_name):
+    """{name: index of its saved param group}: the groups are the distinct hyperparameter dicts
+    (one per saved group), numbered in order of first appearance, as the file lists them."""
+    index_of, out = {}, {}
+    for name, hyper in hyper_by_name.items():
+        out[name] = index_of.setdefault(id(hyper), len(index_of))
+    return out
 
 
 def _check_family(saved_family, target_family, target_name, source, saved_name=None):
@@ -634,13 +657,20 @@ def validate_optimizer_payload(payload, named_params=None, optimizer=None) -> Op
     return None
 
 
-def load_optimizer_state(optimizer, payload, named_params, source="FILE") -> LoadReport:
+def load_optimizer_state(optimizer, payload, named_params, source="FILE",
+                         hyperparams="saved") -> LoadReport:
     """
     Load saved optimizer state into `optimizer`, matching parameters by name.
 
-    Parameters whose name and shape match keep their state; others start fresh; param-group
-    hyperparameters (lr, betas, eps, weight_decay) are restored. Nothing is changed when the
-    payload is rejected.
+    Parameters whose name and shape match keep their state, whatever param group they sit in now
+    (the report's `regrouped` names those whose group index changed); others start fresh. Nothing
+    is changed when the payload is rejected.
+
+    :param hyperparams: "saved": the param groups' hyperparameters (lr, betas, eps,
+                        weight_decay) are restored from the payload (a parameter's group takes
+                        those of its first parameter's saved group); "current": they stay as the
+                        optimizer was built (the trainer's choice: they come from the run's flags,
+                        and groups may differ from the file's).
 
     :param optimizer: a torch optimizer over (a subset of) the parameters in `named_params`.
     :param payload: named-v1 state, upstream's index-keyed torch state dict (indices in
@@ -651,13 +681,16 @@ def load_optimizer_state(optimizer, payload, named_params, source="FILE") -> Loa
     :return: a LoadReport.
     :raises OptimizerStateError: the payload is not optimizer state for this optimizer.
     """
+    if hyperparams not in ("saved", "current"):
+        raise ValueError(f"hyperparams must be 'saved' or 'current', not {hyperparams!r}")
     named = _as_named_list(named_params)
     plan = _make_plan(payload, named, source, optimizer)
     id_to_name = {id(p): n for n, p in named}
     current = optimizer.state_dict()
     new_groups = []
     new_state = {}
-    for group, saved_group in zip(optimizer.param_groups, current["param_groups"]):
+    for gi, (group, saved_group) in enumerate(zip(optimizer.param_groups,
+                                                  current["param_groups"])):
         names = []
         for p, index in zip(group["params"], saved_group["params"]):
             name = id_to_name.get(id(p))
@@ -667,6 +700,9 @@ def load_optimizer_state(optimizer, payload, named_params, source="FILE") -> Loa
                     "named_params"
                 )
             names.append(name)
+            was = plan.group_by_name.get(name)
+            if was is not None and was != gi and name not in plan.report.reshaped_names:
+                plan.report.regrouped[name] = (was, gi)
             entry = plan.state_by_name.get(name)
             if entry is not None:
                 new_state[index] = {
@@ -681,7 +717,7 @@ def load_optimizer_state(optimizer, payload, named_params, source="FILE") -> Loa
         if hyper is None:
             hyper = plan.default_hyper
         g = dict(saved_group)
-        for k in HYPERPARAM_KEYS:
+        for k in HYPERPARAM_KEYS if hyperparams == "saved" else ():
             if k in hyper and k in g:
                 v = hyper[k]
                 g[k] = tuple(v) if isinstance(g[k], tuple) and isinstance(v, list) else v
@@ -713,6 +749,14 @@ def convert_to_named(payload, named_shapes, source="FILE", optimizer_name="AdamW
     :return: a named-v1 dict (tensors shared with `payload` where no reshaping was needed).
     :raises OptimizerStateError: as load_optimizer_state.
     """
+    return convert_with_report(payload, named_shapes, source, optimizer_name)[0]
+
+
+def convert_with_report(payload, named_shapes, source="FILE",
+                        optimizer_name="AdamW") -> Tuple[dict, LoadReport]:
+    """`convert_to_named`, and the LoadReport of what was kept: parameters of `named_shapes`
+    whose saved name and shape match keep their state, the others have none (fresh), saved ones
+    not in `named_shapes` are dropped (as a model change does; `ckpt.py adapt`)."""
     named = [(n, th.empty(tuple(s), device="meta")) for n, s in named_shapes]
     plan = _make_plan(payload, _as_named_list(named), source, None)
     names = [n for n, _ in named]
@@ -731,7 +775,7 @@ def convert_to_named(payload, named_shapes, source="FILE", optimizer_name="AdamW
         "param_groups": groups,
         "state": {n: plan.state_by_name[n] for n in names if n in plan.state_by_name},
         "shapes": {n: list(s) for n, s in named_shapes},
-    }
+    }, plan.report
 
 
 def named_to_raw(payload, source="FILE") -> dict:

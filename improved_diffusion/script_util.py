@@ -85,6 +85,10 @@ def train_defaults():
         log_interval=10,
         save_interval=10000,
         resume_checkpoint="",
+        # On resume, a checkpoint whose tensors do not fit the model (flags or code changed):
+        # take the tensors whose name and shape match (model, EMAs, Adam moments), start the
+        # others fresh, log a summary and record it in the trainer state. Off: a one-line error.
+        allow_model_change=False,
         use_fp16=False,
         fp16_scale_growth=1e-3,
         log_dir="",

@@ -81,6 +81,7 @@ def make_loop(args, parts):
         keep_checkpoints=args.keep_checkpoints,
         log_sample_indices=getattr(args, "log_sample_indices", False),
         nan_policy=args.nan_policy,
+        allow_model_change=getattr(args, "allow_model_change", False),
     )
 
 

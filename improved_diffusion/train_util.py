@@ -21,6 +21,8 @@ import math
 import os
 import random
 import signal
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
 
 import blobfile as bf
 import numpy as np
@@ -28,7 +30,7 @@ import torch as th
 from torch.nn.parallel.distributed import DistributedDataParallel as DDP
 from torch.optim import AdamW
 
-from . import checkpoint, dist_util, logger, optim_state, run_dir, state_fit
+from . import checkpoint, dist_util, logger, model_change, optim_state, run_dir, state_fit
 from .errors import UsageError, UserError
 from .resample import LossAwareSampler, UniformSampler
 
@@ -97,6 +99,7 @@ class TrainLoop:
         keep_checkpoints=0,
         log_sample_indices=False,
         nan_policy="stop",
+        allow_model_change=False,
     ):
         self.model = model
         self.diffusion = diffusion
@@ -123,6 +126,9 @@ class TrainLoop:
         if nan_policy not in NAN_POLICIES:
             raise UsageError(f"--nan_policy {nan_policy!r}: use one of {', '.join(NAN_POLICIES)}")
         self.nan_policy = nan_policy
+        self.allow_model_change = bool(allow_model_change)
+        self.model_changes = []  # trainer["model_changes"]: the run's model changes so far
+        self._resume_from = None  # what the resume loads (set by _resume)
 
         self.rank = dist_util.get_rank()
         self.world_size = dist_util.get_world_size()
@@ -204,7 +210,14 @@ class TrainLoop:
            file of the step was read.
 
         A failed read stops the run on every rank (nothing moved); content problems of the opt
-        file fall back to a fresh optimizer with one warning line.
+        file fall back to a fresh optimizer with one warning line. A model file that does not fit
+        the model is an error, unless --allow_model_change True: then the model, every EMA and
+        the Adam moments take the tensors whose name and shape match (model_change.py), the log
+        shows one summary block, and the next save records the change.
+
+        Steps 2 and 3 use upstream's method names (a subclass may override them):
+        `_load_and_sync_parameters()`, `_load_ema_parameters(rate)`, `_load_optimizer_state()`;
+        they read what to load from `self._resume_from` (a `_ResumeFrom`).
         """
         plan = dist_util.run_on_rank0(
             lambda: run_dir.plan_resume(self.log_dir, self.resume_checkpoint))
@@ -215,20 +228,21 @@ class TrainLoop:
         if plan.model is None:
             self._tidy(plan, 0)
             return
-        model_ckpt = self._load_model(plan.model)
-        step = model_ckpt.step if model_ckpt.step is not None else checkpoint.parse_step(plan.model)
+        r = self._resume_from = _ResumeFrom(plan)
+        self._load_and_sync_parameters()  # sets r.model_ckpt, r.step, r.change
+        step = r.step
         if not (plan.source == "auto" and plan.in_log_dir):  # a file or run from elsewhere
             run_dir.refuse_overwrite(plan, step)  # never over --log_dir's newer history
         self.step = self.resume_step = step
-        beside = plan.files_of(step)
-        ema_loaded = self._load_ema(beside["ema"], model_ckpt)
-        trainer, opt_note = self._load_optimizer(beside["opt"], model_ckpt)
-        self._restore_trainer_state(trainer)
+        self.ema_params = [self._load_ema_parameters(rate) for rate in self.ema_rate]
+        self._load_optimizer_state()  # sets r.trainer, r.opt_note
+        self._restore_trainer_state(r.trainer)
+        self._record_model_change(r)
         self._tidy(plan, step)  # only once every file of the step was read
         self.last_saved_step = step if plan.in_log_dir else None
         logger.log(
             f"resumed at step {step} from {plan.model} "
-            f"(ema: {', '.join(ema_loaded) or 'none'}; opt: {opt_note})"
+            f"(ema: {', '.join(r.ema_loaded) or 'none'}; opt: {r.opt_note})"
         )
 
     def _tidy(self, plan, step):
@@ -245,8 +259,18 @@ class TrainLoop:
             logger.warn(f"warning: removed {len(removed)} temp file(s) of interrupted saves: "
                         f"{', '.join(removed[:4])}")
 
-    def _load_model(self, path):
-        """Load model weights from ``path`` (collective), strict; one-line error on mismatch."""
+    def _load_and_sync_parameters(self):
+        """Upstream's name: load the model weights of the resume step (collective).
+
+        The file's bytes are read once on rank 0 and broadcast, so every rank loads the same
+        weights and takes the same decision (no sync of parameters afterwards is needed). Strict:
+        a file that does not fit is a one-line error naming the likely flag, unless
+        --allow_model_change True (then the tensors whose name and shape match are taken, the
+        others keep the fresh model's initialisation). Sets `_resume_from.model_ckpt`, `.step`,
+        `.change` and `.file_shapes`.
+        """
+        r = self._resume_from
+        path = r.plan.model
         ckpt = checkpoint.load_file_collective(path)
         if ckpt.kind not in ("model", "combined"):
             raise ResumeError(
@@ -256,58 +280,93 @@ class TrainLoop:
         sd = checkpoint.model_state_from(ckpt, want="model")  # prefixes already stripped
         if not sd:
             raise ResumeError(f"--resume_checkpoint {path}: no model weights found in the file")
-        _check_state_dict_matches(self.model, sd, path, ckpt.flags, self.model_flags)
-        self.model.load_state_dict(sd, strict=True)
+        r.model_ckpt = ckpt
+        r.step = ckpt.step if ckpt.step is not None else checkpoint.parse_step(path)
+        mine = self.model.state_dict()
+        r.file_shapes = state_fit.shapes_of(sd)
+        fit = state_fit.fit_state_dict(state_fit.shapes_of(mine), r.file_shapes, ckpt.flags,
+                                       self.model_flags)
+        if fit.ok:
+            self.model.load_state_dict(sd, strict=True)
+        elif not self.allow_model_change:
+            raise ResumeError(_misfit_message(path, fit))
+        else:
+            r.change = model_change.plan_change(
+                state_fit.shapes_of(mine), r.file_shapes, ckpt.flags, self.model_flags, r.step)
+            self.model.load_state_dict(model_change.take_matching(mine, sd), strict=True)
         for note in ckpt.notes:
             logger.log(f"note: {checkpoint.basename(path)}: {note}")
         changed = [k for k in self.model_flags
                    if ckpt.flags and k in ckpt.flags and ckpt.flags[k] != self.model_flags[k]]
-        if changed:
+        if changed and r.change is None:  # a model change lists them in its summary block
             logger.log("note: flags differ from the checkpoint's: " + ", ".join(
                 f"--{k} {ckpt.flags[k]} -> {self.model_flags[k]}" for k in changed))
-        return ckpt
 
-    def _load_ema(self, ema_paths, model_ckpt):
-        """Load each rate's EMA file if present, else start from the model weights. Collective."""
-        loaded = []
-        for i, rate_str in enumerate(self.ema_rate_strs):
-            path = ema_paths.get(rate_str)
-            if path is None and model_ckpt.kind == "combined":
-                sd = _combined_ema(model_ckpt)
-                if sd is not None:
-                    self.ema_params[i] = self._params_from(sd, model_ckpt.path, model_ckpt.flags)
-                    loaded.append(f"{os.path.basename(str(model_ckpt.path))}[ema]")
-                    continue
-            if path is None:
-                logger.warn(
-                    f"no EMA file for rate {rate_str} beside {model_ckpt.path}; "
-                    f"EMA starts from the model weights"
-                )
-                self.ema_params[i] = self._copy_params()
-                continue
-            ckpt = checkpoint.load_file_collective(path)
-            sd = checkpoint.model_state_from(ckpt, want="ema")
-            if not sd:
-                raise ResumeError(f"{path}: holds {checkpoint.describe(ckpt)}, not EMA weights; "
-                                  f"delete it or resume from another step")
-            self.ema_params[i] = self._params_from(sd, path, ckpt.flags)
-            loaded.append(os.path.basename(str(path)))
-        return loaded
+    def _load_ema_parameters(self, rate):
+        """Upstream's name and contract: the EMA parameters of ``rate`` for the resume step, a list
+        of tensors in `model.parameters()` order: from the EMA file beside the model file (or a
+        combined dict's EMA entry), else a copy of the (loaded) model weights with one warning.
+        Collective (a file is read once and broadcast).
+        """
+        r = self._resume_from
+        rate_str = str(float(rate))
+        path = r.plan.files_of(r.step)["ema"].get(rate_str)
+        model_ckpt = r.model_ckpt
+        if path is None and model_ckpt.kind == "combined":
+            sd = _combined_ema(model_ckpt)
+            if sd is not None:
+                r.ema_loaded.append(f"{os.path.basename(str(model_ckpt.path))}[ema]")
+                return self._params_from(sd, model_ckpt.path, model_ckpt.flags)
+        if path is None:
+            logger.warn(
+                f"no EMA file for rate {rate_str} beside {model_ckpt.path}; "
+                f"EMA starts from the model weights"
+            )
+            return self._copy_params()
+        ckpt = checkpoint.load_file_collective(path)
+        sd = checkpoint.model_state_from(ckpt, want="ema")
+        if not sd:
+            raise ResumeError(f"{path}: holds {checkpoint.describe(ckpt)}, not EMA weights; "
+                              f"delete it or resume from another step")
+        r.ema_loaded.append(os.path.basename(str(path)))
+        return self._params_from(sd, path, ckpt.flags)
 
     def _params_from(self, sd, path, flags):
         """[tensor] in parameter order from a state dict (prefixes stripped; checked like the
-        model's)."""
-        _check_state_dict_matches(self.model, sd, path, flags, self.model_flags, params_only=True)
+        model's). With a model change, each parameter whose name and shape match is the file's,
+        the others the model's current value (the fresh initialisation of new tensors)."""
+        r = self._resume_from
+        if r is not None and r.change is not None:
+            mine = dict(self.named_params)
+            ema_change = model_change.plan_change(
+                state_fit.shapes_of(mine), state_fit.shapes_of({k: v for k, v in sd.items()}))
+            model_params = set(mine)
+            if (set(ema_change.new), set(ema_change.reshaped)) != (
+                    set(r.change.new) & model_params, set(r.change.reshaped) & model_params):
+                r.change.notes.append(f"{checkpoint.basename(path)}: {ema_change.counts()} "
+                                      f"parameter(s), unlike the model file")
+            sd = model_change.take_matching(mine, sd)
+        else:
+            _check_state_dict_matches(self.model, sd, path, flags, self.model_flags,
+                                      params_only=True)
         return [sd[n].detach().to(device=self.device, dtype=p.dtype).clone()
                 for n, p in self.named_params]
 
-    def _load_optimizer(self, opt_path, model_ckpt=None):
-        """Load the optimizer state, or fall back to a fresh optimizer with one warning line.
+    def _load_optimizer_state(self):
+        """Upstream's name: load the optimizer state of the resume step, validated as a whole
+        before the optimizer is touched, or fall back to a fresh optimizer with one warning line.
 
-        Returns (trainer dict of the file or None, a note for the log). Collective: every rank
-        reads the same broadcast bytes, so the decision is the same everywhere (checked with an
-        all-gather).
+        The state follows each parameter's name, into whatever param group it sits in now (the
+        log names parameters that changed group); the groups' hyperparameters are the run's (as
+        `_make_optimizer` built them from the flags). With a model change the moments follow the
+        same rule as the weights (matching name and shape kept, the rest fresh). Sets
+        `_resume_from.trainer` (the file's trainer dict or None) and `.opt_note`. Collective:
+        every rank reads the same broadcast bytes, so the decision is the same everywhere
+        (checked with an all-gather).
         """
+        r = self._resume_from
+        model_ckpt = r.model_ckpt
+        opt_path = r.plan.files_of(r.step)["opt"]
         trainer, ok, why = None, False, None
         if opt_path is None and model_ckpt is not None and model_ckpt.optimizer is not None:
             opt_path = model_ckpt.path  # a combined dict with an optimizer entry
@@ -322,10 +381,17 @@ class TrainLoop:
                     raise optim_state.OptimizerStateError(
                         f"{opt_path}: holds {checkpoint.describe(ckpt)}, not optimizer state"
                     )
+                if r.change is not None:  # upstream's index-keyed moments: by the file's names
+                    buffers = dict(self.model.named_buffers())
+                    payload = model_change.optimizer_by_name(
+                        payload, [(n, s) for n, s in r.file_shapes.items() if n not in buffers],
+                        source=str(opt_path))
                 report = optim_state.load_optimizer_state(
-                    self.opt, payload, self.named_params, source=str(opt_path)
-                )
-                logger.log(report.summary())
+                    self.opt, payload, self.named_params, source=str(opt_path),
+                    hyperparams="current")
+                if r.change is None:  # else the line is part of the change's summary block
+                    logger.log(report.summary())
+                r.regrouped = report.regrouped
                 trainer, ok = ckpt.trainer, True
             except checkpoint.CheckpointReadError:
                 raise  # a failed read is never a reason to drop the optimizer state
@@ -339,15 +405,30 @@ class TrainLoop:
         if not ok:
             self.opt = self._make_optimizer()
             logger.warn(f"warning: {why}; continuing with a fresh optimizer")
-        for group in self.opt.param_groups:
-            group["lr"] = self.lr
-            group["weight_decay"] = self.weight_decay
-        return trainer, (os.path.basename(str(opt_path)) if ok else "fresh optimizer")
+        r.trainer = trainer
+        r.opt_note = os.path.basename(str(opt_path)) if ok else "fresh optimizer"
+        r.opt_summary = (f"Adam moments {report.matched} kept, {report.fresh} fresh, "
+                         f"{report.dropped} dropped ({r.opt_note}, {report.layout})" if ok
+                         else f"fresh optimizer ({why})")
+
+    def _record_model_change(self, r):
+        """Log the model change's summary block (or the param groups that changed alone) and
+        keep the file's change history plus this change for the next save's trainer state."""
+        history = (r.trainer or {}).get("model_changes")
+        self.model_changes = list(history) if isinstance(history, list) else []
+        if r.change is None:
+            if r.regrouped:
+                logger.log("optimizer: " + model_change.regrouped_text(r.regrouped))
+            return
+        r.change.optimizer, r.change.regrouped = r.opt_summary, r.regrouped
+        for line in r.change.lines():
+            logger.log(line)
+        self.model_changes.append(r.change.record())
 
     def _restore_trainer_state(self, trainer):
         """Data position, RNG, timestep sampler, GradScaler from the trainer dict (or guesses)."""
         step = self.resume_step
-        if not trainer:
+        if not trainer or set(trainer) <= {"model_changes"}:  # e.g. `ckpt.py adapt` of upstream's
             self._load_data_state(_guess_data_state(self.data, step * self.global_batch))
             logger.log(
                 f"no usable trainer state (an upstream file, or an opt file that fell back): "
@@ -733,6 +814,7 @@ class TrainLoop:
             "grad_scaler": None if self.grad_scaler is None else self.grad_scaler.state_dict(),
             "ema_rates": list(self.ema_rate_strs),
             "lr": float(self.opt.param_groups[0]["lr"]),
+            "model_changes": list(self.model_changes),
         }
 
 
@@ -833,13 +915,33 @@ def _check_state_dict_matches(model, sd, path, file_flags, my_flags, params_only
     want = state_fit.shapes_of(mine)
     have = state_fit.shapes_of({k: v for k, v in sd.items() if k in want} if params_only else sd)
     fit = state_fit.fit_state_dict(want, have, file_flags, my_flags)
-    if fit.ok:
-        return
+    if not fit.ok:
+        raise ResumeError(_misfit_message(path, fit))
+
+
+def _misfit_message(path, fit):
+    """The one line of a resume whose weights do not fit the model (a state_fit.Fit)."""
     flag = fit.likely_flags[0] if fit.likely_flags else "the model flags"
-    raise ResumeError(
-        f"{path}: weights do not fit the model built from the flags ({fit.summary()}); "
-        f"check {flag}"
-    )
+    return (f"{path}: weights do not fit the model built from the flags ({fit.summary()}); "
+            f"check {flag}, or pass --allow_model_change True to keep the tensors that match "
+            f"and start the others fresh")
+
+
+@dataclass
+class _ResumeFrom:
+    """What a resume loads, shared by `TrainLoop._resume`'s steps (upstream's method names take
+    no arguments): the plan, then what each step learned."""
+
+    plan: Any  # run_dir.ResumePlan
+    model_ckpt: Any = None  # checkpoint.CkptFile of the model file
+    step: Optional[int] = None
+    file_shapes: Dict[str, Any] = field(default_factory=dict)  # the model file's {name: shape}
+    change: Optional[model_change.ModelChange] = None  # set when the model changed
+    ema_loaded: List[str] = field(default_factory=list)
+    trainer: Optional[dict] = None
+    opt_note: str = ""
+    opt_summary: str = ""
+    regrouped: Dict[str, Any] = field(default_factory=dict)
 
 
 def check_config_on_all_ranks(flags, data_fingerprint=None):
