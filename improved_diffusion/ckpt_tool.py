@@ -814,8 +814,7 @@ def cmd_adapt(args, out):
         except OptimizerStateError as e:
             raise ToolError(f"{e}; adapt needs usable optimizer state (or remove the file to "
                             "start a fresh optimizer)") from None
-        change.optimizer = (f"Adam moments {report.matched} kept, {report.fresh} fresh, "
-                            f"{report.dropped} dropped ({os.path.basename(str(opt_path))})")
+        change.optimizer = model_change.moments_text(report, os.path.basename(str(opt_path)))
         if change.changed:
             trainer["model_changes"] = list(trainer.get("model_changes") or []) + [
                 change.record()]

@@ -111,6 +111,12 @@ def _first(items, n=SHOWN):
     return ", ".join(items[:n]) + more
 
 
+def moments_text(report, file_name) -> str:
+    """The log block's optimizer line from an optim_state.LoadReport."""
+    return (f"Adam moments {report.matched} kept, {report.fresh} fresh, {report.dropped} dropped "
+            f"({file_name}, {report.layout})")
+
+
 def regrouped_text(regrouped) -> str:
     """"2 parameter(s) changed param group: a.bias (0 -> 1), b.bias (0 -> 1)"."""
     shown = [f"{k} ({a} -> {b})" for k, (a, b) in regrouped.items()]

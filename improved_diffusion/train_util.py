@@ -281,7 +281,6 @@ class TrainLoop:
         if not sd:
             raise ResumeError(f"--resume_checkpoint {path}: no model weights found in the file")
         r.model_ckpt = ckpt
-        r.step = ckpt.step if ckpt.step is not None else checkpoint.parse_step(path)
         mine = self.model.state_dict()
         r.file_shapes = state_fit.shapes_of(sd)
         fit = state_fit.fit_state_dict(state_fit.shapes_of(mine), r.file_shapes, ckpt.flags,
@@ -292,8 +291,11 @@ class TrainLoop:
             raise ResumeError(_misfit_message(path, fit))
         else:
             r.change = model_change.plan_change(
-                state_fit.shapes_of(mine), r.file_shapes, ckpt.flags, self.model_flags, r.step)
+                state_fit.shapes_of(mine), r.file_shapes, ckpt.flags, self.model_flags)
             self.model.load_state_dict(model_change.take_matching(mine, sd), strict=True)
+        r.step = ckpt.step if ckpt.step is not None else checkpoint.parse_step(path)
+        if r.change is not None:
+            r.change.step = r.step
         for note in ckpt.notes:
             logger.log(f"note: {checkpoint.basename(path)}: {note}")
         changed = [k for k in self.model_flags
@@ -407,8 +409,7 @@ class TrainLoop:
             logger.warn(f"warning: {why}; continuing with a fresh optimizer")
         r.trainer = trainer
         r.opt_note = os.path.basename(str(opt_path)) if ok else "fresh optimizer"
-        r.opt_summary = (f"Adam moments {report.matched} kept, {report.fresh} fresh, "
-                         f"{report.dropped} dropped ({r.opt_note}, {report.layout})" if ok
+        r.opt_summary = (model_change.moments_text(report, r.opt_note) if ok
                          else f"fresh optimizer ({why})")
 
     def _record_model_change(self, r):

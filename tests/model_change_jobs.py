@@ -5,14 +5,13 @@ Usage: python tests/model_change_jobs.py DUMP_DIR JOBS_JSON      (under mpiexec 
 
 JOBS_JSON: a file holding [[name, [train.py flags...]], ...], run in order in one process group
 (one python start for a whole matrix). Per job and rank r, right after its TrainLoop was built
-(i.e. after its resume): DUMP_DIR/{name}_loaded_rank{r}.pt (tests/train_dump.py's dump: step,
-model, EMAs, named optimizer state) and DUMP_DIR/{name}_trainer_rank{r}.pt ({"data", "rng",
+(i.e. after its resume): DUMP_DIR/{name}_loaded_rank{r}.pt (tests/train_dump.py's run_job and
+dump: step, model, EMAs, named optimizer state; {name}_final_rank{r}.pt after training) and DUMP_DIR/{name}_trainer_rank{r}.pt ({"data", "rng",
 "sampler", "model_changes"} as restored). Then the job trains to its --max_steps and saves, as
 train.py does. `run_jobs(dump_dir, jobs)` does the same in the calling process (1 rank).
 """
 import json
 import os
-import runpy
 import sys
 from pathlib import Path
 
@@ -22,44 +21,23 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "tests"))
 
-from improved_diffusion import dist_util, train_job, train_util  # noqa: E402
-from train_dump import dump  # noqa: E402
-
-_TRAIN = {}
+from improved_diffusion import dist_util, train_util  # noqa: E402
+from train_dump import run_job  # noqa: E402
 
 
-def train_script():
-    """scripts/train.py's functions (create_argparser, build), loaded once."""
-    if not _TRAIN:
-        _TRAIN.update(runpy.run_path(str(REPO / "scripts" / "train.py"), run_name="train_module"))
-    return _TRAIN
-
-
-def run_job(dump_dir, name, argv):
-    """One train.py job (as train_job.run_training, without taking the process group down)."""
-    train = train_script()
-    args = train["create_argparser"]().parse_args([str(a) for a in argv])
-    train_job.check_train_args(args)
-    lock = train_job.start_job(args)
-    try:
-        loop = train_job.make_loop(args, train["build"](args))
-        rank = dist_util.get_rank()
-        dump(loop, os.path.join(dump_dir, f"{name}_loaded_rank{rank}.pt"))
+def _dump_trainer(dump_dir, name):
+    def after_load(loop, rank):
         th.save({"data": loop.data.state_dict(), "rng": train_util.get_rng_state(),
                  "sampler": loop.schedule_sampler.state_dict(),
                  "model_changes": loop.model_changes},
                 os.path.join(dump_dir, f"{name}_trainer_rank{rank}.pt"))
-        code = loop.run_loop()
-        loop.close()
-    finally:
-        lock.release()
-    return code
+    return after_load
 
 
 def run_jobs(dump_dir, jobs):
     os.makedirs(dump_dir, exist_ok=True)
     for name, argv in jobs:
-        code = run_job(dump_dir, name, argv)
+        code = run_job(dump_dir, argv, prefix=f"{name}_", after_load=_dump_trainer(dump_dir, name))
         if code != 0:
             return code
     return 0

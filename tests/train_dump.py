@@ -33,23 +33,32 @@ def dump(loop, path):
     )
 
 
-def main():
-    dump_dir, argv = sys.argv[1], sys.argv[2:]
-    os.makedirs(dump_dir, exist_ok=True)
+def run_job(dump_dir, argv, prefix="", after_load=None):
+    """One train.py job with the dumps (files named {prefix}loaded_rank{r}.pt ...); after_load(loop,
+    rank), if given, runs right after the first dump. Leaves the process group up."""
     train = runpy.run_path(str(REPO / "scripts" / "train.py"), run_name="train_module")
-    args = train["create_argparser"]().parse_args(argv)
+    args = train["create_argparser"]().parse_args([str(a) for a in argv])
     train_job.check_train_args(args)
     lock = train_job.start_job(args)
     try:
         loop = train_job.make_loop(args, train["build"](args))
         rank = dist_util.get_rank()
-        dump(loop, os.path.join(dump_dir, f"loaded_rank{rank}.pt"))
+        dump(loop, os.path.join(dump_dir, f"{prefix}loaded_rank{rank}.pt"))
+        if after_load is not None:
+            after_load(loop, rank)
         code = loop.run_loop()
         loop.close()
-        dump(loop, os.path.join(dump_dir, f"final_rank{rank}.pt"))
-        dist_util.cleanup()
+        dump(loop, os.path.join(dump_dir, f"{prefix}final_rank{rank}.pt"))
     finally:
         lock.release()
+    return code
+
+
+def main():
+    dump_dir, argv = sys.argv[1], sys.argv[2:]
+    os.makedirs(dump_dir, exist_ok=True)
+    code = run_job(dump_dir, argv)
+    dist_util.cleanup()
     return code
 
 
