@@ -259,6 +259,11 @@ def test_adapt_of_an_upstream_run_dir_matches_moments_by_the_files_own_names(fix
     assert (out / "manifest000010.json").exists()
     rep = ckpt_tool.inspect_file(out / "opt000010.pt")
     assert rep["model_changes"][0]["reshaped"] == ["out.2.weight", "out.2.bias"]
+    shown = io.StringIO()
+    assert ckpt_tool.main(["inspect", str(out / "opt000010.pt")], out=shown) == 0
+    assert re.search(r"changed +model change at step 10: \d+ kept, 0 new, 0 dropped, 2 reshaped "
+                     r"\(out.2.weight, out.2.bias\), no flags in the file", shown.getvalue()), \
+        shown.getvalue()
 
 
 # ------------------------------------------------------------------ optimizer groups; subclass
