@@ -12,8 +12,8 @@ safetensors.
 
 (also `python -m improved_diffusion.ckpt_tool ...`). Human-readable output by default, `--json` for
 scripts. Exit status: 0 healthy, 1 problem found, 2 bad usage. Errors are one line on stderr,
-never a traceback. Only `convert` and `adapt` (into --out) and `prune` write or delete anything; every file is
-read with `torch.load(weights_only=True)`, so a checkpoint can never run code.
+never a traceback. Only `convert` and `adapt` (into --out) and `prune` write or delete anything;
+every file is read with `torch.load(weights_only=True)`, so a checkpoint can never run code.
 """
 
 import argparse
@@ -790,7 +790,8 @@ def cmd_adapt(args, out):
                  f"{seed}")
 
     def adapted(weights):
-        return {k: v.detach().clone() for k, v in model_change.take_matching(fresh, weights).items()}
+        taken = model_change.take_matching(fresh, weights)
+        return {k: v.detach().clone() for k, v in taken.items()}
 
     files = {ckpt.model_filename(step): ckpt.model_payload(step, adapted(sd), flags)}
     emas = {rate: ckpt.model_state_from(_load(p), want="ema") for rate, p in beside["ema"].items()}

@@ -164,7 +164,7 @@ def plan_change(model_shapes, file_shapes, file_flags=None, run_flags=None,
     """
     The change from a file's tensors to a model's, by name and shape.
 
-    :param model_shapes: {name: shape} of the model (e.g. `state_fit.shapes_of(model.state_dict())`).
+    :param model_shapes: {name: shape} of the model (`state_fit.shapes_of(model.state_dict())`).
     :param file_shapes: {name: shape} of the file's weights.
     :param file_flags: the model flags stored in the file (None: none stored).
     :param run_flags: the flags the model was built from.

@@ -341,7 +341,7 @@ class TrainLoop:
         if r is not None and r.change is not None:
             mine = dict(self.named_params)
             ema_change = model_change.plan_change(
-                state_fit.shapes_of(mine), state_fit.shapes_of({k: v for k, v in sd.items()}))
+                state_fit.shapes_of(mine), state_fit.shapes_of(sd))
             model_params = set(mine)
             if (set(ema_change.new), set(ema_change.reshaped)) != (
                     set(r.change.new) & model_params, set(r.change.reshaped) & model_params):

@@ -6,8 +6,8 @@ Usage: python tests/model_change_jobs.py DUMP_DIR JOBS_JSON      (under mpiexec 
 JOBS_JSON: a file holding [[name, [train.py flags...]], ...], run in order in one process group
 (one python start for a whole matrix). Per job and rank r, right after its TrainLoop was built
 (i.e. after its resume): DUMP_DIR/{name}_loaded_rank{r}.pt (tests/train_dump.py's run_job and
-dump: step, model, EMAs, named optimizer state; {name}_final_rank{r}.pt after training) and DUMP_DIR/{name}_trainer_rank{r}.pt ({"data", "rng",
-"sampler", "model_changes"} as restored). Then the job trains to its --max_steps and saves, as
+dump: step, model, EMAs, named optimizer state; {name}_final_rank{r}.pt after training) and
+DUMP_DIR/{name}_trainer_rank{r}.pt ({"data", "rng", "sampler", "model_changes"} as restored). Then the job trains to its --max_steps and saves, as
 train.py does. `run_jobs(dump_dir, jobs)` does the same in the calling process (1 rank).
 """
 import json

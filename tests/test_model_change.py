@@ -266,6 +266,29 @@ def test_adapt_of_an_upstream_run_dir_matches_moments_by_the_files_own_names(fix
         shown.getvalue()
 
 
+@pytest.mark.timeout(120)
+def test_adapt_of_a_combined_dict_gives_the_tensors_train_py_would_with_the_same_seed(one_rank,
+                                                                                     tmp_path):
+    base = one_rank / "base"
+    combined = tmp_path / "combined.pt"
+    th.save({"model": load(base / "model000001.pt")["state_dict"],
+             "ema": load(base / "ema_0.9_000001.pt")["state_dict"],
+             "optimizer": load(base / "opt000001.pt")["optimizer"], "step": 1}, combined)
+    out = tmp_path / "adapted"
+    buf = io.StringIO()
+    assert ckpt_tool.main(["adapt", str(combined), "--flags", flag_text(
+        [*BASE, *VARIANTS["class_cond"][0]]), "--seed", str(SEED), "--out", str(out)],
+        out=buf) == 0, buf.getvalue()
+    assert "ignored non-model flags: --batch_size 2" in buf.getvalue()
+    got = load(one_rank / "dumps" / "on_class_cond_loaded_rank0.pt")
+    assert not deep_diff(load(out / "model000001.pt")["state_dict"], got["model"])
+    ema = load(out / "ema_0.9999_000001.pt")["state_dict"]  # a combined dict does not say
+    assert all(th.equal(ema[k], v) for k, v in zip(got["model"], got["ema"][0]))
+    assert not deep_diff(load(out / "opt000001.pt")["optimizer"]["state"],
+                         got["optimizer"]["state"])
+    assert (out / "manifest000001.json").exists()
+
+
 # ------------------------------------------------------------------ optimizer groups; subclass
 
 
