@@ -288,7 +288,6 @@ def create_model_and_diffusion(
     image_size,
     class_cond,
     learn_sigma,
-    sigma_small,
     num_channels,
     num_res_blocks,
     num_heads,
@@ -309,8 +308,17 @@ def create_model_and_diffusion(
     use_new_attention_order=False,
     channel_mult="",
     num_classes=NUM_CLASSES,
+    sigma_small=False,
+    use_fp16=False,
 ):
-    """Build (model, diffusion) from the flags of model_and_diffusion_defaults()."""
+    """Build (model, diffusion) from the flags of model_and_diffusion_defaults().
+
+    Also takes guided-diffusion's keyword set, which has ``use_fp16`` and no ``sigma_small``
+    (both default to False here). ``use_fp16`` is recorded on the model and converts nothing:
+    call ``model.convert_to_fp16()`` to run its torso in float16, as guided's scripts do. It is not
+    a model flag of ours (checkpoints do not store it): training in mixed precision is the
+    training flag ``--use_fp16`` (autocast over float32 weights).
+    """
     model = create_model(
         image_size,
         num_channels,
@@ -328,6 +336,7 @@ def create_model_and_diffusion(
         use_new_attention_order=use_new_attention_order,
         channel_mult=channel_mult,
         num_classes=num_classes,
+        use_fp16=use_fp16,
     )
     diffusion = create_gaussian_diffusion(
         steps=diffusion_steps,
@@ -360,10 +369,12 @@ def create_model(
     use_new_attention_order=False,
     channel_mult="",
     num_classes=NUM_CLASSES,
+    use_fp16=False,
 ):
     """Build the UNet for ``image_size`` x ``image_size`` RGB images.
 
     Output channels are 6 (mean and variance) when ``learn_sigma``, else 3, as upstream.
+    ``use_fp16``: guided-diffusion's flag, recorded on the model (see UNetModel).
     :raises FlagError: for flag values the UNet cannot be built with.
     """
     mults = parse_channel_mult(channel_mult, image_size)
@@ -388,6 +399,7 @@ def create_model(
         use_scale_shift_norm=use_scale_shift_norm,
         resblock_updown=resblock_updown,
         use_new_attention_order=use_new_attention_order,
+        use_fp16=use_fp16,
     )
 
 
