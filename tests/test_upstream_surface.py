@@ -26,6 +26,15 @@ TINY_FLAGS = ["--image_size", "8", "--num_channels", "32", "--num_res_blocks", "
               "--noise_schedule", "cosine"]
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """One torch thread, as the references were made (and the fastest on a loaded machine)."""
+    before = th.get_num_threads()
+    th.set_num_threads(1)
+    yield
+    th.set_num_threads(before)
+
+
 def upstream_style_data(batch_size=2):
     """Like upstream's load_data: an endless generator of (float32 [B, 3, 8, 8], {})."""
     g = th.Generator().manual_seed(0)
@@ -145,9 +154,10 @@ def test_a_guided_model_converted_to_fp16_runs_close_to_upstreams_float32_output
     assert model.input_blocks[0][0].weight.dtype == th.float16
     assert model.out[0].weight.dtype == th.float32  # norms, embeddings and output stay float32
     assert model.time_embed[0].weight.dtype == th.float32
+    one = {k: v[:1] for k, v in kwargs.items()}  # one image: float16 convolutions are slow on CPU
     with th.no_grad():
-        out = model(ref["x"], diffusion._scale_timesteps(ref["t"]), **kwargs)
-    expected = ref["configs"][name]["model_out"]
+        out = model(ref["x"][:1], diffusion._scale_timesteps(ref["t"][:1]), **one)
+    expected = ref["configs"][name]["model_out"][:1]
     assert out.dtype == th.float32
     err = (out - expected).abs()
     assert err.max().item() < 2e-2 * expected.abs().max().item()
