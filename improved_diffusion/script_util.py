@@ -123,6 +123,9 @@ def sample_defaults():
         overwrite=False,
         progress=True,
         dist_timeout=600.0,  # seconds any wait between ranks may take (see dist_util)
+        # guided-diffusion's flag (in its MODEL_FLAGS): run the model's torso in float16
+        # (UNetModel.convert_to_fp16) while sampling.
+        use_fp16=False,
     )
 
 def nll_defaults():
@@ -440,8 +443,11 @@ def sr_create_model_and_diffusion(
     use_new_attention_order=False,
     channel_mult="",
     num_classes=NUM_CLASSES,
+    use_fp16=False,
 ):
-    """Build (SuperResModel, diffusion) from the flags of sr_model_and_diffusion_defaults()."""
+    """Build (SuperResModel, diffusion) from the flags of sr_model_and_diffusion_defaults().
+    ``use_fp16``: guided-diffusion's keyword, recorded on the model (see create_model_and_diffusion).
+    """
     model = sr_create_model(
         large_size,
         small_size,
@@ -460,6 +466,7 @@ def sr_create_model_and_diffusion(
         use_new_attention_order=use_new_attention_order,
         channel_mult=channel_mult,
         num_classes=num_classes,
+        use_fp16=use_fp16,
     )
     diffusion = create_gaussian_diffusion(
         steps=diffusion_steps,
@@ -493,6 +500,7 @@ def sr_create_model(
     use_new_attention_order=False,
     channel_mult="",
     num_classes=NUM_CLASSES,
+    use_fp16=False,
 ):
     """Build the SuperResModel producing ``large_size`` images from ``small_size`` ones."""
     _check_image_size(small_size, "--small_size")
@@ -522,6 +530,7 @@ def sr_create_model(
         use_scale_shift_norm=use_scale_shift_norm,
         resblock_updown=resblock_updown,
         use_new_attention_order=use_new_attention_order,
+        use_fp16=use_fp16,
     )
 
 

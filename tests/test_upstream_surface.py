@@ -201,10 +201,11 @@ def test_upstreams_three_scripts_run_with_upstreams_flags_and_openai_logdir(tmp_
                  "manifest000002.json", "progress.csv"):
         assert (run / name).exists(), name
 
-    samples = tmp_path / "samples"
-    run_script("image_sample.py", "--model_path", run / "ema_0.9999_000002.pt", *TINY_FLAGS,
-               "--timestep_respacing", "4", "--num_samples", "2", "--batch_size", "2",
-               env={"OPENAI_LOGDIR": str(samples)})
+    samples = tmp_path / "samples"  # guided's MODEL_FLAGS carry --use_fp16 True: taken too
+    proc = run_script("image_sample.py", "--model_path", run / "ema_0.9999_000002.pt",
+                      *TINY_FLAGS, "--use_fp16", "True", "--timestep_respacing", "4",
+                      "--num_samples", "2", "--batch_size", "2", env={"OPENAI_LOGDIR": str(samples)})
+    assert "float16 torso" in proc.stdout
     with np.load(samples / "samples_2x8x8x3.npz") as npz:
         assert npz["arr_0"].shape == (2, 8, 8, 3) and npz["arr_0"].dtype == np.uint8
 
