@@ -13,6 +13,8 @@ from conftest import FIXTURES, run_script, write_images
 from improved_diffusion import checkpoint, logger, train_util
 from improved_diffusion.script_util import create_model_and_diffusion, model_and_diffusion_defaults
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 # upstream improved-diffusion's TrainLoop(...) keyword arguments (commit 1bc7bbb), in its order.
 UPSTREAM_TRAINLOOP_KWARGS = [
     "model", "diffusion", "data", "batch_size", "microbatch", "lr", "ema_rate", "log_interval",
@@ -24,15 +26,6 @@ TINY = dict(model_and_diffusion_defaults(), image_size=8, num_channels=32, num_r
 TINY_FLAGS = ["--image_size", "8", "--num_channels", "32", "--num_res_blocks", "1",
               "--attention_resolutions", "", "--diffusion_steps", "10",
               "--noise_schedule", "cosine"]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One torch thread, as the references were made (and the fastest on a loaded machine)."""
-    before = th.get_num_threads()
-    th.set_num_threads(1)
-    yield
-    th.set_num_threads(before)
 
 
 def upstream_style_data(batch_size=2):
@@ -132,18 +125,29 @@ def test_get_blob_logdir_is_diffusion_blob_logdir_else_the_loggers(tmp_path, mon
 # guided-diffusion's use_fp16 and convert_to_fp16 / convert_to_fp32
 
 
+# guided-diffusion's create_model_and_diffusion(...) parameters (commit 22e0df8): use_fp16, and
+# neither sigma_small nor num_classes.
+GUIDED_KWARGS = [
+    "image_size", "class_cond", "learn_sigma", "num_channels", "num_res_blocks", "channel_mult",
+    "num_heads", "num_head_channels", "num_heads_upsample", "attention_resolutions", "dropout",
+    "diffusion_steps", "noise_schedule", "timestep_respacing", "use_kl", "predict_xstart",
+    "rescale_timesteps", "rescale_learned_sigmas", "use_checkpoint", "use_scale_shift_norm",
+    "resblock_updown", "use_fp16", "use_new_attention_order",
+]
+
+
 def guided_model(name, use_fp16):
-    """Built as guided's image_sample.py does: create_model_and_diffusion(**guided's flags,
-    with use_fp16 and without sigma_small), load the state dict, convert when use_fp16."""
+    """Built as guided's image_sample.py does: create_model_and_diffusion(**exactly guided's
+    keyword arguments), load the state dict, convert_to_fp16() when use_fp16."""
     ref = load(FIXTURES / "guided_small_reference.pt")
-    flags = dict(model_and_diffusion_defaults(), **ref["configs"][name]["flags"])
-    del flags["sigma_small"]  # guided's flags do not have it
-    model, diffusion = create_model_and_diffusion(**flags, use_fp16=use_fp16)
+    known = dict(model_and_diffusion_defaults(), **ref["configs"][name]["flags"],
+                 use_fp16=use_fp16)
+    model, diffusion = create_model_and_diffusion(**{k: known[k] for k in GUIDED_KWARGS})
     model.load_state_dict(load(FIXTURES / "guided_small_models.pt")[name])
     if use_fp16:
         model.convert_to_fp16()
     model.eval()
-    kwargs = {"y": ref["y"]} if flags["class_cond"] else {}
+    kwargs = {"y": ref["y"]} if known["class_cond"] else {}
     return model, diffusion, ref, kwargs
 
 

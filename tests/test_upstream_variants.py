@@ -22,19 +22,12 @@ import torch as th
 from conftest import FIXTURES
 from improved_diffusion.script_util import create_model_and_diffusion, model_and_diffusion_defaults
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 VARIANTS = ["xstart_learned_cosine", "kl_learned_linear", "mse_learned_norescale",
             "xstart_fixedlarge_cosine", "eps_fixedsmall_linear", "eps_fixedlarge_unscaled_t"]
 SINGLE_STEP = dict(rtol=1e-5, atol=1e-4)
 AMPLIFIED = dict(rtol=1e-5, atol=3e-3)
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """One torch thread, as the references were made (and the fastest on a loaded machine)."""
-    before = th.get_num_threads()
-    th.set_num_threads(1)
-    yield
-    th.set_num_threads(before)
 
 
 @functools.lru_cache(maxsize=None)
