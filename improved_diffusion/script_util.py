@@ -127,6 +127,9 @@ def sample_defaults():
         overwrite=False,
         progress=True,
         dist_timeout=600.0,  # seconds any wait between ranks may take (see dist_util)
+        # guided-diffusion's flag (in its MODEL_FLAGS): run the model's torso in float16
+        # (UNetModel.convert_to_fp16) while sampling.
+        use_fp16=False,
     )
 
 def nll_defaults():
@@ -292,7 +295,6 @@ def create_model_and_diffusion(
     image_size,
     class_cond,
     learn_sigma,
-    sigma_small,
     num_channels,
     num_res_blocks,
     num_heads,
@@ -313,8 +315,17 @@ def create_model_and_diffusion(
     use_new_attention_order=False,
     channel_mult="",
     num_classes=NUM_CLASSES,
+    sigma_small=False,
+    use_fp16=False,
 ):
-    """Build (model, diffusion) from the flags of model_and_diffusion_defaults()."""
+    """Build (model, diffusion) from the flags of model_and_diffusion_defaults().
+
+    Also takes guided-diffusion's keyword set, which has ``use_fp16`` and no ``sigma_small``
+    (both default to False here). ``use_fp16`` is recorded on the model and converts nothing:
+    call ``model.convert_to_fp16()`` to run its torso in float16, as guided's scripts do. It is not
+    a model flag of ours (checkpoints do not store it): training in mixed precision is the
+    training flag ``--use_fp16`` (autocast over float32 weights).
+    """
     model = create_model(
         image_size,
         num_channels,
@@ -332,6 +343,7 @@ def create_model_and_diffusion(
         use_new_attention_order=use_new_attention_order,
         channel_mult=channel_mult,
         num_classes=num_classes,
+        use_fp16=use_fp16,
     )
     diffusion = create_gaussian_diffusion(
         steps=diffusion_steps,
@@ -364,10 +376,12 @@ def create_model(
     use_new_attention_order=False,
     channel_mult="",
     num_classes=NUM_CLASSES,
+    use_fp16=False,
 ):
     """Build the UNet for ``image_size`` x ``image_size`` RGB images.
 
     Output channels are 6 (mean and variance) when ``learn_sigma``, else 3, as upstream.
+    ``use_fp16``: guided-diffusion's flag, recorded on the model (see UNetModel).
     :raises FlagError: for flag values the UNet cannot be built with.
     """
     mults = parse_channel_mult(channel_mult, image_size)
@@ -392,6 +406,7 @@ def create_model(
         use_scale_shift_norm=use_scale_shift_norm,
         resblock_updown=resblock_updown,
         use_new_attention_order=use_new_attention_order,
+        use_fp16=use_fp16,
     )
 
 
@@ -432,8 +447,11 @@ def sr_create_model_and_diffusion(
     use_new_attention_order=False,
     channel_mult="",
     num_classes=NUM_CLASSES,
+    use_fp16=False,
 ):
-    """Build (SuperResModel, diffusion) from the flags of sr_model_and_diffusion_defaults()."""
+    """Build (SuperResModel, diffusion) from the flags of sr_model_and_diffusion_defaults().
+    ``use_fp16``: guided-diffusion's keyword, recorded on the model (see create_model_and_diffusion).
+    """
     model = sr_create_model(
         large_size,
         small_size,
@@ -452,6 +470,7 @@ def sr_create_model_and_diffusion(
         use_new_attention_order=use_new_attention_order,
         channel_mult=channel_mult,
         num_classes=num_classes,
+        use_fp16=use_fp16,
     )
     diffusion = create_gaussian_diffusion(
         steps=diffusion_steps,
@@ -485,6 +504,7 @@ def sr_create_model(
     use_new_attention_order=False,
     channel_mult="",
     num_classes=NUM_CLASSES,
+    use_fp16=False,
 ):
     """Build the SuperResModel producing ``large_size`` images from ``small_size`` ones."""
     _check_image_size(small_size, "--small_size")
@@ -514,6 +534,7 @@ def sr_create_model(
         use_scale_shift_norm=use_scale_shift_norm,
         resblock_updown=resblock_updown,
         use_new_attention_order=use_new_attention_order,
+        use_fp16=use_fp16,
     )
 
 

@@ -57,6 +57,24 @@ class NonFiniteError(UserError):
 class TrainLoop:
     """Upstream's TrainLoop (same keyword arguments), plus max_steps, seed, keep_checkpoints.
 
+    Called with upstream's keyword arguments only, it works as upstream's did: ``log_dir``
+    defaults to get_blob_logdir() (``$DIFFUSION_BLOB_LOGDIR``, else the logger's directory), where
+    the files are written and where the loop auto-resumes its newest complete step from;
+    ``model_flags`` (the model/diffusion flags files store) defaults to unknown: a warning is
+    logged and the files then carry no flags (sampling needs the flags on the command line).
+    Upstream's method names exist: run_loop, run_step, forward_backward, optimize_normal /
+    optimize_fp16 (both the one optimize() step), log_step, save. Where meanings differ from
+    upstream's:
+
+    - ``self.step`` is the global step (completed optimizer steps since the run began, resumes
+      included); upstream's counted steps since the resume and added ``resume_step`` when naming
+      files and logging. ``self.resume_step`` is, as upstream, the step resumed from.
+    - optimize_normal / optimize_fp16 return whether the step was taken; the EMA update is done
+      by run_step after them (upstream did it inside them), and --use_fp16 is autocast with a
+      GradScaler over float32 weights (no fp16 master-parameter copies, no ``lg_loss_scale``).
+    - The loop stops at ``max_steps`` or ``lr_anneal_steps`` (global steps), saves the final step,
+      and returns an exit code; upstream's ran until lr_anneal_steps without a return value.
+
     nan_policy ("stop" or "skip") decides what a step with a non-finite loss or gradient does
     when no GradScaler handles it (with --use_fp16 the scaler's own skip-and-back-off applies):
     "stop" raises NonFiniteError naming the step, saving nothing for it; "skip" leaves weights,
@@ -92,8 +110,8 @@ class TrainLoop:
         schedule_sampler=None,
         weight_decay=0.0,
         lr_anneal_steps=0,
-        log_dir,
-        model_flags,
+        log_dir=None,
+        model_flags=None,
         max_steps=0,
         seed=0,
         keep_checkpoints=0,
@@ -101,6 +119,13 @@ class TrainLoop:
         nan_policy="stop",
         allow_model_change=False,
     ):
+        if log_dir is None:  # upstream's TrainLoop wrote to get_blob_logdir()
+            log_dir = get_blob_logdir()
+        if model_flags is None:
+            logger.warn(
+                "warning: TrainLoop: model_flags not given (unknown): checkpoint files will "
+                "carry no model flags, so sample.py/nll.py need them on the command line; pass "
+                "model_flags=args_to_dict(args, model_and_diffusion_defaults().keys())")
         self.model = model
         self.diffusion = diffusion
         self.data = data
@@ -588,11 +613,11 @@ class TrainLoop:
     def run_step(self, batch, cond):
         """One optimizer step on this rank's batch [B, C, H, W]. Collective (DDP all-reduce)."""
         self.forward_backward(batch, cond)
-        took_step = self.optimize()
+        took_step = self.optimize_fp16() if self.use_fp16 else self.optimize_normal()
         self.step += 1
-        if took_step:
+        if took_step is not False:  # an upstream-style override returning None took its step
             self._update_ema()
-        self._log_step()
+        self.log_step()
 
     def forward_backward(self, batch, cond):
         """Accumulate gradients over microbatches; DDP syncs only on the last one."""
@@ -674,6 +699,16 @@ class TrainLoop:
             return False
         return True
 
+    def optimize_normal(self):
+        """Upstream's name for the optimizer step without --use_fp16: the one optimize() step.
+        Returns whether the step was taken (the EMA update follows in run_step)."""
+        return self.optimize()
+
+    def optimize_fp16(self):
+        """Upstream's name for the optimizer step with --use_fp16: the one optimize() step
+        (GradScaler unscale/step/update). Returns whether the step was taken."""
+        return self.optimize()
+
     def _log_grad_norm(self):
         """Log and return the global L2 norm of the (all-reduced) gradients."""
         grads = [p.grad.detach().float() for p in self.model.parameters() if p.grad is not None]
@@ -721,6 +756,10 @@ class TrainLoop:
         with th.no_grad():
             for rate, params in zip(self.ema_rate, self.ema_params):
                 update_ema(params, self.model.parameters(), rate=rate)
+
+    def log_step(self):
+        """Log the step's key/values (upstream's name; run_step calls it, it calls _log_step)."""
+        self._log_step()
 
     def _log_step(self):
         logger.logkv("step", self.step)
@@ -841,6 +880,51 @@ def parse_ema_rates(ema_rate):
             raise UsageError(f"--ema_rate: {x} is not in [0, 1]")
         out.append(str(r))
     return out
+
+
+def parse_resume_step_from_filename(filename):
+    """
+    The step in a checkpoint file name: ``path/to/model000100.pt`` -> 100 (upstream's contract),
+    also ``ema_0.9999_000100.pt`` and ``opt000100.pt`` (checkpoint.parse_step). Unlike upstream,
+    which returned 0 for a name without a step (and so silently restarted the step count), a
+    name without one raises checkpoint.CheckpointError naming the file.
+    """
+    return checkpoint.parse_step(filename)
+
+
+def get_blob_logdir():
+    """Where checkpoints go by default (upstream): ``$DIFFUSION_BLOB_LOGDIR``, else the logger's
+    directory."""
+    return os.environ.get("DIFFUSION_BLOB_LOGDIR") or logger.get_dir()
+
+
+def find_resume_checkpoint(log_dir=None):
+    """
+    The model file of the newest complete step in ``log_dir`` (default get_blob_logdir()), or
+    None when it holds none. Upstream's returned None always ("override this to discover the
+    latest checkpoint on your blob storage"); this is that discovery: the step TrainLoop's
+    auto-resume would choose (run_dir: manifest present and its checksums verified; newer
+    incomplete steps are skipped with a warning). Not collective: it reads the directory; in a
+    job, let TrainLoop decide (rank 0 reads once and broadcasts).
+    """
+    log_dir = get_blob_logdir() if log_dir is None else log_dir
+    if not log_dir:
+        return None
+    st = run_dir.latest_complete_step(log_dir, warn=logger.warn, verify_checksums=True)
+    return None if st is None else st.model_path
+
+
+def find_ema_checkpoint(main_checkpoint, step, rate):
+    """
+    ``ema_{rate}_{step:06d}.pt`` beside ``main_checkpoint`` if that file exists, else None (also
+    for ``main_checkpoint`` None), as upstream. ``rate``: a float (0.9999) or its string.
+    """
+    if main_checkpoint is None:
+        return None
+    rate_str = parse_ema_rates(rate)[0]
+    path = checkpoint.join(checkpoint.dirname(main_checkpoint),
+                           checkpoint.ema_filename(rate_str, step))
+    return path if checkpoint.exists(path) else None
 
 
 def update_ema(target_params, source_params, rate=0.99):

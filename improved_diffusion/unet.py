@@ -338,6 +338,10 @@ class UNetModel(nn.Module):
     :param use_scale_shift_norm: use a FiLM-like conditioning mechanism.
     :param resblock_updown: use residual blocks for up/downsampling.
     :param use_new_attention_order: use a different attention pattern (QKVAttention).
+    :param use_fp16: guided-diffusion's flag, recorded as ``self.use_fp16``. As there, it does not
+        convert anything by itself: the weights stay float32 until ``convert_to_fp16()`` (guided's
+        scripts call it when the flag is set). Our trainer's ``--use_fp16`` uses autocast over
+        float32 weights instead, so a model built with ``use_fp16=True`` trains as usual.
     """
 
     def __init__(
@@ -359,6 +363,7 @@ class UNetModel(nn.Module):
         use_scale_shift_norm=False,
         resblock_updown=False,
         use_new_attention_order=False,
+        use_fp16=False,
     ):
         super().__init__()
 
@@ -378,6 +383,7 @@ class UNetModel(nn.Module):
         self.num_heads = num_heads
         self.num_head_channels = num_head_channels
         self.num_heads_upsample = num_heads_upsample
+        self.use_fp16 = use_fp16
 
         time_embed_dim = model_channels * 4
         self.time_embed = nn.Sequential(
@@ -464,6 +470,29 @@ class UNetModel(nn.Module):
             zero_module(conv_nd(dims, input_ch, out_channels, 3, padding=1)),
         )
 
+    def convert_to_fp16(self):
+        """Convert the torso of the model (input, middle and output blocks) to float16, as
+        upstream: only convolution weights and biases change; normalisation layers, the timestep
+        and label embeddings and the output layer stay float32 (GroupNorm32 computes in float32).
+        ``forward`` then runs the torso in float16 and returns float32 for float32 inputs."""
+        for blocks in (self.input_blocks, self.middle_block, self.output_blocks):
+            blocks.apply(_convert_module_to_f16)
+
+    def convert_to_fp32(self):
+        """Undo ``convert_to_fp16()``: the torso's convolutions back to float32."""
+        for blocks in (self.input_blocks, self.middle_block, self.output_blocks):
+            blocks.apply(_convert_module_to_f32)
+
+    @property
+    def inner_dtype(self):
+        """The dtype the torso runs in (upstream's name): float16 after ``convert_to_fp16()``."""
+        return next(self.input_blocks.parameters()).dtype
+
+    @property
+    def dtype(self):
+        """guided-diffusion's name for ``inner_dtype``."""
+        return self.inner_dtype
+
     def forward(self, x, timesteps, y=None):
         """Apply the model to an input batch.
 
@@ -485,7 +514,10 @@ class UNetModel(nn.Module):
             emb = emb + self.label_emb(y)
 
         hs = []
-        h = x
+        # After convert_to_fp16() the torso runs in float16 and the output layer in x's dtype;
+        # otherwise (float32 weights, autocast or not) nothing is cast here.
+        cast = self.inner_dtype != x.dtype
+        h = x.type(self.inner_dtype) if cast else x
         for module in self.input_blocks:
             h = module(h, emb)
             hs.append(h)
@@ -493,7 +525,23 @@ class UNetModel(nn.Module):
         for module in self.output_blocks:
             h = th.cat([h, hs.pop()], dim=1)
             h = module(h, emb)
-        return self.out(h)
+        return self.out(h.type(x.dtype) if cast else h)
+
+
+def _convert_module_to_f16(module):
+    """Convolutions to float16 (upstream's fp16_util.convert_module_to_f16)."""
+    if isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
+        module.weight.data = module.weight.data.half()
+        if module.bias is not None:
+            module.bias.data = module.bias.data.half()
+
+
+def _convert_module_to_f32(module):
+    """Convolutions back to float32 (upstream's fp16_util.convert_module_to_f32)."""
+    if isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d)):
+        module.weight.data = module.weight.data.float()
+        if module.bias is not None:
+            module.bias.data = module.bias.data.float()
 
 
 class SuperResModel(UNetModel):

@@ -49,6 +49,8 @@ def main(argv=None):
     logger.log(f"loading {args.model_path} ...")
     model, diffusion, flags, ckpt = sampling.load_for_sampling(
         args.model_path, explicit, want=args.weights)
+    if args.use_fp16:  # guided-diffusion's --use_fp16: the torso in float16, as its script did
+        model.convert_to_fp16()
     source = "flags stored in the file" if isinstance(ckpt.flags, dict) else "command-line flags"
     logger.log(
         f"model: {ckpt.kind} weights"
@@ -56,6 +58,7 @@ def main(argv=None):
         + f", {source}; image_size={flags['image_size']} class_cond={flags['class_cond']} "
         f"diffusion_steps={flags['diffusion_steps']} "
         f"timestep_respacing={flags['timestep_respacing'] or '(none)'}"
+        + (" (float16 torso: --use_fp16)" if args.use_fp16 else "")
     )
 
     num_classes = flags["num_classes"] if flags["class_cond"] else None

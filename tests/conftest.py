@@ -80,6 +80,17 @@ def fixtures_dir():
     return FIXTURES
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One torch thread for a module's in-process math (``pytestmark =
+    pytest.mark.usefixtures("one_torch_thread")``): as upstream's references were made, and far
+    cheaper than several threads on a loaded machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 # The process-tree helpers live in cluster_sim (benchmarks use them without pytest).
 process_tree, signal_all = cluster_sim.process_tree, cluster_sim.signal_all
 

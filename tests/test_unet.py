@@ -191,7 +191,7 @@ def test_unet_model_signature_keeps_the_shared_contract():
         "in_channels", "model_channels", "out_channels", "num_res_blocks",
         "attention_resolutions", "dropout", "channel_mult", "conv_resample", "dims",
         "num_classes", "use_checkpoint", "num_heads", "num_head_channels", "num_heads_upsample",
-        "use_scale_shift_norm", "resblock_updown", "use_new_attention_order",
+        "use_scale_shift_norm", "resblock_updown", "use_new_attention_order", "use_fp16",
     ]
     assert script_util.NUM_CLASSES == 1000
 
