@@ -570,15 +570,20 @@ def add_dict_to_argparser(parser, default_dict):
     groups = {}
     existing = {g.title: g for g in getattr(parser, "_action_groups", [])}
     order = {g: i for i, g in enumerate(FLAG_GROUPS)}
-    items = sorted(default_dict.items(),
-                   key=lambda kv: order.get(FLAG_HELP.get(kv[0], ("other",))[0], len(order)))
+
+    def group_of(k):
+        group = FLAG_HELP.get(k, ("other",))[0]
+        # --batch_size and --seed of a script that does not train are sampling flags there
+        return "sampling" if group == "training" and "lr" not in default_dict else group
+
+    items = sorted(default_dict.items(), key=lambda kv: order.get(group_of(kv[0]), len(order)))
     for k, v in items:
         v_type = type(v)
         if v is None:
             v_type = str
         elif isinstance(v, bool):
             v_type = str2bool
-        group_name, meaning = FLAG_HELP.get(k, ("other", ""))
+        group_name, meaning = group_of(k), FLAG_HELP.get(k, ("other", ""))[1]
         if group_name not in groups:
             title = f"{group_name} flags"
             groups[group_name] = existing.get(title) or parser.add_argument_group(title)
@@ -741,7 +746,7 @@ class FlagHelpFormatter(argparse.RawDescriptionHelpFormatter):
     """The docstring as written, then each flag with its meaning and default on one line."""
 
     def __init__(self, prog):
-        super().__init__(prog, max_help_position=34, width=100)
+        super().__init__(prog, max_help_position=34, width=110)
 
     def _format_usage(self, usage, actions, groups, prefix):
         # One short usage line: the full list of ~60 flags is what --help is for.

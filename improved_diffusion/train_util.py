@@ -589,8 +589,8 @@ class TrainLoop:
         logger.logkv("loss_scale", new_scale)
         if new_scale < scale:
             logger.logkv_mean("fp16_skipped", 1)
-            logger.log(f"step {self.step + 1} skipped: float16 gradients overflowed at loss scale "
-                       f"{scale:g}; it is now {new_scale:g} (expected in the first steps)")
+            logger.log(f"step {self.step + 1} skipped: NaN/inf float16 gradients at loss scale "
+                       f"{scale:g} (now {new_scale:g}; usual in the first steps)")
             return False
         return True
 
