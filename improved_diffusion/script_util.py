@@ -694,7 +694,7 @@ FLAG_HELP = {
     "model_path": ("checkpointing", "model or EMA file to load (ours or upstream's)"),
     "weights": ("checkpointing", "which weights of a combined file: auto, model or ema"),
     # logging
-    "log_interval": ("logging", "print a progress line every this many steps"),
+    "log_interval": ("logging", "log (a progress line, a progress.csv row) every this many steps"),
     "log_format": ("logging", "stdout: progress (one line per --log_interval) or table "
                    "(upstream's key/value table)"),
     "log_sample_indices": ("logging", "append each rank's dataset indices per step to "

@@ -399,6 +399,9 @@ def test_fp16_on_this_cpu_trains_reports_skipped_steps_and_warns_once(tmp_path):
     else:
         assert proc.stdout.count("slower than fp32") == 1
         skipped = [line for line in proc.stdout.splitlines() if " skipped: NaN/inf" in line]
+        assert skipped, proc.stdout  # loss scale 2**20 overflows at first, as upstream's did
         for line in skipped:
             assert re.match(r"step \d+ skipped: NaN/inf float16 gradients at loss scale", line)
+        assert re.search(r"^step 1/3  .*loss_scale \S+  steps skipped \(fp16 overflow\)",
+                         proc.stdout, re.M), proc.stdout
     assert (tmp_path / "run" / "model000003.pt").exists()
