@@ -6,9 +6,9 @@ grad norm, steps/s, samples/s, elapsed, ETA), log (log.txt, the table), csv (pro
 (progress.json), tensorboard (when torch.utils.tensorboard is importable). Rank 0 logs
 "stdout,log,csv" by default (``configure(stdout_format="progress")``: "progress,log,csv", what
 train.py does); other ranks log nothing unless asked. ``Progress`` reports a long loop: a bar on
-a terminal, plain lines otherwise. Files in an existing log directory are APPENDED to, never truncated,
-so a resumed run continues its progress.csv; when new keys appear, the csv header is rewritten
-and the old rows are kept (padded with empty cells).
+a terminal, plain lines otherwise. Files in an existing log directory are APPENDED to, never
+truncated, so a resumed run continues its progress.csv; when new keys appear, the csv header is
+rewritten and the old rows are kept (padded with empty cells).
 
 `dumpkvs()` is a collective when torch.distributed is initialised: the values are averaged
 across ranks, weighted by how many times each rank logged them, and rank 0 writes.
@@ -123,7 +123,8 @@ class ProgressOutputFormat(KVWriter, SeqWriter):
     """
     One line per dump on a stream, timed by the format itself between dumps:
 
-        step 300/1200  loss 0.0712  grad_norm 0.512  3.41 steps/s  218 samples/s  elapsed 1m28s  ETA 4m24s
+        step 300/1200  loss 0.0712  grad_norm 0.512  3.41 steps/s  218 samples/s  elapsed 1m28s
+        ETA 4m24s     (one line)
 
     steps/s and samples/s are over the last interval; ETA (with a known total, see
     ``start_progress``) from the average rate of this job. Free text lines pass through. A dump
@@ -523,7 +524,8 @@ class Progress:
     def _line(self):
         now = time.time()
         self.t_shown = now
-        text = f"{self.desc} {self.n}/{self.total} {self.unit}, elapsed {format_duration(now - self.t0)}"
+        text = (f"{self.desc} {self.n}/{self.total} {self.unit}, "
+                f"elapsed {format_duration(now - self.t0)}")
         if 0 < self.n < self.total:
             text += f", ETA {format_duration((self.total - self.n) * (now - self.t0) / self.n)}"
         self.log_line(text)

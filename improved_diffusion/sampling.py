@@ -23,7 +23,7 @@ import torch as th
 
 from . import cli, dist_util, logger
 from .errors import UserError
-from .script_util import FlagError, explicit_args, same_flag_value  # noqa: F401 (explicit_args)
+from .script_util import FlagError, explicit_args, same_flag_value
 from .state_fit import fit_state_dict, shapes_of
 
 # Model/diffusion flags that may legitimately differ from the training run at sampling time.

@@ -798,7 +798,8 @@ def unknown_flag_message(message, known, prog):
                 parts.append(f"{f.split('=', 1)[0]}{hint}")
             what = "unknown flag" if len(parts) == 1 else "unknown flags"
             return f"{prog}: {what} {', '.join(parts)}; see {prog} --help"
-        return f"{prog}: unexpected argument {words[0]!r} (flags are --name value); see {prog} --help"
+        return (f"{prog}: unexpected argument {words[0]!r} (flags are --name value); "
+                f"see {prog} --help")
     return f"{prog}: {message}; see {prog} --help"
 
 

@@ -395,7 +395,7 @@ def sample(run_dir, samples_dir, s):
 
 
 def plot_curve(run_dir, samples_dir):
-    """The loss curve (by timestep quartile) of the run, beside the sample grid. Returns its path."""
+    """The run's loss curve (by timestep quartile), beside the sample grid. Returns its path."""
     from improved_diffusion.progress_plot import plot_loss_curve
 
     png = os.path.join(samples_dir, "loss_curve.png")

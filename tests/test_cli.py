@@ -22,8 +22,8 @@ from conftest import REPO, run_mpi, run_script
 # The scripts whose flags the README's table lists (upstream's image_*.py reuse their parsers).
 TABLE_SCRIPTS = ("train.py", "super_res_train.py", "sample.py", "super_res_sample.py", "nll.py")
 # Flags of launchers and installers the README shows (not ours).
-LAUNCHER_FLAGS = {"--nproc_per_node", "--nnodes", "--standalone", "--rdzv_endpoint", "--master_addr",
-                  "--no-print-directory"}
+LAUNCHER_FLAGS = {"--nproc_per_node", "--nnodes", "--standalone", "--rdzv_endpoint",
+                  "--master_addr", "--no-print-directory"}
 # What the README shows as mistakes (typos, a shortened flag) and the usage line's placeholder.
 EXAMPLE_MISTAKES = {"--num_chanels", "--num_channel", "--lr_anneal", "--bad_flag", "--flag"}
 # Flags that helpers working in parallel add to train.py (the table has their meaning already).
