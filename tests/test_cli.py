@@ -318,12 +318,26 @@ def test_an_error_after_the_log_dir_exists_is_one_line_on_stderr_and_in_log_txt(
     assert not (run / "model000003.pt").exists()
 
 
+@pytest.mark.timeout(200)
+def test_a_run_directory_as_resume_checkpoint_resumes_its_newest_step_and_says_which(class_run,
+                                                                                    tmp_path):
+    root, data, run, _ = class_run
+    proc = run_script("train.py", "--data_dir", data, "--log_dir", tmp_path / "new", *TINY,
+                      "--class_cond", "True", "--batch_size", "2", "--max_steps", "3",
+                      "--resume_checkpoint", run, timeout=150)
+    assert re.search(rf"resumed at step 2 from {re.escape(str(run / 'model000002.pt'))}",
+                     proc.stdout), proc.stdout
+    assert (tmp_path / "new" / "model000003.pt").exists()
+    assert sorted(p.name for p in run.glob("model*.pt")) == ["model000002.pt"]  # untouched
+
+
 @pytest.mark.timeout(60)
-def test_plot_progress_draws_the_loss_curve_of_a_run(class_run, tmp_path):
+def test_plot_progress_draws_the_loss_curve_of_a_run(class_run, tmp_path, capsys):
     root, data, run, _ = class_run
     png = tmp_path / "curve.png"
-    proc = run_script("plot_progress.py", run, "--out", png)
-    assert f"loss curve of 2 logged steps: {png}" in proc.stdout
+    plot_main = load_script("plot_progress.py").main
+    assert plot_main([str(run), "--out", str(png)]) == 0
+    assert f"loss curve of 2 logged steps: {png}" in capsys.readouterr().out
     from PIL import Image
 
     with Image.open(png) as im:
