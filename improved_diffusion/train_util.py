@@ -781,9 +781,10 @@ def _make_amp(device, use_fp16, fp16_scale_growth):
     """(autocast dtype or None, GradScaler or None) for --use_fp16 on `device`.
 
     fp16 + GradScaler on CUDA. On a CPU with bfloat16 units (cpu_has_fast_bf16), bf16 without a
-    scaler (faster than fp32 there, and no overflow-skipped steps); on other CPUs fp16 as asked,
-    with a one-line warning that it is slower than fp32 there (benchmarks/amp_cpu.py); bf16 where
-    this torch has no fp16 autocast. Upstream raised log2(loss scale) by fp16_scale_growth per
+    scaler (native there, and no overflow-skipped steps; not measured on the development machine,
+    which has no such units); on other CPUs fp16 as asked, with a one-line warning that it is
+    slower than fp32 there (benchmarks/amp_cpu.py: bf16 4.8x, fp16 57x the fp32 step time); bf16
+    where this torch has no fp16 autocast. Upstream raised log2(loss scale) by fp16_scale_growth per
     good step; GradScaler doubles the scale after 1/fp16_scale_growth good steps, which is the
     same rate in steps of 2x.
     """
@@ -812,8 +813,8 @@ def _make_amp(device, use_fp16, fp16_scale_growth):
 
 
 def cpu_has_fast_bf16(cpuinfo="/proc/cpuinfo"):
-    """True when this CPU computes in bfloat16 natively (x86 AVX512-BF16 or AMX, Arm BF16), where
-    bf16 autocast beats fp32; False elsewhere (bf16 is then emulated, slower than fp32)."""
+    """True when this CPU computes in bfloat16 natively (x86 AVX512-BF16 or AMX, Arm BF16); False
+    elsewhere, where bf16 is emulated and slower than fp32 (benchmarks/amp_cpu.py)."""
     try:
         with open(cpuinfo) as f:
             words = set(f.read().split())
