@@ -795,7 +795,8 @@ def _json_default(o):
 
 
 def build_parser():
-    p = _Parser(prog="ckpt.py", description=__doc__.strip().splitlines()[0])
+    p = _Parser(prog="ckpt.py", description=__doc__.strip(),
+                formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", parser_class=_Parser)
     sp = sub.add_parser("inspect", help="what a checkpoint file is, with diagnoses")
     sp.add_argument("files", nargs="+", metavar="FILE")
