@@ -28,6 +28,7 @@ import torch as th
 
 from . import checkpoint as ckpt
 from .errors import UsageError, UserError
+from .script_util import FlagParser, flags_to_argv, unknown_flag_message
 from . import model_change, run_dir
 from .state_fit import fit_state_dict, shapes_of
 from .optim_state import (
@@ -49,9 +50,24 @@ class ToolError(UserError):
     """A problem with the user's files (exit 1); one line."""
 
 
-class _Parser(argparse.ArgumentParser):
+class _Parser(FlagParser):
+    """No prefix matching; an unknown flag is one line naming the closest known ones."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", argparse.HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def known_flags(self):
+        """This parser's flags and its subcommands' (argparse reports theirs from the top)."""
+        known = super().known_flags()
+        for a in self._actions:
+            if isinstance(a, argparse._SubParsersAction):
+                for p in a.choices.values():
+                    known += [f for f in p.known_flags() if f not in known]
+        return known
+
     def error(self, message):
-        raise UsageError(f"{self.prog}: {message}")
+        raise UsageError(unknown_flag_message(message, self.known_flags(), self.prog))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -265,7 +281,7 @@ def _print_inspect(rep, out):
         w(f"  changed     model change at {model_change.record_text(rec)}\n")
     if rep["kind"] in ("model", "ema"):
         if rep.get("flags"):
-            w("  flags       " + " ".join(f"--{k} {v}" for k, v in rep["flags"].items()) + "\n")
+            w("  flags       " + flags_to_argv(rep["flags"]) + "\n")
         else:
             w("  flags       none stored (give the model flags when sampling or resuming)\n")
     for n in rep["notes"]:
@@ -723,8 +739,11 @@ def cmd_convert(args, out):
                 for name, obj in payloads.items():
                     ckpt.atomic_write(os.path.join(out_dir, name), obj)
                 if args.to == "tagged" and payloads:
-                    notes.append(f"step {step}: written without a manifest (not a complete "
-                                 "step: it will not be resumed from)")
+                    shown = step if step is not None else ", ".join(
+                        sorted({str(ckpt.name_info(n).step) for n in payloads
+                                if ckpt.name_info(n) and ckpt.name_info(n).step is not None}))
+                    notes.append(f"step {shown or '(unknown)'}: written without a manifest (not "
+                                 "a complete step: it will not be resumed from)")
         except ckpt.CheckpointError as e:
             raise ToolError(str(e)) from None
         written += [os.path.join(out_dir, n) for n in payloads]
@@ -890,7 +909,8 @@ def _json_default(o):
 
 
 def build_parser():
-    p = _Parser(prog="ckpt.py", description=__doc__.strip().splitlines()[0])
+    p = _Parser(prog="ckpt.py", description=__doc__.strip(),
+                formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", parser_class=_Parser)
     sp = sub.add_parser("inspect", help="what a checkpoint file is, with diagnoses")
     sp.add_argument("files", nargs="+", metavar="FILE")
@@ -955,7 +975,7 @@ def main(argv=None, out=None, err=None):
         args.err = err
         return _COMMANDS[args.command](args, out)
     except UsageError as e:
-        _fail(f"{e} (see ckpt.py --help)", as_json, out, err)
+        _fail(str(e) if "--help" in str(e) else f"{e} (see ckpt.py --help)", as_json, out, err)
         return EXIT_USAGE
     except UserError as e:  # ToolError, CheckpointError, OptimizerStateError, ...
         _fail(str(e), as_json, out, err)

@@ -5,10 +5,13 @@ Scripts stay thin: ``sys.exit(cli.run_main(main))``. The error model is errors.p
 and keeps its traceback.
 """
 import hashlib
+import json
+import os
 import sys
+import time
 import traceback
 
-from . import dist_util
+from . import dist_util, logger
 
 from .errors import USAGE_EXIT_CODE, USER_ERROR_EXIT_CODE, UsageError, UserError, one_line
 
@@ -49,14 +52,17 @@ def run_main(main, argv=None):
     hanging (``dist_util.end_job_after_error``), within a bounded wait.
     """
     lost = ()
+    error, tb = None, None
     try:
         return main(argv)
     except UserError as e:
-        code, message = e.exit_code, one_line(e)
+        error, code, message = e, e.exit_code, one_line(e)
     except Exception as e:
-        diagnosis = _diagnose(e)
+        error, diagnosis = e, _diagnose(e)
         if diagnosis is None:
+            tb = traceback.format_exc()
             traceback.print_exc()
+            logger.append_to_log_files(tb.rstrip())
             code, message = ERROR_EXIT_CODE, "unexpected error (traceback above)"
         else:
             code, message, lost = ERROR_EXIT_CODE, one_line(diagnosis), _gone(diagnosis)
@@ -69,10 +75,39 @@ def run_main(main, argv=None):
             raise
         return _end_job_after_exit(e)
     topic = "error/" + hashlib.sha1((message or "").encode()).hexdigest()
-    if message and (message.startswith("unexpected error") or dist_util.first_to_report(topic)):
+    if message and (message.startswith("unexpected error") or _first_to_report(topic, error)):
         print_error(message)
+    if message:
+        logger.append_to_log_files(f"error: {message}")
+    _record_for_torchelastic(code, message, tb)
     dist_util.end_job_after_error(code, cause=message, lost=lost)
     return code
+
+
+def _first_to_report(topic, e):
+    """Whether this rank prints the line of ``e``. Before the process group exists, a bad command
+    line (UsageError) is the same on every rank of the launch, so its first rank prints it."""
+    if isinstance(e, UsageError) and not dist_util.is_distributed():
+        return logger.get_rank_without_dist() == 0
+    return dist_util.first_to_report(topic)
+
+
+def _record_for_torchelastic(code, message, tb=None):
+    """Under torchrun, put this rank's one line (or a bug's traceback) where the agent's failure
+    summary shows it (TORCHELASTIC_ERROR_FILE) instead of its "To enable traceback" link. The
+    summary's exitcode (2 usage, 1 error) is this rank's exit code."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    kind = "usage error" if code == USAGE_EXIT_CODE else "error"
+    line = f"{kind} (exit {code}): {message or 'see the first rank that failed'}"
+    data = {"message": {"message": line, "extraInfo": {
+        "py_callstack": tb or line, "timestamp": str(int(time.time()))}}}
+    try:
+        with open(path, "w") as f:
+            json.dump(data, f)
+    except OSError:  # the agent's temp dir: the line is on stderr all the same
+        pass
 
 
 def _diagnose(e):

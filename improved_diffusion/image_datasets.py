@@ -57,6 +57,36 @@ def class_names_from_paths(paths):
     return names, mapping
 
 
+def folder_class_names(data_dir):
+    """The sorted class names of an image folder (file-name prefixes before the first "_");
+    [] for a missing or empty folder (load_data says what is wrong with it)."""
+    if not data_dir or not bf.exists(data_dir) or not bf.isdir(data_dir):
+        return []
+    return sorted(class_names_from_paths(list_image_files(data_dir))[1])
+
+
+def resolve_num_classes(data_dir, num_classes, log=print):
+    """
+    --num_classes of a class-conditional model: ``num_classes`` when given (not None), else the
+    number of class names in ``data_dir``, counted on rank 0 (``log`` says so, once) and the same
+    on every rank. A folder without images keeps upstream's default (1000) and load_data then
+    explains the folder's problem.
+
+    Collective: call from all ranks with the same arguments.
+    """
+    if num_classes is not None:
+        return num_classes
+    from .script_util import NUM_CLASSES
+
+    names = dist_util.run_on_rank0(lambda: folder_class_names(data_dir))
+    if not names:
+        return NUM_CLASSES
+    shown = ", ".join(names[:10]) + (", ..." if len(names) > 10 else "")
+    log(f"--class_cond True: {len(names)} classes in --data_dir {data_dir} ({shown}); "
+        f"num_classes={len(names)} (stored in the checkpoints' flags)")
+    return len(names)
+
+
 class ImageDataset(Dataset):
     """
     Images from a list of files, preprocessed as upstream improved-diffusion.

@@ -1,11 +1,14 @@
 """
 Key/value logging with upstream's API (from OpenAI baselines via improved-diffusion).
 
-Formats: stdout, log (log.txt), csv (progress.csv), json (progress.json), tensorboard (when
-torch.utils.tensorboard is importable). Rank 0 logs "stdout,log,csv" by default; other ranks
-log nothing unless asked. Files in an existing log directory are APPENDED to, never truncated,
-so a resumed run continues its progress.csv; when new keys appear, the csv header is rewritten
-and the old rows are kept (padded with empty cells).
+Formats: stdout (upstream's key/value table), progress (one line per dump on stdout: step, loss,
+grad norm, steps/s, samples/s, elapsed, ETA), log (log.txt, the table), csv (progress.csv), json
+(progress.json), tensorboard (when torch.utils.tensorboard is importable). Rank 0 logs
+"stdout,log,csv" by default (``configure(stdout_format="progress")``: "progress,log,csv", what
+train.py does); other ranks log nothing unless asked. ``Progress`` reports a long loop: a bar on
+a terminal, plain lines otherwise. Files in an existing log directory are APPENDED to, never
+truncated, so a resumed run continues its progress.csv; when new keys appear, the csv header is
+rewritten and the old rows are kept (padded with empty cells).
 
 `dumpkvs()` is a collective when torch.distributed is initialised: the values are averaged
 across ranks, weighted by how many times each rank logged them, and rank 0 writes.
@@ -95,6 +98,90 @@ class HumanOutputFormat(KVWriter, SeqWriter):
     def close(self):
         if self.own_file:
             self.file.close()
+
+
+def format_duration(seconds):
+    """``45s``, ``3m05s``, ``2h07m``: a duration as the progress line shows it."""
+    seconds = max(0, int(round(seconds)))
+    if seconds < 60:
+        return f"{seconds}s"
+    if seconds < 3600:
+        return f"{seconds // 60}m{seconds % 60:02d}s"
+    return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+
+
+def _short(v):
+    num = _as_number(v)
+    if num is None:
+        return str(v)
+    if isinstance(v, int) and not isinstance(v, bool):
+        return str(v)
+    return f"{num:.4g}"
+
+
+class ProgressOutputFormat(KVWriter, SeqWriter):
+    """
+    One line per dump on a stream, timed by the format itself between dumps:
+
+        step 300/1200  loss 0.0712  grad_norm 0.512  3.41 steps/s  218 samples/s  elapsed 1m28s
+        ETA 4m24s     (one line)
+
+    steps/s and samples/s are over the last interval; ETA (with a known total, see
+    ``start_progress``) from the average rate of this job. Free text lines pass through. A dump
+    without a "step" key is shown as ``key value`` pairs.
+    """
+
+    # key -> label shown after the step, in this order, when logged
+    KEYS = (("loss", "loss"), ("grad_norm", "grad_norm"), ("loss_scale", "loss_scale"))
+
+    def __init__(self, file):
+        self.file = file
+        self.start(None)
+
+    def start(self, step, total_steps=0):
+        """Time from now: ``step`` is where this job starts (resumed step), ``total_steps`` the
+        step it stops at (0: unknown, no ETA)."""
+        now = time.time()
+        self.t0, self.step0, self.total = now, step, int(total_steps or 0)
+        self.last = (now, step, None)
+
+    def writekvs(self, kvs):
+        now = time.time()
+        step = kvs.get("step")
+        if step is None:
+            line = "  ".join(f"{k} {_short(v)}" for k, v in sorted(kvs.items()))
+        else:
+            step = int(step)
+            parts = [f"step {step}" + (f"/{self.total}" if self.total else "")]
+            parts += [f"{label} {_short(kvs[k])}" for k, label in self.KEYS if k in kvs]
+            if kvs.get("nan_skipped"):
+                parts.append("steps skipped (NaN/Inf)")
+            if kvs.get("fp16_skipped"):
+                parts.append("steps skipped (fp16 overflow)")
+            t_last, step_last, samples_last = self.last
+            if step_last is not None and step > step_last and now > t_last:
+                dt = now - t_last
+                parts.append(f"{(step - step_last) / dt:.3g} steps/s")
+                samples = _as_number(kvs.get("samples"))
+                if samples is not None and samples_last is not None and samples > samples_last:
+                    parts.append(f"{(samples - samples_last) / dt:.3g} samples/s")
+                elif kvs.get("global_batch"):
+                    parts.append(f"{(step - step_last) * float(kvs['global_batch']) / dt:.3g} "
+                                 "samples/s")
+            parts.append(f"elapsed {format_duration(now - self.t0)}")
+            if self.total and self.step0 is not None and step > self.step0:
+                rate = (step - self.step0) / max(now - self.t0, 1e-9)
+                parts.append(f"ETA {format_duration(max(0, self.total - step) / rate)}")
+            self.last = (now, step, _as_number(kvs.get("samples")))
+        self.file.write("  ".join(parts) + "\n" if step is not None else line + "\n")
+        self.file.flush()
+
+    def writeseq(self, seq):
+        self.file.write(" ".join(str(e) for e in seq) + "\n")
+        self.file.flush()
+
+    def close(self):
+        pass
 
 
 class JSONOutputFormat(KVWriter):
@@ -196,12 +283,14 @@ class TensorBoardOutputFormat(KVWriter):
 
 def make_output_format(format, ev_dir, log_suffix=""):
     """
-    :param format: one of "stdout", "log", "json", "csv", "tensorboard".
+    :param format: one of "stdout", "progress", "log", "json", "csv", "tensorboard".
     :return: a KVWriter, or None for tensorboard when it is not installed (with a warning).
     """
     os.makedirs(ev_dir, exist_ok=True)
     if format == "stdout":
         return HumanOutputFormat(sys.stdout)
+    elif format == "progress":
+        return ProgressOutputFormat(sys.stdout)
     elif format == "log":
         return HumanOutputFormat(osp.join(ev_dir, "log%s.txt" % log_suffix))
     elif format == "json":
@@ -216,7 +305,7 @@ def make_output_format(format, ev_dir, log_suffix=""):
             return None
     else:
         raise ValueError(
-            f"unknown log format {format!r}; use stdout, log, csv, json or tensorboard"
+            f"unknown log format {format!r}; use stdout, progress, log, csv, json or tensorboard"
         )
 
 
@@ -255,6 +344,28 @@ def dumpkvs():
 
 def getkvs():
     return get_current().name2val
+
+
+def start_progress(step, total_steps=0):
+    """The progress line times this job from now, starting at ``step``; ``total_steps`` (0:
+    unknown) gives it an ETA. Not collective (a no-op on ranks without a progress line)."""
+    for fmt in get_current().output_formats:
+        if isinstance(fmt, ProgressOutputFormat):
+            fmt.start(step, total_steps)
+
+
+def append_to_log_files(text):
+    """Append ``text`` (a line) to the current logger's text files (log.txt), not to stdout.
+    A no-op without a configured logger; never raises for a log dir that went away."""
+    current = Logger.CURRENT
+    if current is None:
+        return
+    for fmt in current.output_formats:
+        if isinstance(fmt, HumanOutputFormat) and fmt.own_file and not fmt.file.closed:
+            try:
+                fmt.writeseq([text.rstrip("\n")])
+            except OSError:  # the log dir is full or gone: the line is on stderr already
+                pass
 
 
 def log(*args, level=INFO):
@@ -381,6 +492,51 @@ def weighted_mean_across_ranks(name2valcount):
     return out
 
 
+class Progress:
+    """
+    Progress of a long loop (sampling): a tqdm bar when ``file`` is a terminal; otherwise a plain
+    line through ``log`` at most every ``every_s`` seconds and at the end, so that log files get
+    no escape sequences. ``enabled=False`` shows nothing.
+    """
+
+    def __init__(self, total, desc, unit="it", *, enabled=True, file=None, every_s=10.0,
+                 log=None):
+        self.total, self.desc, self.unit, self.every_s = total, desc, unit, every_s
+        self.file = file if file is not None else sys.stderr
+        self.log_line = log or (lambda text: get_current().log(text))
+        self.n, self.t0 = 0, time.time()
+        self.t_shown = self.t0
+        self.bar = None
+        self.enabled = enabled
+        self.is_tty = bool(enabled and hasattr(self.file, "isatty") and self.file.isatty())
+        if self.is_tty:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=total, desc=desc, unit=unit, dynamic_ncols=True, file=self.file)
+
+    def update(self, n=1):
+        self.n += n
+        if self.bar is not None:
+            self.bar.update(n)
+        elif self.enabled and time.time() - self.t_shown >= self.every_s and self.n < self.total:
+            self._line()
+
+    def _line(self):
+        now = time.time()
+        self.t_shown = now
+        text = (f"{self.desc} {self.n}/{self.total} {self.unit}, "
+                f"elapsed {format_duration(now - self.t0)}")
+        if 0 < self.n < self.total:
+            text += f", ETA {format_duration((self.total - self.n) * (now - self.t0) / self.n)}"
+        self.log_line(text)
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
+        elif self.enabled:
+            self._line()
+
+
 class Logger:
     DEFAULT = None  # A logger with no output files. (See right below class definition)
     CURRENT = None  # Current logger being used by the free functions above
@@ -464,7 +620,7 @@ def get_rank_without_dist():
     return 0
 
 
-def configure(dir=None, format_strs=None, rank=None, log_suffix=""):
+def configure(dir=None, format_strs=None, rank=None, log_suffix="", stdout_format="table"):
     """
     Make a new current logger.
 
@@ -473,6 +629,8 @@ def configure(dir=None, format_strs=None, rank=None, log_suffix=""):
     :param format_strs: list (or comma-separated str) of "stdout", "log", "csv", "json",
         "tensorboard"; None means "stdout,log,csv" on rank 0 and nothing on other ranks.
     :param rank: this process's rank; None reads it from torch.distributed or the environment.
+    :param stdout_format: with format_strs None, what rank 0 shows on stdout: "table" (upstream's
+        key/value table) or "progress" (one line per dump).
     """
     if dir is None:
         dir = osp.join(
@@ -483,7 +641,8 @@ def configure(dir=None, format_strs=None, rank=None, log_suffix=""):
     if rank is None:
         rank = get_rank_without_dist()
     if format_strs is None:
-        format_strs = ["stdout", "log", "csv"] if rank == 0 else []
+        shown = {"table": "stdout", "progress": "progress"}[stdout_format]
+        format_strs = [shown, "log", "csv"] if rank == 0 else []
     elif isinstance(format_strs, str):
         format_strs = format_strs.split(",")
     format_strs = [f for f in format_strs if f]

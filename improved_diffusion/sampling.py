@@ -23,7 +23,7 @@ import torch as th
 
 from . import cli, dist_util, logger
 from .errors import UserError
-from .script_util import FlagError, same_flag_value
+from .script_util import FlagError, explicit_args, same_flag_value
 from .state_fit import fit_state_dict, shapes_of
 
 # Model/diffusion flags that may legitimately differ from the training run at sampling time.
@@ -71,20 +71,6 @@ def run_script(main, argv=None):
 
 # ----------------------------------------------------------------------------------------------
 # Flags
-
-
-def explicit_args(parser, argv=None):
-    """The flags given explicitly on the command line, as a dict (parsed and typed).
-
-    Re-parses `argv` with every default replaced by a sentinel object, so a flag that was not
-    typed is absent from the result even when its value equals the default.
-    """
-    import copy
-
-    unset = object()
-    quiet = copy.deepcopy(parser)
-    quiet.set_defaults(**{a.dest: unset for a in quiet._actions if a.dest != "help"})
-    return {k: v for k, v in vars(quiet.parse_args(argv)).items() if v is not unset}
 
 
 def reconcile_flags(file_flags, explicit, defaults, *, source="the model file",
@@ -330,12 +316,8 @@ def generate(model, diffusion, *, num_samples, batch_size, shape, seed=0, use_dd
     sample_fn = diffusion.ddim_sample_loop if use_ddim else diffusion.p_sample_loop
     images = np.zeros((num_samples, shape[1], shape[2], shape[0]), dtype=np.uint8)
     labels = np.zeros((num_samples,), dtype=np.int64) if num_classes else None
-    show = progress and rank == 0
-    bar = None
-    if show:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=num_samples, desc="samples", unit="img", dynamic_ncols=True)
+    # A bar (and one per batch over timesteps) on a terminal, plain lines otherwise.
+    bar = logger.Progress(num_samples, "samples", "img", enabled=progress and rank == 0)
     for idx in batches:
         if len(idx):
             randn = PerSampleRandn([sample_seed(seed, i) for i in idx])
@@ -350,7 +332,7 @@ def generate(model, diffusion, *, num_samples, batch_size, shape, seed=0, use_dd
             with th.no_grad():
                 out = sample_fn(model, (len(idx),) + tuple(shape), noise=noise,
                                 clip_denoised=clip_denoised, model_kwargs=model_kwargs,
-                                progress=show,
+                                progress=bar.is_tty,
                                 randn_like=randn)
             part = (idx, to_uint8(out), None if y is None else y.numpy())
         else:
@@ -360,10 +342,8 @@ def generate(model, diffusion, *, num_samples, batch_size, shape, seed=0, use_dd
                 images[g_idx] = g_img
                 if labels is not None and g_lab is not None:
                     labels[g_idx] = g_lab
-                if bar is not None:
-                    bar.update(len(g_idx))
-    if bar is not None:
-        bar.close()
+                bar.update(len(g_idx))
+    bar.close()
     if rank != 0:
         return None, None
     return images, labels

@@ -44,6 +44,8 @@ def check_train_args(args):
     if args.nan_policy not in train_util.NAN_POLICIES:
         raise UsageError(f"--nan_policy must be one of {', '.join(train_util.NAN_POLICIES)} "
                          f"(got {args.nan_policy!r})")
+    if getattr(args, "log_format", "progress") not in ("progress", "table"):
+        raise UsageError(f"--log_format must be progress or table (got {args.log_format!r})")
     if args.microbatch == 0 or args.microbatch < -1:
         raise UsageError(f"--microbatch must be -1 (off) or >= 1 (got {args.microbatch})")
     cli.check_dist_timeout(args.dist_timeout)
@@ -59,7 +61,7 @@ def start_job(args):
     dist_util.setup_dist(timeout=args.dist_timeout)
     lock = run_lock.acquire_for_job(args.log_dir, args.lock_wait)
     try:
-        logger.configure(dir=args.log_dir)
+        logger.configure(dir=args.log_dir, stdout_format=getattr(args, "log_format", "progress"))
         logger.log(f"training on {dist_util.get_world_size()} rank(s), device {dist_util.dev()}")
     except BaseException:
         lock.release()
@@ -105,6 +107,9 @@ def run_training(args, build: Callable[[Any], Parts]):
     lock = start_job(args)
     try:
         parts = build(args)
-        return run_and_close(make_loop(args, parts))
+        loop = make_loop(args, parts)
+        logger.start_progress(loop.step, min(
+            [n for n in (args.max_steps, args.lr_anneal_steps) if n > 0], default=0))
+        return run_and_close(loop)
     finally:
         lock.release()

@@ -24,6 +24,7 @@ an error. Exit code 0 on success, 1 when a stage fails, 2 for bad usage.
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -32,7 +33,8 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from improved_diffusion.errors import UsageError, UserError  # noqa: E402  (no torch import)
+from improved_diffusion.errors import UsageError, UserError  # noqa: E402
+from improved_diffusion.script_util import FlagParser  # noqa: E402
 BIN = os.path.dirname(sys.executable)
 PREEMPTED_EXIT_CODE = 75  # train_util.PREEMPTED_EXIT_CODE (not imported: keep startup light)
 
@@ -59,7 +61,8 @@ def _bool(v):
 
 
 def create_argparser():
-    p = argparse.ArgumentParser(
+    p = FlagParser(  # no prefix matching; an unknown flag: one line, "did you mean"
+        prog="demo.py", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="End-to-end demo: digits -> mpiexec training with preemption and auto-resume "
         "-> DDIM samples -> evaluation.")
     p.add_argument("--out", default=os.path.join(REPO, "demo_out"),
@@ -187,43 +190,20 @@ def _rank_pid(launcher_pid, script, rank):
     return found[-1][1] if found else None
 
 
-class _TableCondenser:
-    """Turns the logger's key/value tables into one line each: `step 300  loss 0.071 ...`."""
-
-    KEYS = ("step", "loss", "grad_norm")
-
-    def __init__(self, t0):
-        self.t0 = t0
-        self.rows = None
-        self.last_step = None
-
-    def feed(self, line):
-        """Returns the text to print for `line` (None: swallowed into a table)."""
-        s = line.strip()
-        if s.startswith("---") and set(s) == {"-"}:
-            if self.rows is None:
-                self.rows = {}
-                return None
-            rows, self.rows = self.rows, None
-            if "step" in rows:
-                try:
-                    self.last_step = int(rows["step"])
-                except ValueError:
-                    pass
-            parts = [f"{k} {rows[k]}" for k in self.KEYS if k in rows]
-            return "  " + "  ".join(parts) + f"  ({time.time() - self.t0:.0f} s)"
-        if self.rows is not None and s.startswith("|"):
-            cells = [c.strip() for c in s.strip("|").split("|")]
-            if len(cells) == 2:
-                self.rows[cells[0]] = cells[1]
-                return None
-        return line
+# The trainer's progress line (logger.ProgressOutputFormat): "step 300/1200  loss ...".
+_STEP_LINE = re.compile(r"^step (\d+)\b")
 
 
-def run_child(cmd, *, label, on_line=None, condense=False):
-    """Run `cmd`, streaming its output (tables condensed); returns (exit code, output text).
+def step_of(line):
+    """The step of a training progress line, else None."""
+    m = _STEP_LINE.match(line.strip())
+    return int(m.group(1)) if m else None
 
-    `on_line(line, proc, condenser)` is called for every complete output line.
+
+def run_child(cmd, *, label, on_line=None):
+    """Run `cmd`, streaming its output; returns (exit code, output text).
+
+    `on_line(line, proc)` is called for every complete output line.
     """
     print(f"$ {' '.join(_quote(c) for c in cmd)}", flush=True)
     t0 = time.time()
@@ -233,7 +213,6 @@ def run_child(cmd, *, label, on_line=None, condense=False):
     except FileNotFoundError:
         raise DemoError(f"{cmd[0]} not found; install the project with `make install` (it "
                         f"brings mpiexec via the mpich package)") from None
-    cond = _TableCondenser(t0) if condense else None
     captured = []
     buf = b""
     try:
@@ -254,12 +233,10 @@ def run_child(cmd, *, label, on_line=None, condense=False):
                     sys.stdout.flush()
                     continue
                 captured.append(line)
-                shown = cond.feed(line) if cond is not None else line
-                if shown is not None:
-                    sys.stdout.write(shown + "\n")
-                    sys.stdout.flush()
+                sys.stdout.write(line + "\n")
+                sys.stdout.flush()
                 if on_line is not None:
-                    on_line(line, proc, cond)
+                    on_line(line, proc)
         if buf:
             captured.append(buf.decode("utf-8", "replace"))
             sys.stdout.write(captured[-1] + "\n")
@@ -340,10 +317,11 @@ def train_with_preemption(data_dir, run_dir, s, preempt=True):
     state = {"sent": False}
     already = _newest_step(run_dir)
 
-    def watch(line, proc, cond):
-        if state["sent"] or not preempt or cond is None or cond.last_step is None:
+    def watch(line, proc):
+        step = step_of(line)
+        if state["sent"] or not preempt or step is None:
             return
-        if cond.last_step >= half:
+        if step >= half:
             target = _rank_pid(proc.pid, "train.py", rank=min(1, s["ranks"] - 1))
             state["sent"] = True
             if target is None:
@@ -351,7 +329,7 @@ def train_with_preemption(data_dir, run_dir, s, preempt=True):
                       flush=True)
                 target = proc.pid
             print(f"\n>>> preempting: SIGTERM to rank {min(1, s['ranks'] - 1)} (pid {target}) "
-                  f"after step {cond.last_step}; all ranks should save and exit with code "
+                  f"after step {step}; all ranks should save and exit with code "
                   f"{PREEMPTED_EXIT_CODE}\n", flush=True)
             try:
                 os.kill(target, signal.SIGTERM)
@@ -362,13 +340,13 @@ def train_with_preemption(data_dir, run_dir, s, preempt=True):
         print(f"{run_dir} already holds step {already} (past halfway): continuing without the "
               f"preemption show", flush=True)
         preempt = False
-    code, text = run_child(cmd, label="train", on_line=watch, condense=True)
+    code, text = run_child(cmd, label="train", on_line=watch)
     if code == PREEMPTED_EXIT_CODE:
         info.update(preempted=True, preempt_exit=code, preempted_at=_newest_step(run_dir))
         print(f"\n>>> training exited with code {code} (preempted) and a complete checkpoint "
               f"at step {info['preempted_at']}. Rerunning the same command: it auto-resumes.\n",
               flush=True)
-        code, text = run_child(cmd, label="train (resumed)", condense=True)
+        code, text = run_child(cmd, label="train (resumed)")
         for line in text.splitlines():
             if "auto-resume" in line or line.startswith("resumed at step"):
                 print(f">>> {line.strip()}", flush=True)
@@ -416,6 +394,18 @@ def sample(run_dir, samples_dir, s):
     return base + ".npz", base + ".png"
 
 
+def plot_curve(run_dir, samples_dir):
+    """The run's loss curve (by timestep quartile), beside the sample grid. Returns its path."""
+    from improved_diffusion.progress_plot import plot_loss_curve
+
+    png = os.path.join(samples_dir, "loss_curve.png")
+    print(f"$ python scripts/plot_progress.py {run_dir} --out {png}   (run in-process)",
+          flush=True)
+    n = plot_loss_curve(os.path.join(run_dir, "progress.csv"), png)
+    print(f"loss curve of {n} logged steps: {png}", flush=True)
+    return png
+
+
 def evaluate(npz, out):
     """Score the samples (datasets/digits.py, as scripts/eval_digits.py); writes eval.json."""
     sys.path.insert(0, os.path.join(REPO, "datasets"))
@@ -442,7 +432,7 @@ def evaluate(npz, out):
 # main
 
 
-def summary_lines(out, png, npz, fig, info, s, seconds):
+def summary_lines(out, png, npz, fig, info, s, seconds, curve):
     hist = fig.get("histogram")
     lines = [
         f"demo finished in {seconds / 60:.1f} min ({s['steps']} steps at batch "
@@ -453,6 +443,7 @@ def summary_lines(out, png, npz, fig, info, s, seconds):
             if info.get("preempted") else "not shown this time"),
         f"samples: {npz}",
         f"grid:    {png}   (column c = class c)",
+        f"loss:    {curve}   (training loss by timestep quartile)",
         f"mean classifier confidence: {fig['mean_confidence']:.3f}",
         f"label agreement:            {fig['label_agreement']:.3f}",
         f"class histogram (0..9):     {' '.join(str(c) for c in hist)}",
@@ -507,12 +498,13 @@ def main(argv=None):
     data_dir = prepare_data(out, s)
     stage(2, total, f"train with mpiexec -n {s['ranks']}, preempted halfway, then auto-resumed")
     info = train_with_preemption(data_dir, run_dir, s, preempt=not args.no_preempt)
-    stage(3, total, f"sample {s['num_samples']} digits from the EMA weights (DDIM)")
+    stage(3, total, f"sample {s['num_samples']} digits from the EMA weights (DDIM); loss curve")
     npz, png = sample(run_dir, samples_dir, s)
+    curve = plot_curve(run_dir, samples_dir)
     stage(4, total, "evaluate with a classifier trained on the real digits")
     fig = evaluate(npz, out)
     stage(5, total, "summary")
-    lines = summary_lines(out, png, npz, fig, info, s, time.time() - t0)
+    lines = summary_lines(out, png, npz, fig, info, s, time.time() - t0, curve)
     with open(summary_path + ".tmp", "w") as f:
         f.write("\n".join(lines) + "\n")
     os.replace(summary_path + ".tmp", summary_path)

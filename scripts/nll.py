@@ -1,4 +1,4 @@
-"""Approximate the bits/dimension of an image folder under a model (upstream's image_nll.py).
+r"""Approximate the bits/dimension of an image folder under a model (upstream's image_nll.py).
 
     python scripts/nll.py --model_path RUN/ema_0.9999_010000.pt --data_dir IMAGES \
         --num_samples 1000 --batch_size 8 --log_dir OUT
@@ -15,7 +15,6 @@ per-timestep terms summed over timesteps), mse and xstart_mse (per-timestep term
 key/values, and ``{vb,mse,xstart_mse}_terms.npz`` (per-timestep means) in --log_dir.
 """
 
-import argparse
 import os
 import sys
 
@@ -30,7 +29,7 @@ from improved_diffusion.image_datasets import (  # noqa: E402
     load_data,
 )
 from improved_diffusion.script_util import (  # noqa: E402
-    add_dict_to_argparser,
+    create_parser,
     model_and_diffusion_defaults,
     nll_defaults,
 )
@@ -41,9 +40,7 @@ TERMS = ("vb", "mse", "xstart_mse")
 def create_argparser():
     defaults = nll_defaults()
     defaults.update(model_and_diffusion_defaults())
-    parser = argparse.ArgumentParser(description="Bits/dim of an image folder under a model.")
-    add_dict_to_argparser(parser, defaults)
-    return parser
+    return create_parser(__doc__, defaults, prog="nll.py")
 
 
 def main(argv=None):

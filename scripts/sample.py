@@ -1,4 +1,4 @@
-"""Generate a large batch of samples from a model and save them as a large numpy array.
+r"""Generate a large batch of samples from a model and save them as a large numpy array.
 
     python scripts/sample.py --model_path RUN/ema_0.9999_010000.pt --num_samples 100 \
         --use_ddim True --timestep_respacing ddim50 --log_dir OUT
@@ -17,7 +17,6 @@ Sample i's label, initial noise and per-step noise come from its own generator s
 (--seed, i): the output does not depend on the number of ranks or on --batch_size.
 """
 
-import argparse
 import os
 import sys
 
@@ -28,7 +27,7 @@ from improved_diffusion import sampling  # noqa: E402
 from improved_diffusion.script_util import (  # noqa: E402
     FlagError,
     sample_defaults,
-    add_dict_to_argparser,
+    create_parser,
     model_and_diffusion_defaults,
 )
 
@@ -36,10 +35,7 @@ from improved_diffusion.script_util import (  # noqa: E402
 def create_argparser():
     defaults = sample_defaults()
     defaults.update(model_and_diffusion_defaults())
-    parser = argparse.ArgumentParser(
-        description="Sample from a trained model (any model/ema file, ours or upstream's).")
-    add_dict_to_argparser(parser, defaults)
-    return parser
+    return create_parser(__doc__, defaults, prog="sample.py")
 
 
 def main(argv=None):

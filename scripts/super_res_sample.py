@@ -1,4 +1,4 @@
-"""Upsample a batch of samples with a super-resolution model (upstream's super_res_sample.py).
+r"""Upsample a batch of samples with a super-resolution model (upstream's super_res_sample.py).
 
     python scripts/super_res_sample.py --model_path SR_RUN/ema_0.9999_100000.pt \
         --base_samples LOW/samples_100x64x64x3.npz --log_dir OUT [--use_ddim True ...]
@@ -11,7 +11,6 @@ written as ``samples_{N}x{H}x{W}x{C}.npz`` (+ ``arr_1`` labels) and a PNG grid i
 (default $OPENAI_LOGDIR, else a fresh temporary directory, as upstream). Model flags come from the
 file when it carries them (ours); pass them for upstream's raw state dicts.
 """
-import argparse
 import io
 import os
 import sys
@@ -25,7 +24,7 @@ from improved_diffusion import dist_util, logger, sampling  # noqa: E402
 from improved_diffusion.script_util import (  # noqa: E402
     FlagError,
     sample_defaults,
-    add_dict_to_argparser,
+    create_parser,
     sr_create_model_and_diffusion,
     sr_model_and_diffusion_defaults,
 )
@@ -35,9 +34,7 @@ def create_argparser():
     defaults = sample_defaults()
     defaults.update(base_samples="")
     defaults.update(sr_model_and_diffusion_defaults())
-    parser = argparse.ArgumentParser(description="Upsample samples with a super-res model.")
-    add_dict_to_argparser(parser, defaults)
-    return parser
+    return create_parser(__doc__, defaults, prog="super_res_sample.py")
 
 
 def load_base_samples(path, small_size, class_cond):

@@ -1,4 +1,4 @@
-"""Train a super-resolution model (upstream's super_res_train.py, with our resumable loop).
+r"""Train a super-resolution model (upstream's super_res_train.py, with our resumable loop).
 
     mpiexec -n N python scripts/super_res_train.py --data_dir D --log_dir L \
         --large_size 256 --small_size 64 $MODEL_FLAGS $DIFFUSION_FLAGS $TRAIN_FLAGS
@@ -7,7 +7,6 @@ The model learns p(high-res | low-res): each training batch of --large_size imag
 its own --small_size version (area downsampling), passed to the model as ``low_res``. Training
 flags, checkpoints, auto-resume, preemption (exit 75) and exit codes are those of scripts/train.py.
 """
-import argparse
 import os
 import sys
 
@@ -17,11 +16,12 @@ import torch.nn.functional as F  # noqa: E402
 
 from improved_diffusion import cli, dist_util, logger, train_job, train_util  # noqa: E402
 from improved_diffusion.errors import UsageError  # noqa: E402
-from improved_diffusion.image_datasets import load_data  # noqa: E402
+from improved_diffusion.image_datasets import load_data, resolve_num_classes  # noqa: E402
 from improved_diffusion.resample import create_named_schedule_sampler  # noqa: E402
 from improved_diffusion.script_util import (  # noqa: E402
-    add_dict_to_argparser,
     args_to_dict,
+    create_parser,
+    explicit_args,
     sr_create_model_and_diffusion,
     sr_model_and_diffusion_defaults,
     train_defaults,
@@ -56,37 +56,40 @@ class SuperResLoader:
 
 
 def load_superres_data(data_dir, batch_size, large_size, small_size, class_cond=False, seed=0,
-                       num_workers=0):
+                       num_workers=0, num_classes=None):
     """Upstream's load_superres_data, resumable: a SuperResLoader over load_data(large_size)."""
     data = load_data(data_dir=data_dir, batch_size=batch_size, image_size=large_size,
-                     class_cond=class_cond, seed=seed, num_workers=num_workers)
+                     class_cond=class_cond, seed=seed, num_workers=num_workers,
+                     num_classes=num_classes if class_cond else None)
     return SuperResLoader(data, small_size)
 
 
 def create_argparser():
     defaults = train_defaults()
     defaults.update(sr_model_and_diffusion_defaults())
-    parser = argparse.ArgumentParser(description="Train a super-resolution diffusion model.")
-    add_dict_to_argparser(parser, defaults)
-    return parser
+    return create_parser(__doc__, defaults, prog="super_res_train.py")
 
 
 def build(args):
     """Flags -> the super-res model, diffusion and data of a TrainLoop (collective)."""
     logger.log(f"super-res {args.small_size}->{args.large_size}")
+    args.num_classes = resolve_num_classes(args.data_dir, args.num_classes, log=logger.log)
     model_flags = args_to_dict(args, sr_model_and_diffusion_defaults().keys())
     train_util.seed_rngs(args.seed, 0, 0)  # identical model init on every rank
     model, diffusion = sr_create_model_and_diffusion(**model_flags)
     model.to(dist_util.dev())
     data = load_superres_data(args.data_dir, args.batch_size, args.large_size, args.small_size,
                               class_cond=args.class_cond, seed=args.seed,
-                              num_workers=args.num_workers)
+                              num_workers=args.num_workers, num_classes=args.num_classes)
     sampler = create_named_schedule_sampler(args.schedule_sampler, diffusion)
     return train_job.Parts(model, diffusion, data, model_flags, sampler)
 
 
 def train(argv=None):
-    args = create_argparser().parse_args(argv)
+    parser = create_argparser()
+    args = parser.parse_args(argv)
+    if args.class_cond and "num_classes" not in explicit_args(parser, argv):
+        args.num_classes = None  # build() counts the classes of --data_dir
     train_job.check_train_args(args)
     if args.small_size >= args.large_size:
         raise UsageError(

@@ -1,4 +1,4 @@
-"""Train a diffusion model on images (upstream's image_train.py; resume works on any rank count).
+r"""Train a diffusion model on images (upstream's image_train.py; resume works on any rank count).
 
     mpiexec -n N python scripts/train.py --data_dir D --log_dir L $MODEL_FLAGS $DIFFUSION_FLAGS \
         $TRAIN_FLAGS [--resume_checkpoint auto|L/modelNNNNNN.pt|RUN_DIR] [--max_steps N]
@@ -13,18 +13,18 @@ a multi-host mpiexec, set MASTER_ADDR to an address of rank 0's host that every 
 when it cannot be found (the job says so at once). One job per log dir: a second job waits up to
 --lock_wait seconds for the first, then fails naming it.
 """
-import argparse
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from improved_diffusion import cli, dist_util, train_job, train_util  # noqa: E402
-from improved_diffusion.image_datasets import load_data  # noqa: E402
+from improved_diffusion import cli, dist_util, logger, train_job, train_util  # noqa: E402
+from improved_diffusion.image_datasets import load_data, resolve_num_classes  # noqa: E402
 from improved_diffusion.resample import create_named_schedule_sampler  # noqa: E402
 from improved_diffusion.script_util import (  # noqa: E402
-    add_dict_to_argparser,
     args_to_dict,
+    create_parser,
+    explicit_args,
     create_model_and_diffusion,
     model_and_diffusion_defaults,
     train_defaults,
@@ -34,13 +34,12 @@ from improved_diffusion.script_util import (  # noqa: E402
 def create_argparser():
     defaults = train_defaults()
     defaults.update(model_and_diffusion_defaults())
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    add_dict_to_argparser(parser, defaults)
-    return parser
+    return create_parser(__doc__, defaults, prog="train.py")
 
 
 def build(args):
     """Flags -> the model, diffusion and data of a TrainLoop (collective: call on all ranks)."""
+    args.num_classes = resolve_num_classes(args.data_dir, args.num_classes, log=logger.log)
     model_flags = args_to_dict(args, model_and_diffusion_defaults().keys())
     train_util.seed_rngs(args.seed, 0, 0)  # identical model init on every rank
     model, diffusion = create_model_and_diffusion(**model_flags)
@@ -60,7 +59,10 @@ def build(args):
 
 def train(argv=None):
     """Parse flags and run the job; returns the exit code (0 done, 75 preempted)."""
-    args = create_argparser().parse_args(argv)
+    parser = create_argparser()
+    args = parser.parse_args(argv)
+    if args.class_cond and "num_classes" not in explicit_args(parser, argv):
+        args.num_classes = None  # build() counts the classes of --data_dir
     train_job.check_train_args(args)
     return train_job.run_training(args, build)
 

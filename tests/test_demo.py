@@ -1,9 +1,11 @@
 """`make demo` at a tiny size, through the same Makefile target and script the real demo uses."""
 import json
+import re
 import subprocess
 
 import numpy as np
 import pytest
+from PIL import Image
 
 from conftest import PY, REPO, child_env
 
@@ -44,9 +46,16 @@ def test_tiny_demo_trains_is_preempted_resumes_samples_and_prints_its_figures(ti
         assert z["arr_0"].shape == (10, 8, 8, 3) and z["arr_0"].dtype == np.uint8
         assert z["arr_1"].tolist() == list(range(10))
     assert (out / "samples" / "samples_10x8x8x3.png").stat().st_size > 0
-    # the last lines say where the grid is and what the figures are
-    tail = "\n".join(text.strip().splitlines()[-8:])
+    # the trainer's own progress line, not tables; no progress-bar redraws in the output
+    assert re.search(r"^step 20/40  loss \S+  grad_norm \S+  .*steps/s.*ETA", text, re.M), text
+    assert "| loss_q" not in text and "\r" not in text
+    # the last lines say where the grid and the loss curve are and what the figures are
+    tail = "\n".join(text.strip().splitlines()[-9:])
     assert f"grid:    {out / 'samples' / 'samples_10x8x8x3.png'}" in tail
+    curve = out / "samples" / "loss_curve.png"
+    assert f"loss:    {curve}" in tail
+    with Image.open(curve) as im:
+        assert im.size == (720, 440)
     for figure in ("mean classifier confidence:", "label agreement:", "class histogram",
                    "Frechet distance"):
         assert figure in tail
