@@ -5,7 +5,8 @@ Three ways to start:
 * ``torchrun`` (env ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``): ``env://``.
 * ``mpiexec -n N`` (mpi4py): MPI is used ONLY for the rendezvous (rank 0 opens a TCP store on a
   free port, or ``MASTER_PORT`` when set, and MPI-broadcasts host and port); every collective
-  afterwards is torch.distributed. On one host the address is 127.0.0.1. Across hosts it is
+  afterwards is torch.distributed. On one host (one network stack: the same boot and network
+  namespace, whatever the host names say) the address is 127.0.0.1. Across hosts it is
   ``MASTER_ADDR`` when set in the environment (e.g. ``mpiexec -genv MASTER_ADDR 10.0.0.5 ...``),
   else an address of rank 0's host that is never a loopback one: the source address of a route
   towards another rank's host, else an address of one of rank 0's interfaces. When none exists
@@ -268,14 +269,37 @@ def _bounded(fn, seconds, what):
 
 
 def _host_info():
-    """{"host": this host's name, "addrs": its non-loopback IPv4 addresses} (interfaces first)."""
+    """{"host": this host's name, "addrs": its non-loopback IPv4 addresses (interfaces first),
+    "stack": its network stack (``_network_stack()``)}."""
     name = socket.gethostname()
     addrs = _interface_addresses()
     try:
         addrs += [a[4][0] for a in socket.getaddrinfo(name, None, socket.AF_INET)]
     except OSError:
         pass
-    return {"host": name, "addrs": _dedup(a for a in addrs if _reachable_kind(a))}
+    return {"host": name, "addrs": _dedup(a for a in addrs if _reachable_kind(a)),
+            "stack": _network_stack()}
+
+
+def _network_stack():
+    """Which network stack this process uses: "<boot id>/<network namespace inode>" (Linux), so
+    two ranks can share 127.0.0.1 exactly when theirs are equal, whatever their host names say
+    (two machines, or two containers, may carry the same name); None where unknown."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        ns = os.stat("/proc/self/ns/net")
+    except OSError:
+        return None
+    return f"{boot}/{ns.st_dev}:{ns.st_ino}" if boot else None
+
+
+def _same_host(a, b):
+    """True when ``_host_info()`` results ``a`` and ``b`` share a network stack (by the stack when
+    both know it, else by the host name)."""
+    if a.get("stack") and b.get("stack"):
+        return a["stack"] == b["stack"]
+    return a["host"] == b["host"]
 
 
 def _interface_addresses():
@@ -325,13 +349,13 @@ def _source_address_towards(addr):
 def _choose_address(infos, env, probe=_source_address_towards):
     """
     The address rank 0 publishes for the store, given every rank's ``_host_info()``: 127.0.0.1
-    when all ranks share rank 0's host; else ``MASTER_ADDR`` from ``env`` (never a loopback
+    when all ranks share rank 0's network stack (``_same_host``: never by host name alone); else ``MASTER_ADDR`` from ``env`` (never a loopback
     one); else the source address of a route from rank 0's host towards another host's address;
     else one of rank 0's own non-loopback addresses. Raises RendezvousError (saying to set
     MASTER_ADDR) when there is none.
     """
     home = infos[0]["host"]
-    others = [i for i in infos[1:] if i["host"] != home]
+    others = [i for i in infos[1:] if not _same_host(infos[0], i)]
     if not others:
         return "127.0.0.1"
     hint = ("set MASTER_ADDR to an address of rank 0's host that every host can reach "
