@@ -12,6 +12,7 @@ host whose name sorts first. The harness names the hosts ``idh-<pid>-0`` and ``i
 so host 0 always holds ranks 0..nproc-1 (the tests check it from the pids).
 """
 import json
+import os
 import shutil
 import subprocess
 import textwrap
@@ -130,6 +131,41 @@ def test_two_hosts_with_the_same_name_never_meet_on_loopback():
 def test_this_process_knows_its_network_stack():
     stack = dist_util._network_stack()
     assert stack and stack == dist_util._host_info()["stack"]
+
+
+# ------------------------------------------------------------------------------ harness
+
+
+@pytest.mark.timeout(60)
+def test_hosts_of_a_test_process_killed_by_sigkill_leave_nothing_behind(tmp_path):
+    reason = mh.unavailable()
+    if reason:
+        pytest.skip(reason)
+    code = textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {str(cs.REPO / "tests")!r})
+        import multihost as mh
+        c = mh.Cluster()
+        c.hosts[1].start(["sleep", "300"], {str(tmp_path / "sleep.out")!r})
+        print(" ".join(h.name for h in c.hosts), flush=True)
+        time.sleep(300)
+    """)
+    child = subprocess.Popen([cs.PY, "-c", code], stdout=subprocess.PIPE, text=True,
+                             env=cs.child_env(), stdin=subprocess.DEVNULL)
+    try:
+        names = child.stdout.readline().split()
+        assert len(names) == 2, "the child did not create its hosts"
+        inside = mh._netns_pids(names[0]) + mh._netns_pids(names[1])
+        assert len(inside) == 3  # two holders and the sleep on host 1
+    finally:
+        child.kill()  # no finally, no atexit in the child: only what outlives it is left
+        child.wait()
+        child.stdout.close()
+    assert cs.all_gone(inside, within_s=20)  # holders and host processes die with it
+    mh.clean_stale()  # what the next Cluster() does first: the namespaces of dead owners go
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert not set(names) & {line.split(" ")[0] for line in listed.splitlines()}, listed
+    assert not any(os.path.exists(f"/etc/netns/{n}") for n in names)
 
 
 # ----------------------------------------------------------------------------- torchrun
