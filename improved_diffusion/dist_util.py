@@ -417,6 +417,11 @@ def heartbeat_interval(timeout_s):
     return min(5.0, max(0.5, float(timeout_s) / 60.0))
 
 
+# Bound of one store operation made outside a collective (heartbeat marks, first_to_report,
+# the count of failed ranks): a healthy store answers in milliseconds.
+_STORE_CALL_S = 5.0
+
+
 class _Heartbeat:
     """
     A daemon thread that adds 1 to ``beat/{rank}`` in the process group's TCP store every
@@ -451,11 +456,25 @@ class _Heartbeat:
             except Exception:
                 return  # the store is gone: the collectives will say so
 
+    def call(self, fn, seconds=_STORE_CALL_S):
+        """``fn(client)`` under the lock, waited for at most ``seconds``: an operation on a store
+        whose host became unreachable (cable pulled, host powered off) does not honour the
+        store's timeout and can block for many minutes, holding the lock. Raises TimeoutError
+        when the bound passes. Not collective."""
+        def locked():
+            if not self._lock.acquire(timeout=seconds):
+                raise TimeoutError("the heartbeat's store connection is busy")
+            try:
+                return fn(self._client)
+            finally:
+                self._lock.release()
+
+        return _bounded(locked, seconds, "a heartbeat store operation")
+
     def mark(self, state):
-        """Record why this rank stops (best effort)."""
+        """Record why this rank stops (best effort, bounded)."""
         try:
-            with self._lock:
-                self._client.set(f"state/{self.rank}", state)
+            self.call(lambda c: c.set(f"state/{self.rank}", state))
         except Exception:
             pass
 
@@ -577,8 +596,7 @@ def first_to_report(topic):
     if hb is None or not is_distributed():
         return True
     try:
-        with hb._lock:
-            return hb._client.add(f"first_to_report/{topic}", 1) == 1
+        return hb.call(lambda c: c.add(f"first_to_report/{topic}", 1)) == 1
     except Exception:
         return True
 
@@ -602,9 +620,12 @@ def end_job_after_error(code, wait_s=10.0, *, cause=None, lost=()):
         _heartbeat.mark(f"ended the job ({cause or f'exit {code}'})")
     world = get_world_size()
     expected = world - len(set(lost))
-    try:
+    reached = []
+
+    def count_and_wait():
         store = dist.distributed_c10d._get_default_store()
         store.add("end_job_after_error/failed", 1)
+        reached.append(True)
         deadline = time.time() + wait_s
         while store.add("end_job_after_error/failed", 0) < expected:
             if time.time() > deadline:
@@ -615,12 +636,19 @@ def end_job_after_error(code, wait_s=10.0, *, cause=None, lost=()):
             if time.time() > deadline + wait_s:  # rank 0 holds the store: let the others read
                 break
             time.sleep(0.05)
+
+    try:
+        # bounded as a whole: the store's host may be unreachable (see _Heartbeat.call)
+        _bounded(count_and_wait, 2 * wait_s + _STORE_CALL_S, "counting the failed ranks")
         if not lost:
             return
     except Exception:
         pass
     if lost:
         sys.stderr.write(f"note: ending the job ({len(set(lost))} of {world} ranks lost)\n")
+    elif not reached:
+        sys.stderr.write(f"note: the process group's store cannot be reached; ending this rank "
+                         f"(of {world})\n")
     else:
         sys.stderr.write(f"note: the other ranks did not fail; aborting all {world} ranks\n")
     sys.stderr.flush()

@@ -104,6 +104,7 @@ class Host:
         self.index, self.name, self.addr = index, name, addr
         self.holder = None  # Popen of the process whose namespaces the host's commands enter
         self.procs = []
+        self.link = None  # its end of the veth pair
 
     def _start_holder(self):
         script = (f"mkdir -p {DISK} && mount -t tmpfs -o size=512m,mode=0755 idh-disk {DISK} && "
@@ -153,6 +154,11 @@ class Host:
         """Every process running in this host (its network namespace), the holder excluded."""
         return [p for p in _netns_pids(self.name) if p != self.holder.pid]
 
+    def set_link(self, up):
+        """Plug (``up=True``) or pull this host's network cable: with the link down its packets
+        go nowhere and nothing answers, as when a host loses power or its switch port."""
+        _sh("ip", "-n", self.name, "link", "set", self.link, "up" if up else "down")
+
     def kill_all(self):
         """The host dies: SIGKILL every process in it at once (its disk survives, as a local
         disk does when its machine loses power). Returns the pids killed."""
@@ -195,6 +201,7 @@ class Cluster:
         veth = [f"idh{tag}x{h.index}" for h in self.hosts]
         _sh("ip", "link", "add", veth[0], "type", "veth", "peer", "name", veth[1])
         for h, dev in zip(self.hosts, veth):
+            h.link = dev
             _sh("ip", "link", "set", dev, "netns", h.name)
             _sh("ip", "-n", h.name, "addr", "add", f"{h.addr}/24", "dev", dev)
             _sh("ip", "-n", h.name, "link", "set", dev, "up")

@@ -197,11 +197,15 @@ def test_a_two_host_torchrun_job_saves_on_host0_only_and_resumes_bitwise_on_both
 
 
 @pytest.mark.timeout(280)
-def test_a_killed_host_ends_the_other_within_dist_timeout_and_both_resume_bitwise(
-        hosts, tmp_path):
-    # One job, killed with its host, gives both runs to compare: up to the kill it is a straight
+@pytest.mark.parametrize("fault", ["killed", pytest.param("unplugged", marks=pytest.mark.slow)])
+def test_a_lost_host_ends_the_other_within_dist_timeout_and_both_resume_bitwise(
+        hosts, tmp_path, fault):
+    # killed: every process of host 1 SIGKILLed (its sockets close, host 0 hears it at once);
+    # unplugged: host 1's link goes down (nothing closes, nothing answers: host 0 waits out
+    # --dist_timeout), as when a host loses power or its switch port.
+    # One job, stopped with its host, gives both runs to compare: up to then it is a straight
     # run. Its last complete step N is moved aside (host 0's disk) as the reference; auto-resume
-    # on both hosts must then find step N-1 (whatever the kill left half-written beside it), and
+    # on both hosts must then find step N-1 (whatever the fault left half-written beside it), and
     # train to step N bit for bit as the straight run did.
     # (A clean stop and resume: test_a_two_host_torchrun_job_saves..., in `make soak`.)
     h0, h1 = hosts
@@ -214,13 +218,24 @@ def test_a_killed_host_ends_the_other_within_dist_timeout_and_both_resume_bitwis
     cs.wait_until(lambda: len(cs.complete_steps(log)) >= 3, 200, procs, "three saves")
     pids = cs.rank_pids(tmp_path / "pids", 2)
     assert pids[0] in h0.pids() and pids[1] in h1.pids()  # rank 0 (the writer) on host 0
-    killed = h1.kill_all()  # the host dies: its agent and its rank at once
-    assert pids[1] in killed
-    cs.wait_exit(procs[0], 60)  # raises unless host 0 ends within the bound (not 600 s)
+    if fault == "killed":
+        assert pids[1] in h1.kill_all()  # the host dies: its agent and its rank at once
+    else:
+        h1.set_link(False)
+    cs.wait_exit(procs[0], 90)  # raises unless host 0 ends within the bound (not 600 s)
     out = finish(procs[:1], tmp_path, "run", codes=range(1, 256))
     errors = error_lines(out)
     assert len(errors) == 1 and "lost rank(s) 1: no heartbeat" in errors[0], out[-3000:]
-    assert cs.all_gone([pids[0]], within_s=30) and h0.pids() == [] and h1.pids() == []
+    assert cs.all_gone([pids[0]], within_s=30) and h0.pids() == []
+    if fault == "unplugged":
+        # Host 1's rank, cut off from the store on host 0, ends within the bound too.
+        assert cs.all_gone([pids[1]], within_s=90)
+        out1 = (tmp_path / "run-host1.out").read_text()
+        assert any("store at" in e and "is unreachable" in e for e in error_lines(out1)), \
+            out1[-3000:]
+        h1.kill_all()  # its torchrun agent may still retry the rendezvous store
+        h1.set_link(True)
+    assert h1.pids() == []
     assert files_on(h1) == [], "host 1 got files on its disk"
 
     steps = cs.complete_steps(log)
