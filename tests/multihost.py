@@ -25,7 +25,6 @@ import os
 import shutil
 import signal
 import subprocess
-import time
 import weakref
 from pathlib import Path
 

@@ -45,13 +45,12 @@ def hosts():
         yield cluster.hosts
 
 
-def torchrun(hosts, nproc, args, work, tag, dist_timeout=20, env=None, nodes=None):
-    """Start ``tests/fault_train.py ARGS`` (train.py unless told otherwise) as a torchrun job
-    with ``nproc`` ranks on each of ``nodes`` (default: all hosts); returns the Popens."""
-    nodes = hosts if nodes is None else nodes
+def torchrun(hosts, nproc, args, work, tag, dist_timeout=20, env=None):
+    """Start ``torchrun ... SCRIPT ARGS`` (``args`` = SCRIPT ARGS) on every host, ``nproc``
+    ranks each, output to ``work/{tag}-host{i}.out``; returns the launchers' Popens."""
     procs = []
-    for h in nodes:
-        cmd = [cs.TORCHRUN, "--nnodes", len(nodes), "--nproc_per_node", nproc,
+    for h in hosts:
+        cmd = [cs.TORCHRUN, "--nnodes", len(hosts), "--nproc_per_node", nproc,
                "--rdzv_backend", "c10d", "--rdzv_endpoint", f"{hosts[0].addr}:{PORT}",
                "--rdzv_id", tag, "--max_restarts", 0, *args, "--dist_timeout", dist_timeout]
         procs.append(h.start(cmd, work / f"{tag}-host{h.index}.out", env))
@@ -61,15 +60,17 @@ def torchrun(hosts, nproc, args, work, tag, dist_timeout=20, env=None, nodes=Non
 def finish(procs, work, tag, timeout=240, codes=(0,)):
     """Wait for every launcher (bounded); fail with their output unless each exits in ``codes``.
     Returns host 0's output."""
-    outs = []
+    outs, hung = [], set()
     for i, p in enumerate(procs):
         try:
             p.wait(timeout)
         except subprocess.TimeoutExpired:
+            hung.add(i)
             cs.kill9(cs.process_tree(p.pid))
             p.wait(10)
         outs.append((work / f"{tag}-host{i}.out").read_text())
-    bad = [(i, p.returncode) for i, p in enumerate(procs) if p.returncode not in codes]
+    bad = [(i, f"timed out after {timeout} s" if i in hung else p.returncode)
+           for i, p in enumerate(procs) if i in hung or p.returncode not in codes]
     if bad:
         pytest.fail(f"{tag}: exit codes {bad}\n" + "\n".join(
             f"--- host {i}:\n{o[-4000:]}" for i, o in enumerate(outs)))
@@ -128,6 +129,7 @@ def test_two_hosts_with_the_same_name_never_meet_on_loopback():
         "127.0.0.1"
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/ns/net"), reason="Linux only")
 def test_this_process_knows_its_network_stack():
     stack = dist_util._network_stack()
     assert stack and stack == dist_util._host_info()["stack"]
