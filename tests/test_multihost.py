@@ -284,6 +284,25 @@ def test_four_ranks_on_two_hosts_resume_bitwise_and_elastically_on_two(hosts, tm
     assert files_on(h1) == []
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_static_torchrun_rendezvous_puts_rank_0_on_the_node_rank_0_host(hosts, tmp_path):
+    # What docs/CLUSTERS.md advises for a log dir on one node's local disk: the static
+    # rendezvous honours --node_rank, here node 0 = host 1 (the name that sorts last).
+    h0, h1 = hosts
+    data = write_images(tmp_path / "data", n=8)
+    procs = []
+    for h in hosts:
+        cmd = [cs.TORCHRUN, "--nnodes", 2, "--nproc_per_node", 1, "--rdzv_backend", "static",
+               "--master_addr", h1.addr, "--master_port", PORT, "--node_rank", 1 - h.index,
+               "--max_restarts", 0, *train_script(data, f"{mh.DISK}/log", "--max_steps", 2),
+               "--dist_timeout", 20]
+        procs.append(h.start(cmd, tmp_path / f"static-host{h.index}.out"))
+    finish(procs, tmp_path, "static")
+    assert cs.complete_steps(h1.disk("log")) == [2]
+    assert files_on(h0) == [], "host 0 (node rank 1) got files on its disk"
+
+
 # ------------------------------------------------------------------------------ mpiexec
 
 
