@@ -349,10 +349,10 @@ def _source_address_towards(addr):
 def _choose_address(infos, env, probe=_source_address_towards):
     """
     The address rank 0 publishes for the store, given every rank's ``_host_info()``: 127.0.0.1
-    when all ranks share rank 0's network stack (``_same_host``: never by host name alone); else ``MASTER_ADDR`` from ``env`` (never a loopback
-    one); else the source address of a route from rank 0's host towards another host's address;
-    else one of rank 0's own non-loopback addresses. Raises RendezvousError (saying to set
-    MASTER_ADDR) when there is none.
+    when all ranks share rank 0's network stack (``_same_host``: never by host name alone); else
+    ``MASTER_ADDR`` from ``env`` (never a loopback one); else the source address of a route from
+    rank 0's host towards another host's address; else one of rank 0's own non-loopback
+    addresses. Raises RendezvousError (saying to set MASTER_ADDR) when there is none.
     """
     home = infos[0]["host"]
     others = [i for i in infos[1:] if not _same_host(infos[0], i)]
