@@ -437,6 +437,7 @@ class _Heartbeat:
             os.environ.get("TORCHELASTIC_RUN_ID", "job"),
             os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         self._lock = threading.Lock()
+        self.store_lost = False  # set once peer_states found the store unreachable
         self._stop = threading.Event()
         self._client = self.connect(max(10.0, 3 * self.interval))
         self._client.add(f"beat/{rank}", 1)  # the first beat before returning from setup
@@ -461,6 +462,9 @@ class _Heartbeat:
         whose host became unreachable (cable pulled, host powered off) does not honour the
         store's timeout and can block for many minutes, holding the lock. Raises TimeoutError
         when the bound passes. Not collective."""
+        if self.store_lost:
+            raise ConnectionError(f"the store at {self.host}:{self.port} is unreachable")
+
         def locked():
             if not self._lock.acquire(timeout=seconds):
                 raise TimeoutError("the heartbeat's store connection is busy")
@@ -524,7 +528,8 @@ def peer_states(window_s=None):
         return {}
     window = window_s if window_s is not None else 2.5 * hb.interval + 0.5
     others = [r for r in range(hb.world) if r != hb.rank]
-    try:
+
+    def look():
         client = hb.connect(window + 5.0)
         seen = {r: client.add(f"beat/{r}", 0) for r in others}
         deadline = time.monotonic() + window
@@ -537,9 +542,12 @@ def peer_states(window_s=None):
             key = f"state/{r}"
             states[r] = client.get(key).decode() if client.check([key]) else "lost"
         return states
-    except RankLostError:
-        raise
+
+    try:
+        # bounded: a store whose host went silent mid-way would not answer (see _Heartbeat.call)
+        return _bounded(look, 2 * window + 10.0 + 2 * _STORE_CALL_S, "reading the heartbeats")
     except Exception as e:
+        hb.store_lost = True  # later store calls of this rank fail at once
         raise RankLostError(
             f"the process group's store at {hb.host}:{hb.port} is unreachable "
             f"({type(e).__name__}): the rank that holds it (rank 0 under mpiexec; the rendezvous "
@@ -638,6 +646,8 @@ def end_job_after_error(code, wait_s=10.0, *, cause=None, lost=()):
             time.sleep(0.05)
 
     try:
+        if _heartbeat is not None and _heartbeat.store_lost:
+            raise ConnectionError("the process group's store is unreachable")
         # bounded as a whole: the store's host may be unreachable (see _Heartbeat.call)
         _bounded(count_and_wait, 2 * wait_s + _STORE_CALL_S, "counting the failed ranks")
         if not lost:
