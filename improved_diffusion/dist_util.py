@@ -5,7 +5,8 @@ Three ways to start:
 * ``torchrun`` (env ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``): ``env://``.
 * ``mpiexec -n N`` (mpi4py): MPI is used ONLY for the rendezvous (rank 0 opens a TCP store on a
   free port, or ``MASTER_PORT`` when set, and MPI-broadcasts host and port); every collective
-  afterwards is torch.distributed. On one host the address is 127.0.0.1. Across hosts it is
+  afterwards is torch.distributed. On one host (one network stack: the same boot and network
+  namespace, whatever the host names say) the address is 127.0.0.1. Across hosts it is
   ``MASTER_ADDR`` when set in the environment (e.g. ``mpiexec -genv MASTER_ADDR 10.0.0.5 ...``),
   else an address of rank 0's host that is never a loopback one: the source address of a route
   towards another rank's host, else an address of one of rank 0's interfaces. When none exists
@@ -268,14 +269,37 @@ def _bounded(fn, seconds, what):
 
 
 def _host_info():
-    """{"host": this host's name, "addrs": its non-loopback IPv4 addresses} (interfaces first)."""
+    """{"host": this host's name, "addrs": its non-loopback IPv4 addresses (interfaces first),
+    "stack": its network stack (``_network_stack()``)}."""
     name = socket.gethostname()
     addrs = _interface_addresses()
     try:
         addrs += [a[4][0] for a in socket.getaddrinfo(name, None, socket.AF_INET)]
     except OSError:
         pass
-    return {"host": name, "addrs": _dedup(a for a in addrs if _reachable_kind(a))}
+    return {"host": name, "addrs": _dedup(a for a in addrs if _reachable_kind(a)),
+            "stack": _network_stack()}
+
+
+def _network_stack():
+    """Which network stack this process uses: "<boot id>/<network namespace inode>" (Linux), so
+    two ranks can share 127.0.0.1 exactly when theirs are equal, whatever their host names say
+    (two machines, or two containers, may carry the same name); None where unknown."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        ns = os.stat("/proc/self/ns/net")
+    except OSError:
+        return None
+    return f"{boot}/{ns.st_dev}:{ns.st_ino}" if boot else None
+
+
+def _same_host(a, b):
+    """True when ``_host_info()`` results ``a`` and ``b`` share a network stack (by the stack when
+    both know it, else by the host name)."""
+    if a.get("stack") and b.get("stack"):
+        return a["stack"] == b["stack"]
+    return a["host"] == b["host"]
 
 
 def _interface_addresses():
@@ -325,13 +349,13 @@ def _source_address_towards(addr):
 def _choose_address(infos, env, probe=_source_address_towards):
     """
     The address rank 0 publishes for the store, given every rank's ``_host_info()``: 127.0.0.1
-    when all ranks share rank 0's host; else ``MASTER_ADDR`` from ``env`` (never a loopback
-    one); else the source address of a route from rank 0's host towards another host's address;
-    else one of rank 0's own non-loopback addresses. Raises RendezvousError (saying to set
-    MASTER_ADDR) when there is none.
+    when all ranks share rank 0's network stack (``_same_host``: never by host name alone); else
+    ``MASTER_ADDR`` from ``env`` (never a loopback one); else the source address of a route from
+    rank 0's host towards another host's address; else one of rank 0's own non-loopback
+    addresses. Raises RendezvousError (saying to set MASTER_ADDR) when there is none.
     """
     home = infos[0]["host"]
-    others = [i for i in infos[1:] if i["host"] != home]
+    others = [i for i in infos[1:] if not _same_host(infos[0], i)]
     if not others:
         return "127.0.0.1"
     hint = ("set MASTER_ADDR to an address of rank 0's host that every host can reach "
@@ -393,6 +417,11 @@ def heartbeat_interval(timeout_s):
     return min(5.0, max(0.5, float(timeout_s) / 60.0))
 
 
+# Bound of one store operation made outside a collective (heartbeat marks, first_to_report,
+# the count of failed ranks): a healthy store answers in milliseconds.
+_STORE_CALL_S = 5.0
+
+
 class _Heartbeat:
     """
     A daemon thread that adds 1 to ``beat/{rank}`` in the process group's TCP store every
@@ -408,6 +437,7 @@ class _Heartbeat:
             os.environ.get("TORCHELASTIC_RUN_ID", "job"),
             os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         self._lock = threading.Lock()
+        self.store_lost = False  # set once peer_states found the store unreachable
         self._stop = threading.Event()
         self._client = self.connect(max(10.0, 3 * self.interval))
         self._client.add(f"beat/{rank}", 1)  # the first beat before returning from setup
@@ -427,11 +457,28 @@ class _Heartbeat:
             except Exception:
                 return  # the store is gone: the collectives will say so
 
+    def call(self, fn, seconds=_STORE_CALL_S):
+        """``fn(client)`` under the lock, waited for at most ``seconds``: an operation on a store
+        whose host became unreachable (cable pulled, host powered off) does not honour the
+        store's timeout and can block for many minutes, holding the lock. Raises TimeoutError
+        when the bound passes. Not collective."""
+        if self.store_lost:
+            raise ConnectionError(f"the store at {self.host}:{self.port} is unreachable")
+
+        def locked():
+            if not self._lock.acquire(timeout=seconds):
+                raise TimeoutError("the heartbeat's store connection is busy")
+            try:
+                return fn(self._client)
+            finally:
+                self._lock.release()
+
+        return _bounded(locked, seconds, "a heartbeat store operation")
+
     def mark(self, state):
-        """Record why this rank stops (best effort)."""
+        """Record why this rank stops (best effort, bounded)."""
         try:
-            with self._lock:
-                self._client.set(f"state/{self.rank}", state)
+            self.call(lambda c: c.set(f"state/{self.rank}", state))
         except Exception:
             pass
 
@@ -481,7 +528,8 @@ def peer_states(window_s=None):
         return {}
     window = window_s if window_s is not None else 2.5 * hb.interval + 0.5
     others = [r for r in range(hb.world) if r != hb.rank]
-    try:
+
+    def look():
         client = hb.connect(window + 5.0)
         seen = {r: client.add(f"beat/{r}", 0) for r in others}
         deadline = time.monotonic() + window
@@ -494,9 +542,12 @@ def peer_states(window_s=None):
             key = f"state/{r}"
             states[r] = client.get(key).decode() if client.check([key]) else "lost"
         return states
-    except RankLostError:
-        raise
+
+    try:
+        # bounded: a store whose host went silent mid-way would not answer (see _Heartbeat.call)
+        return _bounded(look, 2 * window + 10.0 + 2 * _STORE_CALL_S, "reading the heartbeats")
     except Exception as e:
+        hb.store_lost = True  # later store calls of this rank fail at once
         raise RankLostError(
             f"the process group's store at {hb.host}:{hb.port} is unreachable "
             f"({type(e).__name__}): the rank that holds it (rank 0 under mpiexec; the rendezvous "
@@ -553,8 +604,7 @@ def first_to_report(topic):
     if hb is None or not is_distributed():
         return True
     try:
-        with hb._lock:
-            return hb._client.add(f"first_to_report/{topic}", 1) == 1
+        return hb.call(lambda c: c.add(f"first_to_report/{topic}", 1)) == 1
     except Exception:
         return True
 
@@ -578,9 +628,12 @@ def end_job_after_error(code, wait_s=10.0, *, cause=None, lost=()):
         _heartbeat.mark(f"ended the job ({cause or f'exit {code}'})")
     world = get_world_size()
     expected = world - len(set(lost))
-    try:
+    reached = []
+
+    def count_and_wait():
         store = dist.distributed_c10d._get_default_store()
         store.add("end_job_after_error/failed", 1)
+        reached.append(True)
         deadline = time.time() + wait_s
         while store.add("end_job_after_error/failed", 0) < expected:
             if time.time() > deadline:
@@ -591,12 +644,21 @@ def end_job_after_error(code, wait_s=10.0, *, cause=None, lost=()):
             if time.time() > deadline + wait_s:  # rank 0 holds the store: let the others read
                 break
             time.sleep(0.05)
+
+    try:
+        if _heartbeat is not None and _heartbeat.store_lost:
+            raise ConnectionError("the process group's store is unreachable")
+        # bounded as a whole: the store's host may be unreachable (see _Heartbeat.call)
+        _bounded(count_and_wait, 2 * wait_s + _STORE_CALL_S, "counting the failed ranks")
         if not lost:
             return
     except Exception:
         pass
     if lost:
         sys.stderr.write(f"note: ending the job ({len(set(lost))} of {world} ranks lost)\n")
+    elif not reached:
+        sys.stderr.write(f"note: the process group's store cannot be reached; ending this rank "
+                         f"(of {world})\n")
     else:
         sys.stderr.write(f"note: the other ranks did not fail; aborting all {world} ranks\n")
     sys.stderr.flush()
