@@ -28,6 +28,7 @@ import time
 import uuid
 import warnings
 import zipfile
+import zlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, List, Optional
@@ -424,40 +425,177 @@ def _load_error_reason(e):
     return f"cannot be loaded ({type(e).__name__}: {first})"
 
 
-def _zip_crc_problem(data):
-    """Why a torch zip file's records fail their CRC check, else None.
+class _Record:
+    """One stored record of a torch zip file: where its data starts, its size and CRC-32."""
 
-    torch.load does not check CRCs, so a flipped byte inside a tensor record would load silently
-    as damaged weights. (An unreadable archive is left to torch.load, which explains it.)
+    __slots__ = ("index", "name", "size", "crc")
+
+    def __init__(self, index, name, size, crc):
+        self.index, self.name, self.size, self.crc = index, name, size, crc
+
+
+def _zip_records(raw):
+    """{data offset: _Record} of the torch zip file open in ``raw`` (seekable), or None when it
+    is not a readable zip (a legacy torch file, or damage that torch.load will explain).
+
+    Reads the central directory and each record's 30-byte local header (for the offset of its
+    data); a failed read raises OSError.
     """
-    if data[:4] != b"PK\x03\x04":
+    raw.seek(0)
+    if raw.read(4) != b"PK\x03\x04":
         return None
     try:
-        with zipfile.ZipFile(io.BytesIO(data)) as z:
-            bad = z.testzip()
-    except Exception:
+        with zipfile.ZipFile(raw) as z:
+            infos = z.infolist()
+    except (zipfile.BadZipFile, EOFError, ValueError):  # damaged: torch.load explains it
         return None
-    return f"corrupt record {bad!r} (CRC mismatch: the data was damaged)" if bad else None
+    records = {}
+    for index, info in enumerate(infos):
+        raw.seek(info.header_offset)
+        head = raw.read(30)
+        if len(head) < 30 or head[:4] != b"PK\x03\x04" or info.compress_type != zipfile.ZIP_STORED:
+            return None
+        offset = info.header_offset + 30 + int.from_bytes(head[26:28], "little") \
+            + int.from_bytes(head[28:30], "little")
+        records[offset] = _Record(index, info.filename, info.file_size, info.CRC)
+    return records
 
 
-def _torch_load_bytes(data, name):
-    if len(data) == 0:
+def records_digest(records):
+    """A short digest of a zip's records (names, sizes, CRCs, offsets): equal for equal files."""
+    h = hashlib.sha256()
+    for offset in sorted(records):
+        r = records[offset]
+        h.update(f"{offset}:{r.name}:{r.size}:{r.crc};".encode())
+    return h.hexdigest()
+
+
+class _CheckedReader:
+    """What torch.load reads a file through: each record torch reads (one readinto of exactly
+    the record, straight into the new tensor's memory) has its CRC-32 checked right there, so
+    the bytes are read once and never copied twice. torch.load itself checks no CRC: a flipped
+    byte inside a tensor record would load silently as damaged weights.
+
+    ``check(index)`` says which records this process checks (ranks reading the same file share
+    the work). ``bad``: the first record that failed; ``read_error``: an OSError of the file.
+    """
+
+    def __init__(self, raw, records, check=None):
+        self._raw = raw
+        self._records = records or {}
+        self._check = check
+        self.bad = None
+        self.read_error = None
+
+    def _checked(self, pos, view):
+        rec = self._records.get(pos)
+        if rec is None or self.bad is not None or view.nbytes != rec.size:
+            return
+        if self._check is not None and not self._check(rec.index):
+            return
+        if zlib.crc32(view) != rec.crc:
+            self.bad = rec.name
+
+    def readinto(self, b):
+        pos = self._raw.tell()
+        try:
+            n = self._raw.readinto(b)
+        except OSError as e:
+            self.read_error = e
+            raise
+        self._checked(pos, memoryview(b).cast("B")[:n or 0])
+        return n
+
+    def read(self, n=-1):
+        pos = self._raw.tell()
+        try:
+            data = self._raw.read(n)
+        except OSError as e:
+            self.read_error = e
+            raise
+        self._checked(pos, memoryview(data))
+        return data
+
+    def readline(self, *args):  # a legacy (non-zip) torch file is read as a plain pickle
+        try:
+            return self._raw.readline(*args)
+        except OSError as e:
+            self.read_error = e
+            raise
+
+    def seek(self, *args):
+        return self._raw.seek(*args)
+
+    def tell(self):
+        return self._raw.tell()
+
+    def readable(self):
+        return True
+
+    def seekable(self):
+        return True
+
+
+class _MemoryFile(io.RawIOBase):
+    """A read-only seekable file over a bytes-like object, without copying it (io.BytesIO copies
+    a bytearray)."""
+
+    def __init__(self, data):
+        super().__init__()
+        self._view = memoryview(data).cast("B")
+        self._pos = 0
+
+    def readable(self):
+        return True
+
+    def seekable(self):
+        return True
+
+    def readinto(self, b):
+        out = memoryview(b).cast("B")
+        n = max(0, min(out.nbytes, self._view.nbytes - self._pos))
+        out[:n] = self._view[self._pos:self._pos + n]
+        self._pos += n
+        return n
+
+    def seek(self, offset, whence=0):
+        base = {0: 0, 1: self._pos, 2: self._view.nbytes}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def tell(self):
+        return self._pos
+
+
+def _torch_load(raw, nbytes, name, records=None, check=None):
+    """torch.load (weights_only) of the file open in ``raw`` (``nbytes`` long), checking the CRC-32
+    of each record as it is read (``check``: which records; all by default). A failed read is
+    CheckpointReadError; bad content (empty, truncated, not torch, pickled code, a damaged
+    record) is CheckpointError; both name the file. ``records``: _zip_records(raw) when known."""
+    if nbytes == 0:
         raise CheckpointError(
             f"{name}: empty file (0 bytes), probably an interrupted write; delete it or use an "
             f"earlier step")
+    if records is None:
+        records = _zip_records(raw)
+    raw.seek(0)
+    reader = _CheckedReader(raw, records, check)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            obj = th.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+            obj = th.load(reader, weights_only=True, map_location="cpu")
     except MemoryError:
         raise CheckpointReadError(f"{name}: out of memory while loading it; free memory or load "
                                   f"it on a machine with more") from None
     except Exception as e:  # torch.load's failures on bad bytes have no common type
+        if reader.read_error is not None:
+            raise CheckpointReadError(f"{name}: cannot read ({typed_one_line(reader.read_error)});"
+                                      f" check that it is reachable and readable") from None
         raise CheckpointError(
             f"{name}: {_load_error_reason(e)}; replace it or resume from another step") from None
-    problem = _zip_crc_problem(data)  # loaded, but possibly with damaged tensor bytes
-    if problem:
-        raise CheckpointError(f"{name}: {problem}; replace it or resume from another step")
+    if reader.bad is not None:  # loaded, but with damaged bytes
+        raise CheckpointError(f"{name}: corrupt record {reader.bad!r} (CRC mismatch: the data "
+                              f"was damaged); replace it or resume from another step")
     return obj
 
 
@@ -489,29 +627,118 @@ def load_file(path_or_bytes, name=None):
 
     ``path_or_bytes``: a path / blobfile URL, or the file's bytes (then ``name`` names it in
     messages and supplies the step/rate for untagged files). Always
-    ``torch.load(weights_only=True, map_location="cpu")``. Any failure (missing, directory,
-    empty, truncated, random bytes, pickled code, corrupt zip, a tagged file from a newer
-    format, a tagged file without its payload) raises CheckpointError with a one-line message.
+    ``torch.load(weights_only=True, map_location="cpu")``, reading each record once, straight
+    into its tensor, with its CRC-32 checked on the way. Any failure (missing, directory, empty,
+    truncated, random bytes, pickled code, a damaged record, a tagged file from a newer format, a
+    tagged file without its payload) raises CheckpointError with a one-line message; a failed
+    read is CheckpointReadError.
     """
     if isinstance(path_or_bytes, (bytes, bytearray, memoryview)):
-        data = bytes(path_or_bytes)
         name = os.fspath(name) if name is not None else "<bytes>"
-    else:
-        name = os.fspath(path_or_bytes) if name is None else os.fspath(name)
-        data = read_bytes(path_or_bytes)
-    obj = _torch_load_bytes(data, name)
-    return _make_ckpt(obj, name, len(data))
+        raw = _MemoryFile(path_or_bytes)
+        obj = _torch_load(raw, raw.seek(0, 2), name)
+        return _make_ckpt(obj, name, raw.tell())
+    name = os.fspath(path_or_bytes) if name is None else os.fspath(name)
+    if is_remote(path_or_bytes):
+        return load_file(read_bytes(path_or_bytes), name=name)
+    with _open_local(path_or_bytes) as (raw, nbytes):
+        obj = _torch_load(raw, nbytes, name)
+    return _make_ckpt(obj, name, nbytes)
+
+
+class _open_local:
+    """``with _open_local(path) as (file, size)``: a local file opened for reading, its failures
+    worded as dist_util.read_local words them (CheckpointReadError naming the file)."""
+
+    def __init__(self, path):
+        self._path = os.fspath(path)
+        self._f = None
+
+    def __enter__(self):
+        f, err = dist_util.open_local(self._path)
+        if err is not None:
+            raise CheckpointReadError(err[1])
+        self._f = f
+        try:
+            size = os.fstat(f.fileno()).st_size
+        except OSError as e:
+            f.close()
+            raise CheckpointReadError(f"{self._path}: cannot read ({typed_one_line(e)})") from e
+        return f, size
+
+    def __exit__(self, *exc):
+        self._f.close()
+        return False
+
+
+def _local_identity(path):
+    """What a rank reports about a local file before a collective load: ("ok", identity, digest)
+    with identity (host, device, inode, size, mtime) and the digest of its zip records (None for
+    a file that is not a readable torch zip); ("err", (error type name, one line)) when it cannot
+    be opened or read."""
+    f, err = dist_util.open_local(path)
+    if err is not None:
+        return "err", err, None
+    try:
+        with f:
+            st = os.fstat(f.fileno())
+            records = _zip_records(f) if st.st_size else None
+    except OSError as e:
+        return "err", ("OSError", f"{path}: cannot read ({typed_one_line(e)})"), None
+    ident = (dist_util.host_name(), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    return "ok", ident, None if records is None else records_digest(records)
 
 
 def load_file_collective(path):
     """
-    ``load_file`` with the bytes read once on rank 0 and broadcast (dist_util.load_bytes), so
-    every rank gets the same object or raises the same CheckpointError. Ranks given different
-    paths all raise CheckpointError naming each rank's path.
+    ``load_file`` on every rank, with every rank getting the same object or raising the same
+    CheckpointError (one line naming the file). Ranks given different paths all raise
+    CheckpointError naming each rank's path.
+
+    A local file that every rank can open, with the same zip records (names, sizes, CRC-32s) on
+    every rank, is loaded by each rank itself, straight into its tensors (memory: the decoded
+    state, no copy of the file's bytes); ranks that read the same physical file (same host,
+    device, inode, size and mtime) split the CRC checks of its records between them, and every
+    rank learns every rank's outcome. Otherwise (a remote store, a rank that cannot open the
+    file, a different file on some host) rank 0 reads the bytes and broadcasts them in bounded
+    pieces (dist_util.load_bytes) and each rank loads them, checking every record.
 
     Collective: call from all ranks with the same arguments.
     """
     path = os.fspath(path)
+    if not dist_util.is_distributed():
+        return load_file(path)
+    mine = ("remote", None, None) if is_remote(path) else _local_identity(path)
+    gathered = dist_util.all_gather_object((path, mine))
+    try:
+        dist_util.check_same_path([p for p, _ in gathered])
+    except dist_util.DistMismatchError as e:
+        raise CheckpointError(str(e)) from None
+    states = [m for _, m in gathered]
+    if states[0][0] == "err":  # the same one line on every rank
+        raise CheckpointReadError(states[0][1][1])
+    if any(st[0] != "ok" or st[2] is None or st[2] != states[0][2] or st[1][3] != states[0][1][3]
+           for st in states):
+        return _load_broadcast(path)
+    rank = dist_util.get_rank()
+    group = [r for r, st in enumerate(states) if st[1] == states[rank][1]]
+    share, of = group.index(rank), len(group)
+    outcome, obj, nbytes = None, None, 0
+    try:
+        with _open_local(path) as (raw, nbytes):
+            obj = _torch_load(raw, nbytes, path, check=lambda i: i % of == share)
+    except CheckpointError as e:
+        outcome = (type(e) is CheckpointReadError, str(e))
+    outcomes = dist_util.all_gather_object(outcome)
+    failed = [o for o in outcomes if o is not None]
+    if failed:
+        read_error, message = failed[0]
+        raise (CheckpointReadError if read_error else CheckpointError)(message)
+    return _make_ckpt(obj, path, nbytes)
+
+
+def _load_broadcast(path):
+    """load_file_collective's fallback: rank 0 reads, broadcasts the bytes, every rank loads."""
     try:
         data = with_retry(lambda: dist_util.load_bytes(path), path, retry_on=(OSError,))
     except dist_util.DistMismatchError as e:
@@ -734,24 +961,24 @@ def write_file(path, obj):
         raise CheckpointError(f"{path}: already exists; refusing to overwrite a checkpoint "
                               f"(move it away or start from a later step)")
     if is_remote(path):
-        if isinstance(obj, (bytes, bytearray)):
-            data = bytes(obj)
-        else:
-            buf = io.BytesIO()
-            th.save(obj, buf)
-            data = buf.getvalue()
+        # Serialised in memory first: a BlobFile closed after a failed torch.save would publish
+        # a partial object.
+        buf = io.BytesIO()
+        out = _HashingWriter(buf)
+        _save_into(obj, out)
         with bf.BlobFile(path, "wb") as f:
-            f.write(data)
-        return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+            f.write(buf.getbuffer())
+        return out.digest()
 
     d = dirname(path)
     tmp = os.path.join(d, f"{basename(path)}.tmp-{uuid.uuid4().hex}")
     try:
         with open(tmp, "wb") as f:
-            _save_into(obj, f)
+            out = _HashingWriter(f)
+            _save_into(obj, out)
             f.flush()
             os.fsync(f.fileno())
-        info = file_digest(tmp)
+        info = out.digest()
         try:
             os.link(tmp, path)
         except FileExistsError:
@@ -783,18 +1010,22 @@ def _unlink_quietly(path):
         pass
 
 
-class _WriteGuard:
-    """A file wrapper for torch.save that remembers the OSError of a failed write.
-
-    torch.save reports a failed write as "RuntimeError: [enforce fail at inline_container.cc]
+class _HashingWriter:
+    """A file wrapper that computes the SHA-256 and size of the bytes as they are written (so a
+    written file is never read back for its checksum), and remembers the OSError of a failed
+    write: torch.save reports one as "RuntimeError: [enforce fail at inline_container.cc]
     unexpected pos ..." without the errno; ``_save_into`` raises the remembered OSError instead.
     """
 
     def __init__(self, f):
         self._f = f
+        self._sha = hashlib.sha256()
+        self.size = 0
         self.error = None
 
     def write(self, data):
+        self._sha.update(data)
+        self.size += memoryview(data).nbytes
         try:
             return self._f.write(data)
         except OSError as e:
@@ -804,18 +1035,21 @@ class _WriteGuard:
     def flush(self):
         return self._f.flush()
 
+    def digest(self):
+        """{"size", "sha256"} of everything written so far (file_digest's format)."""
+        return {"size": self.size, "sha256": self._sha.hexdigest()}
 
-def _save_into(obj, f):
-    """Write ``obj`` (raw bytes as they are, else torch.save) into the open file ``f``."""
+
+def _save_into(obj, out):
+    """Write ``obj`` (raw bytes as they are, else torch.save) into ``out`` (a _HashingWriter)."""
     if isinstance(obj, (bytes, bytearray)):
-        f.write(obj)
+        out.write(obj)
         return
-    guard = _WriteGuard(f)
     try:
-        th.save(obj, guard)
+        th.save(obj, out)
     except RuntimeError:
-        if guard.error is not None:
-            raise guard.error from None
+        if out.error is not None:
+            raise out.error from None
         raise
 
 
