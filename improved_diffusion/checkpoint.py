@@ -426,21 +426,19 @@ def _load_error_reason(e):
 
 
 class _Record:
-    """One stored record of a torch zip file: where its data starts, its size and CRC-32."""
+    """One stored record of a torch zip file (from the central directory)."""
 
-    __slots__ = ("index", "name", "size", "crc")
+    __slots__ = ("index", "name", "header_offset", "size", "crc")
 
-    def __init__(self, index, name, size, crc):
-        self.index, self.name, self.size, self.crc = index, name, size, crc
+    def __init__(self, index, name, header_offset, size, crc):
+        self.index, self.name, self.header_offset = index, name, header_offset
+        self.size, self.crc = size, crc
 
 
 def _zip_records(raw):
-    """{data offset: _Record} of the torch zip file open in ``raw`` (seekable), or None when it
-    is not a readable zip (a legacy torch file, or damage that torch.load will explain).
-
-    Reads the central directory and each record's 30-byte local header (for the offset of its
-    data); a failed read raises OSError.
-    """
+    """The records (list of _Record) of the torch zip file open in ``raw`` (seekable), from its
+    central directory alone; None when it is not a readable zip of stored records (a legacy
+    torch file, or damage that torch.load will explain). A failed read raises OSError."""
     raw.seek(0)
     if raw.read(4) != b"PK\x03\x04":
         return None
@@ -449,51 +447,54 @@ def _zip_records(raw):
             infos = z.infolist()
     except (zipfile.BadZipFile, EOFError, ValueError):  # damaged: torch.load explains it
         return None
-    records = {}
-    for index, info in enumerate(infos):
-        raw.seek(info.header_offset)
-        head = raw.read(30)
-        if len(head) < 30 or head[:4] != b"PK\x03\x04" or info.compress_type != zipfile.ZIP_STORED:
-            return None
-        offset = info.header_offset + 30 + int.from_bytes(head[26:28], "little") \
-            + int.from_bytes(head[28:30], "little")
-        records[offset] = _Record(index, info.filename, info.file_size, info.CRC)
-    return records
+    if any(i.compress_type != zipfile.ZIP_STORED for i in infos):
+        return None
+    return [_Record(n, i.filename, i.header_offset, i.file_size, i.CRC)
+            for n, i in enumerate(infos)]
 
 
 def records_digest(records):
-    """A short digest of a zip's records (names, sizes, CRCs, offsets): equal for equal files."""
+    """A digest of a zip's records (names, offsets, sizes, CRCs): equal for equal files."""
     h = hashlib.sha256()
-    for offset in sorted(records):
-        r = records[offset]
-        h.update(f"{offset}:{r.name}:{r.size}:{r.crc};".encode())
+    for r in records or ():
+        h.update(f"{r.name}:{r.header_offset}:{r.size}:{r.crc};".encode())
     return h.hexdigest()
 
 
 class _CheckedReader:
-    """What torch.load reads a file through: each record torch reads (one readinto of exactly
-    the record, straight into the new tensor's memory) has its CRC-32 checked right there, so
-    the bytes are read once and never copied twice. torch.load itself checks no CRC: a flipped
-    byte inside a tensor record would load silently as damaged weights.
+    """What torch.load reads a file through: each record torch reads (its 30-byte local header,
+    then one readinto of exactly the record, straight into the new tensor's memory) has its
+    CRC-32 checked right there, so the bytes are read once and copied once. torch.load itself
+    checks no CRC: a flipped byte inside a tensor record would load silently as damaged weights.
 
-    ``check(index)`` says which records this process checks (ranks reading the same file share
-    the work). ``bad``: the first record that failed; ``read_error``: an OSError of the file.
+    ``mine``: the records this process checks (ranks reading the same file share the work);
+    ``finish()`` checks, by reading them, those that torch did not read in that way.
+    ``bad``: the first record that failed; ``read_error``: an OSError of the file.
     """
 
-    def __init__(self, raw, records, check=None):
+    def __init__(self, raw, mine):
         self._raw = raw
-        self._records = records or {}
-        self._check = check
+        self._by_header = {r.header_offset: r for r in mine}
+        self._by_data = {}
+        self._unchecked = {r.index: r for r in mine}
         self.bad = None
         self.read_error = None
 
-    def _checked(self, pos, view):
-        rec = self._records.get(pos)
-        if rec is None or self.bad is not None or view.nbytes != rec.size:
+    def _seen(self, pos, view):
+        rec = self._by_header.get(pos)
+        if rec is not None and view.nbytes >= 30 and bytes(view[:4]) == b"PK\x03\x04":
+            data = pos + 30 + int.from_bytes(view[26:28], "little") \
+                + int.from_bytes(view[28:30], "little")
+            self._by_data[data] = rec
+            end = data - pos + rec.size
+            if view.nbytes < end:
+                return
+            view, pos = view[data - pos:end], data  # header and data in one read
+        rec = self._by_data.get(pos)
+        if rec is None or view.nbytes != rec.size or rec.index not in self._unchecked:
             return
-        if self._check is not None and not self._check(rec.index):
-            return
-        if zlib.crc32(view) != rec.crc:
+        del self._unchecked[rec.index]
+        if self.bad is None and zlib.crc32(view) != rec.crc:
             self.bad = rec.name
 
     def readinto(self, b):
@@ -503,7 +504,7 @@ class _CheckedReader:
         except OSError as e:
             self.read_error = e
             raise
-        self._checked(pos, memoryview(b).cast("B")[:n or 0])
+        self._seen(pos, memoryview(b).cast("B")[:n or 0])
         return n
 
     def read(self, n=-1):
@@ -513,7 +514,7 @@ class _CheckedReader:
         except OSError as e:
             self.read_error = e
             raise
-        self._checked(pos, memoryview(data))
+        self._seen(pos, memoryview(data))
         return data
 
     def readline(self, *args):  # a legacy (non-zip) torch file is read as a plain pickle
@@ -534,6 +535,27 @@ class _CheckedReader:
 
     def seekable(self):
         return True
+
+    def finish(self):
+        """Check the records of ``mine`` that torch.load did not read as expected, reading them
+        (in 8 MB pieces); raises OSError when a read fails."""
+        for rec in list(self._unchecked.values()):
+            self._raw.seek(rec.header_offset)
+            head = self._raw.read(30)
+            if len(head) < 30:
+                self.bad = self.bad or rec.name
+                continue
+            self._raw.seek(rec.header_offset + 30 + int.from_bytes(head[26:28], "little")
+                           + int.from_bytes(head[28:30], "little"))
+            crc, left = 0, rec.size
+            while left:
+                piece = self._raw.read(min(left, 8 << 20))
+                if not piece:
+                    break
+                crc, left = zlib.crc32(piece, crc), left - len(piece)
+            if (left or crc != rec.crc) and self.bad is None:
+                self.bad = rec.name
+            del self._unchecked[rec.index]
 
 
 class _MemoryFile(io.RawIOBase):
@@ -567,11 +589,12 @@ class _MemoryFile(io.RawIOBase):
         return self._pos
 
 
-def _torch_load(raw, nbytes, name, records=None, check=None):
+def _torch_load(raw, nbytes, name, records=None, share=(0, 1)):
     """torch.load (weights_only) of the file open in ``raw`` (``nbytes`` long), checking the CRC-32
-    of each record as it is read (``check``: which records; all by default). A failed read is
-    CheckpointReadError; bad content (empty, truncated, not torch, pickled code, a damaged
-    record) is CheckpointError; both name the file. ``records``: _zip_records(raw) when known."""
+    of each record as it is read: all of them, or with ``share`` (k, n) those whose index is k
+    modulo n. A failed read is CheckpointReadError; bad content (empty, truncated, not torch,
+    pickled code, a damaged record) is CheckpointError; both name the file. ``records``:
+    _zip_records(raw) when known."""
     if nbytes == 0:
         raise CheckpointError(
             f"{name}: empty file (0 bytes), probably an interrupted write; delete it or use an "
@@ -579,18 +602,21 @@ def _torch_load(raw, nbytes, name, records=None, check=None):
     if records is None:
         records = _zip_records(raw)
     raw.seek(0)
-    reader = _CheckedReader(raw, records, check)
+    k, n = share
+    reader = _CheckedReader(raw, [r for r in records or () if r.index % n == k])
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             obj = th.load(reader, weights_only=True, map_location="cpu")
+        reader.finish()
     except MemoryError:
         raise CheckpointReadError(f"{name}: out of memory while loading it; free memory or load "
                                   f"it on a machine with more") from None
     except Exception as e:  # torch.load's failures on bad bytes have no common type
-        if reader.read_error is not None:
-            raise CheckpointReadError(f"{name}: cannot read ({typed_one_line(reader.read_error)});"
-                                      f" check that it is reachable and readable") from None
+        if reader.read_error is not None or isinstance(e, OSError):
+            err = reader.read_error or e
+            raise CheckpointReadError(f"{name}: cannot read ({typed_one_line(err)}); check that "
+                                      f"it is reachable and readable") from None
         raise CheckpointError(
             f"{name}: {_load_error_reason(e)}; replace it or resume from another step") from None
     if reader.bad is not None:  # loaded, but with damaged bytes
@@ -672,21 +698,21 @@ class _open_local:
 
 
 def _local_identity(path):
-    """What a rank reports about a local file before a collective load: ("ok", identity, digest)
-    with identity (host, device, inode, size, mtime) and the digest of its zip records (None for
-    a file that is not a readable torch zip); ("err", (error type name, one line)) when it cannot
-    be opened or read."""
+    """What a rank reports about a local file before a collective load, and keeps: (("ok",
+    identity, digest), records) with identity (host, device, inode, size, mtime) and the digest
+    of its zip records (None for a file that is not a readable torch zip); (("err", (error type
+    name, one line), None), None) when it cannot be opened or read."""
     f, err = dist_util.open_local(path)
     if err is not None:
-        return "err", err, None
+        return ("err", err, None), None
     try:
         with f:
             st = os.fstat(f.fileno())
             records = _zip_records(f) if st.st_size else None
     except OSError as e:
-        return "err", ("OSError", f"{path}: cannot read ({typed_one_line(e)})"), None
+        return ("err", ("OSError", f"{path}: cannot read ({typed_one_line(e)})"), None), None
     ident = (dist_util.host_name(), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-    return "ok", ident, None if records is None else records_digest(records)
+    return ("ok", ident, None if records is None else records_digest(records)), records
 
 
 def load_file_collective(path):
@@ -708,7 +734,7 @@ def load_file_collective(path):
     path = os.fspath(path)
     if not dist_util.is_distributed():
         return load_file(path)
-    mine = ("remote", None, None) if is_remote(path) else _local_identity(path)
+    mine, records = (("remote", None, None), None) if is_remote(path) else _local_identity(path)
     gathered = dist_util.all_gather_object((path, mine))
     try:
         dist_util.check_same_path([p for p, _ in gathered])
@@ -726,7 +752,7 @@ def load_file_collective(path):
     outcome, obj, nbytes = None, None, 0
     try:
         with _open_local(path) as (raw, nbytes):
-            obj = _torch_load(raw, nbytes, path, check=lambda i: i % of == share)
+            obj = _torch_load(raw, nbytes, path, records, share=(share, of))
     except CheckpointError as e:
         outcome = (type(e) is CheckpointReadError, str(e))
     outcomes = dist_util.all_gather_object(outcome)

@@ -81,6 +81,7 @@ def make_loop(args, parts):
         keep_checkpoints=args.keep_checkpoints,
         log_sample_indices=getattr(args, "log_sample_indices", False),
         nan_policy=args.nan_policy,
+        async_save=getattr(args, "async_save", True),
     )
 
 
