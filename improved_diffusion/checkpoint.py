@@ -447,6 +447,10 @@ def _zip_records(raw):
             infos = z.infolist()
     except (zipfile.BadZipFile, EOFError, ValueError):  # damaged: torch.load explains it
         return None
+    except OSError as e:
+        if e.errno == errno.EINVAL:  # a seek to a negative offset read from damaged bytes
+            return None
+        raise
     if any(i.compress_type != zipfile.ZIP_STORED for i in infos):
         return None
     return [_Record(n, i.filename, i.header_offset, i.file_size, i.CRC)
@@ -600,7 +604,11 @@ def _torch_load(raw, nbytes, name, records=None, share=(0, 1)):
             f"{name}: empty file (0 bytes), probably an interrupted write; delete it or use an "
             f"earlier step")
     if records is None:
-        records = _zip_records(raw)
+        try:
+            records = _zip_records(raw)
+        except OSError as e:
+            raise CheckpointReadError(f"{name}: cannot read ({typed_one_line(e)}); check that it "
+                                      f"is reachable and readable") from None
     raw.seek(0)
     k, n = share
     reader = _CheckedReader(raw, [r for r in records or () if r.index % n == k])
@@ -613,10 +621,10 @@ def _torch_load(raw, nbytes, name, records=None, share=(0, 1)):
         raise CheckpointReadError(f"{name}: out of memory while loading it; free memory or load "
                                   f"it on a machine with more") from None
     except Exception as e:  # torch.load's failures on bad bytes have no common type
-        if reader.read_error is not None or isinstance(e, OSError):
-            err = reader.read_error or e
-            raise CheckpointReadError(f"{name}: cannot read ({typed_one_line(err)}); check that "
-                                      f"it is reachable and readable") from None
+        if reader.read_error is not None:  # a read failed (a seek to a negative offset read
+            # from damaged bytes is content)
+            raise CheckpointReadError(f"{name}: cannot read ({typed_one_line(reader.read_error)})"
+                                      f"; check that it is reachable and readable") from None
         raise CheckpointError(
             f"{name}: {_load_error_reason(e)}; replace it or resume from another step") from None
     if reader.bad is not None:  # loaded, but with damaged bytes
