@@ -4,7 +4,8 @@ For UNets of about 10M, 60M and 250M parameters (model + one EMA + AdamW state, 
 saves them), measured side by side in the same run, on the same disk (--dir):
 
 - ``save_async_pause_s``: how long TrainLoop.save() holds training with --async_save True (the
-  weights check, the RNG gather, the host copy into reused buffers); ``save_async_total_s``: until
+  weights check, the RNG gather, the host copy into reused buffers; ``save_async_first_pause_s``:
+  the first save, which allocates the buffers); ``save_async_total_s``: until
   its files and manifest are on disk (fsync'd);
 - ``save_sync_s``: TrainLoop.save() with --async_save False (pause = total);
 - ``raw_write_fsync_s``: the reference: writing the same number of bytes, in as many files, from
@@ -12,7 +13,8 @@ saves them), measured side by side in the same run, on the same disk (--dir):
 - ``step_s_during_async_save`` vs ``step_s``: one training step while the writer runs, and alone;
 - ``load_2ranks_s``: checkpoint.load_file_collective of the step's opt file (its largest) on 2 ranks
   (mpiexec -n 2), every rank timed from a barrier to the end; ``load_broadcast_2ranks_s``: the same
-  through the fallback (rank 0 reads, broadcasts the bytes); ``torch_load_s``: the reference, one
+  through the fallback (rank 0 reads, broadcasts the bytes); ``load_1rank_s``: load_file in one
+  process (the CRC-checking reader alone); ``torch_load_s``: the reference, one
   plain torch.load(weights_only=True) of the same file in one process (warm page cache for all);
   each in a fresh process, with its peak RSS over what the process held before the load
   (VmHWM - VmRSS before; ``peak_rss_over_file``: that peak in units of the file's size).
@@ -104,6 +106,15 @@ def raw_write(d, sizes, buf):
     return took
 
 
+def timed_save(loop, step, async_save):
+    """Seconds TrainLoop.save() held the caller for a save of ``step``."""
+    loop.step = step
+    loop.async_save = async_save
+    t0 = time.perf_counter()
+    loop.save()
+    return time.perf_counter() - t0
+
+
 def step_files(d, step):
     return [n for n in os.listdir(d) if n.endswith(f"{step:06d}.pt")]
 
@@ -132,36 +143,26 @@ def bench_save(size, d, repeat, cmd, keep_path):
         loop.run_step(*batch)
         step_alone.append(time.perf_counter() - t0)
     buf = np.random.default_rng(0).integers(0, 256, 64 << 20, dtype=np.uint8).tobytes()
-    rows = {k: [] for k in ("pause", "total", "sync", "raw", "step_during")}
+    rows = {k: [] for k in ("pause", "total", "sync", "raw", "step_during", "first_pause")}
     step = 100
     for r in range(repeat + 1):  # the first async save allocates its buffers: not counted
         step += 1
-        loop.step = step
-        loop.async_save = True
-        t0 = time.perf_counter()
-        loop.save()
-        pause = time.perf_counter() - t0
+        pause = timed_save(loop, step, async_save=True)
         t1 = time.perf_counter()
         loop.run_step(*batch)  # a training step while the writer runs
         during = time.perf_counter() - t1
         loop.step = step  # run_step counted one
-        loop._wait_for_save()
-        total = time.perf_counter() - t0
+        _, total, _, _ = loop._wait_for_save()  # from the save's start until the step is on disk
         sizes = [os.path.getsize(os.path.join(d, n)) for n in step_files(d, step)]
         drop_step(d, step)
-        if r:
-            rows["pause"].append(pause)
-            rows["total"].append(total)
-            rows["step_during"].append(during)
+        rows["first_pause" if r == 0 else "pause"].append(pause)
         step += 1
-        loop.step = step
-        loop.async_save = False
-        t0 = time.perf_counter()
-        loop.save()
-        sync = time.perf_counter() - t0
+        sync = timed_save(loop, step, async_save=False)
         if r < repeat:
             drop_step(d, step)
         if r:
+            rows["total"].append(total)
+            rows["step_during"].append(during)
             rows["sync"].append(sync)
             rows["raw"].append(raw_write(d, sizes, buf))
     for n in step_files(d, step):
@@ -174,6 +175,8 @@ def bench_save(size, d, repeat, cmd, keep_path):
     raw = med["raw"]
     emit("save_async_pause_s", med["pause"], "s", cmd, **common,
          over_raw_write=round(med["pause"] / raw, 4))
+    emit("save_async_first_pause_s", med["first_pause"], "s", cmd, **common,
+         over_raw_write=round(med["first_pause"] / raw, 4))
     emit("save_async_total_s", med["total"], "s", cmd, **common,
          over_raw_write=round(med["total"] / raw, 4))
     emit("save_sync_s", med["sync"], "s", cmd, **common,
@@ -208,6 +211,8 @@ def load_once(path, mode):
         checkpoint.load_file_collective(path)
     elif mode == "broadcast":
         checkpoint._load_broadcast(path)
+    elif mode == "single":
+        checkpoint.load_file(path)
     took = time.perf_counter() - t0
     peak = vm("VmHWM") - before
     got = dist_util.all_gather_object((took, peak))
@@ -231,11 +236,11 @@ def bench_load(size, path, repeat, cmd):
     nbytes = os.path.getsize(path)
     res = {}
     for _ in range(repeat):  # interleaved, side by side
-        for mode, ranks in (("torch", 1), ("collective", 2), ("broadcast", 2)):
+        for mode, ranks in (("torch", 1), ("collective", 2), ("broadcast", 2), ("single", 1)):
             res.setdefault(mode, []).append(run_load(path, mode, ranks))
     ref = statistics.median(r["seconds"] for r in res["torch"])
     for mode, figure in (("torch", "torch_load_s"), ("collective", "load_2ranks_s"),
-                         ("broadcast", "load_broadcast_2ranks_s")):
+                         ("broadcast", "load_broadcast_2ranks_s"), ("single", "load_1rank_s")):
         secs = statistics.median(r["seconds"] for r in res[mode])
         peaks = [max(r["peaks"][i] for r in res[mode]) for i in range(len(res[mode][0]["peaks"]))]
         emit(figure, secs, "s", cmd, size=size, file="opt", file_bytes=nbytes,

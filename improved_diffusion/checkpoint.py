@@ -501,32 +501,28 @@ class _CheckedReader:
         if self.bad is None and zlib.crc32(view) != rec.crc:
             self.bad = rec.name
 
-    def readinto(self, b):
-        pos = self._raw.tell()
+    def _io(self, fn, *args):
+        """``fn(*args)``, remembering an OSError (a failed read, not bad content)."""
         try:
-            n = self._raw.readinto(b)
+            return fn(*args)
         except OSError as e:
             self.read_error = e
             raise
+
+    def readinto(self, b):
+        pos = self._raw.tell()
+        n = self._io(self._raw.readinto, b)
         self._seen(pos, memoryview(b).cast("B")[:n or 0])
         return n
 
     def read(self, n=-1):
         pos = self._raw.tell()
-        try:
-            data = self._raw.read(n)
-        except OSError as e:
-            self.read_error = e
-            raise
+        data = self._io(self._raw.read, n)
         self._seen(pos, memoryview(data))
         return data
 
     def readline(self, *args):  # a legacy (non-zip) torch file is read as a plain pickle
-        try:
-            return self._raw.readline(*args)
-        except OSError as e:
-            self.read_error = e
-            raise
+        return self._io(self._raw.readline, *args)
 
     def seek(self, *args):
         return self._raw.seek(*args)

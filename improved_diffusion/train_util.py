@@ -714,15 +714,20 @@ class TrainLoop:
         return step, took, paused, self._prune()
 
     def _collect_save(self, block):
-        """Rank 0: log a finished background save; raise its failure (``block``: wait for it,
-        else return at once when it still runs). Not collective."""
+        """Rank 0: log a finished background save and return (step, seconds, pause, log lines);
+        raise its failure (``block``: wait for it, else return None at once when it still
+        runs). A failure already seen by _local_save_failed is raised first. Not collective."""
+        failure, self._save_failure = self._save_failure, None
+        if failure is not None:
+            raise failure
         outcome = self._writer.wait() if block else self._writer.poll()
         if outcome is None:
-            return
+            return None
         kind, value = outcome
         if kind == "failed":
             raise value
         self._log_saved(*value)
+        return value
 
     def _log_saved(self, step, took, paused, prune_lines):
         pause = "" if paused is None else f" (training paused {paused:.2f} s)"
@@ -732,8 +737,9 @@ class TrainLoop:
 
     def _wait_for_save(self):
         """Wait until the background save (if any) is complete on disk; its failure is raised on
-        every rank. Collective."""
-        dist_util.run_on_rank0(lambda: self._collect_save(block=True))
+        every rank. Returns _collect_save's (step, seconds, pause, log lines), or None when no
+        save was in flight. Collective."""
+        return dist_util.run_on_rank0(lambda: self._collect_save(block=True))
 
     def _local_save_failed(self):
         """This rank's bit for the loop's per-step flags: True on rank 0 once its background
@@ -743,10 +749,11 @@ class TrainLoop:
         calls _raise_save_failed together."""
         if self.rank != 0 or self._save_failure is not None:
             return self._save_failure is not None
-        try:
-            self._collect_save(block=False)
-        except BaseException as e:  # raised on every rank by _raise_save_failed
-            self._save_failure = e
+        outcome = self._writer.poll()
+        if outcome is not None and outcome[0] == "failed":
+            self._save_failure = outcome[1]  # raised on every rank by _raise_save_failed
+        elif outcome is not None:
+            self._log_saved(*outcome[1])
         return self._save_failure is not None
 
     def _raise_save_failed(self):
@@ -755,8 +762,8 @@ class TrainLoop:
         Collective: call from all ranks at the same step, once a rank's _local_save_failed was
         seen (the loop's per-step flags)."""
         def rank0():
-            failure, self._save_failure = self._save_failure, None
-            raise failure or RuntimeError("a background save failed on rank 0 (bug: no error)")
+            self._collect_save(block=True)  # raises the failure
+            raise RuntimeError("a background save failed on rank 0 (bug: no error kept)")
         dist_util.run_on_rank0(rank0)
 
     def _finish_save_quietly(self):
