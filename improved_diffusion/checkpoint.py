@@ -18,6 +18,7 @@ failed (I/O, permissions, a remote store, memory) is its subclass ``CheckpointRe
 no caller takes as a reason to fall back.
 """
 
+import concurrent.futures
 import errno
 import hashlib
 import io
@@ -1047,6 +1048,11 @@ class _HashingWriter:
     unexpected pos ..." without the errno; ``_save_into`` raises the remembered OSError instead.
     """
 
+    # Pieces at least this large are hashed on a helper thread while they are written (hashlib
+    # and the write both release the GIL); each write waits for its hash before returning, since
+    # torch.save may reuse the memory of a piece once written.
+    OVERLAP_BYTES = 1 << 20
+
     def __init__(self, f):
         self._f = f
         self._sha = hashlib.sha256()
@@ -1054,13 +1060,21 @@ class _HashingWriter:
         self.error = None
 
     def write(self, data):
-        self._sha.update(data)
-        self.size += memoryview(data).nbytes
+        view = memoryview(data)
+        self.size += view.nbytes
+        hashed = None
+        if view.nbytes >= self.OVERLAP_BYTES:
+            hashed = _hash_pool().submit(self._sha.update, view)
+        else:
+            self._sha.update(view)
         try:
             return self._f.write(data)
         except OSError as e:
             self.error = e
             raise
+        finally:
+            if hashed is not None:
+                hashed.result()
 
     def flush(self):
         return self._f.flush()
@@ -1068,6 +1082,17 @@ class _HashingWriter:
     def digest(self):
         """{"size", "sha256"} of everything written so far (file_digest's format)."""
         return {"size": self.size, "sha256": self._sha.hexdigest()}
+
+
+_HASH_POOL = []
+
+
+def _hash_pool():
+    """The one helper thread that hashes large pieces while they are written (made on first
+    use; its waits are bounded by the hash of one piece)."""
+    if not _HASH_POOL:
+        _HASH_POOL.append(concurrent.futures.ThreadPoolExecutor(1, "checkpoint-hash"))
+    return _HASH_POOL[0]
 
 
 def _save_into(obj, out):
