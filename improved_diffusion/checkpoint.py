@@ -440,8 +440,7 @@ def _zip_records(raw):
     """The records (list of _Record) of the torch zip file open in ``raw`` (seekable), from its
     central directory alone; None when it is not a readable zip of stored records (a legacy
     torch file, or damage that torch.load will explain). A failed read raises OSError."""
-    raw.seek(0)
-    if raw.read(4) != b"PK\x03\x04":
+    if not _is_zip(raw):
         return None
     try:
         with zipfile.ZipFile(raw) as z:
@@ -456,6 +455,11 @@ def _zip_records(raw):
         return None
     return [_Record(n, i.filename, i.header_offset, i.file_size, i.CRC)
             for n, i in enumerate(infos)]
+
+
+def _is_zip(raw):
+    raw.seek(0)
+    return raw.read(4) == b"PK\x03\x04"
 
 
 def records_digest(records):
@@ -622,8 +626,12 @@ def _torch_load(raw, nbytes, name, records=None, share=(0, 1)):
             # from damaged bytes is content)
             raise CheckpointReadError(f"{name}: cannot read ({typed_one_line(reader.read_error)})"
                                       f"; check that it is reachable and readable") from None
-        raise CheckpointError(
-            f"{name}: {_load_error_reason(e)}; replace it or resume from another step") from None
+        reason = _load_error_reason(e)
+        if records is None and reason.startswith("cannot be loaded") and not _is_zip(raw):
+            # no zip: a legacy pickle, whose unpickler fails on random bytes in many ways
+            reason = "not a torch checkpoint (unreadable pickle data)"
+        raise CheckpointError(f"{name}: {reason}; replace it or resume from another step") \
+            from None
     if reader.bad is not None:  # loaded, but with damaged bytes
         raise CheckpointError(f"{name}: corrupt record {reader.bad!r} (CRC mismatch: the data "
                               f"was damaged); replace it or resume from another step")
