@@ -111,7 +111,8 @@ class _HostCopier:
         host = self._storages.get(skey)
         if host is None:
             host = self._host_storage(skey, src)
-            host.copy_(src, non_blocking=src.device.type == "cuda")
+            # as byte tensors: a tensor copy uses torch's intra-op threads (a storage copy does not)
+            _bytes(host).copy_(_bytes(src), non_blocking=src.device.type == "cuda")
             self._cuda = self._cuda or src.device.type == "cuda"
             self._storages[skey] = host
         return th.empty(0, dtype=t.dtype).set_(host, t.storage_offset(), t.size(), t.stride())
@@ -125,6 +126,11 @@ class _HostCopier:
             buf = th.empty(src.nbytes(), dtype=th.uint8, pin_memory=pin).untyped_storage()
         self._used[skey] = buf
         return buf
+
+
+def _bytes(storage):
+    """A flat uint8 tensor over all of ``storage`` (no copy)."""
+    return th.empty(0, dtype=th.uint8, device=storage.device).set_(storage)
 
 
 class BackgroundWriter:
