@@ -18,6 +18,7 @@ failed (I/O, permissions, a remote store, memory) is its subclass ``CheckpointRe
 no caller takes as a reason to fall back.
 """
 
+import concurrent.futures
 import errno
 import hashlib
 import io
@@ -28,6 +29,7 @@ import time
 import uuid
 import warnings
 import zipfile
+import zlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, List, Optional
@@ -424,40 +426,215 @@ def _load_error_reason(e):
     return f"cannot be loaded ({type(e).__name__}: {first})"
 
 
-def _zip_crc_problem(data):
-    """Why a torch zip file's records fail their CRC check, else None.
+class _Record:
+    """One stored record of a torch zip file (from the central directory)."""
 
-    torch.load does not check CRCs, so a flipped byte inside a tensor record would load silently
-    as damaged weights. (An unreadable archive is left to torch.load, which explains it.)
-    """
-    if data[:4] != b"PK\x03\x04":
+    __slots__ = ("index", "name", "header_offset", "size", "crc")
+
+    def __init__(self, index, name, header_offset, size, crc):
+        self.index, self.name, self.header_offset = index, name, header_offset
+        self.size, self.crc = size, crc
+
+
+def _zip_records(raw):
+    """The records (list of _Record) of the torch zip file open in ``raw`` (seekable), from its
+    central directory alone; None when it is not a readable zip of stored records (a legacy
+    torch file, or damage that torch.load will explain). A failed read raises OSError."""
+    if not _is_zip(raw):
         return None
     try:
-        with zipfile.ZipFile(io.BytesIO(data)) as z:
-            bad = z.testzip()
-    except Exception:
+        with zipfile.ZipFile(raw) as z:
+            infos = z.infolist()
+    except (zipfile.BadZipFile, EOFError, ValueError):  # damaged: torch.load explains it
         return None
-    return f"corrupt record {bad!r} (CRC mismatch: the data was damaged)" if bad else None
+    except OSError as e:
+        if e.errno == errno.EINVAL:  # a seek to a negative offset read from damaged bytes
+            return None
+        raise
+    if any(i.compress_type != zipfile.ZIP_STORED for i in infos):
+        return None
+    return [_Record(n, i.filename, i.header_offset, i.file_size, i.CRC)
+            for n, i in enumerate(infos)]
 
 
-def _torch_load_bytes(data, name):
-    if len(data) == 0:
+def _is_zip(raw):
+    raw.seek(0)
+    return raw.read(4) == b"PK\x03\x04"
+
+
+def records_digest(records):
+    """A digest of a zip's records (names, offsets, sizes, CRCs): equal for equal files."""
+    h = hashlib.sha256()
+    for r in records or ():
+        h.update(f"{r.name}:{r.header_offset}:{r.size}:{r.crc};".encode())
+    return h.hexdigest()
+
+
+class _CheckedReader:
+    """What torch.load reads a file through: each record torch reads (its 30-byte local header,
+    then one readinto of exactly the record, straight into the new tensor's memory) has its
+    CRC-32 checked right there, so the bytes are read once and copied once. torch.load itself
+    checks no CRC: a flipped byte inside a tensor record would load silently as damaged weights.
+
+    ``mine``: the records this process checks (ranks reading the same file share the work);
+    ``finish()`` checks, by reading them, those that torch did not read in that way.
+    ``bad``: the first record that failed; ``read_error``: an OSError of the file.
+    """
+
+    def __init__(self, raw, mine):
+        self._raw = raw
+        self._by_header = {r.header_offset: r for r in mine}
+        self._by_data = {}
+        self._unchecked = {r.index: r for r in mine}
+        self.bad = None
+        self.read_error = None
+
+    def _seen(self, pos, view):
+        rec = self._by_header.get(pos)
+        if rec is not None and view.nbytes >= 30 and bytes(view[:4]) == b"PK\x03\x04":
+            data = pos + 30 + int.from_bytes(view[26:28], "little") \
+                + int.from_bytes(view[28:30], "little")
+            self._by_data[data] = rec
+            end = data - pos + rec.size
+            if view.nbytes < end:
+                return
+            view, pos = view[data - pos:end], data  # header and data in one read
+        rec = self._by_data.get(pos)
+        if rec is None or view.nbytes != rec.size or rec.index not in self._unchecked:
+            return
+        del self._unchecked[rec.index]
+        if self.bad is None and zlib.crc32(view) != rec.crc:
+            self.bad = rec.name
+
+    def _io(self, fn, *args):
+        """``fn(*args)``, remembering an OSError (a failed read, not bad content)."""
+        try:
+            return fn(*args)
+        except OSError as e:
+            self.read_error = e
+            raise
+
+    def readinto(self, b):
+        pos = self._raw.tell()
+        n = self._io(self._raw.readinto, b)
+        self._seen(pos, memoryview(b).cast("B")[:n or 0])
+        return n
+
+    def read(self, n=-1):
+        pos = self._raw.tell()
+        data = self._io(self._raw.read, n)
+        self._seen(pos, memoryview(data))
+        return data
+
+    def readline(self, *args):  # a legacy (non-zip) torch file is read as a plain pickle
+        return self._io(self._raw.readline, *args)
+
+    def seek(self, *args):
+        return self._raw.seek(*args)
+
+    def tell(self):
+        return self._raw.tell()
+
+    def readable(self):
+        return True
+
+    def seekable(self):
+        return True
+
+    def finish(self):
+        """Check the records of ``mine`` that torch.load did not read as expected, reading them
+        (in 8 MB pieces); raises OSError when a read fails."""
+        for rec in list(self._unchecked.values()):
+            self._raw.seek(rec.header_offset)
+            head = self._raw.read(30)
+            if len(head) < 30:
+                self.bad = self.bad or rec.name
+                continue
+            self._raw.seek(rec.header_offset + 30 + int.from_bytes(head[26:28], "little")
+                           + int.from_bytes(head[28:30], "little"))
+            crc, left = 0, rec.size
+            while left:
+                piece = self._raw.read(min(left, 8 << 20))
+                if not piece:
+                    break
+                crc, left = zlib.crc32(piece, crc), left - len(piece)
+            if (left or crc != rec.crc) and self.bad is None:
+                self.bad = rec.name
+            del self._unchecked[rec.index]
+
+
+class _MemoryFile(io.RawIOBase):
+    """A read-only seekable file over a bytes-like object, without copying it (io.BytesIO copies
+    a bytearray)."""
+
+    def __init__(self, data):
+        super().__init__()
+        self._view = memoryview(data).cast("B")
+        self._pos = 0
+
+    def readable(self):
+        return True
+
+    def seekable(self):
+        return True
+
+    def readinto(self, b):
+        out = memoryview(b).cast("B")
+        n = max(0, min(out.nbytes, self._view.nbytes - self._pos))
+        out[:n] = self._view[self._pos:self._pos + n]
+        self._pos += n
+        return n
+
+    def seek(self, offset, whence=0):
+        base = {0: 0, 1: self._pos, 2: self._view.nbytes}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def tell(self):
+        return self._pos
+
+
+def _torch_load(raw, nbytes, name, records=None, share=(0, 1)):
+    """torch.load (weights_only) of the file open in ``raw`` (``nbytes`` long), checking the CRC-32
+    of each record as it is read: all of them, or with ``share`` (k, n) those whose index is k
+    modulo n. A failed read is CheckpointReadError; bad content (empty, truncated, not torch,
+    pickled code, a damaged record) is CheckpointError; both name the file. ``records``:
+    _zip_records(raw) when known."""
+    if nbytes == 0:
         raise CheckpointError(
             f"{name}: empty file (0 bytes), probably an interrupted write; delete it or use an "
             f"earlier step")
+    if records is None:
+        try:
+            records = _zip_records(raw)
+        except OSError as e:
+            raise CheckpointReadError(f"{name}: cannot read ({typed_one_line(e)}); check that it "
+                                      f"is reachable and readable") from None
+    raw.seek(0)
+    k, n = share
+    reader = _CheckedReader(raw, [r for r in records or () if r.index % n == k])
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            obj = th.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+            obj = th.load(reader, weights_only=True, map_location="cpu")
+        reader.finish()
     except MemoryError:
         raise CheckpointReadError(f"{name}: out of memory while loading it; free memory or load "
                                   f"it on a machine with more") from None
     except Exception as e:  # torch.load's failures on bad bytes have no common type
-        raise CheckpointError(
-            f"{name}: {_load_error_reason(e)}; replace it or resume from another step") from None
-    problem = _zip_crc_problem(data)  # loaded, but possibly with damaged tensor bytes
-    if problem:
-        raise CheckpointError(f"{name}: {problem}; replace it or resume from another step")
+        if reader.read_error is not None:  # a read failed (a seek to a negative offset read
+            # from damaged bytes is content)
+            raise CheckpointReadError(f"{name}: cannot read ({typed_one_line(reader.read_error)})"
+                                      f"; check that it is reachable and readable") from None
+        reason = _load_error_reason(e)
+        if records is None and reason.startswith("cannot be loaded") and not _is_zip(raw):
+            # no zip: a legacy pickle, whose unpickler fails on random bytes in many ways
+            reason = "not a torch checkpoint (unreadable pickle data)"
+        raise CheckpointError(f"{name}: {reason}; replace it or resume from another step") \
+            from None
+    if reader.bad is not None:  # loaded, but with damaged bytes
+        raise CheckpointError(f"{name}: corrupt record {reader.bad!r} (CRC mismatch: the data "
+                              f"was damaged); replace it or resume from another step")
     return obj
 
 
@@ -489,29 +666,118 @@ def load_file(path_or_bytes, name=None):
 
     ``path_or_bytes``: a path / blobfile URL, or the file's bytes (then ``name`` names it in
     messages and supplies the step/rate for untagged files). Always
-    ``torch.load(weights_only=True, map_location="cpu")``. Any failure (missing, directory,
-    empty, truncated, random bytes, pickled code, corrupt zip, a tagged file from a newer
-    format, a tagged file without its payload) raises CheckpointError with a one-line message.
+    ``torch.load(weights_only=True, map_location="cpu")``, reading each record once, straight
+    into its tensor, with its CRC-32 checked on the way. Any failure (missing, directory, empty,
+    truncated, random bytes, pickled code, a damaged record, a tagged file from a newer format, a
+    tagged file without its payload) raises CheckpointError with a one-line message; a failed
+    read is CheckpointReadError.
     """
     if isinstance(path_or_bytes, (bytes, bytearray, memoryview)):
-        data = bytes(path_or_bytes)
         name = os.fspath(name) if name is not None else "<bytes>"
-    else:
-        name = os.fspath(path_or_bytes) if name is None else os.fspath(name)
-        data = read_bytes(path_or_bytes)
-    obj = _torch_load_bytes(data, name)
-    return _make_ckpt(obj, name, len(data))
+        raw = _MemoryFile(path_or_bytes)
+        obj = _torch_load(raw, raw.seek(0, 2), name)
+        return _make_ckpt(obj, name, raw.tell())
+    name = os.fspath(path_or_bytes) if name is None else os.fspath(name)
+    if is_remote(path_or_bytes):
+        return load_file(read_bytes(path_or_bytes), name=name)
+    with _open_local(path_or_bytes) as (raw, nbytes):
+        obj = _torch_load(raw, nbytes, name)
+    return _make_ckpt(obj, name, nbytes)
+
+
+class _open_local:
+    """``with _open_local(path) as (file, size)``: a local file opened for reading, its failures
+    worded as dist_util.read_local words them (CheckpointReadError naming the file)."""
+
+    def __init__(self, path):
+        self._path = os.fspath(path)
+        self._f = None
+
+    def __enter__(self):
+        f, err = dist_util.open_local(self._path)
+        if err is not None:
+            raise CheckpointReadError(err[1])
+        self._f = f
+        try:
+            size = os.fstat(f.fileno()).st_size
+        except OSError as e:
+            f.close()
+            raise CheckpointReadError(f"{self._path}: cannot read ({typed_one_line(e)})") from e
+        return f, size
+
+    def __exit__(self, *exc):
+        self._f.close()
+        return False
+
+
+def _local_identity(path):
+    """What a rank reports about a local file before a collective load, and keeps: (("ok",
+    identity, digest), records) with identity (host, device, inode, size, mtime) and the digest
+    of its zip records (None for a file that is not a readable torch zip); (("err", (error type
+    name, one line), None), None) when it cannot be opened or read."""
+    f, err = dist_util.open_local(path)
+    if err is not None:
+        return ("err", err, None), None
+    try:
+        with f:
+            st = os.fstat(f.fileno())
+            records = _zip_records(f) if st.st_size else None
+    except OSError as e:
+        return ("err", ("OSError", f"{path}: cannot read ({typed_one_line(e)})"), None), None
+    ident = (dist_util.host_name(), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    return ("ok", ident, None if records is None else records_digest(records)), records
 
 
 def load_file_collective(path):
     """
-    ``load_file`` with the bytes read once on rank 0 and broadcast (dist_util.load_bytes), so
-    every rank gets the same object or raises the same CheckpointError. Ranks given different
-    paths all raise CheckpointError naming each rank's path.
+    ``load_file`` on every rank, with every rank getting the same object or raising the same
+    CheckpointError (one line naming the file). Ranks given different paths all raise
+    CheckpointError naming each rank's path.
+
+    A local file that every rank can open, with the same zip records (names, sizes, CRC-32s) on
+    every rank, is loaded by each rank itself, straight into its tensors (memory: the decoded
+    state, no copy of the file's bytes); ranks that read the same physical file (same host,
+    device, inode, size and mtime) split the CRC checks of its records between them, and every
+    rank learns every rank's outcome. Otherwise (a remote store, a rank that cannot open the
+    file, a different file on some host) rank 0 reads the bytes and broadcasts them in bounded
+    pieces (dist_util.load_bytes) and each rank loads them, checking every record.
 
     Collective: call from all ranks with the same arguments.
     """
     path = os.fspath(path)
+    if not dist_util.is_distributed():
+        return load_file(path)
+    mine, records = (("remote", None, None), None) if is_remote(path) else _local_identity(path)
+    gathered = dist_util.all_gather_object((path, mine))
+    try:
+        dist_util.check_same_path([p for p, _ in gathered])
+    except dist_util.DistMismatchError as e:
+        raise CheckpointError(str(e)) from None
+    states = [m for _, m in gathered]
+    if states[0][0] == "err":  # the same one line on every rank
+        raise CheckpointReadError(states[0][1][1])
+    if any(st[0] != "ok" or st[2] is None or st[2] != states[0][2] or st[1][3] != states[0][1][3]
+           for st in states):
+        return _load_broadcast(path)
+    rank = dist_util.get_rank()
+    group = [r for r, st in enumerate(states) if st[1] == states[rank][1]]
+    share, of = group.index(rank), len(group)
+    outcome, obj, nbytes = None, None, 0
+    try:
+        with _open_local(path) as (raw, nbytes):
+            obj = _torch_load(raw, nbytes, path, records, share=(share, of))
+    except CheckpointError as e:
+        outcome = (type(e) is CheckpointReadError, str(e))
+    outcomes = dist_util.all_gather_object(outcome)
+    failed = [o for o in outcomes if o is not None]
+    if failed:
+        read_error, message = failed[0]
+        raise (CheckpointReadError if read_error else CheckpointError)(message)
+    return _make_ckpt(obj, path, nbytes)
+
+
+def _load_broadcast(path):
+    """load_file_collective's fallback: rank 0 reads, broadcasts the bytes, every rank loads."""
     try:
         data = with_retry(lambda: dist_util.load_bytes(path), path, retry_on=(OSError,))
     except dist_util.DistMismatchError as e:
@@ -734,24 +1000,24 @@ def write_file(path, obj):
         raise CheckpointError(f"{path}: already exists; refusing to overwrite a checkpoint "
                               f"(move it away or start from a later step)")
     if is_remote(path):
-        if isinstance(obj, (bytes, bytearray)):
-            data = bytes(obj)
-        else:
-            buf = io.BytesIO()
-            th.save(obj, buf)
-            data = buf.getvalue()
+        # Serialised in memory first: a BlobFile closed after a failed torch.save would publish
+        # a partial object.
+        buf = io.BytesIO()
+        out = _HashingWriter(buf)
+        _save_into(obj, out)
         with bf.BlobFile(path, "wb") as f:
-            f.write(data)
-        return {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+            f.write(buf.getbuffer())
+        return out.digest()
 
     d = dirname(path)
     tmp = os.path.join(d, f"{basename(path)}.tmp-{uuid.uuid4().hex}")
     try:
         with open(tmp, "wb") as f:
-            _save_into(obj, f)
+            out = _HashingWriter(f)
+            _save_into(obj, out)
             f.flush()
             os.fsync(f.fileno())
-        info = file_digest(tmp)
+        info = out.digest()
         try:
             os.link(tmp, path)
         except FileExistsError:
@@ -783,39 +1049,70 @@ def _unlink_quietly(path):
         pass
 
 
-class _WriteGuard:
-    """A file wrapper for torch.save that remembers the OSError of a failed write.
-
-    torch.save reports a failed write as "RuntimeError: [enforce fail at inline_container.cc]
+class _HashingWriter:
+    """A file wrapper that computes the SHA-256 and size of the bytes as they are written (so a
+    written file is never read back for its checksum), and remembers the OSError of a failed
+    write: torch.save reports one as "RuntimeError: [enforce fail at inline_container.cc]
     unexpected pos ..." without the errno; ``_save_into`` raises the remembered OSError instead.
     """
 
+    # Pieces at least this large are hashed on a helper thread while they are written (hashlib
+    # and the write both release the GIL); each write waits for its hash before returning, since
+    # torch.save may reuse the memory of a piece once written.
+    OVERLAP_BYTES = 1 << 20
+
     def __init__(self, f):
         self._f = f
+        self._sha = hashlib.sha256()
+        self.size = 0
         self.error = None
 
     def write(self, data):
+        view = memoryview(data)
+        self.size += view.nbytes
+        hashed = None
+        if view.nbytes >= self.OVERLAP_BYTES:
+            hashed = _hash_pool().submit(self._sha.update, view)
+        else:
+            self._sha.update(view)
         try:
             return self._f.write(data)
         except OSError as e:
             self.error = e
             raise
+        finally:
+            if hashed is not None:
+                hashed.result()
 
     def flush(self):
         return self._f.flush()
 
+    def digest(self):
+        """{"size", "sha256"} of everything written so far (file_digest's format)."""
+        return {"size": self.size, "sha256": self._sha.hexdigest()}
 
-def _save_into(obj, f):
-    """Write ``obj`` (raw bytes as they are, else torch.save) into the open file ``f``."""
+
+_HASH_POOL = []
+
+
+def _hash_pool():
+    """The one helper thread that hashes large pieces while they are written (made on first
+    use; its waits are bounded by the hash of one piece)."""
+    if not _HASH_POOL:
+        _HASH_POOL.append(concurrent.futures.ThreadPoolExecutor(1, "checkpoint-hash"))
+    return _HASH_POOL[0]
+
+
+def _save_into(obj, out):
+    """Write ``obj`` (raw bytes as they are, else torch.save) into ``out`` (a _HashingWriter)."""
     if isinstance(obj, (bytes, bytearray)):
-        f.write(obj)
+        out.write(obj)
         return
-    guard = _WriteGuard(f)
     try:
-        th.save(obj, guard)
+        th.save(obj, out)
     except RuntimeError:
-        if guard.error is not None:
-            raise guard.error from None
+        if out.error is not None:
+            raise out.error from None
         raise
 
 

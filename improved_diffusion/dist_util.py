@@ -39,6 +39,7 @@ import socket
 import sys
 import threading
 import time
+import warnings
 
 import blobfile as bf
 import torch as th
@@ -780,6 +781,34 @@ def all_gather_object(obj):
     return out
 
 
+def gather_object_to_rank0(obj):
+    """
+    Every rank's picklable ``obj`` as a list indexed by rank on rank 0; None on the other ranks
+    (nothing is sent to them, unlike all_gather_object).
+
+    Collective: call from all ranks with the same arguments.
+    """
+    if not is_distributed():
+        return [obj]
+    out = [None] * get_world_size() if get_rank() == 0 else None
+    dist.gather_object(obj, out, dst=0)
+    return out
+
+
+def any_rank_each(*flags):
+    """
+    A tuple with, for each of ``flags``, True on every rank if it is true on any rank: several
+    flags in one all-reduce.
+
+    Collective: call from all ranks with the same arguments.
+    """
+    if not is_distributed():
+        return tuple(bool(f) for f in flags)
+    t = th.tensor([1 if f else 0 for f in flags], dtype=th.int32, device=_comm_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return tuple(bool(v) for v in t.tolist())
+
+
 def any_rank(flag):
     """
     True on every rank if ``flag`` is true on any rank.
@@ -820,12 +849,16 @@ def sync_params(params):
 
 
 def _broadcast_bytes(data, nbytes):
-    """Broadcast ``data`` (bytes on rank 0, ignored elsewhere) of length ``nbytes`` from rank 0."""
+    """Broadcast ``data`` (bytes-like on rank 0, ignored elsewhere) of length ``nbytes`` from rank
+    0, in pieces of at most _CHUNK_BYTES; the other ranks receive straight into one preallocated
+    bytearray. Returns rank 0's ``data`` itself, the bytearray elsewhere (no other copy)."""
     device = _comm_device()
-    buf = bytearray(data) if get_rank() == 0 else bytearray(nbytes)
+    buf = data if get_rank() == 0 else bytearray(nbytes)
     if nbytes == 0:
-        return bytes(buf)
-    host = th.frombuffer(buf, dtype=th.uint8)
+        return buf
+    with warnings.catch_warnings():  # rank 0's bytes are only read (the source of a broadcast)
+        warnings.simplefilter("ignore")
+        host = th.frombuffer(buf, dtype=th.uint8)
     for start in range(0, nbytes, _CHUNK_BYTES):
         piece = host[start:start + _CHUNK_BYTES]
         if device.type == "cpu":
@@ -835,7 +868,7 @@ def _broadcast_bytes(data, nbytes):
             dist.broadcast(moved, 0)
             if get_rank() != 0:
                 piece.copy_(moved.cpu())
-    return bytes(buf)
+    return buf
 
 
 _ERROR_TYPES = {
@@ -845,25 +878,51 @@ _ERROR_TYPES = {
 }
 
 
+def _read_error(path, e):
+    """(error type name, one-line message naming ``path``) of a failed open or read."""
+    if isinstance(e, FileNotFoundError):
+        return "FileNotFoundError", f"{path}: no such file; check the path"
+    if isinstance(e, IsADirectoryError):
+        return ("IsADirectoryError",
+                f"{path}: is a directory, not a checkpoint file; give the path of a file")
+    if isinstance(e, PermissionError):
+        return "PermissionError", f"{path}: permission denied; check the file's permissions"
+    msg = " ".join(str(e).split()) or type(e).__name__
+    return "OSError", f"{path}: cannot read ({type(e).__name__}: {msg})"
+
+
+# What a failed open or read of a checkpoint raises (blobfile has its own types for remote paths).
+_READ_FAILURES = (OSError, bf.Error, MemoryError)
+
+
+def open_local(path):
+    """Open ``path`` (local or blobfile URL) for reading in this process (not collective);
+    returns (binary file, None) or (None, (error type name, one-line message naming the path)),
+    the messages of read_local."""
+    try:
+        if bf.isdir(path):
+            return None, _read_error(path, IsADirectoryError())
+        return bf.BlobFile(path, "rb"), None
+    except _READ_FAILURES as e:
+        return None, _read_error(path, e)
+
+
 def read_local(path):
     """Read ``path`` via blobfile in this process (not collective); returns (bytes, None) or
     (None, (error type name, one-line message naming the path))."""
+    f, err = open_local(path)
+    if err is not None:
+        return None, err
     try:
-        if bf.isdir(path):
-            return None, ("IsADirectoryError",
-                          f"{path}: is a directory, not a checkpoint file; give the path of a file")
-        with bf.BlobFile(path, "rb") as f:
+        with f:
             return f.read(), None
-    except FileNotFoundError:
-        return None, ("FileNotFoundError", f"{path}: no such file; check the path")
-    except IsADirectoryError:
-        return None, ("IsADirectoryError",
-                      f"{path}: is a directory, not a checkpoint file; give the path of a file")
-    except PermissionError:
-        return None, ("PermissionError", f"{path}: permission denied; check the file's permissions")
-    except (OSError, bf.Error, MemoryError) as e:  # blobfile has its own types for remote paths
-        msg = " ".join(str(e).split()) or type(e).__name__
-        return None, ("OSError", f"{path}: cannot read ({type(e).__name__}: {msg})")
+    except _READ_FAILURES as e:
+        return None, _read_error(path, e)
+
+
+def host_name():
+    """This host's name (ranks with the same name share a page cache and local disks)."""
+    return socket.gethostname()
 
 
 def _raise_read_error(err):
@@ -874,7 +933,8 @@ def _raise_read_error(err):
 def load_bytes(path):
     """
     Return the bytes of ``path`` (local or blobfile URL) on every rank; rank 0 reads, then
-    broadcasts.
+    broadcasts them in bounded pieces straight into one preallocated buffer on the other ranks
+    (a bytes-like object: ``bytes`` on rank 0, a ``bytearray`` elsewhere; memory: the file once).
 
     All ranks first compare the path they were given: if they differ, every rank raises
     ``DistMismatchError`` naming each rank's path (never a hang, never the wrong bytes). A read
@@ -889,12 +949,7 @@ def load_bytes(path):
         if err is not None:
             _raise_read_error(err)
         return data
-    paths = all_gather_object(path)
-    if any(p != paths[0] for p in paths):
-        listing = ", ".join(f"rank {r}: {p}" for r, p in enumerate(paths))
-        raise DistMismatchError(
-            f"ranks asked to load different files ({listing}); every rank must load the same file"
-        )
+    check_same_path(all_gather_object(path))
     if get_rank() == 0:
         data, err = read_local(path)
         header = (len(data) if err is None else -1, err)
@@ -905,6 +960,16 @@ def load_bytes(path):
     if err is not None:
         _raise_read_error(err)
     return _broadcast_bytes(data, nbytes)
+
+
+def check_same_path(paths):
+    """Raise DistMismatchError naming each rank's path unless all of ``paths`` (one per rank,
+    from all_gather_object) are the same. Not collective."""
+    if any(p != paths[0] for p in paths):
+        listing = ", ".join(f"rank {r}: {p}" for r, p in enumerate(paths))
+        raise DistMismatchError(
+            f"ranks asked to load different files ({listing}); every rank must load the same file"
+        )
 
 
 def load_state_dict(path, **kwargs):

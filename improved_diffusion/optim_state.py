@@ -160,12 +160,14 @@ def _family_of_state(states, groups) -> Optional[str]:
     return None
 
 
-def named_optimizer_state(optimizer, named_params) -> dict:
+def named_optimizer_state(optimizer, named_params, copy=True) -> dict:
     """
     The optimizer's state keyed by parameter name (format "named-v1"; see the module docstring).
 
     :param optimizer: a torch optimizer whose params all appear in `named_params`.
     :param named_params: list of (name, parameter), e.g. `list(model.named_parameters())`.
+    :param copy: False: the optimizer's own tensors, uncopied, where they live (for a caller that
+             copies them itself, e.g. a checkpoint snapshot).
     :return: a dict of plain python data and CPU tensors (copies: later optimizer steps do not
              change it), loadable with `torch.load(..., weights_only=True)`.
     """
@@ -187,7 +189,8 @@ def named_optimizer_state(optimizer, named_params) -> dict:
             entry = sd["state"].get(index)
             if entry is not None:
                 state[name] = {
-                    k: (v.detach().to("cpu", copy=True) if isinstance(v, th.Tensor) else v)
+                    k: ((v.detach().to("cpu", copy=True) if copy else v.detach())
+                        if isinstance(v, th.Tensor) else v)
                     for k, v in entry.items()
                 }
         hyper = {k: v for k, v in saved_group.items() if k != "params"}

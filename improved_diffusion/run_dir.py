@@ -452,10 +452,14 @@ def save_step(log_dir, step, files):
 
     Collective: call from all ranks with the same arguments.
     """
-    dist_util.run_on_rank0(lambda: _save_step_rank0(os.fspath(log_dir), int(step), files))
+    dist_util.run_on_rank0(lambda: write_step(log_dir, step, files))
 
 
-def _save_step_rank0(log_dir, step, files):
+def write_step(log_dir, step, files):
+    """save_step's work, in this process only (not collective): rank 0's part, also run by the
+    trainer's background writer (async_save). Each file's size and sha256 are computed while it
+    is written (checkpoint.write_file), never read back."""
+    log_dir, step = os.fspath(log_dir), int(step)
     kept = (f"step {step} was not saved (no manifest; its partial files were removed) and the "
             f"last complete step is intact, so a rerun resumes from it")
     if not ckpt.is_remote(log_dir) and not os.path.isdir(log_dir):

@@ -96,6 +96,9 @@ def train_defaults():
         max_steps=0,
         seed=0,
         keep_checkpoints=0,
+        # Write checkpoints in a background thread: a save pauses training only to copy the state
+        # to host memory (False: write them before training goes on).
+        async_save=True,
         num_workers=0,
         # Append this rank's dataset indices of every step to {log_dir}/sample_indices/rank{r}.csv
         # as "step,idx1,idx2,...", where step is the completed-step count after that batch.

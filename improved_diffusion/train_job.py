@@ -84,6 +84,7 @@ def make_loop(args, parts):
         log_sample_indices=getattr(args, "log_sample_indices", False),
         nan_policy=args.nan_policy,
         allow_model_change=getattr(args, "allow_model_change", False),
+        async_save=getattr(args, "async_save", True),
     )
 
 

@@ -21,6 +21,7 @@ import math
 import os
 import random
 import signal
+import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
@@ -31,6 +32,7 @@ from torch.nn.parallel.distributed import DistributedDataParallel as DDP
 from torch.optim import AdamW
 
 from . import checkpoint, dist_util, logger, model_change, optim_state, run_dir, state_fit
+from .async_save import BackgroundWriter, HostSnapshot, to_host
 from .errors import UsageError, UserError
 from .resample import LossAwareSampler, UniformSampler
 
@@ -118,6 +120,7 @@ class TrainLoop:
         log_sample_indices=False,
         nan_policy="stop",
         allow_model_change=False,
+        async_save=True,
     ):
         if log_dir is None:  # upstream's TrainLoop wrote to get_blob_logdir()
             log_dir = get_blob_logdir()
@@ -154,6 +157,10 @@ class TrainLoop:
         self.allow_model_change = bool(allow_model_change)
         self.model_changes = []  # trainer["model_changes"]: the run's model changes so far
         self._resume_from = None  # what the resume loads (set by _resume)
+        self.async_save = bool(async_save)
+        self._snapshot = None  # rank 0's HostSnapshot (async saves), made at the first save
+        self._writer = BackgroundWriter()
+        self._save_failure = None  # rank 0: a background save's exception, until raised
 
         self.rank = dist_util.get_rank()
         self.world_size = dist_util.get_world_size()
@@ -549,7 +556,11 @@ class TrainLoop:
         self._data_iter = iter(self.data)
         with _preemption_flag() as flag:
             while not self._done():
-                if dist_util.any_rank(flag["set"]):
+                preempted, save_failed = dist_util.any_rank_each(flag["set"],
+                                                                 self._local_save_failed())
+                if save_failed:
+                    self._raise_save_failed()
+                if preempted:
                     names = dist_util.all_gather_object(flag["signal"])
                     return self._preempt(sorted({n for n in names if n}))
                 batch, cond = next(self._data_iter)
@@ -562,7 +573,7 @@ class TrainLoop:
             if self._pending_logs:
                 logger.dumpkvs()
             if self.step > self.resume_step or self.last_saved_step is None:
-                self.save()
+                self.save(wait=True)
             else:
                 logger.log(f"already at step {self.step}; nothing to train")
         return 0
@@ -573,6 +584,8 @@ class TrainLoop:
         Destroying the process group while a DDP wrapper is still alive sporadically aborts the
         process at exit ("terminate called without an active exception", signal 6).
         """
+        if not sync:
+            self._finish_save_quietly()
         if self.use_ddp and self.ddp_model is not self.model:
             if sync:
                 dist_util.barrier()
@@ -591,7 +604,7 @@ class TrainLoop:
     def _preempt(self, signame):
         if self._pending_logs:
             logger.dumpkvs()
-        self.save()
+        self.save(wait=True)
         logger.log(
             f"preempted ({'/'.join(signame) or 'signal'} on some rank): saved step {self.step}; "
             f"exiting with code {PREEMPTED_EXIT_CODE}"
@@ -772,21 +785,119 @@ class TrainLoop:
 
     # ------------------------------------------------------------------ save
 
-    def save(self):
-        """Write model, EMA and opt files of the current step, manifest last. Collective."""
+    def save(self, wait=False):
+        """Write model, EMA and opt files of the current step, manifest last. Collective.
+
+        Every rank checks the weights (_refuse_non_finite_weights) and sends its RNG state to rank
+        0 (gather_object_to_rank0); rank 0 alone builds the payloads. With async_save, rank 0
+        copies them to host memory (buffers reused from save to save, pinned on CUDA) and a
+        background thread writes the files and the manifest (run_dir.write_step), then prunes,
+        while training goes on; without it rank 0 writes them now. A save first waits for the
+        one before it, whose failure is raised here on every rank (between saves, the loop
+        raises it at the next step: _local_save_failed / _raise_save_failed). ``wait``: return
+        only once this save is complete on disk (the final and the preemption save). Each save
+        logs one line: its duration and, when asynchronous, the pause it caused.
+        """
         if self.last_saved_step == self.step:
+            if wait:
+                self._wait_for_save()
             return
+        began = time.perf_counter()
         step = self.step
         self._refuse_non_finite_weights(step)
+        rng = dist_util.gather_object_to_rank0(get_rng_state())
+        dist_util.run_on_rank0(lambda: self._save_on_rank0(step, rng, began, wait))
+        self.last_saved_step = step
+
+    def _save_on_rank0(self, step, rng, began, wait):
+        """Rank 0's part of save(): wait for the previous save (raising its failure), then write
+        this step now or hand its host copy to the background writer."""
+        self._collect_save(block=True)
         files = {checkpoint.model_filename(step): self._model_file(step)}
         for rate_str, params in zip(self.ema_rate_strs, self.ema_params):
             files[checkpoint.ema_filename(rate_str, step)] = self._ema_file(step, rate_str, params)
-        files[checkpoint.opt_filename(step)] = self._opt_file(step)
-        run_dir.save_step(self.log_dir, step, files)
-        self.last_saved_step = step
-        logger.log(f"saved step {step} to {self.log_dir}")
-        if self.keep_checkpoints:
-            self._prune()
+        files[checkpoint.opt_filename(step)] = self._opt_file(step, rng)
+        if not self.async_save:
+            run_dir.write_step(self.log_dir, step, to_host(files))
+            self._log_saved(step, time.perf_counter() - began, None, self._prune())
+            return
+        if self._snapshot is None:
+            self._snapshot = HostSnapshot()
+        files = self._snapshot.copy(files)
+        paused = time.perf_counter() - began
+        self._writer.start(lambda: self._write_in_background(step, files, began, paused))
+        if wait:
+            self._collect_save(block=True)
+
+    def _write_in_background(self, step, files, began, paused):
+        """The writer thread's job: the step's files and manifest, then the prune. Returns what
+        the main thread logs (no logging from this thread)."""
+        run_dir.write_step(self.log_dir, step, files)
+        took = time.perf_counter() - began
+        return step, took, paused, self._prune()
+
+    def _collect_save(self, block):
+        """Rank 0: log a finished background save and return (step, seconds, pause, log lines);
+        raise its failure (``block``: wait for it, else return None at once when it still
+        runs). A failure already seen by _local_save_failed is raised first. Not collective."""
+        failure, self._save_failure = self._save_failure, None
+        if failure is not None:
+            raise failure
+        outcome = self._writer.wait() if block else self._writer.poll()
+        if outcome is None:
+            return None
+        kind, value = outcome
+        if kind == "failed":
+            raise value
+        self._log_saved(*value)
+        return value
+
+    def _log_saved(self, step, took, paused, prune_lines):
+        pause = "" if paused is None else f" (training paused {paused:.2f} s)"
+        logger.log(f"saved step {step} to {self.log_dir} in {took:.2f} s{pause}")
+        for line in prune_lines:
+            logger.log(line)
+
+    def _wait_for_save(self):
+        """Wait until the background save (if any) is complete on disk; its failure is raised on
+        every rank. Returns _collect_save's (step, seconds, pause, log lines), or None when no
+        save was in flight. Collective."""
+        return dist_util.run_on_rank0(lambda: self._collect_save(block=True))
+
+    def _local_save_failed(self):
+        """This rank's bit for the loop's per-step flags: True on rank 0 once its background
+        write has failed (a finished one is logged here); False on the other ranks and while a
+        write runs. Not collective and costs no wait: the loop folds it into the all-reduce it
+        does anyway (with the preemption flag), so that every rank sees it at the same step and
+        calls _raise_save_failed together."""
+        if self.rank != 0 or self._save_failure is not None:
+            return self._save_failure is not None
+        outcome = self._writer.poll()
+        if outcome is not None and outcome[0] == "failed":
+            self._save_failure = outcome[1]  # raised on every rank by _raise_save_failed
+        elif outcome is not None:
+            self._log_saved(*outcome[1])
+        return self._save_failure is not None
+
+    def _raise_save_failed(self):
+        """Raise rank 0's background-save failure on every rank (the same one line; the last
+        complete step on disk stays valid: the failed step left no manifest and no file).
+        Collective: call from all ranks at the same step, once a rank's _local_save_failed was
+        seen (the loop's per-step flags)."""
+        def rank0():
+            self._collect_save(block=True)  # raises the failure
+            raise RuntimeError("a background save failed on rank 0 (bug: no error kept)")
+        dist_util.run_on_rank0(rank0)
+
+    def _finish_save_quietly(self):
+        """After an error elsewhere: let rank 0's background save end (its files complete or
+        removed, never half-written) and log how it went. Not collective."""
+        if self.rank != 0 or not self._writer.busy:
+            return
+        try:
+            self._collect_save(block=True)
+        except Exception as e:  # the error that ends the run is another one: only report this
+            logger.warn(f"warning: the background save also failed: {e}")
 
     def _refuse_non_finite_weights(self, step):
         """Raise NonFiniteError (same line on every rank) if the model or an EMA holds a NaN/Inf:
@@ -811,28 +922,29 @@ class TrainLoop:
             f"resume from a saved step with a lower --lr")
 
     def _prune(self):
-        if self.rank != 0:
-            return
+        """Rank 0, once a save is complete: apply --keep_checkpoints. Returns the lines to log
+        (it may run in the writer thread, which does not log)."""
+        if self.rank != 0 or not self.keep_checkpoints:
+            return []
         try:
             deleted = run_dir.prune(self.log_dir, self.keep_checkpoints)
         except (checkpoint.CheckpointError, OSError) as e:  # a failed delete must not kill a run
             # that just saved (a bug still raises)
-            logger.warn(f"warning: --keep_checkpoints {self.keep_checkpoints}: prune failed: {e}")
-            return
-        if deleted:
-            logger.log(f"pruned {len(deleted)} old checkpoint file(s)")
+            return [f"warning: --keep_checkpoints {self.keep_checkpoints}: prune failed: {e}"]
+        return [f"pruned {len(deleted)} old checkpoint file(s)"] if deleted else []
 
     def _model_file(self, step):
-        sd = _cpu_state_dict(self.model.state_dict())
+        sd = {k: v.detach() for k, v in self.model.state_dict().items()}
         return checkpoint.model_payload(step, sd, self.model_flags)
 
     def _ema_file(self, step, rate_str, params):
-        sd = _cpu_state_dict(self._params_to_state_dict(params))
+        sd = {k: v.detach() for k, v in self._params_to_state_dict(params).items()}
         return checkpoint.ema_payload(step, rate_str, sd, self.model_flags)
 
-    def _opt_file(self, step):
-        named = optim_state.named_optimizer_state(self.opt, self.named_params)
-        return checkpoint.opt_payload(step, named, self._trainer_state())
+    def _opt_file(self, step, rng):
+        """The opt payload with the optimizer's own tensors (the caller copies them)."""
+        named = optim_state.named_optimizer_state(self.opt, self.named_params, copy=False)
+        return checkpoint.opt_payload(step, named, self._trainer_state(rng))
 
     def _params_to_state_dict(self, params):
         sd = self.model.state_dict()
@@ -840,10 +952,10 @@ class TrainLoop:
             sd[name] = p
         return sd
 
-    def _trainer_state(self):
+    def _trainer_state(self, rng):
         """The "trainer" entry of opt*.pt (docs/checkpoints.md; weights_only-loadable).
 
-        Collective (gathers RNG states)."""
+        ``rng``: every rank's get_rng_state(), by rank (gathered to rank 0 by save())."""
         return {
             "step": int(self.step),
             "world_size": int(self.world_size),
@@ -851,7 +963,7 @@ class TrainLoop:
             "global_batch": int(self.global_batch),
             "seed": int(self.seed),
             "data": _data_state(self.data),
-            "rng": dist_util.all_gather_object(get_rng_state()),
+            "rng": list(rng),
             "schedule_sampler": self.schedule_sampler.state_dict(),
             "grad_scaler": None if self.grad_scaler is None else self.grad_scaler.state_dict(),
             "ema_rates": list(self.ema_rate_strs),
@@ -1007,13 +1119,15 @@ def _finite_only(ts, losses):
 
 
 def _count_non_finite(tensors):
-    """How many floating-point tensors among `tensors` hold a NaN or Inf (one device sync)."""
-    flags = [~th.isfinite(t.detach()).all() for t in tensors if t.is_floating_point()]
-    return int(th.stack(flags).sum()) if flags else 0
+    """How many floating-point tensors among `tensors` hold a NaN or Inf (one device sync).
 
+    A tensor's min and max are both finite exactly when all its values are (a NaN makes both
+    NaN): one pass per tensor without a temporary (isfinite().all() writes a bool tensor as large
+    as the weights, then reads it)."""
+    ends = [th.stack(th.aminmax(t.detach())).double() for t in tensors
+            if t.is_floating_point() and t.numel()]
+    return int((~th.stack(ends).isfinite().all(dim=1)).sum()) if ends else 0
 
-def _cpu_state_dict(sd):
-    return {k: v.detach().to("cpu").clone() for k, v in sd.items()}
 
 
 

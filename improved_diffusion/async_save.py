@@ -1,0 +1,179 @@
+"""
+Checkpoint saves that barely pause training: host copies of the payloads, and one background
+writer.
+
+At a save (train_util.TrainLoop.save, ``--async_save True``, the default), rank 0 copies the
+tensors of every payload (model, EMAs, optimizer, trainer state) to host memory with
+``HostSnapshot.copy`` -- into buffers kept from the previous save, pinned when the tensors live on
+CUDA -- and hands the copies to ``BackgroundWriter``, whose thread serialises and writes the files
+and the manifest (run_dir.write_step, manifest last) while training goes on. A synchronous save
+writes the same payloads through ``to_host`` (no copy at all for CPU tensors) in the calling
+thread. Both write the same bytes: a copy keeps each tensor's storage, offset, shape and strides,
+and the sharing between tensors and containers, that torch.save records.
+
+Nothing here is collective or knows about ranks: TrainLoop decides who snapshots (rank 0) and
+when every rank learns of a failed write.
+"""
+
+import copy
+import threading
+
+import numpy as np
+import torch as th
+
+# Containers rebuilt by the copy (any other object that is not a tensor is deep-copied, since
+# training may change it while the writer serialises it; immutable ones are kept as they are).
+_IMMUTABLE = (str, bytes, int, float, bool, complex, type(None), th.dtype, th.device, th.Size)
+
+
+class HostSnapshot:
+    """
+    Host copies of payloads, in buffers reused from one save to the next.
+
+    ``copy(obj)`` returns ``obj`` with every tensor replaced by a copy on the host, in a buffer
+    that the previous ``copy`` used for the same source storage when there is one (same storage,
+    same size: a model's parameters, EMAs and Adam moments keep theirs for the whole run), else a
+    new one; buffers no longer used are dropped. Tensors on CUDA are copied into pinned buffers
+    without blocking, then waited for once. The caller must not call ``copy`` again while a
+    writer still reads the previous result (TrainLoop waits for the previous save first).
+    """
+
+    def __init__(self):
+        self._buffers = {}
+        self.nbytes = 0  # bytes held in buffers after the last copy
+
+    def copy(self, obj):
+        used = {}
+        out = _HostCopier(self._buffers, used).walk(obj)
+        self._buffers = used
+        self.nbytes = sum(b.nbytes() for b in used.values())
+        return out
+
+
+def to_host(obj):
+    """``obj`` with its CUDA tensors copied to (new, unpinned) host memory and its CPU tensors as
+    they are (no copy): what a synchronous save writes. Same structure as HostSnapshot.copy."""
+    return _HostCopier(None, None).walk(obj)
+
+
+class _HostCopier:
+    """One walk over a payload; ``buffers``/``used`` None: a synchronous save's to_host."""
+
+    def __init__(self, buffers, used):
+        self._buffers = buffers
+        self._used = used
+        self._memo = {}  # id(source object) -> its copy (pickle records sharing: keep it)
+        self._storages = {}  # source storage -> host storage, within this walk
+        self._cuda = False
+
+    def walk(self, obj):
+        out = self._walk(obj)
+        if self._cuda:
+            th.cuda.synchronize()  # the non-blocking copies into pinned buffers are done
+        return out
+
+    def _walk(self, obj):
+        if isinstance(obj, _IMMUTABLE):
+            return obj
+        key = id(obj)
+        if key in self._memo:
+            return self._memo[key][1]
+        if isinstance(obj, th.Tensor):
+            out = self._tensor(obj)
+        elif isinstance(obj, dict):
+            out = type(obj)()
+            self._memo[key] = (obj, out)
+            for k, v in obj.items():
+                out[self._walk(k)] = self._walk(v)
+            if getattr(obj, "__dict__", None):
+                out.__dict__.update(copy.deepcopy(obj.__dict__))
+            return out
+        elif isinstance(obj, list):
+            out = []
+            self._memo[key] = (obj, out)
+            out.extend(self._walk(v) for v in obj)
+            return out
+        elif isinstance(obj, tuple) and type(obj) is tuple:
+            out = tuple(self._walk(v) for v in obj)
+        elif isinstance(obj, np.ndarray):
+            out = obj if self._buffers is None else obj.copy()
+        else:
+            out = obj if self._buffers is None else copy.deepcopy(obj)
+        self._memo[key] = (obj, out)  # the source is kept alive, so its id stays unique
+        return out
+
+    def _tensor(self, t):
+        t = t.detach()
+        if self._buffers is None and t.device.type == "cpu":
+            return t  # a synchronous save writes CPU tensors as they are
+        src = t.untyped_storage()
+        skey = (src.device.type, src.device.index, src._cdata, src.nbytes())
+        host = self._storages.get(skey)
+        if host is None:
+            host = self._host_storage(skey, src)
+            # as byte tensors: a tensor copy uses torch's intra-op threads (a storage copy does not)
+            _bytes(host).copy_(_bytes(src), non_blocking=src.device.type == "cuda")
+            self._cuda = self._cuda or src.device.type == "cuda"
+            self._storages[skey] = host
+        return th.empty(0, dtype=t.dtype).set_(host, t.storage_offset(), t.size(), t.stride())
+
+    def _host_storage(self, skey, src):
+        if self._buffers is None:
+            return th.UntypedStorage(src.nbytes())
+        buf = self._buffers.get(skey)
+        if buf is None:
+            pin = src.device.type == "cuda"
+            buf = th.empty(src.nbytes(), dtype=th.uint8, pin_memory=pin).untyped_storage()
+        self._used[skey] = buf
+        return buf
+
+
+def _bytes(storage):
+    """A flat uint8 tensor over all of ``storage`` (no copy)."""
+    return th.empty(0, dtype=th.uint8, device=storage.device).set_(storage)
+
+
+class BackgroundWriter:
+    """
+    One background job at a time (a save's writes), in a non-daemon thread: a process that ends
+    for another reason still finishes the files it began (never killed half-way by the
+    interpreter's exit).
+
+    ``start(fn)`` runs ``fn()`` in the thread; ``poll()`` returns None while it runs or when there
+    is nothing new, else ``("done", result)`` or ``("failed", exception)`` once (the exception
+    keeps its traceback); ``wait()`` blocks until it ends and returns the same (or None).
+    """
+
+    def __init__(self):
+        self._thread = None
+        self._outcome = None
+
+    @property
+    def busy(self):
+        return self._thread is not None
+
+    def start(self, fn):
+        if self._thread is not None:
+            raise RuntimeError("BackgroundWriter.start: the previous job was not waited for")
+
+        def run():
+            try:
+                self._outcome = ("done", fn())
+            except BaseException as e:  # handed to the main thread, which raises it
+                self._outcome = ("failed", e)
+
+        self._thread = threading.Thread(target=run, name="checkpoint-writer", daemon=False)
+        self._thread.start()
+
+    def poll(self):
+        if self._thread is None or self._thread.is_alive():
+            return None
+        return self.wait()
+
+    def wait(self):
+        if self._thread is None:
+            return None
+        self._thread.join()
+        self._thread = None
+        outcome, self._outcome = self._outcome, None
+        return outcome
