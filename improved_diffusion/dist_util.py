@@ -731,6 +731,32 @@ def any_rank(flag):
     return bool(t.item())
 
 
+class _PendingFlags:
+    """The result of any_rank_async: wait() -> [bool], each True if set on any rank."""
+
+    def __init__(self, tensor, work):
+        self._tensor, self._work = tensor, work
+
+    def wait(self):
+        if self._work is not None:
+            self._work.wait()  # bounded by the process group's timeout (--dist_timeout)
+        return [bool(x) for x in self._tensor.tolist()]
+
+
+def any_rank_async(flags):
+    """
+    Start an all-reduce (MAX) of a list of booleans without waiting for it; the returned
+    object's wait() gives, for each flag, whether it was set on any rank. The exchange runs
+    while the caller works (a step), so no rank blocks on it until wait().
+
+    Collective: call from all ranks with lists of the same length, then wait() on all ranks.
+    """
+    t = th.tensor([1 if f else 0 for f in flags], dtype=th.int32, device=_comm_device())
+    if not is_distributed():
+        return _PendingFlags(t, None)
+    return _PendingFlags(t, dist.all_reduce(t, op=dist.ReduceOp.MAX, async_op=True))
+
+
 def all_reduce_mean(tensor):
     """
     Average ``tensor`` over ranks, in place; returns it.
