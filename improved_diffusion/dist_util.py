@@ -718,6 +718,20 @@ def all_gather_object(obj):
     return out
 
 
+def gather_object(obj, dst=0):
+    """
+    Every rank's picklable ``obj`` as a list indexed by rank, on rank ``dst`` only (None on the
+    others): the other ranks send, only ``dst`` receives and holds them.
+
+    Collective: call from all ranks with the same ``dst``.
+    """
+    if not is_distributed():
+        return [obj]
+    out = [None] * get_world_size() if get_rank() == dst else None
+    dist.gather_object(obj, out, dst=dst)
+    return out
+
+
 def any_rank(flag):
     """
     True on every rank if ``flag`` is true on any rank.

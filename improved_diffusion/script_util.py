@@ -91,7 +91,9 @@ def train_defaults():
         max_steps=0,
         seed=0,
         keep_checkpoints=0,
-        num_workers=0,
+        num_workers=-1,  # data-loading worker processes; -1: image_datasets.auto_num_workers()
+        # torch.compile the model's forward/backward (off by default; see benchmarks/train.py).
+        compile=False,
         # Append this rank's dataset indices of every step to {log_dir}/sample_indices/rank{r}.csv
         # as "step,idx1,idx2,...", where step is the completed-step count after that batch.
         log_sample_indices=False,

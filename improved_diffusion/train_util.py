@@ -63,6 +63,8 @@ class TrainLoop:
     gradients (a non-finite loss on one rank makes them non-finite everywhere), and it is made
     from their norm, which the loop computes anyway; no extra collective is needed.
 
+    compile: run the model's forward/backward through torch.compile (--compile True).
+
     data: a ResumableLoader (exact resume of the data position), or any iterator of
     (batch, cond), e.g. upstream's load_data generator, whose position cannot be restored: its
     checkpoints record that, and a resume reseeds the RNGs from (seed, step, rank).
@@ -96,6 +98,7 @@ class TrainLoop:
         keep_checkpoints=0,
         log_sample_indices=False,
         nan_policy="stop",
+        compile=False,
     ):
         self.model = model
         self.diffusion = diffusion
@@ -151,6 +154,8 @@ class TrainLoop:
         self._resume()
         self.use_ddp = self.world_size > 1
         self.ddp_model = self._wrap_ddp() if self.use_ddp else self.model
+        if compile:  # only the forward/backward: self.model keeps its state-dict keys
+            self.ddp_model = th.compile(self.ddp_model)
         self._ddp_primed = not self.use_ddp
 
     # ------------------------------------------------------------------ setup helpers
