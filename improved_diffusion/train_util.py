@@ -10,8 +10,9 @@ annealing, weight decay, loss logging by timestep quartile, grad-norm logging), 
 - Checkpoints are schema-tagged files written by rank 0 (run_dir.save_step), with the complete
   trainer state (data position, per-rank RNG, timestep-sampler history, GradScaler) in opt*.pt.
 - Mixed precision is torch.autocast + torch.amp.GradScaler, no hand-rolled master params.
-- SIGTERM / SIGUSR1 on any rank: all ranks agree at the next step boundary, save, and run_loop()
-  returns PREEMPTED_EXIT_CODE.
+- SIGTERM / SIGUSR1 on any rank: all ranks agree at a step boundary (the flag is exchanged by an
+  all-reduce that runs while a step does: a signal during step N stops the job after step N+1 at
+  the latest), save, and run_loop() returns PREEMPTED_EXIT_CODE.
 """
 import contextlib
 import gc
