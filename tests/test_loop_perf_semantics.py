@@ -158,3 +158,28 @@ def test_a_failed_background_save_on_a_rank_stops_the_loop_at_that_step_with_not
     header = rows[0].split(",")
     last = dict(zip(header, rows[-1].split(",")))
     assert float(last["loss"]) > 0 and float(last["grad_norm"]) > 0 and last["step"] == "3"
+
+
+def test_auto_num_workers_loads_in_process_on_the_cpu_and_uses_spare_cores_beside_a_gpu():
+    from improved_diffusion.image_datasets import auto_num_workers
+
+    assert auto_num_workers("cpu") == 0
+    assert auto_num_workers("cuda", cpu_count=16, local_devices=8) == 1
+    assert auto_num_workers("cuda", cpu_count=32, local_devices=4) == 7
+    assert auto_num_workers("cuda", cpu_count=128, local_devices=2) == 8
+    assert auto_num_workers("cuda", cpu_count=2, local_devices=4) == 1
+
+
+def test_num_workers_below_minus_one_is_a_usage_error_naming_the_flag(tmp_path):
+    import argparse
+
+    from improved_diffusion import train_job
+    from improved_diffusion.errors import UsageError
+    from improved_diffusion.script_util import train_defaults
+
+    args = argparse.Namespace(**dict(model_and_diffusion_defaults(), **train_defaults()))
+    args.log_dir, args.data_dir = str(tmp_path), str(tmp_path)
+    train_job.check_train_args(args)  # the default, -1 (auto), is accepted
+    args.num_workers = -2
+    with pytest.raises(UsageError, match=r"--num_workers must be -1 \(auto\) or >= 0"):
+        train_job.check_train_args(args)
