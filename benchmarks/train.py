@@ -226,6 +226,39 @@ def _bare_step(variant, model, diffusion, device, world, batch):
     return step
 
 
+def attention_figures(args):
+    """SDPA vs upstream's einsum attention alone (forward + backward of QKVAttentionLegacy at the
+    config's attention resolutions), interleaved call by call in this process: a ratio that load
+    from other processes disturbs far less than whole steps do."""
+    import torch as th
+
+    from improved_diffusion.unet import QKVAttentionLegacy
+
+    th.set_num_threads(args.threads)
+    flags, batch = _flags(args.config)
+    heads = flags["num_heads"]
+    size = flags["image_size"]
+    out = []
+    for res in [int(r) for r in flags["attention_resolutions"].split(",") if r]:
+        ds = size // res
+        mult = {32: (1, 2, 2, 2), 64: (1, 2, 3, 4)}.get(size, (1, 2, 2))
+        ch = flags["num_channels"] * mult[min(len(mult) - 1, max(0, ds.bit_length() - 1))]
+        qkv = th.randn(batch, 3 * ch, res * res, requires_grad=True)
+        sdpa = QKVAttentionLegacy(heads)
+        einsum = _einsum_attention(sdpa)
+        times = {"sdpa": [], "einsum": []}
+        for _ in range(args.attention_reps):
+            for name, fn in (("sdpa", sdpa), ("einsum", einsum)):
+                t0 = time.perf_counter()
+                fn(qkv).sum().backward()
+                times[name].append(time.perf_counter() - t0)
+        sd, es = statistics.median(times["sdpa"]), statistics.median(times["einsum"])
+        out.append(dict(figure="attention_einsum_over_sdpa_time", resolution=res, channels=ch,
+                        tokens=res * res, heads=heads, batch=batch, value=round(es / sd, 4),
+                        sdpa_s=round(sd, 5), einsum_s=round(es, 5), reps=args.attention_reps))
+    return out
+
+
 def parent(args):
     launcher = []
     if args.ranks > 1:
@@ -270,6 +303,9 @@ def parent(args):
                 print(json.dumps({"figure": f"train_{v}_speedup_over_upstream_step",
                                   "value": round(med["upstream"] / med[v], 4), **base}),
                       flush=True)
+    if args.attention_reps:
+        for fig in attention_figures(args):
+            print(json.dumps({**fig, **base}), flush=True)
     if "loop" in runs:
         ema = statistics.median(x["ema_s"] for x in runs["loop"])
         print(json.dumps({"figure": "train_ema_update_share_of_loop_step",
@@ -287,6 +323,8 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--ranks", type=int, default=1, help="run each variant under mpiexec -n N")
     ap.add_argument("--log_interval", type=int, default=10)
+    ap.add_argument("--attention_reps", type=int, default=20,
+                    help="calls of SDPA and einsum attention alone (0: skip that figure)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
