@@ -123,7 +123,7 @@ def child(args):
     data = _Data(batch, flags["image_size"], seed=rank)
     steps, warmup = args.steps, args.warmup
     ema_s = None
-    tmp = tempfile.mkdtemp()
+    tmp = dist_util.broadcast_object(tempfile.mkdtemp() if rank == 0 else None)  # one log dir
     logger.configure(dir=tmp, format_strs=[], rank=rank)
     if args.variant == "loop":
         class NoSave(train_util.TrainLoop):
