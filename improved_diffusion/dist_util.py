@@ -781,32 +781,18 @@ def all_gather_object(obj):
     return out
 
 
-def gather_object_to_rank0(obj):
+def gather_object(obj, dst=0):
     """
-    Every rank's picklable ``obj`` as a list indexed by rank on rank 0; None on the other ranks
-    (nothing is sent to them, unlike all_gather_object).
+    Every rank's picklable ``obj`` as a list indexed by rank, on rank ``dst`` only (None on the
+    others): the other ranks send, only ``dst`` receives and holds them.
 
-    Collective: call from all ranks with the same arguments.
+    Collective: call from all ranks with the same ``dst``.
     """
     if not is_distributed():
         return [obj]
-    out = [None] * get_world_size() if get_rank() == 0 else None
-    dist.gather_object(obj, out, dst=0)
+    out = [None] * get_world_size() if get_rank() == dst else None
+    dist.gather_object(obj, out, dst=dst)
     return out
-
-
-def any_rank_each(*flags):
-    """
-    A tuple with, for each of ``flags``, True on every rank if it is true on any rank: several
-    flags in one all-reduce.
-
-    Collective: call from all ranks with the same arguments.
-    """
-    if not is_distributed():
-        return tuple(bool(f) for f in flags)
-    t = th.tensor([1 if f else 0 for f in flags], dtype=th.int32, device=_comm_device())
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return tuple(bool(v) for v in t.tolist())
 
 
 def any_rank(flag):
@@ -820,6 +806,32 @@ def any_rank(flag):
     t = th.tensor([1 if flag else 0], dtype=th.int32, device=_comm_device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return bool(t.item())
+
+
+class _PendingFlags:
+    """The result of any_rank_async: wait() -> [bool], each True if set on any rank."""
+
+    def __init__(self, tensor, work):
+        self._tensor, self._work = tensor, work
+
+    def wait(self):
+        if self._work is not None:
+            self._work.wait()  # bounded by the process group's timeout (--dist_timeout)
+        return [bool(x) for x in self._tensor.tolist()]
+
+
+def any_rank_async(flags):
+    """
+    Start an all-reduce (MAX) of a list of booleans without waiting for it; the returned
+    object's wait() gives, for each flag, whether it was set on any rank. The exchange runs
+    while the caller works (a step), so no rank blocks on it until wait().
+
+    Collective: call from all ranks with lists of the same length, then wait() on all ranks.
+    """
+    t = th.tensor([1 if f else 0 for f in flags], dtype=th.int32, device=_comm_device())
+    if not is_distributed():
+        return _PendingFlags(t, None)
+    return _PendingFlags(t, dist.all_reduce(t, op=dist.ReduceOp.MAX, async_op=True))
 
 
 def all_reduce_mean(tensor):

@@ -377,6 +377,8 @@ class ResumableLoader:
                     world_size=self.world_size,
                 ),
                 num_workers=self.num_workers,
+                prefetch_factor=PREFETCH_BATCHES,
+                pin_memory=th.cuda.is_available(),
                 collate_fn=collate,
                 worker_init_fn=_worker_init,
                 # Its own generator: creating the iterator draws a base seed, which must not
@@ -431,6 +433,28 @@ class ResumableLoader:
         self._stream = None
 
 
+# Batches each loader worker prepares ahead of the one being consumed (DataLoader's
+# prefetch_factor): the loader stays this many batches ahead of the training step.
+PREFETCH_BATCHES = 4
+
+
+def auto_num_workers(device=None, cpu_count=None, local_devices=None):
+    """The worker count of --num_workers -1 (the default): loading runs beside the step.
+
+    On a GPU the step does not use the CPU cores: one worker per spare core of this rank's share
+    (cores / GPUs on this host, minus the training process), at most 8; at least 1. On the CPU the
+    step's own threads take every core and a step consumes its batch far slower than one process
+    decodes it (benchmarks/loader.py), so loading stays in the training process (0).
+    """
+    device = device if device is not None else dist_util.dev()
+    if th.device(device).type != "cuda":
+        return 0
+    cpus = cpu_count if cpu_count is not None else len(os.sched_getaffinity(0)) \
+        if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    gpus = local_devices if local_devices is not None else max(1, th.cuda.device_count())
+    return max(1, min(8, cpus // gpus - 1))
+
+
 def _default_rank_world():
     return dist_util.get_rank(), dist_util.get_world_size()
 
@@ -455,6 +479,8 @@ def load_data(
         (the part before the first "_").
     :param deterministic: if True, visit samples in file order instead of a seeded shuffle.
     :param rank, world_size: default to dist_util's (0, 1 without a process group).
+    :param num_workers: loader worker processes; -1 (--num_workers's default) picks
+        auto_num_workers() for this device. The output never depends on it.
     :param num_classes: with class_cond, the model's number of classes: a folder with more
         class names raises DataError (instead of an IndexError inside the model).
     :return: ResumableLoader yielding (th.float32 [B, 3, image_size, image_size], cond).
@@ -487,6 +513,8 @@ def load_data(
         rank = r if rank is None else rank
         world_size = w if world_size is None else world_size
     dataset = ImageDataset(image_size, all_files, classes=classes, root=data_dir)
+    if num_workers is None or int(num_workers) < 0:
+        num_workers = auto_num_workers()
     return ResumableLoader(
         dataset,
         batch_size,

@@ -24,6 +24,8 @@ import warnings
 from collections import defaultdict
 from contextlib import contextmanager
 
+import torch as th
+
 from . import dist_util
 
 DEBUG = 10
@@ -326,6 +328,23 @@ def logkv_mean(key, val):
     get_current().logkv_mean(key, val)
 
 
+def logkv_mean_device(keys, totals, counts):
+    """logkv_mean() for values that live on a device, without reading them to the host now.
+
+    ``keys``: a name or a list of K names; ``totals``: a tensor (0-d, or [K]) holding the sum of
+    the values of each name; ``counts``: how many values each total sums (an int, or a tensor of
+    K counts on the same device). Sums and counts accumulate on the device and are read once, by
+    the next dumpkvs(), which then writes the same means as K * count logkv_mean() calls would
+    (up to float rounding). Call with the same list of names each time (one accumulator per list).
+    """
+    get_current().logkv_mean_device(keys, totals, counts)
+
+
+def logkv_device(key, val):
+    """logkv() of a 0-d device tensor (the last value wins), read by the next dumpkvs()."""
+    get_current().logkv_device(key, val)
+
+
 def logkvs(d):
     """Log a dictionary of key-value pairs."""
     for (k, v) in d.items():
@@ -548,6 +567,8 @@ class Logger:
         self.dir = dir
         self.output_formats = output_formats
         self.rank = rank
+        self._device_means = {}  # (names,) -> [sums [K], counts [K]] on the device
+        self._device_last = {}  # name -> 0-d tensor
 
     # Logging API, forwarded
     # ----------------------------------------
@@ -559,11 +580,55 @@ class Logger:
         self.name2val[key] = oldval * cnt / (cnt + 1) + val / (cnt + 1)
         self.name2cnt[key] = cnt + 1
 
+    def logkv_mean_device(self, keys, totals, counts):
+        keys = (keys,) if isinstance(keys, str) else tuple(keys)
+        totals = totals.detach().reshape(-1)
+        acc = self._device_means.get(keys)
+        if acc is None:
+            dtype = th.float32 if totals.device.type == "mps" else th.float64
+            acc = [th.zeros(len(keys), dtype=dtype, device=totals.device),
+                   th.zeros(len(keys), dtype=th.int64, device=totals.device)]
+            self._device_means[keys] = acc
+        acc[0].add_(totals.to(acc[0].dtype))
+        acc[1].add_(counts.reshape(-1) if isinstance(counts, th.Tensor) else counts)
+
+    def logkv_device(self, key, val):
+        self._device_last[key] = val.detach().reshape(()).clone()
+
+    def _flush_device_values(self):
+        """Fold the device accumulators into name2val/name2cnt: one read of all of them."""
+        if not self._device_means and not self._device_last:
+            return
+        groups = list(self._device_means.items())
+        last = list(self._device_last.items())
+        parts = [t.double().cpu() for _, (s, c) in groups for t in (s, c)]
+        parts += [v.double().reshape(1).cpu() for _, v in last]
+        flat = th.cat(parts).tolist() if parts else []
+        i = 0
+        for keys, _ in groups:
+            k = len(keys)
+            sums, counts = flat[i:i + k], flat[i + k:i + 2 * k]
+            i += 2 * k
+            for key, total, count in zip(keys, sums, counts):
+                count = int(count)
+                if count == 0:
+                    continue
+                cnt0 = self.name2cnt.get(key, 0)
+                val0 = self.name2val[key] if cnt0 else 0.0
+                self.name2val[key] = (val0 * cnt0 + total) / (cnt0 + count)
+                self.name2cnt[key] = cnt0 + count
+        for key, _ in last:
+            self.name2val[key] = flat[i]
+            i += 1
+        self._device_means.clear()
+        self._device_last.clear()
+
     def dumpkvs(self):
         """
         Collective: call from all ranks with the same arguments (when torch.distributed is
         initialised).
         """
+        self._flush_device_values()
         world = _dist_world()
         if world is None or world[1] == 1:
             d = dict(self.name2val)

@@ -314,8 +314,12 @@ def generate(model, diffusion, *, num_samples, batch_size, shape, seed=0, use_dd
     device = next(model.parameters()).device
     batches = shard_batches(num_samples, batch_size, rank, world)
     sample_fn = diffusion.ddim_sample_loop if use_ddim else diffusion.p_sample_loop
-    images = np.zeros((num_samples, shape[1], shape[2], shape[0]), dtype=np.uint8)
-    labels = np.zeros((num_samples,), dtype=np.int64) if num_classes else None
+    # Only rank 0 holds the output array; the other ranks send it each batch (gather, not
+    # all-gather), so their memory does not grow with num_samples.
+    images = labels = None
+    if rank == 0:
+        images = np.zeros((num_samples, shape[1], shape[2], shape[0]), dtype=np.uint8)
+        labels = np.zeros((num_samples,), dtype=np.int64) if num_classes else None
     # A bar (and one per batch over timesteps) on a terminal, plain lines otherwise.
     bar = logger.Progress(num_samples, "samples", "img", enabled=progress and rank == 0)
     for idx in batches:
@@ -337,7 +341,7 @@ def generate(model, diffusion, *, num_samples, batch_size, shape, seed=0, use_dd
             part = (idx, to_uint8(out), None if y is None else y.numpy())
         else:
             part = (idx, np.zeros((0, shape[1], shape[2], shape[0]), np.uint8), None)
-        for g_idx, g_img, g_lab in dist_util.all_gather_object(part):
+        for g_idx, g_img, g_lab in dist_util.gather_object(part, dst=0) or ():
             if len(g_idx):
                 images[g_idx] = g_img
                 if labels is not None and g_lab is not None:

@@ -99,7 +99,9 @@ def train_defaults():
         # Write checkpoints in a background thread: a save pauses training only to copy the state
         # to host memory (False: write them before training goes on).
         async_save=True,
-        num_workers=0,
+        num_workers=-1,  # data-loading worker processes; -1: image_datasets.auto_num_workers()
+        # torch.compile the model's forward/backward (off by default; see benchmarks/train.py).
+        compile=False,
         # Append this rank's dataset indices of every step to {log_dir}/sample_indices/rank{r}.csv
         # as "step,idx1,idx2,...", where step is the completed-step count after that batch.
         log_sample_indices=False,
@@ -690,7 +692,8 @@ FLAG_HELP = {
                                "(RESCALED_MSE)"),
     # data
     "data_dir": ("data", "folder of images (.png/.jpg/.jpeg/.gif, searched recursively)"),
-    "num_workers": ("data", "data-loading worker processes (deterministic)"),
+    "num_workers": ("data", "data-loading worker processes, 4 batches ahead each (output never "
+                    "depends on their number); -1 = auto: 0 on the CPU, 1-8 on a GPU"),
     "base_samples": ("data", "npz of low-resolution samples to upsample (as sample.py writes)"),
     # training
     "lr": ("training", "learning rate (AdamW)"),
@@ -707,7 +710,8 @@ FLAG_HELP = {
                   "count); 0 = no limit"),
     "seed": ("training", "seeds everything (data order, noise, sampled labels)"),
     "nan_policy": ("training", "a step with a NaN/Inf loss or gradient: stop (exit 1) or skip"),
-    "compile": ("training", "torch.compile the model (faster steps after a slower start)"),
+    "compile": ("training", "torch.compile the model's forward/backward (keys unchanged; a slower "
+                "start, then faster steps)"),
     # checkpointing
     "log_dir": ("checkpointing", "where checkpoints and logs go (default $OPENAI_LOGDIR)"),
     "save_interval": ("checkpointing", "save a checkpoint every this many steps; 0 = only at "
@@ -715,9 +719,11 @@ FLAG_HELP = {
     "resume_checkpoint": ("checkpointing", "auto, a model file, or a run dir (its newest complete "
                           "step); '' = auto in --log_dir"),
     "keep_checkpoints": ("checkpointing", "keep the newest K complete steps; 0 = keep all"),
-    "async_save": ("checkpointing", "write checkpoints in the background while training goes on"),
-    "allow_model_change": ("checkpointing", "resume into a model whose flags differ from the "
-                           "checkpoint's (fitting the weights that fit)"),
+    "async_save": ("checkpointing", "write checkpoints in a background thread; a save pauses "
+                   "training only to copy the state to host memory"),
+    "allow_model_change": ("checkpointing", "on resume, keep the tensors whose name and shape "
+                           "fit the model of the flags and start the others fresh (off: a "
+                           "one-line error)"),
     "lock_wait": ("checkpointing", "seconds to wait for another job holding --log_dir"),
     "model_path": ("checkpointing", "model or EMA file to load (ours or upstream's)"),
     "weights": ("checkpointing", "which weights of a combined file: auto, model or ema"),

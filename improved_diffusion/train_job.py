@@ -38,9 +38,11 @@ def check_train_args(args):
         if getattr(args, name) < 1:
             raise UsageError(f"--{name} must be >= 1 (got {getattr(args, name)})")
     for name in ("save_interval", "max_steps", "keep_checkpoints", "lr_anneal_steps",
-                 "num_workers", "lock_wait"):
+                 "lock_wait"):
         if getattr(args, name) < 0:
             raise UsageError(f"--{name} must be >= 0 (got {getattr(args, name)})")
+    if args.num_workers < -1:
+        raise UsageError(f"--num_workers must be -1 (auto) or >= 0 (got {args.num_workers})")
     if args.nan_policy not in train_util.NAN_POLICIES:
         raise UsageError(f"--nan_policy must be one of {', '.join(train_util.NAN_POLICIES)} "
                          f"(got {args.nan_policy!r})")
@@ -85,6 +87,7 @@ def make_loop(args, parts):
         nan_policy=args.nan_policy,
         allow_model_change=getattr(args, "allow_model_change", False),
         async_save=getattr(args, "async_save", True),
+        compile=getattr(args, "compile", False),
     )
 
 

@@ -10,14 +10,14 @@ annealing, weight decay, loss logging by timestep quartile, grad-norm logging), 
 - Checkpoints are schema-tagged files written by rank 0 (run_dir.save_step), with the complete
   trainer state (data position, per-rank RNG, timestep-sampler history, GradScaler) in opt*.pt.
 - Mixed precision is torch.autocast + torch.amp.GradScaler, no hand-rolled master params.
-- SIGTERM / SIGUSR1 on any rank: all ranks agree at the next step boundary, save, and run_loop()
-  returns PREEMPTED_EXIT_CODE.
+- SIGTERM / SIGUSR1 on any rank: all ranks agree at a step boundary (the flag is exchanged by an
+  all-reduce that runs while a step does: a signal during step N stops the job after step N+1 at
+  the latest), save, and run_loop() returns PREEMPTED_EXIT_CODE.
 """
 import contextlib
 import gc
 import hashlib
 import json
-import math
 import os
 import random
 import signal
@@ -86,6 +86,8 @@ class TrainLoop:
     gradients (a non-finite loss on one rank makes them non-finite everywhere), and it is made
     from their norm, which the loop computes anyway; no extra collective is needed.
 
+    compile: run the model's forward/backward through torch.compile (--compile True).
+
     data: a ResumableLoader (exact resume of the data position), or any iterator of
     (batch, cond), e.g. upstream's load_data generator, whose position cannot be restored: its
     checkpoints record that, and a resume reseeds the RNGs from (seed, step, rank).
@@ -121,6 +123,7 @@ class TrainLoop:
         nan_policy="stop",
         allow_model_change=False,
         async_save=True,
+        compile=False,
     ):
         if log_dir is None:  # upstream's TrainLoop wrote to get_blob_logdir()
             log_dir = get_blob_logdir()
@@ -190,6 +193,8 @@ class TrainLoop:
         self._resume()
         self.use_ddp = self.world_size > 1
         self.ddp_model = self._wrap_ddp() if self.use_ddp else self.model
+        if compile:  # only the forward/backward: self.model keeps its state-dict keys
+            self.ddp_model = th.compile(self.ddp_model)
         self._ddp_primed = not self.use_ddp
 
     # ------------------------------------------------------------------ setup helpers
@@ -216,7 +221,9 @@ class TrainLoop:
         return flags
 
     def _make_optimizer(self):
-        return AdamW(self.model.parameters(), lr=self.lr, weight_decay=self.weight_decay)
+        """AdamW, fused (one kernel for all parameters) where this torch supports it on the
+        device, else its foreach (multi-tensor) form; the update rule is AdamW's either way."""
+        return make_adamw(self.model.parameters(), lr=self.lr, weight_decay=self.weight_decay)
 
     def _copy_params(self):
         return [p.detach().clone() for p in self.model.parameters()]
@@ -555,14 +562,9 @@ class TrainLoop:
         """
         self._data_iter = iter(self.data)
         with _preemption_flag() as flag:
+            self._signal_flag = flag
             while not self._done():
-                preempted, save_failed = dist_util.any_rank_each(flag["set"],
-                                                                 self._local_save_failed())
-                if save_failed:
-                    self._raise_save_failed()
-                if preempted:
-                    names = dist_util.all_gather_object(flag["signal"])
-                    return self._preempt(sorted({n for n in names if n}))
+                self._launch_flags()  # all ranks exchange their flags while the step runs
                 batch, cond = next(self._data_iter)
                 self._record_indices()
                 self.run_step(batch, cond)
@@ -570,6 +572,12 @@ class TrainLoop:
                     logger.dumpkvs()
                 if self.save_interval and self.step % self.save_interval == 0:
                     self.save()
+                preempted, save_failed = self._sync_flags()
+                if save_failed:
+                    self._raise_save_failed()
+                if preempted:
+                    names = dist_util.all_gather_object(flag["signal"])
+                    return self._preempt(sorted({n for n in names if n}))
             if self._pending_logs:
                 logger.dumpkvs()
             if self.step > self.resume_step or self.last_saved_step is None:
@@ -591,6 +599,26 @@ class TrainLoop:
                 dist_util.barrier()
             self.ddp_model = self.model
             gc.collect()
+
+    # The per-step flags: one all-reduce (MAX) of [preempted, save_failed] per step, launched
+    # at the start of the step (_launch_flags) and waited for at its end (_sync_flags), so no
+    # rank blocks on it while the step runs. All ranks see the same pair after the same step and
+    # act on it together. A signal that arrives during step N is seen at step N+1's launch: the
+    # job saves and stops after step N+1 at the latest.
+
+    def _launch_flags(self):
+        """Start the exchange of this rank's [preempted, save_failed] flags. Collective."""
+        flag = getattr(self, "_signal_flag", None) or {"set": False}
+        self._flags_pending = dist_util.any_rank_async(
+            [bool(flag["set"]), bool(self._local_save_failed())])
+
+    def _sync_flags(self):
+        """(preempted, save_failed) on any rank, the same on every rank: waits for the exchange
+        started by _launch_flags (bounded by the process group's timeout, --dist_timeout).
+        Collective: call from all ranks after _launch_flags."""
+        pending, self._flags_pending = self._flags_pending, None
+        preempted, save_failed = pending.wait()
+        return preempted, save_failed
 
     def _done(self):
         if self.max_steps and self.step >= self.max_steps:
@@ -691,26 +719,30 @@ class TrainLoop:
 
     def optimize(self):
         """Unscale, log grad norm, anneal lr, step. Returns False if the step was skipped (fp16
-        overflow, or non-finite gradients under --nan_policy skip)."""
+        overflow, or non-finite gradients under --nan_policy skip).
+
+        One host sync per step: whether the gradients are finite (--nan_policy decides before
+        the optimizer step; with a GradScaler, whether the scale went down). The grad norm and
+        the loss scale stay on the device until the next dumpkvs()."""
         if self.grad_scaler is None:
             norm = self._log_grad_norm()
             if not self._grads_finite(norm):
-                return self._non_finite_step(norm)
+                return self._non_finite_step(float(norm))
             self._anneal_lr()
             self.opt.step()
             return True
         self.grad_scaler.unscale_(self.opt)
         self._log_grad_norm()
         self._anneal_lr()
-        scale = self.grad_scaler.get_scale()
+        scale = _scale_tensor(self.grad_scaler).clone()
         self.grad_scaler.step(self.opt)
         self.grad_scaler.update()
-        new_scale = self.grad_scaler.get_scale()
-        logger.logkv("loss_scale", new_scale)
-        if new_scale < scale:
+        new_scale = _scale_tensor(self.grad_scaler)
+        logger.logkv_device("loss_scale", new_scale)
+        if bool(new_scale < scale):
             logger.logkv_mean("fp16_skipped", 1)
             logger.log(f"step {self.step + 1} skipped: NaN/inf float16 gradients at loss scale "
-                       f"{scale:g} (now {new_scale:g}; usual in the first steps)")
+                       f"{float(scale):g} (now {float(new_scale):g}; usual in the first steps)")
             return False
         return True
 
@@ -725,19 +757,19 @@ class TrainLoop:
         return self.optimize()
 
     def _log_grad_norm(self):
-        """Log and return the global L2 norm of the (all-reduced) gradients."""
-        grads = [p.grad.detach().float() for p in self.model.parameters() if p.grad is not None]
-        sqsum = th.stack([(g * g).sum() for g in grads]).sum().item() if grads else 0.0
-        norm = math.sqrt(sqsum)  # nan stays nan, inf stays inf
-        logger.logkv_mean("grad_norm", norm)
+        """Log and return the global L2 norm of the (all-reduced) gradients: a 0-d float32
+        tensor on the device (NaN if a gradient is NaN, Inf if one is Inf), not read here."""
+        grads = [p.grad.detach() for p in self.model.parameters() if p.grad is not None]
+        norm = grad_norm(grads) if grads else th.zeros((), device=self.device)
+        logger.logkv_mean_device("grad_norm", norm, 1)
         return norm
 
     def _grads_finite(self, norm):
-        """False if a gradient is NaN/Inf. `norm` decides unless it is inf, which the squares of
-        large finite gradients can also give: then the gradients are looked at one by one."""
-        if math.isfinite(norm):
+        """False if a gradient is NaN/Inf (the step's one host sync). `norm` decides unless it
+        is inf, which large finite gradients can also give: then they are looked at one by one."""
+        if bool(th.isfinite(norm)):
             return True
-        if math.isnan(norm):
+        if bool(th.isnan(norm)):
             return False
         return all(bool(th.isfinite(p.grad).all())
                    for p in self.model.parameters() if p.grad is not None)
@@ -768,9 +800,10 @@ class TrainLoop:
             group["lr"] = lr
 
     def _update_ema(self):
+        params = [p.detach() for p in self.model.parameters()]
         with th.no_grad():
-            for rate, params in zip(self.ema_rate, self.ema_params):
-                update_ema(params, self.model.parameters(), rate=rate)
+            for rate, ema in zip(self.ema_rate, self.ema_params):
+                update_ema(ema, params, rate=rate)
 
     def log_step(self):
         """Log the step's key/values (upstream's name; run_step calls it, it calls _log_step)."""
@@ -789,7 +822,7 @@ class TrainLoop:
         """Write model, EMA and opt files of the current step, manifest last. Collective.
 
         Every rank checks the weights (_refuse_non_finite_weights) and sends its RNG state to rank
-        0 (gather_object_to_rank0); rank 0 alone builds the payloads. With async_save, rank 0
+        0 (dist_util.gather_object); rank 0 alone builds the payloads. With async_save, rank 0
         copies them to host memory (buffers reused from save to save, pinned on CUDA) and a
         background thread writes the files and the manifest (run_dir.write_step), then prunes,
         while training goes on; without it rank 0 writes them now. A save first waits for the
@@ -805,7 +838,7 @@ class TrainLoop:
         began = time.perf_counter()
         step = self.step
         self._refuse_non_finite_weights(step)
-        rng = dist_util.gather_object_to_rank0(get_rng_state())
+        rng = dist_util.gather_object(get_rng_state(), dst=0)
         dist_util.run_on_rank0(lambda: self._save_on_rank0(step, rng, began, wait))
         self.last_saved_step = step
 
@@ -1042,18 +1075,52 @@ def find_ema_checkpoint(main_checkpoint, step, rate):
 
 
 def update_ema(target_params, source_params, rate=0.99):
-    """targ = rate * targ + (1 - rate) * src, in place (upstream)."""
-    for targ, src in zip(target_params, source_params):
-        targ.detach().mul_(rate).add_(src.detach(), alpha=1 - rate)
+    """targ = rate * targ + (1 - rate) * src, in place (upstream's formula and rounding: the
+    same two operations, each applied to all tensors at once by torch's foreach kernels)."""
+    targets = [t.detach() for t in target_params]
+    sources = [s.detach() for s in source_params]
+    if not targets:
+        return
+    th._foreach_mul_(targets, rate)
+    th._foreach_add_(targets, sources, alpha=1 - rate)
+
+
+def grad_norm(grads):
+    """The global L2 norm of `grads` (a 0-d float32 tensor on their device; NaN/Inf propagate),
+    from torch's foreach per-tensor norms: no host sync."""
+    norms = th._foreach_norm([g.float() if g.dtype != th.float32 else g for g in grads])
+    return th.linalg.vector_norm(th.stack(norms))
+
+
+def make_adamw(params, *, lr, weight_decay):
+    """AdamW, fused where this torch supports it for the parameters' device, else foreach."""
+    params = list(params)
+    for impl in ({"fused": True}, {"foreach": True}):
+        try:
+            return AdamW(params, lr=lr, weight_decay=weight_decay, **impl)
+        except RuntimeError:  # this torch has no fused kernel for the device
+            continue
+    return AdamW(params, lr=lr, weight_decay=weight_decay)
 
 
 def log_loss_dict(diffusion, ts, losses):
-    """Log mean losses and their means per timestep quartile (`{key}_q0`..`_q3`), as upstream."""
-    for key, values in losses.items():
-        logger.logkv_mean(key, values.mean().item())
-        for sub_t, sub_loss in zip(ts.cpu().numpy(), values.detach().cpu().numpy()):
-            quartile = int(4 * sub_t / diffusion.num_timesteps)
-            logger.logkv_mean(f"{key}_q{quartile}", sub_loss)
+    """Log mean losses and their means per timestep quartile (`{key}_q0`..`_q3`), as upstream.
+
+    The sums stay on the device (logger.logkv_mean_device) until the next dumpkvs(): no host
+    sync per step. The written numbers are upstream's: the mean of each microbatch's mean, and
+    per quartile the mean of the per-sample losses whose timestep falls in it."""
+    if not losses:
+        return
+    keys = list(losses)
+    values = th.stack([losses[k].detach().float() for k in keys])  # [K, N]
+    quartile = (4 * ts.to(values.device).long()) // diffusion.num_timesteps  # [N] in 0..3
+    per_q = th.zeros(len(keys), 4, dtype=values.dtype, device=values.device)
+    per_q.index_add_(1, quartile, values)
+    counts = th.bincount(quartile, minlength=4)[None].expand(len(keys), 4)
+    ones = th.ones(len(keys), 1, dtype=counts.dtype, device=counts.device)
+    names = [name for k in keys for name in (k, *(f"{k}_q{q}" for q in range(4)))]
+    logger.logkv_mean_device(names, th.cat([values.mean(1, keepdim=True), per_q], 1),
+                             th.cat([ones, counts], 1))
 
 
 def _make_amp(device, use_fp16, fp16_scale_growth):
@@ -1100,6 +1167,12 @@ def cpu_has_fast_bf16(cpuinfo="/proc/cpuinfo"):
     except OSError:  # no /proc (macOS, Windows): do not guess
         return False
     return bool(words & {"avx512_bf16", "amx_bf16", "bf16"})
+
+
+def _scale_tensor(scaler):
+    """The GradScaler's current scale as a device tensor (not read to the host)."""
+    get = getattr(scaler, "_get_scale_async", None)
+    return get() if callable(get) else th.tensor(scaler.get_scale())
 
 
 def _poison_if_not_finite(loss):

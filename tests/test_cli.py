@@ -27,7 +27,7 @@ LAUNCHER_FLAGS = {"--nproc_per_node", "--nnodes", "--standalone", "--rdzv_endpoi
 # What the README shows as mistakes (typos, a shortened flag) and the usage line's placeholder.
 EXAMPLE_MISTAKES = {"--num_chanels", "--num_channel", "--lr_anneal", "--bad_flag", "--flag"}
 # Flags that helpers working in parallel add to train.py (the table has their meaning already).
-PENDING_FLAGS = {"--async_save", "--compile", "--allow_model_change"}
+PENDING_FLAGS = set()
 TINY = ["--image_size", "8", "--num_channels", "32", "--channel_mult", "1",
         "--attention_resolutions", "", "--num_res_blocks", "1", "--diffusion_steps", "20",
         "--noise_schedule", "cosine"]

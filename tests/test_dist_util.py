@@ -96,11 +96,13 @@ def _collective_run(tmp_path_factory, n):
         except FileNotFoundError as e:
             missing = str(e)
         dist_util.barrier()  # every rank is still in step after the errors
+        pending = dist_util.any_rank_async([rank == {n - 1}, False])  # waited below
         report(world=dist_util.get_world_size(), dist=dist_util.is_distributed(),
                sha=hashlib.sha256(data).hexdigest(), n=len(data),
                obj=dist_util.broadcast_object({{"from": rank}}),
                gathered=dist_util.all_gather_object(rank * 10),
                any1=dist_util.any_rank(rank == {n - 1}), any0=dist_util.any_rank(False),
+               async_flags=pending.wait(), to_rank0=dist_util.gather_object(rank * 10),
                mean=t.item(), synced=p.tolist(), mismatch=mismatch, missing=missing)
     """)
     res = _results(run_module_mpi(n, code, timeout=50))
@@ -131,6 +133,10 @@ def test_load_bytes_gives_every_rank_the_same_bytes_and_collectives_agree(reques
         assert r["obj"] == {"from": 0}
         assert r["gathered"] == [10 * i for i in range(n)]
         assert r["any1"] is True and r["any0"] is False
+        assert r["async_flags"] == [True, False]  # async: launched before other collectives
+    assert res[0]["to_rank0"] == [10 * i for i in range(n)]
+    assert all(res[i]["to_rank0"] is None for i in range(1, n))  # only rank 0 receives
+    for r in res.values():
         assert r["mean"] == pytest.approx((n - 1) / 2)
         assert r["synced"] == [0.0] * 4
 
