@@ -144,12 +144,14 @@ def test_a_failed_background_save_on_a_rank_stops_the_loop_at_that_step_with_not
     log = tmp_path / "log"
 
     class FailsAtStep2(train_util.TrainLoop):
-        def _local_save_failed(self):  # what the async save reports from its thread
-            return self.step == 2
+        def _local_save_failed(self):  # what the async save reports once its thread failed
+            if self.step == 2 and self._save_failure is None:
+                self._save_failure = UserError("step 2: disk on fire")
+            return self._save_failure is not None
 
     with logger.scoped_configure(dir=str(log), format_strs=["csv"], rank=0):
         loop = _loop(log, _Data(), cls=FailsAtStep2)
-        with pytest.raises(UserError, match="step 3: a background checkpoint save failed"):
+        with pytest.raises(UserError, match="step 2: disk on fire"):
             loop.run_loop()
     assert loop.step == 3
     assert _saved_steps(log) == []
