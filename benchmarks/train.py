@@ -127,7 +127,7 @@ def child(args):
     logger.configure(dir=tmp, format_strs=[], rank=rank)
     if args.variant == "loop":
         class NoSave(train_util.TrainLoop):
-            def save(self):  # the benchmark measures steps, not checkpoints
+            def save(self, wait=False):  # the benchmark measures steps, not checkpoints
                 pass
 
         loop = NoSave(model=model, diffusion=diffusion, data=data, batch_size=batch,
