@@ -29,25 +29,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 
-import numpy as np  # noqa: E402
-from PIL import Image  # noqa: E402
-
 import cluster_sim as cs  # noqa: E402
 
 COMMAND = "python benchmarks/dead_rank.py"
 
 
-def images(folder, n=8, size=8):
-    folder.mkdir(parents=True)
-    rng = np.random.default_rng(0)
-    for i in range(n):
-        Image.fromarray(rng.integers(0, 255, (size, size, 3), dtype=np.uint8)).save(
-            folder / f"img_{i:03d}.png")
-    return folder
-
-
 def train_args(work):
-    return [*cs.TINY, "--data_dir", images(work / "data"), "--log_dir", work / "log",
+    return [*cs.TINY, "--data_dir", cs.random_images(work / "data"), "--log_dir", work / "log",
             "--save_interval", "2", "--max_steps", "100000"]
 
 

@@ -28,22 +28,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 
-import numpy as np  # noqa: E402
-from PIL import Image  # noqa: E402
-
 import cluster_sim as cs  # noqa: E402
 import multihost as mh  # noqa: E402
 
 COMMAND = "python benchmarks/multihost.py"
-
-
-def images(folder, n=8, size=8):
-    folder.mkdir(parents=True)
-    rng = np.random.default_rng(0)
-    for i in range(n):
-        Image.fromarray(rng.integers(0, 255, (size, size, 3), dtype=np.uint8)).save(
-            folder / f"img_{i:03d}.png")
-    return folder
 
 
 def train_args(data, log_dir):
@@ -60,7 +48,7 @@ def two_hosts(work, dist_timeout, fault):
     """{figure: seconds}, last step intact, for ``fault`` in ("kill9", "unplugged")."""
     with mh.Cluster() as cluster:
         h0, h1 = cluster.hosts
-        data = images(work / "data")
+        data = cs.random_images(work / "data")
         procs = []
         for h in cluster.hosts:
             cmd = [cs.TORCHRUN, "--nnodes", "2", "--nproc_per_node", "1", "--rdzv_backend",
@@ -86,7 +74,7 @@ def two_hosts(work, dist_timeout, fault):
 
 
 def one_host(work, dist_timeout):
-    n0, n1 = cs.two_node_torchrun(train_args(images(work / "data"), work / "log"), work,
+    n0, n1 = cs.two_node_torchrun(train_args(cs.random_images(work / "data"), work / "log"), work,
                                   dist_timeout)
     try:
         cs.wait_until(lambda: len(cs.complete_steps(work / "log")) >= 2, 300, (n0, n1),

@@ -31,6 +31,19 @@ TINY = [
 ]
 
 
+def random_images(folder, n=8, size=8):
+    """Write `n` random RGB PNGs of `size` px into a new `folder` (tiny training data); returns it."""
+    import numpy as np
+    from PIL import Image
+
+    folder.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for i in range(n):
+        Image.fromarray(rng.integers(0, 255, (size, size, 3), dtype=np.uint8)).save(
+            folder / f"img_{i:03d}.png")
+    return folder
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
