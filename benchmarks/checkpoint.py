@@ -264,6 +264,8 @@ def main():
     if args._save:
         return bench_save(args._save, args.dir, args.repeat, args.cmd, args.keep)
     cmd = "python benchmarks/checkpoint.py " + " ".join(sys.argv[1:])
+    if args.dir:
+        os.makedirs(args.dir, exist_ok=True)
     root = tempfile.mkdtemp(dir=args.dir, prefix="bench_ckpt")
     try:
         for size in args.sizes.split(","):
