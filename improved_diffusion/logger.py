@@ -27,12 +27,18 @@ from contextlib import contextmanager
 import torch as th
 
 from . import dist_util
+from .checkpoint import write_fault_message
+from .errors import UserError
 
 DEBUG = 10
 INFO = 20
 WARN = 30
 ERROR = 40
 DISABLED = 50
+
+
+class LogWriteError(UserError):
+    """A log file (log.txt, progress.csv, ...) could not be written: a disk fault, in one line."""
 
 
 class KVWriter:
@@ -637,9 +643,7 @@ class Logger:
                 {name: (val, self.name2cnt.get(name, 1)) for (name, val) in self.name2val.items()}
             )
         out = d.copy()  # Return the dict for unit testing purposes
-        for fmt in self.output_formats:
-            if isinstance(fmt, KVWriter):
-                fmt.writekvs(d)
+        self._each_output(KVWriter, lambda fmt: fmt.writekvs(d))
         self.name2val.clear()
         self.name2cnt.clear()
         return out
@@ -663,9 +667,27 @@ class Logger:
     # Misc
     # ----------------------------------------
     def _do_log(self, args):
+        self._each_output(SeqWriter, lambda fmt: fmt.writeseq(map(str, args)))
+
+    def _each_output(self, kind, write):
+        """``write(fmt)`` for each output of ``kind``. A disk fault under the log dir (full, quota,
+        read-only, vanished directory: checkpoint.write_fault_message) becomes LogWriteError, one
+        line naming the file, as a failed checkpoint write does; any other error (a bug, a closed
+        stdout) is raised as it is."""
         for fmt in self.output_formats:
-            if isinstance(fmt, SeqWriter):
-                fmt.writeseq(map(str, args))
+            if not isinstance(fmt, kind):
+                continue
+            try:
+                write(fmt)
+            except OSError as e:
+                name = getattr(getattr(fmt, "file", None), "name", None)
+                if not isinstance(name, str) or not self.dir:
+                    raise
+                msg = write_fault_message(e, self.dir, f"writing {osp.basename(name)}",
+                                          "the saved checkpoints are intact")
+                if msg is None:
+                    raise
+                raise LogWriteError(msg) from e
 
 
 def get_rank_without_dist():

@@ -6,6 +6,7 @@ import pytest
 
 from improved_diffusion import logger
 from conftest import run_module_mpi
+from test_disk_faults import can_mount, mounts  # noqa: F401 (fixtures)
 
 
 @pytest.fixture(autouse=True)
@@ -132,3 +133,34 @@ dist_util.cleanup()
     assert float(rows[0]["loss"]) == pytest.approx(13 / 4)
     assert float(rows[0]["only_rank1"]) == 7.0
     assert rows[0]["step"] == "5"  # an integer agreed by all ranks stays an integer
+
+
+def test_a_full_disk_under_the_log_dir_is_one_line_naming_the_file_and_keeps_what_was_written(
+        tmp_path, can_mount, mounts):  # noqa: F811
+    """A real full tmpfs: the next log write raises LogWriteError (a UserError: one line, exit 1)
+    naming the disk fault and the file, not an OSError traceback; earlier rows stay on disk."""
+    import errno
+
+    from improved_diffusion.errors import UserError
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounts("-t", "tmpfs", "-o", "size=256k", "tmpfs", disk)
+    run = disk / "run"
+    logger.configure(dir=str(run), format_strs=["log", "csv"], rank=0)
+    logger.logkv("step", 1)
+    logger.dumpkvs()
+    with open(disk / "filler", "wb", buffering=0) as f:  # take every free block
+        try:
+            while True:
+                f.write(b"\0" * 4096)
+        except OSError as e:
+            assert e.errno == errno.ENOSPC
+    logger.logkv("step", 2)
+    logger.logkv("note", "x" * 20000)  # needs new blocks in each file
+    with pytest.raises(logger.LogWriteError,
+                       match=r"no space left on device while writing (log\.txt|progress\.csv)"
+                       r".*the saved checkpoints are intact") as info:
+        logger.dumpkvs()
+    assert isinstance(info.value, UserError) and "\n" not in str(info.value)
+    assert read_csv(run / "progress.csv")[0]["step"] == "1"  # the row written before is kept
