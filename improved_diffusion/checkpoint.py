@@ -712,7 +712,7 @@ class _open_local:
 
 def _local_identity(path):
     """What a rank reports about a local file before a collective load, and keeps: (("ok",
-    identity, digest), records) with identity (host, device, inode, size, mtime) and the digest
+    identity, digest), records) with identity (machine, device, inode, size, mtime) and the digest
     of its zip records (None for a file that is not a readable torch zip); (("err", (error type
     name, one line), None), None) when it cannot be opened or read."""
     f, err = dist_util.open_local(path)
@@ -724,7 +724,7 @@ def _local_identity(path):
             records = _zip_records(f) if st.st_size else None
     except OSError as e:
         return ("err", ("OSError", f"{path}: cannot read ({typed_one_line(e)})"), None), None
-    ident = (dist_util.host_name(), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    ident = (dist_util.machine_id(), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
     return ("ok", ident, None if records is None else records_digest(records)), records
 
 
@@ -736,7 +736,7 @@ def load_file_collective(path):
 
     A local file that every rank can open, with the same zip records (names, sizes, CRC-32s) on
     every rank, is loaded by each rank itself, straight into its tensors (memory: the decoded
-    state, no copy of the file's bytes); ranks that read the same physical file (same host,
+    state, no copy of the file's bytes); ranks that read the same physical file (same machine,
     device, inode, size and mtime) split the CRC checks of its records between them, and every
     rank learns every rank's outcome. Otherwise (a remote store, a rank that cannot open the
     file, a different file on some host) rank 0 reads the bytes and broadcasts them in bounded

@@ -282,13 +282,21 @@ def _host_info():
             "stack": _network_stack()}
 
 
+def _boot_id():
+    """The running kernel's boot id (Linux), different on every machine; None where unknown."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
 def _network_stack():
     """Which network stack this process uses: "<boot id>/<network namespace inode>" (Linux), so
     two ranks can share 127.0.0.1 exactly when theirs are equal, whatever their host names say
     (two machines, or two containers, may carry the same name); None where unknown."""
+    boot = _boot_id()
     try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
         ns = os.stat("/proc/self/ns/net")
     except OSError:
         return None
@@ -932,9 +940,11 @@ def read_local(path):
         return None, _read_error(path, e)
 
 
-def host_name():
-    """This host's name (ranks with the same name share a page cache and local disks)."""
-    return socket.gethostname()
+def machine_id():
+    """Which machine (running kernel) this process is on: its boot id, else its host name. Two
+    processes with the same machine_id see one file where (st_dev, st_ino) agree; host names
+    alone cannot tell (two machines may carry the same name, as for _network_stack)."""
+    return _boot_id() or socket.gethostname()
 
 
 def _raise_read_error(err):
