@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 from . import optim_state, state_fit
-from .script_util import same_flag_value
 
 # How many names of each list the log block and `ckpt.py inspect` show.
 SHOWN = 4
@@ -147,18 +146,6 @@ def record_text(rec) -> str:
     return ", ".join(parts)
 
 
-def differing_flags(file_flags, run_flags) -> Optional[Dict[str, Tuple[Any, Any]]]:
-    """{flag: (file value, run value)} for the run's model flags whose value the file stores
-    differently (state_fit.SHAPE_FLAGS first); None when the file stores no flags."""
-    if not file_flags:
-        return None
-    run_flags = run_flags or {}
-    keys = [k for k in state_fit.SHAPE_FLAGS if k in run_flags]
-    keys += [k for k in run_flags if k not in state_fit.SHAPE_FLAGS]
-    return {k: (file_flags[k], run_flags[k]) for k in keys
-            if k in file_flags and not same_flag_value(file_flags[k], run_flags[k])}
-
-
 def plan_change(model_shapes, file_shapes, file_flags=None, run_flags=None,
                 step=None) -> ModelChange:
     """
@@ -173,7 +160,7 @@ def plan_change(model_shapes, file_shapes, file_flags=None, run_flags=None,
     return ModelChange(
         kept=[k for k in model_shapes if k in file_shapes and k not in fit.reshaped],
         new=list(fit.missing), dropped=list(fit.unexpected), reshaped=dict(fit.reshaped),
-        flags=differing_flags(file_flags, run_flags), step=step)
+        flags=state_fit.differing_flags(file_flags, run_flags), step=step)
 
 
 def take_matching(fresh, saved) -> dict:

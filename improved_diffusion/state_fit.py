@@ -11,7 +11,7 @@ error. Compares names and shapes only, so it needs no model object:
 """
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch as th
 
@@ -105,11 +105,21 @@ def _shape(v):
 
 
 def _flag_differences(file_flags, given_flags, other):
-    if not file_flags or not given_flags:
-        return []
-    return [f"--{k} (file: {file_flags[k]}, {other}: {given_flags[k]})" for k in SHAPE_FLAGS
-            if k in file_flags and k in given_flags
-            and not same_flag_value(file_flags[k], given_flags[k])]
+    diffs = differing_flags(file_flags, given_flags) or {}
+    return [f"--{k} (file: {a}, {other}: {b})" for k, (a, b) in diffs.items()
+            if k in SHAPE_FLAGS]
+
+
+def differing_flags(file_flags, run_flags) -> Optional[Dict[str, Tuple[Any, Any]]]:
+    """{flag: (file value, run value)} for the run's model flags whose value the file stores
+    differently (SHAPE_FLAGS first); None when the file stores no flags."""
+    if not file_flags:
+        return None
+    run_flags = run_flags or {}
+    keys = [k for k in SHAPE_FLAGS if k in run_flags]
+    keys += [k for k in run_flags if k not in SHAPE_FLAGS]
+    return {k: (file_flags[k], run_flags[k]) for k in keys
+            if k in file_flags and not same_flag_value(file_flags[k], run_flags[k])}
 
 
 def _layout_hints(have, want, other):
