@@ -235,7 +235,7 @@ def test_two_ranks_share_the_crc_checks_and_a_flipped_byte_in_any_record_fails_o
         bad[start + 5] ^= 0x10
         (tmp_path / f"bad{k}.pt").write_bytes(bytes(bad))
     code = f"""
-import json, torch
+import json, sys, torch
 from improved_diffusion import checkpoint as C, dist_util
 dist_util.setup_dist()
 r = dist_util.get_rank()
@@ -247,7 +247,8 @@ for k in (0, 1):
         C.load_file_collective({str(tmp_path)!r} + f"/bad{{k}}.pt")
     except C.CheckpointError as e:
         out[f"bad{{k}}"] = str(e)
-print("RESULT", r, json.dumps(out), flush=True)
+sys.stdout.write(f"RESULT {{r}} {{json.dumps(out)}}\\n")  # one write: the ranks share stdout
+sys.stdout.flush()
 dist_util.cleanup()
 """
     proc = run_module_mpi(2, code, timeout=120)
