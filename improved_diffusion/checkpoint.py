@@ -877,6 +877,30 @@ def model_state_from(ckpt, want="model"):
         f"{ckpt.path}: holds {describe(ckpt)}, not model weights; give a model or EMA file")
 
 
+def read_flags(path):
+    """The model flags a local tagged model/EMA file stores, read without loading its tensors
+    (torch.load with mmap), or None: an untagged, remote or unreadable file, or one without
+    flags. Not collective; never raises (for a peek before the real, checked load)."""
+    path = os.fspath(path)
+    if is_remote(path):
+        return None
+    try:
+        obj = th.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # anything: the resume's own load words the file's problem
+        return None
+    flags = obj.get("flags") if isinstance(obj, dict) and obj.get("schema") == SCHEMA else None
+    return dict(flags) if isinstance(flags, dict) else None
+
+
+def combined_ema_or_none(ckpt):
+    """The EMA weights of a combined dict ({"model", "ema", ...}, prefixes stripped), or None
+    when it holds none."""
+    try:
+        return model_state_from(ckpt, want="ema")
+    except CheckpointError:
+        return None
+
+
 # ---------------------------------------------------------------------------------------------
 # file system (local paths and blobfile URLs alike)
 

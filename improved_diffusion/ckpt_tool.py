@@ -7,7 +7,7 @@ safetensors.
     python scripts/ckpt.py verify DIR [--quick]
     python scripts/ckpt.py diff FILE (--flags "--image_size 32 ..." | --against FILE2) [--want ema]
     python scripts/ckpt.py convert SRC --to tagged|raw|safetensors --out DIR [--flags "..."]
-    python scripts/ckpt.py adapt SRC --flags "..." --out DIR [--seed N] [--step N]
+    python scripts/ckpt.py adapt SRC --flags "..." --out DIR [--seed N] [--step N] [--data_dir D]
     python scripts/ckpt.py prune DIR --keep K
 
 (also `python -m improved_diffusion.ckpt_tool ...`). Human-readable output by default, `--json` for
@@ -765,9 +765,27 @@ def cmd_convert(args, out):
 # adapt
 
 
+def _adapt_num_classes(args, c, flags):
+    """--num_classes of a class-conditional adapt that did not give it: --data_dir's class count
+    (as train.py counts it), else a class-conditional file's own count."""
+    if args.data_dir:
+        from .image_datasets import folder_class_names
+
+        names = folder_class_names(args.data_dir)
+        if not names:
+            raise ToolError(f"--data_dir {args.data_dir}: no images with class names; give the "
+                            f"training folder, or --num_classes N in --flags")
+        return len(names)
+    if (c.flags or {}).get("class_cond") and isinstance(c.flags.get("num_classes"), int):
+        return c.flags["num_classes"]
+    raise ToolError("--flags makes the model class-conditional: pass --data_dir (the training "
+                    "folder, whose classes are counted as train.py counts them) or --num_classes "
+                    "N in --flags")
+
+
 def cmd_adapt(args, out):
     """A complete tagged step in a new --out, adapted to the model of --flags (model_change.py)."""
-    from .train_util import seed_rngs  # the seeding of train.py's build(): the same fresh init
+    from .rng import seed_rngs  # the seeding of train.py's build(): the same fresh init
 
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         raise ToolError(f"{args.out}: is a file; --out must be a directory")
@@ -799,6 +817,8 @@ def cmd_adapt(args, out):
     for k, v in (c.flags or {}).items():  # flags not given keep the file's values
         if k in flags and k not in given:
             flags[k] = v
+    if flags.get("class_cond") and "num_classes" not in given:
+        flags["num_classes"] = _adapt_num_classes(args, c, flags)
     seed = args.seed if args.seed is not None else int(trainer.get("seed") or 0)
     seed_rngs(seed, 0, 0)
     model = _build_model(flags)
@@ -815,7 +835,7 @@ def cmd_adapt(args, out):
     files = {ckpt.model_filename(step): ckpt.model_payload(step, adapted(sd), flags)}
     emas = {rate: ckpt.model_state_from(_load(p), want="ema") for rate, p in beside["ema"].items()}
     if not emas and c.kind == "combined":
-        ema = _combined_ema_or_none(c)
+        ema = ckpt.combined_ema_or_none(c)
         if ema is not None:
             emas["0.9999"] = ema
             notes.append(f"{os.path.basename(plan.model)}: EMA entry written with rate 0.9999 "
@@ -859,13 +879,6 @@ def cmd_adapt(args, out):
         for n in notes:
             out.write(f"note: {n}\n")
     return EXIT_OK
-
-
-def _combined_ema_or_none(c):
-    try:
-        return ckpt.model_state_from(c, want="ema")
-    except ckpt.CheckpointError:
-        return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -945,6 +958,9 @@ def build_parser():
                     "the run's --seed from the opt file, else 0)")
     sp.add_argument("--step", type=int, default=None,
                     help="this step of a run dir (or the step of a file without one)")
+    sp.add_argument("--data_dir", default="",
+                    help="the training folder: a class-conditional model gets its class count "
+                    "(as train.py counts it) unless --flags gives --num_classes")
     sp = sub.add_parser("prune", help="delete old steps, keeping the newest K complete ones")
     sp.add_argument("dir", metavar="DIR")
     sp.add_argument("--keep", type=int, required=True, metavar="K")

@@ -323,6 +323,22 @@ def plan_resume(log_dir, resume_checkpoint=""):
     return plan
 
 
+def likely_resume_model(log_dir, resume_checkpoint=""):
+    """The model file a resume would most likely load, found cheaply (names and manifests, no
+    checksums): the ``resume_checkpoint`` file itself, else the newest step with a manifest of
+    the run dir it names or of ``log_dir``; None when there is none or the listing fails. For
+    choices that must precede the model (train.py's class count); plan_resume decides for real.
+    Not collective."""
+    arg = os.fspath(resume_checkpoint or "")
+    try:
+        if arg and arg != "auto" and not _is_dir(arg):
+            return arg
+        steps = list_steps(arg if arg and arg != "auto" else os.fspath(log_dir))
+    except CheckpointError:
+        return None
+    return next((st.model_path for st in steps if st.complete and st.model_path), None)
+
+
 def _choose(plan, where, steps, announce):
     """Auto-resume: the newest step of ``where`` that verifies; fills ``plan``."""
     explicit_dir = not _same_dir(where, plan.log_dir)

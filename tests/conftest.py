@@ -109,6 +109,19 @@ def write_images(d, n=14, size=8, seed=14):
     return d
 
 
+def write_class_folder(d, classes=("cat", "dog", "owl"), per_class=4, size=8):
+    """An image folder whose file names carry class names (cat_0.png ...), returned."""
+    from PIL import Image
+
+    d.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    for c in classes:
+        for i in range(per_class):
+            Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8)).save(
+                d / f"{c}_{i}.png")
+    return d
+
+
 # Keys of checkpoint dicts that may differ between two runs without the state differing.
 VOLATILE_KEYS = {"time", "timestamp", "created", "hostname", "host", "pid", "wall_time"}
 

@@ -143,14 +143,16 @@ def test_a_failed_background_save_on_a_rank_stops_the_loop_at_that_step_with_not
         tmp_path):
     log = tmp_path / "log"
 
-    class FailsAtStep2(train_util.TrainLoop):
-        def _local_save_failed(self):  # what the async save reports once its thread failed
-            if self.step == 2 and self._save_failure is None:
-                self._save_failure = UserError("step 2: disk on fire")
-            return self._save_failure is not None
-
     with logger.scoped_configure(dir=str(log), format_strs=["csv"], rank=0):
-        loop = _loop(log, _Data(), cls=FailsAtStep2)
+        loop = _loop(log, _Data())
+        ckpt = loop.checkpointer
+
+        def failed_at_step_2():  # what the async save reports once its thread failed
+            if loop.step == 2 and ckpt._save_failure is None:
+                ckpt._save_failure = UserError("step 2: disk on fire")
+            return ckpt._save_failure is not None
+
+        ckpt._local_save_failed = failed_at_step_2
         with pytest.raises(UserError, match="step 2: disk on fire"):
             loop.run_loop()
     assert loop.step == 3
