@@ -7,6 +7,7 @@ import json
 import os
 import re
 import weakref
+import zipfile
 from collections import OrderedDict
 
 import numpy as np
@@ -413,6 +414,24 @@ def test_bad_input_is_one_line_naming_the_flag_or_file(tiny_runs, tmp_path):
     got, _, err = cli("phema", run, "--std", "0.07", "--out", tmp_path / "x.pt")
     assert got == 1 and "x.pt: already exists; refusing to overwrite" in err
     assert (tmp_path / "x.pt").read_bytes() == b"mine"
+
+
+def test_a_damaged_snapshot_is_named_and_nothing_is_written(tmp_path):
+    d = str(tmp_path / "run")
+    _steps_with_snapshots(d, [1, 2, 3])
+    path = os.path.join(d, "phema_0.100_000002.pt")
+    with zipfile.ZipFile(path) as z:
+        rec = next(i for i in z.infolist() if i.filename.endswith("/data/0"))
+    raw = bytearray(open(path, "rb").read())
+    start = rec.header_offset + 30 + int.from_bytes(raw[rec.header_offset + 26:
+                                                        rec.header_offset + 28], "little") \
+        + int.from_bytes(raw[rec.header_offset + 28:rec.header_offset + 30], "little")
+    raw[start + 5] ^= 0xFF  # a flipped bit inside the weights: the tags still read
+    open(path, "wb").write(bytes(raw))
+    code, _, err = cli("phema", d, "--std", "0.07,0.08", "--out", tmp_path / "out")
+    assert code == 1 and len(err.splitlines()) == 1
+    assert f"{path}: corrupt record" in err and "CRC mismatch" in err
+    assert not os.listdir(tmp_path / "out")
 
 
 def test_a_snapshot_of_another_model_shape_is_named(tmp_path):
