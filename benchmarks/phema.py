@@ -4,8 +4,9 @@ its time, for N snapshots of a model of about --params float32 parameters (issue
 Writes the snapshots (two widths, 0.05 and 0.10, at N/2 steps) into a temp dir with
 PowerFunctionEMA as a loop would, then runs `ckpt.py phema` in a fresh child process per case,
 which samples its resident memory (/proc/self/statm, every 2 ms) and reports the peak above
-what it held before the reconstruction began (after importing torch and the library). The claim checked: about two models with --batch 1 (one loaded snapshot and one
-accumulator), about batch + 1 models with --batch B, whatever N.
+what it held before the reconstruction began (after importing torch and the library). The
+claim checked: about two models with --batch 1 (one loaded snapshot and one accumulator), about
+batch + 1 models with --batch B, whatever N.
 
 One JSON line per figure. Usage:
 
@@ -25,7 +26,7 @@ sys.path.insert(0, REPO)
 
 import torch as th  # noqa: E402
 
-from improved_diffusion import checkpoint, phema, run_dir  # noqa: E402
+from improved_diffusion import phema, run_dir  # noqa: E402
 
 CHILD = r"""
 import io, json, os, sys, threading, time

@@ -13,11 +13,13 @@ so a std means the same at every time. stds lie in (0, MAX_STD); EDM2 trains wit
 The math is EDM2's, under EDM2's names and signatures: float64 NumPy in and out, arguments
 broadcast against each other (``std_to_exp``, ``exp_to_std``, ``power_function_response``,
 ``power_function_correlation``, ``power_function_beta``, ``solve_posthoc_coefficients``), plus
-``profile_error`` (how well the coefficients represent each target). It knows nothing of files.
+``profile_error`` (how well the coefficients represent each target); that part knows nothing of
+files.
 
 What a training loop and its checkpointer call (nothing else)::
 
     tracker = PowerFunctionEMA(model.named_parameters(), stds=[0.05, 0.10])  # copies them
+    #     (the bare module's parameters: names without DDP's module. prefix)
     ...optimizer step...
     tracker.update(model.parameters(), images_seen_total, batch_images)      # every step
     files = tracker.snapshot_payloads(step, flags, model.state_dict())
@@ -43,7 +45,7 @@ Reconstruction (``ckpt.py phema RUN_DIR --std 0.07 --out FILE``)::
 
 import os
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import List, Optional
 
 import numpy as np
@@ -370,7 +372,6 @@ class ReconstructionPlan:
     inputs: List[Snapshot]
     coefs: np.ndarray
     errors: np.ndarray  # profile_error per target, [out]
-    notes: List[str] = field(default_factory=list)
 
     @property
     def target(self):

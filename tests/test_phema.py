@@ -8,7 +8,6 @@ import os
 import re
 import weakref
 import zipfile
-from collections import OrderedDict
 
 import numpy as np
 import pytest
@@ -144,6 +143,34 @@ def test_a_resume_from_the_saved_state_continues_bit_for_bit(tmp_path):
     assert th.equal(again.emas[0][0], REF["tiny_direct_ema_std0.070_float32"])
     ref = REF["tiny_snapshots_float32"]  # images 0, 0, 100, 100, ... of stds 0.05, 0.10
     assert th.equal(th.stack(later[0::2]), ref[9::2]) and th.equal(th.stack(later[1::2]), ref[8::2])
+
+
+def test_an_elastic_resume_with_another_global_batch_keeps_the_power_function_profile():
+    """The beta follows images seen, not steps or ranks: weights that grow linearly with the
+    images (w = images at the step's middle) average to EDM2's continuous profile mean
+    t (exp + 1) / (exp + 2), the same with 4 images a step throughout or with 16 after a resume
+    (4x the ranks), and the resumed run equals one that changed its batch without stopping."""
+    def steps(tracker, p, batches, seen=0):
+        for b in batches:
+            seen += b
+            p.fill_(seen - b / 2)
+            tracker.update([p], seen, b)
+        return seen
+
+    p = th.zeros(1, dtype=th.float64)
+    whole = P.PowerFunctionEMA([("w", p)], [0.05, 0.10])
+    steps(whole, p, [4] * 1000 + [16] * 250)
+    first = P.PowerFunctionEMA([("w", p)], [0.05, 0.10])
+    steps(first, p, [4] * 1000)
+    buf = io.BytesIO()
+    th.save(first.state_dict(), buf)
+    resumed = P.PowerFunctionEMA([("w", th.zeros(1, dtype=th.float64))], [0.05, 0.10])
+    resumed.load_state_dict(th.load(io.BytesIO(buf.getvalue()), weights_only=True))
+    steps(resumed, p, [16] * 250, seen=4000)
+    assert [e[0].item() for e in resumed.emas] == [e[0].item() for e in whole.emas]
+    exp = P.std_to_exp(np.float64([0.05, 0.10]))
+    np.testing.assert_allclose([e[0].item() for e in resumed.emas], 8000 * (exp + 1) / (exp + 2),
+                               rtol=2e-5)
 
 
 def test_one_steps_snapshots_hold_the_whole_tracker_state():
