@@ -10,6 +10,9 @@ Files of one step (``step`` = completed optimizer steps), in the log dir:
     model{step:06d}.pt         {"schema", "version", "kind": "model", "step", "state_dict", "flags"}
     ema_{rate}_{step:06d}.pt      {... "kind": "ema", "state_dict", "flags", "rate", "rate_str"}
     opt{step:06d}.pt              {... "kind": "opt", "optimizer", "trainer"}
+    phema_{std:.3f}_{step:06d}.pt  {... "kind": "phema", "state_dict", "flags", "std", "nimg",
+                                  "param_names"}: a post-hoc EMA snapshot (phema.py), kept when
+                                  its step is pruned
     manifest{step:06d}.json       written LAST: {"step", "files": {name: {"size", "sha256"}}, ...}
 
 Reading always uses ``torch.load(weights_only=True, map_location="cpu")``: a file can never run
@@ -43,13 +46,14 @@ from .errors import UserError, typed_one_line
 
 SCHEMA = "improved_diffusion.checkpoint"
 VERSION = 1
-KINDS = ("model", "ema", "opt")
+KINDS = ("model", "ema", "opt", "phema")
 
 # Temporary files: "<final name>.tmp-<32 hex>" in the same directory as the final file.
 _TMP_RE = re.compile(r"^(?P<final>.+)\.tmp-[0-9a-f]{8,32}$")
 _MODEL_RE = re.compile(r"^model(\d+)\.pt$")
 _EMA_RE = re.compile(r"^ema_(.+)_(\d+)\.pt$")
 _OPT_RE = re.compile(r"^opt(\d+)\.pt$")
+_PHEMA_RE = re.compile(r"^phema_(\d+\.\d+)_(\d+)\.pt$")
 _MANIFEST_RE = re.compile(r"^manifest(\d+)\.json$")
 # Also accepted by parse_step (names a user may give to --resume_checkpoint).
 _STEP_NAME_RES = (
@@ -57,6 +61,7 @@ _STEP_NAME_RES = (
     _OPT_RE,
     _MANIFEST_RE,
     re.compile(r"^ema_.+_(\d+)\.pt$"),
+    _PHEMA_RE,
     re.compile(r"^(?:model|ema|opt|ckpt|checkpoint)[_-]?(?:step[_-]?)?(\d+)"
                r"\.(?:pt|pth|safetensors)$"),
 )
@@ -97,6 +102,21 @@ def opt_filename(step):
     return f"opt{step:06d}.pt"
 
 
+def phema_filename(std, step):
+    """A post-hoc EMA snapshot's name: ``phema_{std:.3f}_{step:06d}.pt`` (phema_0.050_012000.pt)."""
+    return f"phema_{float(std):.3f}_{step:06d}.pt"
+
+
+def posthoc_ema_filename(std, step):
+    """The name of an EMA file reconstructed post hoc: ``ema_phema0.070_012000.pt`` (an EMA
+    file whose rate string is ``phema{std:.3f}``)."""
+    return ema_filename(posthoc_rate_str(std), step)
+
+
+def posthoc_rate_str(std):
+    return f"phema{float(std):.3f}"
+
+
 def manifest_filename(step):
     return f"manifest{step:06d}.json"
 
@@ -123,11 +143,13 @@ def is_remote(path):
 
 @dataclass(frozen=True)
 class NameInfo:
-    """What a file name says: kind ("model" | "ema" | "opt" | "manifest" | "temp"), step, rate."""
+    """What a file name says: kind ("model" | "ema" | "opt" | "phema" | "manifest" | "temp"),
+    step, rate (ema), std (phema, as the name writes it: "0.050")."""
 
     kind: str
     step: Optional[int]
     rate_str: Optional[str] = None
+    std_str: Optional[str] = None
 
 
 def name_info(path):
@@ -136,6 +158,7 @@ def name_info(path):
     file-name patterns are read::
 
         name_info("runs/a/ema_0.9999_000200.pt") -> NameInfo("ema", 200, "0.9999")
+        name_info("phema_0.050_000200.pt")       -> NameInfo("phema", 200, std_str="0.050")
         name_info("model000200.pt.tmp-9f3a...")  -> NameInfo("temp", 200)
         name_info("progress.csv")                -> None
     """
@@ -151,6 +174,9 @@ def name_info(path):
     m = _EMA_RE.match(name)
     if m:
         return NameInfo("ema", int(m.group(2)), m.group(1))
+    m = _PHEMA_RE.match(name)
+    if m:
+        return NameInfo("phema", int(m.group(2)), std_str=m.group(1))
     return None
 
 
@@ -173,7 +199,8 @@ def parse_step(path):
 
 
 def slot_of(path):
-    """The slot a step file's name claims: "model", "ema", "opt", or None for any other name."""
+    """The slot a step file's name claims: "model", "ema", "opt", "phema", or None for any other
+    name."""
     info = name_info(path)
     return info.kind if info is not None and info.kind in KINDS else None
 
@@ -189,10 +216,35 @@ def model_payload(step, state_dict, flags):
 
 
 def ema_payload(step, rate_str, state_dict, flags):
-    """The dict saved as ``ema_{rate_str}_{step:06d}.pt``."""
+    """The dict saved as ``ema_{rate_str}_{step:06d}.pt`` (``rate``: None for a rate string that
+    is not a number, as a post-hoc EMA's ``phema0.070``)."""
+    try:
+        rate = float(rate_str)
+    except ValueError:
+        rate = None
     return {"schema": SCHEMA, "version": VERSION, "kind": "ema", "step": int(step),
-            "state_dict": state_dict, "flags": dict(flags or {}), "rate": float(rate_str),
+            "state_dict": state_dict, "flags": dict(flags or {}), "rate": rate,
             "rate_str": str(rate_str)}
+
+
+def phema_payload(step, std, nimg, state_dict, flags, param_names):
+    """The dict saved as ``phema_{std:.3f}_{step:06d}.pt``: a power-function EMA of relative
+    width ``std`` after ``nimg`` images (over all ranks); ``state_dict``: the model's, with the
+    EMA in place of the parameters named in ``param_names`` (the other entries are buffers)."""
+    return {"schema": SCHEMA, "version": VERSION, "kind": "phema", "step": int(step),
+            "state_dict": state_dict, "flags": dict(flags or {}), "std": float(std),
+            "nimg": int(nimg), "param_names": [str(n) for n in param_names]}
+
+
+def posthoc_ema_payload(step, std, nimg, state_dict, flags, inputs, profile_error):
+    """An ordinary EMA file's dict (``ema_payload``, rate string ``phema{std:.3f}``) for weights
+    reconstructed post hoc, plus ``"phema"``: {"std", "nimg", "inputs": [[snapshot name,
+    coefficient]], "profile_error"} saying how they were made."""
+    payload = ema_payload(step, posthoc_rate_str(std), state_dict, flags)
+    payload["phema"] = {"std": float(std), "nimg": int(nimg),
+                        "inputs": [[str(n), float(c)] for n, c in inputs],
+                        "profile_error": float(profile_error)}
+    return payload
 
 
 def opt_payload(step, optimizer, trainer):
@@ -218,6 +270,9 @@ class CkptFile:
     state_dict: Optional[dict] = None  # model weights, prefixes stripped
     optimizer: Optional[dict] = None  # raw torch or named-v1 optimizer dict
     trainer: Optional[dict] = None
+    std: Optional[float] = None  # phema snapshots: the relative width,
+    nimg: Optional[int] = None  # the images seen,
+    param_names: Optional[List[str]] = None  # and which state_dict entries are EMA'd parameters
     raw: Any = None
     notes: List[str] = field(default_factory=list)
     nbytes: int = 0
@@ -334,7 +389,7 @@ def classify(obj):
             notes.append(f"format version {version!r} (this code reads version {VERSION})")
         if kind not in KINDS:
             return "unknown", notes + [f"tagged file with unknown kind {kind!r}"]
-        if kind in ("model", "ema") and isinstance(obj.get("state_dict"), dict):
+        if kind in ("model", "ema", "phema") and isinstance(obj.get("state_dict"), dict):
             notes += strip_prefixes(obj["state_dict"])[1]
         if kind == "opt" and isinstance(obj.get("optimizer"), dict):
             notes += _opt_notes(obj["optimizer"])
@@ -367,6 +422,7 @@ KIND_PHRASES = {
     "model": "a model state dict",
     "ema": "EMA model weights",
     "opt": "optimizer state",
+    "phema": "a post-hoc EMA snapshot (power-function EMA weights)",
     "combined": "a combined dict",
     "unknown": "something that is not a checkpoint",
 }
@@ -685,6 +741,36 @@ def load_file(path_or_bytes, name=None):
     return _make_ckpt(obj, name, nbytes)
 
 
+def peek_file(path):
+    """
+    ``load_file``'s CkptFile of a local file without reading its tensors: they are memory-mapped
+    (``torch.load(mmap=True, weights_only=True)``), so their shapes and dtypes are known but
+    their bytes are not read (nor their CRCs checked) until touched: a first look at many files
+    (the post-hoc EMA snapshots of a run) before loading them one at a time. Drop the result
+    before loading the next. A remote path is loaded in full. CheckpointError as load_file.
+    """
+    path = os.fspath(path)
+    if is_remote(path):
+        return load_file(path)
+    with _open_local(path) as (_, nbytes):
+        if nbytes == 0:
+            raise CheckpointError(f"{path}: empty file (0 bytes), probably an interrupted write; "
+                                  f"delete it")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            obj = th.load(path, mmap=True, weights_only=True, map_location="cpu")
+    except OSError as e:
+        raise CheckpointReadError(f"{path}: cannot read ({typed_one_line(e)}); check that it is "
+                                  f"reachable and readable") from None
+    except MemoryError:
+        raise CheckpointReadError(f"{path}: out of memory while loading it; free memory or load "
+                                  f"it on a machine with more") from None
+    except Exception as e:  # torch.load's failures on bad bytes have no common type
+        raise CheckpointError(f"{path}: {_load_error_reason(e)}; replace it") from None
+    return _make_ckpt(obj, path, nbytes)
+
+
 class _open_local:
     """``with _open_local(path) as (file, size)``: a local file opened for reading, its failures
     worded as dist_util.read_local words them (CheckpointReadError naming the file)."""
@@ -804,7 +890,7 @@ def _make_ckpt(obj, name, nbytes):
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise CheckpointError(f"{name}: tagged checkpoint has no valid 'step'; replace it")
         c.step = step
-        if kind in ("model", "ema"):
+        if kind in ("model", "ema", "phema"):
             sd = obj.get("state_dict")
             if not isinstance(sd, dict):
                 raise CheckpointError(f"{name}: tagged {kind} file has no 'state_dict'; replace it")
@@ -813,6 +899,8 @@ def _make_ckpt(obj, name, nbytes):
             if kind == "ema":
                 c.rate_str = obj.get("rate_str") or (
                     str(obj["rate"]) if obj.get("rate") is not None else None)
+            if kind == "phema":
+                _read_phema_tags(c, obj, name)
         else:
             if not isinstance(obj.get("optimizer"), dict):
                 raise CheckpointError(f"{name}: tagged opt file has no 'optimizer'; replace it")
@@ -842,6 +930,22 @@ def _make_ckpt(obj, name, nbytes):
     return c
 
 
+def _read_phema_tags(c, obj, name):
+    """A snapshot's std, images seen and parameter names into ``c``; CheckpointError naming the
+    file when one is missing or invalid."""
+    std, nimg, names = obj.get("std"), obj.get("nimg"), obj.get("param_names")
+    if not isinstance(std, float) or not 0 < std < 1:
+        raise CheckpointError(f"{name}: tagged phema file has no valid 'std'; replace it")
+    if not isinstance(nimg, int) or isinstance(nimg, bool) or nimg < 0:
+        raise CheckpointError(f"{name}: tagged phema file has no valid 'nimg' (images seen); "
+                              f"replace it")
+    if (not isinstance(names, list) or not names
+            or any(not isinstance(n, str) or n not in c.state_dict for n in names)):
+        raise CheckpointError(f"{name}: tagged phema file has no valid 'param_names' (the "
+                              f"state_dict entries that are EMA parameters); replace it")
+    c.std, c.nimg, c.param_names = std, nimg, list(names)
+
+
 def _combined_entry(obj, keys, state_dict):
     for k in keys:
         v = obj.get(k)
@@ -857,13 +961,14 @@ def _combined_entry(obj, keys, state_dict):
 
 def model_state_from(ckpt, want="model"):
     """
-    Model weights (prefixes stripped) of a loaded file: the file's own for model/ema files; from a
+    Model weights (prefixes stripped) of a loaded file: the file's own for model/ema/phema files
+    (a post-hoc EMA snapshot is an EMA of its own width); from a
     combined dict, the ``want`` ("model" or "ema") entry. Raises CheckpointError naming the file
     when it holds no such weights (e.g. optimizer state).
     """
     if want not in ("model", "ema"):
         raise ValueError(f"want must be 'model' or 'ema', not {want!r}")
-    if ckpt.kind in ("model", "ema") and ckpt.state_dict is not None:
+    if ckpt.kind in ("model", "ema", "phema") and ckpt.state_dict is not None:
         return ckpt.state_dict
     if ckpt.kind == "combined":
         keys = _COMBINED_EMA_KEYS if want == "ema" else _COMBINED_MODEL_KEYS

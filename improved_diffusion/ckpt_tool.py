@@ -1,18 +1,20 @@
 """
 The checkpoint doctor: say what a checkpoint file is, whether a run directory can be resumed, how a
-file differs from a model, and convert between our tagged files, upstream's raw state dicts and
-safetensors.
+file differs from a model, convert between our tagged files, upstream's raw state dicts and
+safetensors, and reconstruct post-hoc EMAs from a run's snapshots.
 
     python scripts/ckpt.py inspect FILE
     python scripts/ckpt.py verify DIR [--quick]
     python scripts/ckpt.py diff FILE (--flags "--image_size 32 ..." | --against FILE2) [--want ema]
     python scripts/ckpt.py convert SRC --to tagged|raw|safetensors --out DIR [--flags "..."]
     python scripts/ckpt.py adapt SRC --flags "..." --out DIR [--seed N] [--step N] [--data_dir D]
-    python scripts/ckpt.py prune DIR --keep K
+    python scripts/ckpt.py prune DIR --keep K [--delete_snapshots]
+    python scripts/ckpt.py phema DIR --std 0.07 [--std 0.1 ...] [--step S] --out FILE_OR_DIR
 
 (also `python -m improved_diffusion.ckpt_tool ...`). Human-readable output by default, `--json` for
 scripts. Exit status: 0 healthy, 1 problem found, 2 bad usage. Errors are one line on stderr,
-never a traceback. Only `convert` and `adapt` (into --out) and `prune` write or delete anything;
+never a traceback. Only `convert`, `adapt` and `phema` (into --out) and `prune` write or delete
+anything;
 every file is read with `torch.load(weights_only=True)`, so a checkpoint can never run code.
 """
 
@@ -29,7 +31,7 @@ import torch as th
 from . import checkpoint as ckpt
 from .errors import UsageError, UserError
 from .script_util import FlagParser, flags_to_argv, unknown_flag_message
-from . import model_change, run_dir
+from . import model_change, phema, run_dir
 from .state_fit import fit_state_dict, shapes_of
 from .optim_state import (
     FORMAT,
@@ -43,7 +45,8 @@ from .optim_state import (
 
 EXIT_OK, EXIT_PROBLEM, EXIT_USAGE = 0, 1, 2
 
-_SLOT_PHRASE = {"model": "model", "ema": "EMA", "opt": "optimizer"}
+_SLOT_PHRASE = {"model": "model", "ema": "EMA", "opt": "optimizer",
+                "phema": "post-hoc EMA snapshot"}
 
 
 class ToolError(UserError):
@@ -186,6 +189,13 @@ def inspect_file(path):
         reason = _opt_problem(c.optimizer, path)
         if reason:
             rep["problems"].append(reason)
+    if c.kind == "phema":
+        rep["phema"] = {"std": c.std, "nimg": c.nimg, "param_tensors": len(c.param_names)}
+    if c.kind == "ema" and isinstance(c.raw.get("phema"), dict):  # reconstructed post hoc
+        made = c.raw["phema"]
+        rep["phema"] = {"std": made.get("std"), "nimg": made.get("nimg"),
+                        "inputs": len(made.get("inputs") or ()),
+                        "profile_error": made.get("profile_error")}
     if c.trainer is not None:
         rep["trainer"] = {k: c.trainer[k] for k in ("step", "world_size", "batch_size",
                                                      "global_batch", "seed", "ema_rates", "lr")
@@ -221,9 +231,15 @@ def _slot_problems(rep, c, path):
             f"{_SLOT_PHRASE[slot]} slot holds optimizer state ({name}): this step cannot be "
             "resumed or sampled from; use a model file"
         )
-    elif c.tagged and slot in ("model", "ema") and kind in ("model", "ema") and slot != kind:
+    elif c.tagged and slot in ("model", "ema", "phema") and kind in ("model", "ema", "phema") \
+            and slot != kind:
         rep["problems"].append(
             f"{_SLOT_PHRASE[slot]} slot holds a tagged {kind} file ({name}); rename it"
+        )
+    elif slot == "phema" and not c.tagged:
+        rep["problems"].append(
+            f"post-hoc EMA snapshot slot holds an untagged state dict ({name}): it has no "
+            "std or images-seen count, so a reconstruction cannot use it; move it away"
         )
     elif kind == "combined":
         rep["notes"].append(
@@ -238,6 +254,11 @@ def _slot_problems(rep, c, path):
             rep["problems"].append(
                 f"file name says step {name_step} but the file holds step {c.step}; rename it"
             )
+    if slot == "phema" and kind == "phema":
+        info = ckpt.name_info(name)
+        if info.std_str != phema.std_str(c.std):
+            rep["problems"].append(
+                f"file name says std {info.std_str} but the file holds std {c.std}; rename it")
     if slot == "ema" and c.tagged and c.rate_str is not None:
         info = ckpt.name_info(name)
         if info is not None and info.rate_str != c.rate_str:
@@ -260,6 +281,15 @@ def _print_inspect(rep, out):
     w(f"  step        {rep['step'] if rep['step'] is not None else 'unknown'}\n")
     if rep.get("rate"):
         w(f"  ema rate    {rep['rate']}\n")
+    ph = rep.get("phema")
+    if ph and rep["kind"] == "phema":
+        w(f"  phema       std {ph['std']}, {ph['nimg']:,} images seen, "
+          f"{ph['param_tensors']} EMA parameter tensors\n")
+    elif ph:
+        err, nimg = ph.get("profile_error"), ph.get("nimg")
+        w(f"  phema       reconstructed post hoc: std {ph.get('std')} at "
+          f"{f'{nimg:,}' if isinstance(nimg, int) else '?'} images from {ph.get('inputs')} "
+          "snapshots" + (f" (profile error {err:.1%})" if isinstance(err, float) else "") + "\n")
     w(f"  size        {_human_size(rep['size'])} ({rep['size']} bytes)\n")
     dt = ", ".join(f"{k}: {v}" for k, v in sorted(rep["dtypes"].items())) or "none"
     w(f"  tensors     {rep['tensors']} ({dt})\n")
@@ -279,7 +309,7 @@ def _print_inspect(rep, out):
         w(f"  trainer     {tr or '(empty: no trainer state)'}\n")
     for rec in rep.get("model_changes") or ():
         w(f"  changed     model change at {model_change.record_text(rec)}\n")
-    if rep["kind"] in ("model", "ema"):
+    if rep["kind"] in ("model", "ema", "phema"):
         if rep.get("flags"):
             w("  flags       " + flags_to_argv(rep["flags"]) + "\n")
         else:
@@ -341,8 +371,25 @@ def verify_dir(log_dir, deep=True):
         if row["resumable"] and resume is None:
             resume = st.step
         rows.append(row)
-    return {"dir": os.fspath(log_dir), "steps": rows, "resume_step": resume,
-            "ok": bool(rows) and all(not r["problems"] for r in rows)}
+    snaps = _verify_snapshots(log_dir, steps, deep)
+    return {"dir": os.fspath(log_dir), "steps": rows, "resume_step": resume, "snapshots": snaps,
+            "ok": bool(rows) and all(not r["problems"] for r in rows) and not snaps["problems"]}
+
+
+def _verify_snapshots(log_dir, steps, deep):
+    """The post-hoc EMA snapshots of ``log_dir``: counts, and (deep) the problems of those that
+    no listed step holds (their steps were pruned; a complete step's were checked with it)."""
+    found = run_dir.list_snapshots(log_dir)
+    in_steps = {p for st in steps for p in st.files}
+    outside = [s for s in found if s.path not in in_steps]
+    problems = []
+    for s in outside if deep else ():
+        rep = inspect_file(s.path)
+        problems += [rep["error"]] if rep["error"] else [
+            f"{os.path.basename(s.path)}: {p}" for p in rep["problems"]]
+    steps_with = sorted({s.step for s in found})
+    return {"count": len(found), "stds": sorted({s.std_str for s in found}, key=float),
+            "steps": steps_with, "of_pruned_steps": len(outside), "problems": problems}
 
 
 def cmd_verify(args, out):
@@ -362,6 +409,13 @@ def cmd_verify(args, out):
                 w(f"  {'':>13}  problem: {p}\n")
             for n in r["notes"]:
                 w(f"  {'':>13}  note: {n}\n")
+        sn = rep["snapshots"]
+        if sn["count"]:
+            w(f"snapshots: {sn['count']} post-hoc EMA snapshot(s), stds {', '.join(sn['stds'])}, "
+              f"at {len(sn['steps'])} step(s) {sn['steps'][0]}..{sn['steps'][-1]} "
+              f"({sn['of_pruned_steps']} of pruned steps, kept for `ckpt.py phema`)\n")
+            for p in sn["problems"]:
+                w(f"  {'':>13}  problem: {p}\n")
         if rep["resume_step"] is None:
             w("resume: no resumable step (training would start from scratch)\n")
         else:
@@ -659,6 +713,9 @@ def _raw_payloads(group_files, step_arg):
                 payloads[ckpt.model_filename(step)] = dict(c.state_dict)
             if c.optimizer is not None:
                 payloads[ckpt.opt_filename(step)] = c.optimizer
+        elif c.kind == "phema":
+            notes.append(f"{base}: post-hoc EMA snapshot skipped (a raw state dict cannot carry "
+                         "its std and images seen; reconstruct with `ckpt.py phema` first)")
         else:
             raise ToolError(f"{path}: holds {ckpt.KIND_PHRASES['unknown']}; nothing to convert")
     return payloads, notes
@@ -892,9 +949,11 @@ def cmd_prune(args, out):
     steps = run_dir.list_steps(args.dir)
     if not any(s.complete for s in steps):
         raise ToolError(f"{args.dir}: no complete step; nothing pruned (see `ckpt.py verify`)")
-    deleted = run_dir.prune(args.dir, args.keep)
+    deleted = run_dir.prune(args.dir, args.keep, snapshots=args.delete_snapshots)
     kept = sorted({s.step for s in run_dir.list_steps(args.dir)}, reverse=True)
-    rep = {"dir": args.dir, "keep": args.keep, "deleted": deleted, "remaining_steps": kept}
+    snaps = run_dir.list_snapshots(args.dir)
+    rep = {"dir": args.dir, "keep": args.keep, "deleted": deleted, "remaining_steps": kept,
+           "snapshots_left": len(snaps)}
     if args.json:
         _dump(rep, out)
     else:
@@ -902,7 +961,66 @@ def cmd_prune(args, out):
             out.write(f"deleted {p}\n")
         out.write(f"{len(deleted)} file(s) deleted; steps left: "
                   f"{', '.join(map(str, kept)) or 'none'}\n")
+        if snaps and not args.delete_snapshots:
+            out.write(f"{len(snaps)} post-hoc EMA snapshot(s) kept (the history `ckpt.py phema` "
+                      "reconstructs from; --delete_snapshots deletes those of pruned steps)\n")
     return EXIT_OK
+
+
+# ---------------------------------------------------------------------------------------------
+# phema
+
+
+def cmd_phema(args, out):
+    _require_dir(args.dir, "DIR")
+    stds = phema.parse_stds(args.std, "--std")
+    if args.batch < 1:
+        raise UsageError(f"--batch {args.batch}: must be at least 1")
+    if not args.max_profile_error > 0:
+        raise UsageError(f"--max_profile_error {args.max_profile_error}: must be positive")
+    targets = _phema_targets(args, stds)
+    plan = phema.plan_reconstruction(args.dir, stds, step=args.step,
+                                     max_error=args.max_profile_error)
+    paths = {std: targets(std, plan.step) for std in stds}
+    for p in paths.values():
+        if os.path.lexists(p):
+            raise ToolError(f"{p}: already exists; refusing to overwrite (choose another --out)")
+    os.makedirs(os.path.dirname(next(iter(paths.values()))) or ".", exist_ok=True)
+    written = []
+    for std, payload in phema.reconstruct(plan, batch=args.batch):
+        ckpt.atomic_write(paths[std], payload)
+        del payload
+        written.append({"std": std, "path": paths[std],
+                        "profile_error": float(plan.errors[plan.stds.index(std)])})
+    rep = {"dir": args.dir, "step": plan.step, "nimg": plan.nimg,
+           "inputs": [os.path.basename(s.path) for s in plan.inputs], "written": written}
+    if args.json:
+        _dump(rep, out)
+    else:
+        for w in written:
+            out.write(f"wrote {w['path']}: std {phema.std_str(w['std'])} at step {plan.step} "
+                      f"({plan.nimg:,} images) from {len(plan.inputs)} snapshots (profile error "
+                      f"{w['profile_error']:.1%})\n")
+    return EXIT_OK
+
+
+def _phema_targets(args, stds):
+    """(std, step) -> output path for --out: a .pt file (one --std), else a directory (made when
+    missing) holding ckpt.posthoc_ema_filename(std, step) per std; never the run dir itself."""
+    target = args.out
+    as_file = target.endswith(".pt") and not os.path.isdir(target)
+    if as_file and len(stds) > 1:
+        raise UsageError(f"--out {target}: {len(stds)} --std values need a directory (one file "
+                         "each); give a directory")
+    if os.path.exists(target) and not os.path.isdir(target) and not as_file:
+        raise ToolError(f"--out {target}: is a file; give a directory or a new .pt file")
+    where = os.path.dirname(os.path.abspath(target)) if as_file else target
+    if os.path.realpath(where) == os.path.realpath(args.dir):
+        raise UsageError(f"--out {target}: inside the run directory the files would join its "
+                         "steps; write them elsewhere (a subdirectory is fine)")
+    if as_file:
+        return lambda std, step: target
+    return lambda std, step: os.path.join(target, ckpt.posthoc_ema_filename(std, step))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -961,14 +1079,32 @@ def build_parser():
     sp.add_argument("--data_dir", default="",
                     help="the training folder: a class-conditional model gets its class count "
                     "(as train.py counts it) unless --flags gives --num_classes")
-    sp = sub.add_parser("prune", help="delete old steps, keeping the newest K complete ones")
+    sp = sub.add_parser("prune", help="delete old steps, keeping the newest K complete ones "
+                        "(and every post-hoc EMA snapshot)")
     sp.add_argument("dir", metavar="DIR")
     sp.add_argument("--keep", type=int, required=True, metavar="K")
+    sp.add_argument("--delete_snapshots", action="store_true",
+                    help="also delete the post-hoc EMA snapshots (phema_*.pt) of the pruned steps")
+    sp = sub.add_parser("phema", help="reconstruct EMAs of any width from a run's post-hoc EMA "
+                        "snapshots (EDM2), as ordinary EMA files")
+    sp.add_argument("dir", metavar="DIR", help="the run directory (its phema_STD_STEP.pt files)")
+    sp.add_argument("--std", action="append", required=True, metavar="STD",
+                    help="relative width to reconstruct, e.g. 0.07 (repeat it or give 0.05,0.1)")
+    sp.add_argument("--step", type=int, default=None, metavar="S",
+                    help="the step to reconstruct at, one with snapshots (default: the newest)")
+    sp.add_argument("--out", required=True, metavar="FILE_OR_DIR",
+                    help="a .pt file (one --std) or a directory: ema_phemaSTD_STEP.pt per std")
+    sp.add_argument("--batch", type=int, default=1, metavar="B",
+                    help="stds reconstructed per pass over the snapshots (memory: B + 1 models)")
+    sp.add_argument("--max_profile_error", type=float, default=phema.MAX_PROFILE_ERROR,
+                    metavar="E", help="refuse a std whose reconstructed profile is further than "
+                    "this (relative L2) from its target")
     return p
 
 
 _COMMANDS = {"inspect": cmd_inspect, "verify": cmd_verify, "diff": cmd_diff,
-             "convert": cmd_convert, "adapt": cmd_adapt, "prune": cmd_prune}
+             "convert": cmd_convert, "adapt": cmd_adapt, "prune": cmd_prune,
+             "phema": cmd_phema}
 
 
 def main(argv=None, out=None, err=None):
@@ -985,8 +1121,8 @@ def main(argv=None, out=None, err=None):
         except SystemExit as e:  # --help
             return int(e.code or 0)
         if not args.command:
-            raise UsageError("ckpt.py: give a command: inspect, verify, diff, convert, adapt or "
-                             "prune")
+            raise UsageError("ckpt.py: give a command: inspect, verify, diff, convert, adapt, "
+                             "prune or phema")
         args.json = as_json
         args.err = err
         return _COMMANDS[args.command](args, out)
