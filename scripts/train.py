@@ -52,6 +52,7 @@ def build(args):
         num_classes=args.num_classes if args.class_cond else None,
         seed=args.seed,
         num_workers=args.num_workers,
+        in_channels=args.in_channels,
     )
     sampler = create_named_schedule_sampler(args.schedule_sampler, diffusion)
     return train_job.Parts(model, diffusion, data, model_flags, sampler)
