@@ -5,7 +5,8 @@ One step ``S`` is the files ``model{S:06d}.pt``, ``ema_{rate}_{S:06d}.pt`` (one 
 ``opt{S:06d}.pt`` and ``manifest{S:06d}.json``, the manifest written last (save_step below).
 A step is *complete* (resumable) when its manifest parses and every file it lists is present with
 the listed size; upstream's steps (untagged files, no manifest) are complete when the model and
-opt files are there and not empty. checkpoint.py knows what is in one file; this module knows what
+opt files are there and not empty, and a DiT step (``{step:07d}.pt``, one combined file) when
+its file is not empty. checkpoint.py knows what is in one file; this module knows what
 is in a directory.
 
 Cost does not grow with the run's history: listing reads names, sizes and manifests (small JSON);
@@ -74,7 +75,8 @@ class StepStatus:
 
     @property
     def model_path(self):
-        return self._find("model")
+        """The model file, or a DiT step's combined file (weights, EMA and optimizer in one)."""
+        return self._find("model") or self._find("combined")
 
     @property
     def opt_path(self):
@@ -221,6 +223,8 @@ def _check_legacy(st):
         return "no manifest and no model file (interrupted save or stray files)", False
     if ckpt.is_tagged_file(model):
         return "no manifest (the save was interrupted before it completed)", False
+    if ckpt.name_info(model).kind == "combined":  # DiT's: everything in one file
+        return (None if _size_or_none(model) else f"{ckpt.basename(model)} is empty"), True
     for p in [model, st.opt_path, *st.ema_paths.values()]:
         if p is None:
             return "upstream step without an opt file (no optimizer state to resume)", True
