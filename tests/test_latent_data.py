@@ -1,14 +1,22 @@
 """A --data_dir of precomputed latents (.npy / .npz, one [C, H, W] array per image): read as they
 are, classes from the file names, rank-sharded and resumable like an image folder."""
+import sys
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
+import torch
 
+from conftest import REPO
 from improved_diffusion.image_datasets import (
     DataError,
     LatentDataset,
     folder_class_names,
     load_data,
 )
+
+sys.path.insert(0, str(REPO / "datasets"))
+import vae_latents  # noqa: E402
 
 
 def write_latents(d, n_per_class=3, classes=("3", "7"), shape=(4, 8, 8), seed=0, npz=False):
@@ -117,3 +125,53 @@ def test_a_pickled_object_array_is_refused_and_never_unpickled(tmp_path):
     assert not marker.exists(), "reading a latent ran code from it"
     np.load(d / "3_00.npy", allow_pickle=True)  # the payload is real: unsafe loading runs it
     assert marker.exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# datasets/vae_latents.py (diffusers' AutoencoderKL elsewhere; here a stand-in with its interface)
+
+
+class _StandInVAE:
+    """AutoencoderKL's interface: encode(x [N, 3, H, W]).latent_dist.sample(generator) ->
+    [N, 4, H/8, W/8]; decode(z).sample -> [N, 3, 8h, 8w]. Deterministic."""
+
+    def encode(self, x):
+        import torch.nn.functional as F
+
+        mean = F.avg_pool2d(x, 8)
+        mean = torch.cat([mean, mean[:, :1]], dim=1)
+        return SimpleNamespace(latent_dist=SimpleNamespace(sample=lambda generator=None: mean))
+
+    def decode(self, z):
+        import torch.nn.functional as F
+
+        return SimpleNamespace(sample=F.interpolate(z[:, :3], scale_factor=8))
+
+
+def test_vae_latents_encodes_an_image_folder_into_a_latent_folder_the_trainer_reads(tmp_path):
+    from PIL import Image
+
+    images = tmp_path / "images"
+    (images / "sub").mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for name in ("3_0.png", "3_1.png", "sub/7_0.png"):
+        Image.fromarray(rng.integers(0, 256, (16, 16, 3), dtype=np.uint8)).save(images / name)
+    lat = tmp_path / "latents"
+    assert vae_latents.encode_folder(str(images), str(lat), _StandInVAE(), image_size=16,
+                                     batch_size=2, log=lambda *a: None) == 3
+    assert sorted(str(p.relative_to(lat)) for p in lat.rglob("*.npy")) == [
+        "3_0.npy", "3_1.npy", "sub/7_0.npy"]
+    assert vae_latents.encode_folder(str(images), str(lat), _StandInVAE(), image_size=16,
+                                     log=lambda *a: None) == 0  # a rerun skips what is there
+    batch, cond = next(load_data(data_dir=str(lat), batch_size=3, image_size=2,
+                                 class_cond=True, deterministic=True, in_channels=4))
+    assert batch.shape == (3, 4, 2, 2) and cond["y"].tolist() == [0, 0, 1]
+    assert np.allclose(batch[0, 0].numpy(), np.load(lat / "3_0.npy")[0])
+    assert abs(float(batch[0, 0, 0, 0]) / vae_latents.LATENT_SCALE) <= 1  # scaled pixel means
+
+    np.savez(tmp_path / "samples_3x4x2x2.npz", arr_0=batch.numpy(), arr_1=np.arange(3))
+    shape = vae_latents.decode_samples(tmp_path / "samples_3x4x2x2.npz", tmp_path / "img.npz",
+                                       _StandInVAE())
+    z = np.load(tmp_path / "img.npz")
+    assert shape == (3, 16, 16, 3) and z["arr_0"].dtype == np.uint8
+    assert z["arr_1"].tolist() == [0, 1, 2]
