@@ -1021,8 +1021,8 @@ def _make_ckpt(obj, name, nbytes, read_notes=()):
         if c.flags is None and dit is not None:
             c.flags = dit
             c.notes.append(
-                f"DiT train.py checkpoint: flags from its args (--model {dit['arch']} "
-                f"--image-size {obj['args']['image_size']}: {dit['image_size']}x"
+                f"DiT train.py checkpoint: flags from its args (model={dit['arch']}, "
+                f"image_size={obj['args']['image_size']}: {dit['image_size']}x"
                 f"{dit['image_size']} latents of {dit['in_channels']} channels)")
     return c
 
