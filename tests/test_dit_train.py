@@ -204,6 +204,12 @@ def test_dits_own_train_py_checkpoint_resumes_model_ema_and_adam_by_name_at_its_
     assert "index-keyed torch state dict (upstream): 32 parameters restored, 0 fresh" in out
     assert "args: a pickled argparse.Namespace, read as its 12 fields" in out, out[-3000:]
     check_resumed_from_the_dit_file(dit_file, run)
+    text = io.StringIO()
+    assert ckpt_tool.main(["inspect", str(dit_file), "--json"], out=text,
+                          err=io.StringIO()) == 0
+    rep = json.loads(text.getvalue())  # the doctor explains the file
+    assert (rep["kind"], rep["step"], rep["args"]["model"]) == ("combined", 2, "DiT-S/2")
+    assert (rep["flags"]["arch"], rep["flags"]["image_size"]) == ("DiT-S/2", 8)
 
     # ... and converts back to what DiT's sample.py loads (find_model: torch.load, then "ema"
     # of a train.py dict, else the state dict itself; strict load_state_dict).
