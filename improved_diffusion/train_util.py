@@ -460,10 +460,13 @@ class TrainLoop:
             group["lr"] = lr
 
     def _update_ema(self):
+        """Upstream's EMA of every trained parameter; a frozen one (requires_grad False, e.g.
+        DiT's pos_embed) keeps its value (rate * x + (1 - rate) * x drifts in floating point)."""
+        trained = [i for i, p in enumerate(self.model.parameters()) if p.requires_grad]
         params = [p.detach() for p in self.model.parameters()]
         with th.no_grad():
             for rate, ema in zip(self.ema_rate, self.ema_params):
-                update_ema(ema, params, rate=rate)
+                update_ema([ema[i] for i in trained], [params[i] for i in trained], rate=rate)
 
     def _done(self):
         if self.config.max_steps and self.step >= self.config.max_steps:
