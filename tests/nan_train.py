@@ -7,6 +7,7 @@ Environment:
                        this rank's loss and gradients are NaN (a corrupt image does the same)
   NAN_EMA_AFTER_STEP=k after step k, the first tensor of the first EMA is set to NaN
   NAN_RANKS=1          the ranks that do either (default: every rank)
+  CPU_BF16=0|1         --use_fp16's branch on the CPU, forced (tests/amp_train.py)
 
 Nothing else about train.py changes (same flags, output and exit code).
 """
@@ -22,6 +23,8 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from improved_diffusion import train_util  # noqa: E402
+
+import amp_train  # noqa: E402  (tests/, this script's folder)
 
 
 def _ints(name):
@@ -47,6 +50,7 @@ def run_step(self, batch, cond):
 train_util.TrainLoop.run_step = run_step
 
 if __name__ == "__main__":
+    amp_train.force_cpu_bf16_from_env()
     script = str(REPO / "scripts" / "train.py")
     sys.argv = [script] + sys.argv[1:]
     runpy.run_path(script, run_name="__main__")
