@@ -557,6 +557,45 @@ def test_keep_checkpoints_2_never_leaves_fewer_than_one_complete_step_on_disk(tm
     assert not leftover, f"files of pruned steps remain: {leftover}"
 
 
+@pytest.mark.timeout(150)
+def test_keep_checkpoints_1_and_a_kill_9_inside_the_next_save_leave_the_kept_step_resumable(
+        tmp_path, images):
+    """With one step kept, the save of the next step must not remove it before the new step is
+    complete: the job is killed (kill -9) while the new step's last data file is being written
+    (slowly: tests/slow_save_train.py), its other two in place, and the kept step must still
+    verify and resume.
+    (test_save_order checks the order of every removal against the manifests, sync and async.)"""
+    log_dir = tmp_path / "run"
+    cmd = [PY, SLOW_SAVE_TRAIN, *train_args(images(14), log_dir, "--max_steps", KILL_MAX_STEPS,
+                                            "--save_interval", 1, "--keep_checkpoints", 1)]
+    log_path = tmp_path / "train.log"
+    with open(log_path, "w") as log_f:
+        proc = subprocess.Popen([str(c) for c in cmd], cwd=REPO,
+                                env=child_env({"SLOW_SAVE_S": "0.15"}), stdout=log_f,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    try:
+        def writing_the_last_file_of_step_3():  # 2 of its 3 files in place, no manifest yet
+            names = top_level_names(log_dir)
+            return ("manifest000003.json" not in names
+                    and len(names & step_names(3, "0.9999")) == 2)
+        hit = _poll(writing_the_last_file_of_step_3, proc, timeout=90)
+        proc.send_signal(signal.SIGKILL)
+        rc = proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    out = log_path.read_text()
+    assert hit and rc == -signal.SIGKILL, f"exit {rc}:\n{out[-3000:]}"
+    assert complete_steps(log_dir, deep=True) == [2], sorted(top_level_names(log_dir))
+    assert "pruned" in out, out[-3000:]  # step 1 went once step 2 was complete
+
+    out = train(1, images(14), log_dir, "--max_steps", 3, "--save_interval", 1,
+                "--keep_checkpoints", 1).stdout
+    assert resumed_step(out) == 2, out[-3000:]
+    assert complete_steps(log_dir, deep=True) == [3], sorted(top_level_names(log_dir))
+
+
 # ----------------------------------------------------------------------- never overwrite
 
 
