@@ -12,13 +12,9 @@ branch it asked for in the run's output ("--use_fp16: bfloat16 autocast" or the 
 branch.
 """
 import os
-import runpy
 import sys
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+from train_driver import run_train_py  # tests/ (this script's folder); makes the repo importable
 
 
 def force_cpu_bf16(value):
@@ -47,6 +43,4 @@ def force_cpu_bf16_from_env():
 
 if __name__ == "__main__":
     force_cpu_bf16_from_env()
-    script = str(REPO / "scripts" / "train.py")
-    sys.argv = [script] + sys.argv[1:]
-    runpy.run_path(script, run_name="__main__")
+    run_train_py()

@@ -20,13 +20,9 @@ import builtins
 import errno
 import io
 import os
-import runpy
 import sys
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+from train_driver import run_train_py  # tests/ (this script's folder); makes the repo importable
 
 from improved_diffusion import dist_util, run_dir, train_util  # noqa: E402
 
@@ -120,6 +116,4 @@ if EIO_NAME:
     run_dir.plan_resume = _plan_resume
 
 if __name__ == "__main__":
-    script = str(REPO / "scripts" / "train.py")
-    sys.argv = [script] + sys.argv[1:]
-    runpy.run_path(script, run_name="__main__")
+    run_train_py()

@@ -12,19 +12,13 @@ Environment:
 Nothing else about train.py changes (same flags, output and exit code).
 """
 import os
-import runpy
-import sys
-from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+import amp_train  # tests/ (this script's folder), as train_driver, which makes the repo importable
+from train_driver import run_train_py
 
 from improved_diffusion import train_util  # noqa: E402
-
-import amp_train  # noqa: E402  (tests/, this script's folder)
 
 
 def _ints(name):
@@ -51,6 +45,4 @@ train_util.TrainLoop.run_step = run_step
 
 if __name__ == "__main__":
     amp_train.force_cpu_bf16_from_env()
-    script = str(REPO / "scripts" / "train.py")
-    sys.argv = [script] + sys.argv[1:]
-    runpy.run_path(script, run_name="__main__")
+    run_train_py()

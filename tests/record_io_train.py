@@ -22,14 +22,11 @@ import builtins
 import io
 import json
 import os
-import runpy
-import sys
 import threading
-from pathlib import Path
 
 import torch
+from train_driver import run_train_py  # tests/ (this script's folder)
 
-REPO = Path(__file__).resolve().parent.parent
 RECORD = os.environ["RECORD_IO"]
 ROOT = os.path.realpath(os.environ.get("RECORD_IO_DIR", "/"))
 _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
@@ -122,8 +119,4 @@ os.unlink, os.remove = _removal("unlink"), _removal("remove")
 torch.save = _save
 
 if __name__ == "__main__":
-    script = str(REPO / "scripts" / "train.py")
-    sys.argv = [script] + sys.argv[1:]
-    if str(REPO) not in sys.path:
-        sys.path.insert(0, str(REPO))
-    runpy.run_path(script, run_name="__main__")
+    run_train_py()
