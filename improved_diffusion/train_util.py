@@ -1127,9 +1127,10 @@ def _make_amp(device, use_fp16, fp16_scale_growth):
     """(autocast dtype or None, GradScaler or None) for --use_fp16 on `device`.
 
     fp16 + GradScaler on CUDA. On a CPU with bfloat16 units (cpu_has_fast_bf16), bf16 without a
-    scaler (native there, and no overflow-skipped steps; not measured on the development machine,
-    which has no such units); on other CPUs fp16 as asked, with a one-line warning that it is
-    slower than fp32 there (benchmarks/amp_cpu.py: bf16 4.8x, fp16 57x the fp32 step time); bf16
+    scaler (native there, and no overflow-skipped steps; benchmarks/amp_cpu.py on an Intel Xeon
+    with AVX512-BF16/AMX, 2026-12-01: bf16 0.6-0.7x the fp32 step time, fp16 134-155x); on other
+    CPUs fp16 as asked, with a one-line warning that it is slower than fp32 there
+    (benchmarks/amp_cpu.py without BF16 units: bf16 4.8x, fp16 57x the fp32 step time); bf16
     where this torch has no fp16 autocast. Upstream raised log2(loss scale) by fp16_scale_growth per
     good step; GradScaler doubles the scale after 1/fp16_scale_growth good steps, which is the
     same rate in steps of 2x.
