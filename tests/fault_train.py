@@ -73,14 +73,14 @@ def _faulty(path):
 class _FaultyFileIO(_real_file_io):
     """A file whose reads fail with EIO while the fault is armed (outside the plan)."""
 
+    told = False  # the first fault is printed
+
     def _fail(self):
         if _faulty(self.name):
             if not _FaultyFileIO.told:
                 _FaultyFileIO.told = True
                 print(f"fault_train: EIO reading {EIO_NAME}", file=sys.stderr, flush=True)
             raise OSError(errno.EIO, os.strerror(errno.EIO), self.name)
-
-    told = False
 
     def read(self, *args):
         self._fail()
