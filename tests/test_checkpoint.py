@@ -381,8 +381,23 @@ def test_pickled_objects_in_the_weights_or_outside_a_combined_dict_are_refused(t
 # save, discover
 
 
-def test_save_step_writes_files_then_a_manifest_with_sizes_and_checksums(tmp_path):
+def _recording(real, placed):
+    """os.link/os.replace/os.rename that also appends (source name, target name) to ``placed``."""
+    def op(src, dst, *args, **kwargs):
+        result = real(src, dst, *args, **kwargs)
+        placed.append((os.path.basename(src), os.path.basename(dst)))
+        return result
+    return op
+
+
+def test_save_step_writes_files_then_a_manifest_with_sizes_and_checksums(tmp_path, monkeypatch):
+    placed = []  # what each file was renamed (or hard-linked) from and to, in order
+    for name in ("link", "replace", "rename"):
+        monkeypatch.setattr(os, name, _recording(getattr(os, name), placed))
     _save_steps(tmp_path, [1, 2])
+    assert [dst for _, dst in placed] == [*_step_files(1), "manifest000001.json",
+                                          *_step_files(2), "manifest000002.json"]
+    assert all(src.startswith(dst + ".tmp-") for src, dst in placed)  # never written in place
     man = json.loads((tmp_path / "manifest000002.json").read_text())
     assert man["step"] == 2 and man["version"] == C.VERSION
     assert set(man["files"]) == {"model000002.pt", "opt000002.pt", "ema_0.9999_000002.pt"}
