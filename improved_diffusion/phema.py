@@ -33,6 +33,10 @@ What a training loop and its checkpointer call (nothing else)::
 ``batch_images`` this step's global batch; EDM2's beta is
 ``power_function_beta(std, images_seen_total, batch_images)``.
 
+train.py's loop (``--phema_stds``) holds a ``RunTracker``: the tracker as one of the
+checkpointer's states (its state in every save's trainer state; its snapshots added to the
+saves that are due; its tensors checked for NaN/Inf before each save).
+
 Reconstruction (``ckpt.py phema RUN_DIR --std 0.07 --out FILE``)::
 
     plan = plan_reconstruction(run_dir, [0.07], step=None)    # reads tags only, solves

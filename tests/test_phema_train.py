@@ -179,7 +179,7 @@ def test_phema_flags_are_checked_before_anything_runs():
         (dict(phema_stds="0.05", phema_interval=-1), "--phema_interval must be >= 0"),
     ]
     for flags, message in bad:
-        with pytest.raises(UsageError, match=None) as e:
+        with pytest.raises(UsageError) as e:
             config(**flags)
         assert message in str(e.value), (flags, str(e.value))
 
