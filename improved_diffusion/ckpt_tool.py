@@ -200,6 +200,10 @@ def inspect_file(path):
         rep["trainer"] = {k: c.trainer[k] for k in ("step", "world_size", "batch_size",
                                                      "global_batch", "seed", "ema_rates", "lr")
                           if k in c.trainer}
+        tracked = c.trainer.get("phema")
+        if isinstance(tracked, dict) and "stds" in tracked:  # train.py --phema_stds's tracker
+            rep["trainer"]["phema_stds"] = ",".join(phema.std_str(s) for s in tracked["stds"])
+            rep["trainer"]["phema_nimg"] = tracked.get("nimg")
     changes = (c.trainer or {}).get("model_changes")
     if changes:  # resumed into (or adapted to) a changed model: model_change.ModelChange.record
         rep["model_changes"] = list(changes)

@@ -3,6 +3,7 @@ every rank, writes their snapshots with the saves that are due (in the manifest,
 and resumes them bit for bit on 1-3 ranks and elastically (time is images, not steps). The
 refusals (bad flags, a NaN snapshot, a resume without tracker state, a model change) are tested
 in one process; tests/test_phema.py tests the math, the files and the reconstruction."""
+import io
 import json
 import os
 import shutil
@@ -14,6 +15,7 @@ from conftest import deep_diff, resumed_step, run_mpi, run_script, write_images
 from improved_diffusion import checkpoint as C
 from improved_diffusion import logger, phema, train_util
 from improved_diffusion.checkpointer import NonFiniteError
+from improved_diffusion.ckpt_tool import main as ckpt_main
 from improved_diffusion.errors import UsageError
 from improved_diffusion.script_util import create_model_and_diffusion, model_and_diffusion_defaults
 
@@ -184,7 +186,8 @@ def test_phema_flags_are_checked_before_anything_runs():
         assert message in str(e.value), (flags, str(e.value))
 
 
-def test_async_and_sync_saves_write_the_same_snapshot_bytes_into_the_manifest(log):
+def test_async_and_sync_saves_write_the_same_snapshot_bytes_and_the_doctor_shows_the_tracker(
+        log):
     for mode in (True, False):
         (log / str(mode)).mkdir()
         assert tiny_loop(log / str(mode), async_save=mode, max_steps=3).run_loop() == 0
@@ -196,6 +199,9 @@ def test_async_and_sync_saves_write_the_same_snapshot_bytes_into_the_manifest(lo
         assert ma["files"] == ms["files"] and f"phema_0.050_{step:06d}.pt" in ma["files"]
         for name in files_of(a, step):
             assert (a / name).read_bytes() == (s / name).read_bytes(), name
+    out = io.StringIO()  # the doctor shows the tracker an opt file holds
+    assert ckpt_main(["inspect", str(a / "opt000003.pt")], out=out, err=io.StringIO()) == 0
+    assert "phema_stds=0.050,0.100 phema_nimg=6" in out.getvalue(), out.getvalue()
 
 
 def test_a_non_finite_post_hoc_ema_is_never_saved(log):
