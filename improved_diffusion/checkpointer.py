@@ -53,7 +53,8 @@ the model's kind, diffusion. What it is given:
 What a step S on disk is (docs/checkpoints.md): ``model{S}.pt``, ``ema_{rate}_{S}.pt`` for each
 rate and ``opt{S}.pt`` (the optimizer, plus the trainer state: step, world size, batch sizes,
 seed, the data position, every rank's RNG, each state, the run's training flags, the model
-changes so far), then ``manifest{S}.json`` last; a step counts only with its manifest. Rank 0
+changes so far), the files the states add (save_files: train.py's post-hoc EMA snapshots),
+then ``manifest{S}.json`` last; a step counts only with its manifest. Rank 0
 alone writes. With ``async_save`` rank 0 copies everything to host memory and a background thread
 writes while training goes on; the files are byte for byte those of a synchronous save.
 
