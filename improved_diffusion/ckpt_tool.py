@@ -200,6 +200,10 @@ def inspect_file(path):
         rep["trainer"] = {k: c.trainer[k] for k in ("step", "world_size", "batch_size",
                                                      "global_batch", "seed", "ema_rates", "lr")
                           if k in c.trainer}
+        tracked = c.trainer.get("phema")
+        if isinstance(tracked, dict) and "stds" in tracked:  # train.py --phema_stds's tracker
+            rep["trainer"]["phema_stds"] = ",".join(phema.std_str(s) for s in tracked["stds"])
+            rep["trainer"]["phema_nimg"] = tracked.get("nimg")
     if c.kind == "combined" and isinstance(c.raw.get("args"), dict):  # DiT's args, as data
         rep["args"] = dict(c.raw["args"])
     changes = (c.trainer or {}).get("model_changes")

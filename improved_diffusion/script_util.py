@@ -106,6 +106,12 @@ def train_defaults():
         max_steps=0,
         seed=0,
         keep_checkpoints=0,
+        # Post-hoc EMA (EDM2; phema.py): comma-separated relative widths, e.g. "0.05,0.1"; one
+        # power-function EMA each, tracked every step, snapshots written with saves ("": off).
+        phema_stds="",
+        # Snapshots every this many steps (a multiple of save_interval); 0: at every
+        # save_interval save. The run's last step (max_steps / lr_anneal_steps) has them too.
+        phema_interval=0,
         # Write checkpoints in a background thread: a save pauses training only to copy the state
         # to host memory (False: write them before training goes on).
         async_save=True,
@@ -826,6 +832,11 @@ FLAG_HELP = {
     "allow_model_change": ("checkpointing", "on resume, keep the tensors whose name and shape "
                            "fit the model of the flags and start the others fresh (off: a "
                            "one-line error)"),
+    "phema_stds": ("checkpointing", "post-hoc EMA: comma-separated relative widths to track, "
+                   "e.g. 0.05,0.1 (EDM2); snapshots phema_STD_STEP.pt are written with saves "
+                   "and never pruned; `ckpt.py phema` reconstructs any width; '' = off"),
+    "phema_interval": ("checkpointing", "post-hoc EMA snapshots every this many steps (a "
+                       "multiple of --save_interval) and at the last step; 0 = every save"),
     "lock_wait": ("checkpointing", "seconds to wait for another job holding --log_dir"),
     "model_path": ("checkpointing", "model or EMA file to load (ours or upstream's)"),
     "weights": ("checkpointing", "which weights of a combined file: auto, model or ema"),
