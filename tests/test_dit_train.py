@@ -175,15 +175,17 @@ def write_dit_train_py_checkpoint(results, latents, steps=2, class_dropout_prob=
 
 def check_resumed_from_the_dit_file(dit_file, run, skip=()):
     """Step 3 of `run` continues DiT's step-2 file: Adam moments at step 3 (resumed by name) and
-    the EMA exactly rate * file's EMA + (1 - rate) * the step-3 weights, for every parameter but
-    those in `skip` (which started fresh)."""
+    the EMA exactly rate * file's EMA + (1 - rate) * the step-3 weights, for every trained
+    parameter but those in `skip` (which started fresh); the frozen pos_embed's EMA stays the
+    file's."""
     file = torch.load(dit_file, weights_only=False)  # the test's own file: a trusted read
     model3 = load_pt(run / "model000003.pt")["state_dict"]
     ema3 = load_pt(run / "ema_0.9999_000003.pt")["state_dict"]
-    names = [n for n in file["ema"] if n not in skip]
+    names = [n for n in file["ema"] if n not in skip and n != "pos_embed"]
     want = [file["ema"][n].clone() for n in names]
     train_util.update_ema(want, [model3[n] for n in names], rate=0.9999)
     assert [n for n, w in zip(names, want) if not torch.equal(w, ema3[n])] == []
+    assert torch.equal(ema3["pos_embed"], file["ema"]["pos_embed"])
     state = load_pt(run / "opt000003.pt")["optimizer"]["state"]
     steps = {n: float(e["step"]) for n, e in state.items()}
     assert "pos_embed" not in steps
