@@ -213,17 +213,17 @@ class TrainLoop:
                  lr_anneal_steps=0, log_dir=None, model_flags=None, **settings):
         if log_dir is None:  # upstream's TrainLoop wrote to get_blob_logdir()
             log_dir = get_blob_logdir()
-        if model_flags is None:
-            logger.warn(
-                "warning: TrainLoop: model_flags not given (unknown): checkpoint files will "
-                "carry no model flags, so sample.py/nll.py need them on the command line; pass "
-                "model_flags=args_to_dict(args, model_and_diffusion_defaults().keys())")
         self.config = cfg = TrainConfig.from_flags(_settings(settings, dict(
             batch_size=batch_size, microbatch=microbatch, lr=lr, ema_rate=ema_rate,
             log_interval=log_interval, save_interval=save_interval,
             resume_checkpoint=resume_checkpoint or "", use_fp16=use_fp16,
             fp16_scale_growth=fp16_scale_growth, weight_decay=weight_decay,
             lr_anneal_steps=lr_anneal_steps, log_dir=log_dir)))
+        if model_flags is None:
+            logger.warn(
+                "warning: TrainLoop: model_flags not given (unknown): checkpoint files will "
+                "carry no model flags, so sample.py/nll.py need them on the command line; pass "
+                "model_flags=args_to_dict(args, model_and_diffusion_defaults().keys())")
         # upstream's attribute names
         self.model, self.diffusion, self.data = model, diffusion, data
         self.batch_size, self.lr, self.weight_decay = batch_size, lr, weight_decay
