@@ -2,9 +2,9 @@
 
 Flag names and defaults are upstream improved-diffusion's, plus guided-diffusion's
 ``num_head_channels``, ``resblock_updown``, ``use_new_attention_order`` and ``channel_mult``, and
-``num_classes``. The dict of these flags is what checkpoint files store as "flags".
-guided-diffusion's noised classifier has its own flags (``classifier_defaults()``,
-``create_classifier``).
+``num_classes`` and ``class_dropout_prob`` (classifier-free guidance). The dict of these flags is
+what checkpoint files store as "flags". guided-diffusion's noised classifier has its own flags
+(``classifier_defaults()``, ``create_classifier``).
 
 ``channel_mult=""`` picks the channel multipliers from ``image_size``:
 
@@ -66,6 +66,9 @@ def model_and_diffusion_defaults():
         use_new_attention_order=False,
         channel_mult="",
         num_classes=NUM_CLASSES,
+        # Classifier-free guidance: a class-conditional model gets the null label (index
+        # num_classes), which training puts in place of each label with this probability.
+        class_dropout_prob=0.0,
     )
 
 
@@ -324,6 +327,19 @@ def _level_widths(num_channels, channel_mult, flag, mult_flag):
     return widths
 
 
+def _check_class_dropout(class_dropout_prob, class_cond):
+    """FlagError unless ``--class_dropout_prob`` is in [0, 1) and, when above 0, the model is
+    class-conditional."""
+    p = class_dropout_prob
+    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p < 1:
+        raise FlagError(f"--class_dropout_prob must be in [0, 1), got {p!r}")
+    if p > 0 and not class_cond:
+        raise FlagError(
+            f"--class_dropout_prob {p} replaces class labels by the null label, but the model is "
+            "not class-conditional; add --class_cond True (or use --class_dropout_prob 0)"
+        )
+
+
 def _check_model_flags(
     num_channels, channel_mult, attention_ds, num_heads, num_head_channels, num_heads_upsample,
     class_cond, num_classes,
@@ -378,6 +394,7 @@ def create_model_and_diffusion(
     num_classes=NUM_CLASSES,
     sigma_small=False,
     use_fp16=False,
+    class_dropout_prob=0.0,
 ):
     """Build (model, diffusion) from the flags of model_and_diffusion_defaults().
 
@@ -405,6 +422,7 @@ def create_model_and_diffusion(
         channel_mult=channel_mult,
         num_classes=num_classes,
         use_fp16=use_fp16,
+        class_dropout_prob=class_dropout_prob,
     )
     diffusion = create_gaussian_diffusion(
         steps=diffusion_steps,
@@ -438,11 +456,15 @@ def create_model(
     channel_mult="",
     num_classes=NUM_CLASSES,
     use_fp16=False,
+    class_dropout_prob=0.0,
 ):
     """Build the UNet for ``image_size`` x ``image_size`` RGB images.
 
     Output channels are 6 (mean and variance) when ``learn_sigma``, else 3, as upstream.
     ``use_fp16``: guided-diffusion's flag, recorded on the model (see UNetModel).
+    ``class_dropout_prob`` > 0 (class-conditional models only) adds the null label of
+    classifier-free guidance: a label embedding row at index ``num_classes`` (UNetModel's
+    ``use_null_label``); the dropout itself happens in training (guidance.drop_labels).
     :raises FlagError: for flag values the UNet cannot be built with.
     """
     mults = parse_channel_mult(channel_mult, image_size)
@@ -451,6 +473,7 @@ def create_model(
         num_channels, mults, attention_ds, num_heads, num_head_channels, num_heads_upsample,
         class_cond, num_classes,
     )
+    _check_class_dropout(class_dropout_prob, class_cond)
     return UNetModel(
         in_channels=3,
         model_channels=num_channels,
@@ -468,6 +491,7 @@ def create_model(
         resblock_updown=resblock_updown,
         use_new_attention_order=use_new_attention_order,
         use_fp16=use_fp16,
+        use_null_label=class_dropout_prob > 0,
     )
 
 
@@ -856,6 +880,9 @@ FLAG_HELP = {
     "use_scale_shift_norm": ("model", "FiLM-style timestep conditioning in the residual blocks"),
     "resblock_updown": ("model", "residual blocks for up/downsampling (guided-diffusion)"),
     "use_new_attention_order": ("model", "split qkv before the heads (guided-diffusion)"),
+    "class_dropout_prob": ("model", "classifier-free guidance: a --class_cond model gets a null "
+                           "label (index num_classes) that replaces each training label with "
+                           "this probability; 0 = none"),
     "large_size": ("model", "super-resolution output side in pixels"),
     "small_size": ("model", "super-resolution input side in pixels"),
     # diffusion

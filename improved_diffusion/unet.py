@@ -391,6 +391,10 @@ class UNetModel(nn.Module):
     :param conv_resample: if True, use learned convolutions for upsampling and downsampling.
     :param dims: 1, 2 or 3 spatial dimensions.
     :param num_classes: if specified (int), the model is class-conditional with this many classes.
+    :param use_null_label: with ``num_classes``, one more label embedding row, index
+        ``num_classes``: the null label of classifier-free guidance (as DiT's), which training
+        with ``--class_dropout_prob`` puts in place of some labels (guidance.drop_labels).
+        ``self.null_label`` is that index (None without it).
     :param use_checkpoint: use gradient checkpointing to reduce memory usage.
     :param num_heads: the number of attention heads in each attention layer.
     :param num_head_channels: if not -1, a fixed channel width per attention head (overrides
@@ -426,6 +430,7 @@ class UNetModel(nn.Module):
         resblock_updown=False,
         use_new_attention_order=False,
         use_fp16=False,
+        use_null_label=False,
     ):
         super().__init__()
 
@@ -441,6 +446,7 @@ class UNetModel(nn.Module):
         self.channel_mult = channel_mult
         self.conv_resample = conv_resample
         self.num_classes = num_classes
+        self.null_label = num_classes if use_null_label and num_classes is not None else None
         self.use_checkpoint = use_checkpoint
         self.num_heads = num_heads
         self.num_head_channels = num_head_channels
@@ -455,7 +461,8 @@ class UNetModel(nn.Module):
         )
 
         if self.num_classes is not None:
-            self.label_emb = nn.Embedding(num_classes, time_embed_dim)
+            rows = num_classes + (self.null_label is not None)
+            self.label_emb = nn.Embedding(rows, time_embed_dim)
 
         res_block, attention = _block_factories(
             time_embed_dim, dropout, dims, use_checkpoint, use_scale_shift_norm,

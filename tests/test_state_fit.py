@@ -18,7 +18,7 @@ OTHER_VALUE = dict(
     class_cond=True, diffusion_steps=50, noise_schedule="cosine", timestep_respacing="10",
     use_kl=True, predict_xstart=True, rescale_timesteps=False, rescale_learned_sigmas=False,
     use_checkpoint=True, use_scale_shift_norm=False, num_head_channels=16, resblock_updown=True,
-    use_new_attention_order=True, channel_mult="1,2,2", num_classes=5,
+    use_new_attention_order=True, channel_mult="1,2,2", num_classes=5, class_dropout_prob=0.1,
 )
 
 
@@ -37,7 +37,7 @@ def test_shape_flags_are_exactly_the_flags_that_change_names_or_shapes():
     assert set(OTHER_VALUE) == set(model_and_diffusion_defaults())
     changes = set()
     for k, v in OTHER_VALUE.items():
-        extra = {"class_cond": True} if k == "num_classes" else {}
+        extra = {"class_cond": True} if k in ("num_classes", "class_dropout_prob") else {}
         if shapes(**{k: v}, **extra) != shapes(**extra):
             changes.add(k)
     assert changes == set(SHAPE_FLAGS)
