@@ -143,6 +143,16 @@ def sample_defaults():
         use_fp16=False,
     )
 
+def guidance_defaults():
+    """The classifier-free guidance flag of the sampling scripts (sample.py, classifier_sample.py).
+    """
+    return dict(
+        # eps = uncond + S * (cond - uncond); 1: plain conditional sampling, 0: unconditional
+        # (the null label). Needs a model trained with --class_dropout_prob > 0.
+        guidance_scale=1.0,
+    )
+
+
 # The diffusion flags among model_and_diffusion_defaults(): guided-diffusion's
 # diffusion_defaults(), plus sigma_small.
 DIFFUSION_FLAG_KEYS = ("learn_sigma", "sigma_small", "diffusion_steps", "noise_schedule",
@@ -184,6 +194,15 @@ def classifier_and_diffusion_defaults():
     res = classifier_defaults()
     res.update(diffusion_defaults())
     return res
+
+
+def classifier_sample_defaults():
+    """classifier_sample.py's own flags (guided-diffusion's names and defaults)."""
+    return dict(
+        classifier_path="",
+        # The classifier's gradient is multiplied by this (guided-diffusion's classifier_scale).
+        classifier_scale=1.0,
+    )
 
 
 def nll_defaults():
@@ -854,8 +873,8 @@ def str2bool(v):
 # README's flag table are made from it), and the parser every script uses.
 
 # Groups in the order --help shows them.
-FLAG_GROUPS = ("model", "diffusion", "data", "training", "checkpointing", "logging",
-               "distributed", "sampling")
+FLAG_GROUPS = ("model", "classifier", "diffusion", "data", "training", "checkpointing",
+               "logging", "distributed", "sampling")
 
 # flag -> (group, one-line meaning). Defaults live in the *_defaults() functions above.
 FLAG_HELP = {
@@ -885,6 +904,27 @@ FLAG_HELP = {
                            "this probability; 0 = none"),
     "large_size": ("model", "super-resolution output side in pixels"),
     "small_size": ("model", "super-resolution input side in pixels"),
+    # classifier (guided-diffusion's noised image classifier)
+    "classifier_width": ("classifier", "base channel count of the classifier (a multiple of 32)"),
+    "classifier_depth": ("classifier", "residual blocks per resolution level of the classifier"),
+    "classifier_attention_resolutions": ("classifier", "feature-map sizes with self-attention in "
+                                         "the classifier (64 channels per head)"),
+    "classifier_use_scale_shift_norm": ("classifier", "FiLM-style timestep conditioning in the "
+                                        "classifier's residual blocks"),
+    "classifier_resblock_updown": ("classifier", "residual blocks for downsampling in the "
+                                   "classifier"),
+    "classifier_pool": ("classifier", "the classifier's head: attention, adaptive, spatial or "
+                        "spatial_v2"),
+    "classifier_channel_mult": ("classifier", "classifier width multiplier per level; '' = the "
+                                "UNet's choice for --image_size (guided's for 64-512)"),
+    "classifier_num_classes": ("classifier", "classes (logits) of the classifier; a file's stored "
+                               "flags say it (upstream's: 1000)"),
+    "classifier_use_fp16": ("classifier", "run the classifier's torso in float16 "
+                            "(convert_to_fp16), as guided-diffusion"),
+    "classifier_path": ("classifier", "the noised classifier's file (ours, or guided-diffusion's "
+                        "e.g. 64x64_classifier.pt)"),
+    "classifier_scale": ("classifier", "classifier guidance: the gradient of log p(y|x_t) is "
+                         "multiplied by this"),
     # diffusion
     "diffusion_steps": ("diffusion", "timesteps of the diffusion process"),
     "noise_schedule": ("diffusion", "beta schedule: linear or cosine"),
@@ -950,6 +990,9 @@ FLAG_HELP = {
     "clip_denoised": ("sampling", "clip the predicted x0 to [-1, 1]"),
     "classes": ("sampling", "comma-separated class labels to cycle through; '' = random labels "
                 "of the trained classes"),
+    "guidance_scale": ("sampling", "classifier-free guidance: eps = uncond + S * (cond - "
+                       "uncond), with learned sigma on the mean only (the conditional variance "
+                       "is kept, as DiT); 1 = plain conditional, 0 = unconditional (null label)"),
     "grid": ("sampling", "also write a PNG grid of the samples"),
     "overwrite": ("sampling", "replace an existing samples npz"),
 }
