@@ -31,7 +31,7 @@ import torch as th
 from torch.nn.parallel.distributed import DistributedDataParallel as DDP
 from torch.optim import AdamW
 
-from . import checkpoint, dist_util, logger, model_change, optim_state, run_dir, state_fit
+from . import checkpoint, dist_util, guidance, logger, model_change, optim_state, run_dir, state_fit
 from .async_save import BackgroundWriter, HostSnapshot, to_host
 from .errors import UsageError, UserError
 from .resample import LossAwareSampler, UniformSampler
@@ -665,6 +665,7 @@ class TrainLoop:
         for i in range(0, batch.shape[0], self.microbatch):
             micro = batch[i : i + self.microbatch].to(self.device)
             micro_cond = {k: v[i : i + self.microbatch].to(self.device) for k, v in cond.items()}
+            micro_cond = guidance.drop_labels_in(micro_cond, self.model_flags)  # CFG training
             if not self._ddp_primed:
                 self._prime_ddp_buckets(micro, micro_cond)
             if i == 0:
