@@ -33,7 +33,7 @@ import torch as th
 from torch.nn.parallel.distributed import DistributedDataParallel as DDP
 from torch.optim import AdamW
 
-from . import amp, checkpoint, dist_util, logger, phema, run_dir
+from . import amp, checkpoint, dist_util, guidance, logger, phema, run_dir
 from .checkpointer import (PREEMPTED_EXIT_CODE, CheckpointConfig, Checkpointer, NonFiniteError,
                            ResumeError, _from_flags, copy_into)
 from .config_check import check_config_on_all_ranks, data_fingerprint, show_fingerprint
@@ -316,6 +316,7 @@ class TrainLoop:
         for i in range(0, batch.shape[0], self.microbatch):
             micro = batch[i : i + self.microbatch].to(self.device)
             micro_cond = {k: v[i : i + self.microbatch].to(self.device) for k, v in cond.items()}
+            micro_cond = guidance.drop_labels_in(micro_cond, self.model_flags)  # CFG training
             if not self._ddp_primed:
                 self._prime_ddp_buckets(micro, micro_cond)
             if i == 0:
