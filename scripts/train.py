@@ -42,9 +42,7 @@ def build(args):
     args.num_classes = train_job.num_classes(args)
     model_flags = args_to_dict(args, model_and_diffusion_defaults().keys())
     train_util.seed_rngs(args.seed, 0, 0)  # identical model init on every rank
-    # classifier-free guidance's label dropout (a DiT takes it; 0 without the flag)
-    dropout = getattr(args, "class_dropout_prob", 0.0)
-    model, diffusion = create_model_and_diffusion(**dict(model_flags, class_dropout_prob=dropout))
+    model, diffusion = create_model_and_diffusion(**model_flags)
     model.to(dist_util.dev())
     data = load_data(
         data_dir=args.data_dir,

@@ -54,7 +54,7 @@ def test_state_dict_keys_shapes_order_and_parameter_counts_are_dits(config):
         ours, _ = create_model_and_diffusion(**dict(
             model_and_diffusion_defaults(), arch=f["model"], image_size=f["input_size"],
             in_channels=f["in_channels"], learn_sigma=f["learn_sigma"], class_cond=True,
-            num_classes=f["num_classes"]), class_dropout_prob=f["class_dropout_prob"])
+            num_classes=f["num_classes"], class_dropout_prob=f["class_dropout_prob"]))
     want = [(k, list(v)) for k, v in entry["state_dict"].items()]
     for model in (theirs, ours):
         assert shapes(model) == want  # names, shapes and order: model.parameters() order is DiT's
