@@ -212,3 +212,44 @@ def test_bad_dit_flags_are_one_line_flag_errors(flags, match):
                 dit_hidden_size=64, dit_num_heads=4)
     with pytest.raises(FlagError, match=match):
         create_model_and_diffusion(**dict(base, **flags))
+
+
+# ------------------------------------------------------------------------ guidance with DiT
+
+
+@pytest.mark.parametrize("name", ["small", "latent4"])
+def test_sample_pys_guided_forward_of_a_dit_gives_dits_forward_with_cfg(reference, weights, name):
+    """sample.py --guidance_scale S on a DiT: the first half of DiT's forward_with_cfg (DiT
+    guides channels 0..2, also of a 4-channel latent model)."""
+    from improved_diffusion import sampling
+
+    model, r = dit_from_reference(reference, weights, name), reference["models"][name]
+    flags = dict(arch="DiT-S/2", class_cond=True, class_dropout_prob=0.1,
+                 num_classes=model.num_classes)
+    half = len(r["x2"]) // 2
+    forward = sampling.sampling_forward(model, flags, r["cfg_scale"])
+    with th.no_grad():
+        ours = forward(r["x2"][:half], r["t2"][:half], y=r["y2"][:half])
+        theirs = model.forward_with_cfg(r["x2"], r["t2"], r["y2"], r["cfg_scale"])[:half]
+    th.testing.assert_close(ours, theirs, rtol=1e-5, atol=2e-6)
+
+
+def test_a_dit_of_the_trainer_leaves_label_dropout_to_the_trainer_a_bare_dit_drops_itself():
+    """train.py drops labels once, for every model (guidance.drop_labels_in); DiT's own forward
+    drops them again in training mode only when built directly, as DiT's code is."""
+    flags = dict(model_and_diffusion_defaults(), arch="DiT-S/2", image_size=8, dit_depth=1,
+                 dit_hidden_size=32, dit_num_heads=2, class_cond=True, num_classes=4,
+                 class_dropout_prob=0.9)
+    ours, _ = create_model_and_diffusion(**flags)
+    bare = DiT(input_size=8, patch_size=2, in_channels=3, hidden_size=32, depth=1, num_heads=2,
+               class_dropout_prob=0.9, num_classes=4, learn_sigma=False)
+    x, t, y = th.randn(16, 3, 8, 8), th.randint(0, 1000, (16,)), th.randint(0, 4, (16,))
+    for model, drops in ((ours, False), (bare, True)):
+        with th.no_grad():  # DiT zeroes its output layers at init: make the labels matter
+            for p in model.parameters():
+                p.copy_(th.randn_like(p) * 0.02)
+        with th.no_grad():
+            th.manual_seed(0)
+            trained = model.train()(x, t, y)
+            evaluated = model.eval()(x, t, y)
+        assert th.equal(trained, evaluated) is not drops
