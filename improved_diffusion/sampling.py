@@ -313,7 +313,6 @@ def generate(model, diffusion, *, num_samples, batch_size, shape, seed=0, use_dd
     rank, world = dist_util.get_rank(), dist_util.get_world_size()
     device = next(model.parameters()).device
     batches = shard_batches(num_samples, batch_size, rank, world)
-    sample_fn = diffusion.ddim_sample_loop if use_ddim else diffusion.p_sample_loop
     # Only rank 0 holds the output array; the other ranks send it each batch (gather, not
     # all-gather), so their memory does not grow with num_samples.
     images = labels = None
@@ -324,21 +323,10 @@ def generate(model, diffusion, *, num_samples, batch_size, shape, seed=0, use_dd
     bar = logger.Progress(num_samples, "samples", "img", enabled=progress and rank == 0)
     for idx in batches:
         if len(idx):
-            randn = PerSampleRandn([sample_seed(seed, i) for i in idx])
-            noise = randn(th.empty((len(idx),) + tuple(shape), device=device))
-            model_kwargs = {}
-            y = None
-            if num_classes:
-                y = sample_labels(idx, seed, num_classes, classes)
-                model_kwargs["y"] = y.to(device)
-            if extra_kwargs is not None:
-                model_kwargs.update({k: v.to(device) for k, v in extra_kwargs(idx).items()})
-            with th.no_grad():
-                out = sample_fn(model, (len(idx),) + tuple(shape), noise=noise,
-                                clip_denoised=clip_denoised, model_kwargs=model_kwargs,
-                                progress=bar.is_tty,
-                                randn_like=randn)
-            part = (idx, to_uint8(out), None if y is None else y.numpy())
+            part = (idx, *sample_indices(
+                model, diffusion, idx, shape=shape, seed=seed, use_ddim=use_ddim,
+                clip_denoised=clip_denoised, num_classes=num_classes, classes=classes,
+                extra_kwargs=extra_kwargs, device=device, progress=bar.is_tty))
         else:
             part = (idx, np.zeros((0, shape[1], shape[2], shape[0]), np.uint8), None)
         for g_idx, g_img, g_lab in dist_util.gather_object(part, dst=0) or ():
@@ -351,6 +339,37 @@ def generate(model, diffusion, *, num_samples, batch_size, shape, seed=0, use_dd
     if rank != 0:
         return None, None
     return images, labels
+
+
+def sample_indices(model, diffusion, idx, *, shape, seed=0, use_ddim=False, clip_denoised=True,
+                   num_classes=None, classes=None, extra_kwargs=None, device=None,
+                   progress=False):
+    """The samples of the global sample indices ``idx`` (int64 [n], n >= 1), in one batch, each
+    from its own seeds (`sample_seed`), so they do not depend on the batch they are drawn in. Not
+    collective.
+
+    :param model: called as ``model(x, t, **model_kwargs)``; :param device: where its inputs go
+        (default: that of its first parameter).
+    Other arguments as `generate`'s.
+    :return: (images uint8 [n x H x W x C] numpy, labels int64 [n] numpy or None).
+    """
+    if device is None:
+        device = next(model.parameters()).device
+    randn = PerSampleRandn([sample_seed(seed, i) for i in idx])
+    noise = randn(th.empty((len(idx),) + tuple(shape), device=device))
+    model_kwargs = {}
+    y = None
+    if num_classes:
+        y = sample_labels(idx, seed, num_classes, classes)
+        model_kwargs["y"] = y.to(device)
+    if extra_kwargs is not None:
+        model_kwargs.update({k: v.to(device) for k, v in extra_kwargs(idx).items()})
+    sample_fn = diffusion.ddim_sample_loop if use_ddim else diffusion.p_sample_loop
+    with th.no_grad():
+        out = sample_fn(model, (len(idx),) + tuple(shape), noise=noise,
+                        clip_denoised=clip_denoised, model_kwargs=model_kwargs, device=device,
+                        progress=progress, randn_like=randn)
+    return to_uint8(out), None if y is None else y.numpy()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -406,16 +425,27 @@ def save_samples(log_dir, images, labels=None, *, ncol=None, grid=True, overwrit
         os.replace(tmp, npz_path)
     if not grid:
         return npz_path, None
-    from PIL import Image
+    with bf.BlobFile(png_path, "wb") as f:
+        grid_png(images, f, ncol=ncol)
+    return npz_path, png_path
 
+
+def grid_image(images, ncol=None):
+    """The grid a PNG shows: images uint8 [N x H x W x C] -> uint8 [h x w x C], images smaller
+    than 64 pixels scaled up by an integer factor, white padding of 1/16 of a side (>= 2)."""
     h = images.shape[1]
     scale = max(1, 64 // h) if h < 64 else 1
-    g = make_grid(images, ncol=ncol, scale=scale, pad=max(2, h * scale // 16))
-    if g.shape[2] == 1:
-        g = g[:, :, 0]
-    with bf.BlobFile(png_path, "wb") as f:
-        Image.fromarray(g).save(f, format="PNG")
-    return npz_path, png_path
+    return make_grid(images, ncol=ncol, scale=scale, pad=max(2, h * scale // 16))
+
+
+def grid_png(images, f, ncol=None):
+    """Write `grid_image` of ``images`` [N x H x W x C] uint8 as a PNG to the binary file ``f``
+    (one channel: greyscale). Returns the grid [h x w x C]."""
+    from PIL import Image
+
+    g = grid_image(images, ncol)
+    Image.fromarray(g[:, :, 0] if g.shape[2] == 1 else g).save(f, format="PNG")
+    return g
 
 
 def write_results(log_dir, images, labels=None, *, ncol=None, grid=True, overwrite=False):
