@@ -15,6 +15,10 @@ Files of one step (``step`` = completed optimizer steps), in the log dir:
                                   its step is pruned
     manifest{step:06d}.json       written LAST: {"step", "files": {name: {"size", "sha256"}}, ...}
 
+Also read: upstream's raw files under the same names, and facebookresearch/DiT's train.py files
+``checkpoints/{step:07d}.pt`` = {"model", "ema", "opt", "args"} (a "combined" dict: weights, EMA
+weights, index-keyed AdamW state, and a pickled argparse.Namespace; see read_pickled_objects).
+
 Reading always uses ``torch.load(weights_only=True, map_location="cpu")``: a file can never run
 code. Every failure is a ``CheckpointError`` whose one-line message names the file; a read that
 failed (I/O, permissions, a remote store, memory) is its subclass ``CheckpointReadError``, which
@@ -55,11 +59,14 @@ _EMA_RE = re.compile(r"^ema_(.+)_(\d+)\.pt$")
 _OPT_RE = re.compile(r"^opt(\d+)\.pt$")
 _PHEMA_RE = re.compile(r"^phema_(\d+\.\d+)_(\d+)\.pt$")
 _MANIFEST_RE = re.compile(r"^manifest(\d+)\.json$")
+# DiT's train.py: checkpoints/{step:07d}.pt, a combined dict.
+_DIT_RE = re.compile(r"^(\d{7,})\.pt$")
 # Also accepted by parse_step (names a user may give to --resume_checkpoint).
 _STEP_NAME_RES = (
     _MODEL_RE,
     _OPT_RE,
     _MANIFEST_RE,
+    _DIT_RE,
     re.compile(r"^ema_.+_(\d+)\.pt$"),
     _PHEMA_RE,
     re.compile(r"^(?:model|ema|opt|ckpt|checkpoint)[_-]?(?:step[_-]?)?(\d+)"
@@ -69,6 +76,8 @@ _PREFIXES = ("module.", "_orig_mod.")
 _COMBINED_MODEL_KEYS = ("model", "state_dict", "model_state_dict", "net")
 _COMBINED_EMA_KEYS = ("ema", "ema_state_dict", "model_ema", "ema_model")
 _COMBINED_OPT_KEYS = ("opt", "optimizer", "optimizer_state_dict", "optim")
+# Entries of a combined dict that must be plain tensors and optimizer state (never stand-ins).
+_COMBINED_PAYLOAD_KEYS = (*_COMBINED_MODEL_KEYS, *_COMBINED_EMA_KEYS, *_COMBINED_OPT_KEYS)
 _HEAD_BYTES = 4096
 
 
@@ -143,8 +152,9 @@ def is_remote(path):
 
 @dataclass(frozen=True)
 class NameInfo:
-    """What a file name says: kind ("model" | "ema" | "opt" | "phema" | "manifest" | "temp"),
-    step, rate (ema), std (phema, as the name writes it: "0.050")."""
+    """What a file name says: kind ("model" | "ema" | "opt" | "phema" | "manifest" | "temp" |
+    "combined": DiT's ``{step:07d}.pt``), step, rate (ema), std (phema, as the name writes it:
+    "0.050")."""
 
     kind: str
     step: Optional[int]
@@ -160,6 +170,7 @@ def name_info(path):
         name_info("runs/a/ema_0.9999_000200.pt") -> NameInfo("ema", 200, "0.9999")
         name_info("phema_0.050_000200.pt")       -> NameInfo("phema", 200, std_str="0.050")
         name_info("model000200.pt.tmp-9f3a...")  -> NameInfo("temp", 200)
+        name_info("checkpoints/0400000.pt")      -> NameInfo("combined", 400000)  (DiT's)
         name_info("progress.csv")                -> None
     """
     name = basename(path)
@@ -167,7 +178,8 @@ def name_info(path):
     if m:
         final = name_info(m.group("final"))
         return NameInfo("temp", final.step if final else None)
-    for kind, rx in (("model", _MODEL_RE), ("opt", _OPT_RE), ("manifest", _MANIFEST_RE)):
+    for kind, rx in (("model", _MODEL_RE), ("opt", _OPT_RE), ("manifest", _MANIFEST_RE),
+                     ("combined", _DIT_RE)):
         m = rx.match(name)
         if m:
             return NameInfo(kind, int(m.group(1)))
@@ -183,7 +195,8 @@ def name_info(path):
 def parse_step(path):
     """
     The step number carried by a checkpoint file name (``model000100.pt`` -> 100,
-    ``ema_0.9999_000100.pt`` -> 100, ``opt000100.pt``, ``manifest000100.json``).
+    ``ema_0.9999_000100.pt`` -> 100, ``opt000100.pt``, ``manifest000100.json``, DiT's
+    ``0400000.pt`` -> 400000).
 
     Raises CheckpointError naming the file when the name carries no step (never a silent 0).
     """
@@ -655,7 +668,11 @@ def _torch_load(raw, nbytes, name, records=None, share=(0, 1)):
     of each record as it is read: all of them, or with ``share`` (k, n) those whose index is k
     modulo n. A failed read is CheckpointReadError; bad content (empty, truncated, not torch,
     pickled code, a damaged record) is CheckpointError; both name the file. ``records``:
-    _zip_records(raw) when known."""
+    _zip_records(raw) when known.
+
+    Returns (object, notes). A combined dict whose pickled objects all lie outside its weights and
+    optimizer entries (DiT's "args") is read with stand-ins for them (read_pickled_objects); the
+    notes say what was read as data and what was skipped."""
     if nbytes == 0:
         raise CheckpointError(
             f"{name}: empty file (0 bytes), probably an interrupted write; delete it or use an "
@@ -666,11 +683,38 @@ def _torch_load(raw, nbytes, name, records=None, share=(0, 1)):
         except OSError as e:
             raise CheckpointReadError(f"{name}: cannot read ({typed_one_line(e)}); check that it "
                                       f"is reachable and readable") from None
+    try:
+        return _checked_load(raw, name, records, share), []
+    except _Refused as refused:
+        stand_ins = _stand_ins_for(raw) if records is not None else None
+        if stand_ins:
+            try:
+                obj = _checked_load(raw, name, records, share, stand_ins)
+            except _Refused:
+                obj = None
+            notes = read_pickled_objects(obj)
+            if notes is not None:
+                return obj, notes
+        raise CheckpointError(f"{name}: {refused.reason}; replace it or resume from another "
+                              f"step") from None
+
+
+class _Refused(Exception):
+    """Internal: safe (weights_only) loading refused pickled objects; ``reason`` says which."""
+
+    def __init__(self, reason):
+        super().__init__(reason)
+        self.reason = reason
+
+
+def _checked_load(raw, name, records, share, stand_ins=()):
+    """One torch.load (weights_only; ``stand_ins``: [(class, "module.Name")] read in place of
+    those globals) through a _CheckedReader; raises _Refused when it refuses pickled objects."""
     raw.seek(0)
     k, n = share
     reader = _CheckedReader(raw, [r for r in records or () if r.index % n == k])
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), th.serialization.safe_globals(list(stand_ins)):
             warnings.simplefilter("ignore")
             obj = th.load(reader, weights_only=True, map_location="cpu")
         reader.finish()
@@ -686,12 +730,144 @@ def _torch_load(raw, nbytes, name, records=None, share=(0, 1)):
         if records is None and reason.startswith("cannot be loaded") and not _is_zip(raw):
             # no zip: a legacy pickle, whose unpickler fails on random bytes in many ways
             reason = "not a torch checkpoint (unreadable pickle data)"
+        if reason.startswith("holds pickle") and "nothing in it was executed" in reason:
+            raise _Refused(reason) from None
         raise CheckpointError(f"{name}: {reason}; replace it or resume from another step") \
             from None
     if reader.bad is not None:  # loaded, but with damaged bytes
         raise CheckpointError(f"{name}: corrupt record {reader.bad!r} (CRC mismatch: the data "
                               f"was damaged); replace it or resume from another step")
     return obj
+
+
+# ---------------------------------------------------------------------------------------------
+# pickled objects in an otherwise readable file (DiT's "args": an argparse.Namespace)
+
+
+class PickledObject:
+    """Stands in, while a file is read, for an object of a class or function that safe loading
+    does not construct (``name``, e.g. "argparse.Namespace"): it keeps the plain data the pickle
+    hands it (``args``, ``state``, each read under weights_only's rules) and runs nothing."""
+
+    name = "?"
+
+    def __new__(cls, *args, **kwargs):
+        self = super().__new__(cls)
+        self.args, self.state = args, None
+        return self
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __setstate__(self, state):
+        self.state = state
+
+
+def _stand_ins_for(raw):
+    """[(stand-in class, "module.Name")] for every global of the torch zip in ``raw`` that safe
+    loading refuses (read statically from its pickle, nothing run); None when there is none or
+    the file is not a torch zip. Modules torch blocks outright (os, sys, ...) stay refused."""
+    try:
+        raw.seek(0)
+        names = th.serialization.get_unsafe_globals_in_checkpoint(raw)
+    except Exception:  # not a readable torch zip: the refusal stands
+        return None
+    return [(type(n.rsplit(".", 1)[-1], (PickledObject,), {"name": n}), n) for n in names] or None
+
+
+def read_pickled_objects(obj):
+    """
+    Whether a file read with stand-ins (PickledObject) is usable, and what was made of them:
+    None when it is not (the file is refused as before: the stand-ins are in its weights or
+    optimizer entries, or it is not a combined dict of weights), else the notes, one per object,
+    after replacing each stand-in in place:
+
+    * an ``argparse.Namespace`` (DiT's "args") by the dict of its fields: it is an attribute bag,
+      so its fields are the data (nothing is constructed);
+    * any other object by None: skipped, and named in the notes.
+
+    Example: DiT's ``{"model", "ema", "opt", "args"}`` gives ``obj["args"] = {"model":
+    "DiT-XL/2", "image_size": 256, ...}`` and the note "args: a pickled argparse.Namespace, read
+    as its 12 fields (plain data; no object was constructed and no code run)".
+    """
+    if not isinstance(obj, dict) or obj.get("schema") == SCHEMA:
+        return None
+    if not any(_is_state_dict(obj.get(k)) for k in (*_COMBINED_MODEL_KEYS, *_COMBINED_EMA_KEYS)):
+        return None
+    if any(_holds_stand_in(obj[k]) for k in _COMBINED_PAYLOAD_KEYS if k in obj):
+        return None
+    notes = []
+    for key in list(obj):
+        obj[key] = _plain_data(obj[key], str(key), notes)
+    return notes
+
+
+def _holds_stand_in(v, depth=0):
+    if isinstance(v, PickledObject):
+        return True
+    if depth < 8 and isinstance(v, dict):
+        return any(_holds_stand_in(x, depth + 1) for x in v.values())
+    if depth < 8 and isinstance(v, (list, tuple)):
+        return any(_holds_stand_in(x, depth + 1) for x in v)
+    return False
+
+
+def _plain_data(v, where, notes, depth=0):
+    """``v`` with its stand-ins replaced (see read_pickled_objects); ``where``: its path."""
+    if isinstance(v, PickledObject):
+        if v.name == "argparse.Namespace" and isinstance(v.state, dict) and not v.args:
+            notes.append(f"{where}: a pickled argparse.Namespace, read as its {len(v.state)} "
+                         f"fields (plain data; no object was constructed and no code run)")
+            return {k: _plain_data(x, f"{where}.{k}", notes, depth + 1)
+                    for k, x in v.state.items()}
+        notes.append(f"{where}: a pickled {v.name} object, skipped (safe loading constructs no "
+                     f"objects)")
+        return None
+    if depth < 8 and isinstance(v, dict) and _holds_stand_in(v):
+        return type(v)((k, _plain_data(x, f"{where}.{k}", notes, depth + 1))
+                       for k, x in v.items())
+    if depth < 8 and isinstance(v, (list, tuple)) and _holds_stand_in(v):
+        return type(v)(_plain_data(x, f"{where}[{i}]", notes, depth + 1) for i, x in enumerate(v))
+    return v
+
+
+# DiT's train.py builds its model and diffusion from these constants and its args (--model,
+# --image-size, --num-classes): VAE latents of 4 channels, 8x smaller than the images; learned
+# sigma; label dropout 0.1 (the null label's row); 1000 linear-schedule steps. As our flags:
+DIT_TRAIN_FLAGS = dict(in_channels=4, learn_sigma=True, class_dropout_prob=0.1,
+                       diffusion_steps=1000, noise_schedule="linear", use_kl=False,
+                       predict_xstart=False, sigma_small=False, rescale_learned_sigmas=True)
+
+
+def dit_args_flags(args, state_dict=None):
+    """Our model flags for DiT's train.py args (a dict of its Namespace's fields), or None when
+    they are not DiT's (no "model" naming a DiT, or no integer "image_size")::
+
+        {"model": "DiT-XL/2", "image_size": 256, "num_classes": 1000, ...}
+        -> {"arch": "DiT-XL/2", "image_size": 32, "class_cond": True, "num_classes": 1000,
+            "in_channels": 4, "learn_sigma": True, "class_dropout_prob": 0.1, ...}
+
+    ``state_dict``: the file's weights, when at hand: input channels, learned sigma and the null
+    label's row are then read from their shapes (for a DiT built with other constants).
+    """
+    if not isinstance(args, dict):
+        return None
+    model, size = args.get("model"), args.get("image_size")
+    if not (isinstance(model, str) and model.startswith("DiT-") and isinstance(size, int)):
+        return None
+    num_classes = args.get("num_classes", 1000)
+    flags = dict(arch=model, image_size=size // 8, class_cond=bool(num_classes),
+                 num_classes=num_classes, **DIT_TRAIN_FLAGS)
+    sd = state_dict or {}
+    patch, table = sd.get("x_embedder.proj.weight"), sd.get("y_embedder.embedding_table.weight")
+    out = sd.get("final_layer.linear.bias")
+    if isinstance(patch, th.Tensor) and patch.dim() == 4:  # [D, C, p, p]
+        flags["in_channels"] = int(patch.shape[1])
+        if isinstance(out, th.Tensor):  # [p * p * C_out]
+            flags["learn_sigma"] = out.numel() == 2 * patch.shape[1] * patch[0, 0].numel()
+    if isinstance(table, th.Tensor) and isinstance(num_classes, int):
+        flags["class_dropout_prob"] = 0.1 if table.shape[0] > num_classes else 0.0
+    return flags
 
 
 def read_bytes(path):
@@ -731,14 +907,14 @@ def load_file(path_or_bytes, name=None):
     if isinstance(path_or_bytes, (bytes, bytearray, memoryview)):
         name = os.fspath(name) if name is not None else "<bytes>"
         raw = _MemoryFile(path_or_bytes)
-        obj = _torch_load(raw, raw.seek(0, 2), name)
-        return _make_ckpt(obj, name, raw.tell())
+        obj, notes = _torch_load(raw, raw.seek(0, 2), name)
+        return _make_ckpt(obj, name, raw.tell(), notes)
     name = os.fspath(path_or_bytes) if name is None else os.fspath(name)
     if is_remote(path_or_bytes):
         return load_file(read_bytes(path_or_bytes), name=name)
     with _open_local(path_or_bytes) as (raw, nbytes):
-        obj = _torch_load(raw, nbytes, name)
-    return _make_ckpt(obj, name, nbytes)
+        obj, notes = _torch_load(raw, nbytes, name)
+    return _make_ckpt(obj, name, nbytes, notes)
 
 
 def peek_file(path):
@@ -848,10 +1024,10 @@ def load_file_collective(path):
     rank = dist_util.get_rank()
     group = [r for r, st in enumerate(states) if st[1] == states[rank][1]]
     share, of = group.index(rank), len(group)
-    outcome, obj, nbytes = None, None, 0
+    outcome, obj, nbytes, notes = None, None, 0, []
     try:
         with _open_local(path) as (raw, nbytes):
-            obj = _torch_load(raw, nbytes, path, records, share=(share, of))
+            obj, notes = _torch_load(raw, nbytes, path, records, share=(share, of))
     except CheckpointError as e:
         outcome = (type(e) is CheckpointReadError, str(e))
     outcomes = dist_util.all_gather_object(outcome)
@@ -859,7 +1035,7 @@ def load_file_collective(path):
     if failed:
         read_error, message = failed[0]
         raise (CheckpointReadError if read_error else CheckpointError)(message)
-    return _make_ckpt(obj, path, nbytes)
+    return _make_ckpt(obj, path, nbytes, notes)
 
 
 def _load_broadcast(path):
@@ -873,9 +1049,10 @@ def _load_broadcast(path):
     return load_file(data, name=path)
 
 
-def _make_ckpt(obj, name, nbytes):
+def _make_ckpt(obj, name, nbytes, read_notes=()):
     kind, notes = classify(obj)
-    c = CkptFile(path=name, kind=kind, tagged=False, raw=obj, notes=notes, nbytes=nbytes)
+    c = CkptFile(path=name, kind=kind, tagged=False, raw=obj, notes=notes + list(read_notes),
+                 nbytes=nbytes)
     if isinstance(obj, dict) and obj.get("schema") == SCHEMA:
         c.tagged = True
         version = obj.get("version")
@@ -927,6 +1104,14 @@ def _make_ckpt(obj, name, nbytes):
         c.optimizer = _combined_entry(obj, _COMBINED_OPT_KEYS, state_dict=False)
         if isinstance(obj.get("step"), int):
             c.step = obj["step"]
+        c.flags = obj.get("flags") if isinstance(obj.get("flags"), dict) else None
+        dit = dit_args_flags(obj.get("args"), c.state_dict)
+        if c.flags is None and dit is not None:
+            c.flags = dit
+            c.notes.append(
+                f"DiT train.py checkpoint: flags from its args (model={dit['arch']}, "
+                f"image_size={obj['args']['image_size']}: {dit['image_size']}x"
+                f"{dit['image_size']} latents of {dit['in_channels']} channels)")
     return c
 
 

@@ -38,7 +38,14 @@ the model's kind, diffusion. What it is given:
   loop wants back exactly (the timestep sampler, the GradScaler, a user's own counters). A state
   whose saved dict carries a "name" that differs from the run's (a changed --schedule_sampler) is
   not restored, with one log line; None means "this run has none" (a GradScaler without
-  --use_fp16).
+  --use_fp16). Such an object may also define (each optional):
+  ``save_files(step)`` -> {file name: payload}: files that join the save of ``step`` (called on
+  rank 0; names of a checkpoint kind, checkpoint.name_info; written with the step's other files,
+  listed in its manifest, host-copied for async saves like them); ``finite_tensors()`` ->
+  {label: [tensor]}: checked on every rank before every save with the weights (a NaN/Inf refuses
+  the save, naming the label); ``resume_without_state(step)``: called instead of starting it
+  fresh when the resumed step holds no state for it (raise a UserError to refuse the resume).
+  train_util's post-hoc EMA (phema.RunTracker) is such a state.
 - ``run_flags``: {flag: value} of the settings the training math depends on (--lr, ...). They are
   recorded, and a resume with other values logs one line for each (``resume: --lr A -> B``).
 - ``model_flags``: the model's flags, stored in every weights file (sampling needs no flags).
@@ -46,7 +53,8 @@ the model's kind, diffusion. What it is given:
 What a step S on disk is (docs/checkpoints.md): ``model{S}.pt``, ``ema_{rate}_{S}.pt`` for each
 rate and ``opt{S}.pt`` (the optimizer, plus the trainer state: step, world size, batch sizes,
 seed, the data position, every rank's RNG, each state, the run's training flags, the model
-changes so far), then ``manifest{S}.json`` last; a step counts only with its manifest. Rank 0
+changes so far), the files the states add (save_files: train.py's post-hoc EMA snapshots),
+then ``manifest{S}.json`` last; a step counts only with its manifest. Rank 0
 alone writes. With ``async_save`` rank 0 copies everything to host memory and a background thread
 writes while training goes on; the files are byte for byte those of a synchronous save.
 
@@ -370,6 +378,13 @@ class Checkpointer:
         named = optim_state.named_optimizer_state(self.optimizer, self.named_params, copy=False)
         files[checkpoint.opt_filename(step)] = checkpoint.opt_payload(
             step, named, self._trainer_state(step, rngs))
+        for name, obj in self.states.items():
+            extra = obj.save_files(step) if hasattr(obj, "save_files") else {}
+            taken = set(extra) & set(files)
+            if taken:
+                raise ValueError(f"Checkpointer: state {name!r} saves files the step already "
+                                 f"has: {sorted(taken)}")
+            files.update(extra)
         return files
 
     def _params_to_state_dict(self, params):
@@ -471,8 +486,9 @@ class Checkpointer:
             logger.warn(f"warning: the background save also failed: {e}")
 
     def _refuse_non_finite_weights(self, step):
-        """Raise NonFiniteError (same line on every rank) if the model or an EMA holds a NaN/Inf:
-        such a checkpoint is never written. Collective (one all_gather_object)."""
+        """Raise NonFiniteError (same line on every rank) if the model, an EMA or a state's
+        finite_tensors() hold a NaN/Inf: such a checkpoint is never written. Collective (one
+        all_gather_object)."""
         found = []
         n = count_non_finite(self.model.state_dict().values())
         if n:
@@ -481,6 +497,12 @@ class Checkpointer:
             n = count_non_finite(params)
             if n:
                 found.append(f"EMA {rate}: {n} tensor(s)")
+        for obj in self.states.values():
+            for label, tensors in (obj.finite_tensors() if hasattr(obj, "finite_tensors")
+                                   else {}).items():
+                n = count_non_finite(tensors)
+                if n:
+                    found.append(f"{label}: {n} tensor(s)")
         gathered = dist_util.all_gather_object(", ".join(found))
         if not any(gathered):
             return
@@ -716,6 +738,9 @@ def _restore_trainer_state(ckpt, trainer, step):
             f"position set to step*global_batch = {position}, RNG reseeded from "
             f"(seed={ckpt.seed}, step={step}, rank)")
         rng.seed_rngs(ckpt.seed, step, ckpt.rank)
+        for obj in ckpt.states.values():  # the others keep their fresh state, as always
+            if hasattr(obj, "resume_without_state"):
+                obj.resume_without_state(step)
         return
     _log_changes(ckpt, trainer)
     data_state = trainer.get("data")
@@ -726,7 +751,7 @@ def _restore_trainer_state(ckpt, trainer, step):
     reseed = not _load_data_state(ckpt, data_state, step)
     _restore_rng(ckpt, trainer.get("rng"), trainer.get("world_size"), step)
     for name, obj in ckpt.states.items():
-        _restore_state(name, obj, trainer.get(name))
+        _restore_state(name, obj, trainer.get(name), step)
     if reseed:
         rng.seed_rngs(ckpt.seed, step, ckpt.rank)
 
@@ -783,13 +808,17 @@ def _restore_rng(ckpt, rngs, old_world_size, step):
             logger.log(f"resume: rank {r}: {n}")
 
 
-def _restore_state(name, obj, saved):
-    """One of the loop's states back from its saved dict, or a log line saying why not."""
+def _restore_state(name, obj, saved, step):
+    """One of the loop's states back from its saved dict, or a log line saying why not (a state
+    with resume_without_state decides itself when the step holds none)."""
     if obj is None:
         if saved:
             logger.log(f"resume: the checkpoint holds {name} state, which this run does not use")
         return
     if not saved:
+        if hasattr(obj, "resume_without_state"):
+            obj.resume_without_state(step)
+            return
         logger.log(f"resume: no {name} state in the checkpoint; it starts fresh")
         return
     mine = obj.state_dict()

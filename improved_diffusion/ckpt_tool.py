@@ -200,6 +200,12 @@ def inspect_file(path):
         rep["trainer"] = {k: c.trainer[k] for k in ("step", "world_size", "batch_size",
                                                      "global_batch", "seed", "ema_rates", "lr")
                           if k in c.trainer}
+        tracked = c.trainer.get("phema")
+        if isinstance(tracked, dict) and "stds" in tracked:  # train.py --phema_stds's tracker
+            rep["trainer"]["phema_stds"] = ",".join(phema.std_str(s) for s in tracked["stds"])
+            rep["trainer"]["phema_nimg"] = tracked.get("nimg")
+    if c.kind == "combined" and isinstance(c.raw.get("args"), dict):  # DiT's args, as data
+        rep["args"] = dict(c.raw["args"])
     changes = (c.trainer or {}).get("model_changes")
     if changes:  # resumed into (or adapted to) a changed model: model_change.ModelChange.record
         rep["model_changes"] = list(changes)
@@ -309,7 +315,9 @@ def _print_inspect(rep, out):
         w(f"  trainer     {tr or '(empty: no trainer state)'}\n")
     for rec in rep.get("model_changes") or ():
         w(f"  changed     model change at {model_change.record_text(rec)}\n")
-    if rep["kind"] in ("model", "ema", "phema"):
+    if rep.get("args"):
+        w("  args        " + " ".join(f"{k}={v}" for k, v in rep["args"].items()) + "\n")
+    if rep["kind"] in ("model", "ema", "phema") or rep["kind"] == "combined" and rep.get("flags"):
         if rep.get("flags"):
             w("  flags       " + flags_to_argv(rep["flags"]) + "\n")
         else:
@@ -650,15 +658,13 @@ def _tagged_payloads(group_files, flags, step_arg):
             payloads[ckpt.opt_filename(step)] = payload
         elif c.kind == "combined":
             sd = c.state_dict
+            stored = flags if flags is not None else c.flags  # DiT's: from its args
             if sd is not None:
-                payloads[ckpt.model_filename(step)] = ckpt.model_payload(step, sd, flags)
-            try:
-                ema = ckpt.model_state_from(c, want="ema")
-            except ckpt.CheckpointError:
-                ema = None
+                payloads[ckpt.model_filename(step)] = ckpt.model_payload(step, sd, stored)
+            ema = ckpt.combined_ema_or_none(c)
             if ema is not None and ema is not sd:
                 payloads[ckpt.ema_filename("0.9999", step)] = ckpt.ema_payload(
-                    step, "0.9999", ema, flags)
+                    step, "0.9999", ema, stored)
                 notes.append(f"{base}: EMA entry written with rate 0.9999 (the file does not say)")
             if c.optimizer is not None and sd is not None:
                 named_shapes = [(n, tuple(t.shape)) for n, t in sd.items()]
@@ -708,9 +714,13 @@ def _raw_payloads(group_files, step_arg):
                                  "the raw file")
             else:
                 payloads[ckpt.opt_filename(step)] = c.optimizer
-        elif c.kind == "combined":
+        elif c.kind == "combined":  # e.g. DiT's {"model", "ema", "opt", "args"}
             if c.state_dict is not None:
                 payloads[ckpt.model_filename(step)] = dict(c.state_dict)
+            ema = ckpt.combined_ema_or_none(c)
+            if ema is not None and ema is not c.state_dict:
+                payloads[ckpt.ema_filename("0.9999", step)] = dict(ema)
+                notes.append(f"{base}: EMA entry written with rate 0.9999 (the file does not say)")
             if c.optimizer is not None:
                 payloads[ckpt.opt_filename(step)] = c.optimizer
         elif c.kind == "phema":

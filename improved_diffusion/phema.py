@@ -33,6 +33,10 @@ What a training loop and its checkpointer call (nothing else)::
 ``batch_images`` this step's global batch; EDM2's beta is
 ``power_function_beta(std, images_seen_total, batch_images)``.
 
+train.py's loop (``--phema_stds``) holds a ``RunTracker``: the tracker as one of the
+checkpointer's states (its state in every save's trainer state; its snapshots added to the
+saves that are due; its tensors checked for NaN/Inf before each save).
+
 Reconstruction (``ckpt.py phema RUN_DIR --std 0.07 --out FILE``)::
 
     plan = plan_reconstruction(run_dir, [0.07], step=None)    # reads tags only, solves
@@ -341,6 +345,76 @@ def state_from_snapshots(payloads):
     return {"format": STATE_FORMAT, "stds": [float(p["std"]) for p in payloads], "names": names,
             "nimg": int(first["nimg"]),
             "emas": [[p["state_dict"][n] for n in names] for p in payloads]}
+
+
+class RunTracker:
+    """
+    The post-hoc EMA of a training run, as its loop and its checkpointer use it: a
+    PowerFunctionEMA over the model's parameters, updated after every optimizer step, whose
+    snapshots join the saves of the steps that are due (``due``). It is one of the checkpointer's
+    ``states`` (checkpointer.py): ``state_dict``/``load_state_dict`` carry the whole tracker in
+    the trainer state of every save, so a resume from any saved step (a preemption, a crash after
+    any save) continues it bit for bit, on any number of ranks; ``save_files``,
+    ``finite_tensors`` and ``resume_without_state`` are the optional parts of that interface.
+
+    Time is images: each ``update(global_batch)`` adds the step's images over all ranks to the
+    tracker's count (``nimg``, restored on resume) and uses EDM2's beta for it, so the profile
+    is the same whatever the world size of each segment of the run. Steps that were skipped
+    (--nan_policy skip, a float16 overflow) update nothing and count no images, as for the EMA.
+
+    :param model: the bare module (no DDP/compile wrapper); its parameters are tracked and its
+        state dict (buffers included) fills the snapshots.
+    :param stds: relative widths (parse_stds).
+    :param every: snapshots every this many steps (0: none but the last step's).
+    :param last_step: the run's last step (its final save has snapshots too); 0: none.
+    :param flags: the model's flags, stored in every snapshot.
+    """
+
+    def __init__(self, model, stds, every, last_step, flags):
+        self.model = model
+        self.tracker = PowerFunctionEMA(model.named_parameters(), stds)
+        self.every, self.last_step = int(every), int(last_step)
+        self.flags = flags
+
+    def due(self, step):
+        """Whether the save of ``step`` writes snapshots: a multiple of ``every``, or the last
+        step (a save at any other step, e.g. a preemption's, holds the state only)."""
+        return bool(self.every and step % self.every == 0) or bool(
+            self.last_step and step == self.last_step)
+
+    def update(self, global_batch):
+        """After an optimizer step of ``global_batch`` images (over all ranks). Not collective:
+        every rank updates its own copy, identically."""
+        self.tracker.update(self.model.parameters(), self.tracker.nimg + int(global_batch),
+                            global_batch)
+
+    def state_dict(self):
+        return self.tracker.state_dict()
+
+    def load_state_dict(self, state):
+        self.tracker.load_state_dict(state)
+
+    def save_files(self, step):
+        """{phema_STD_STEP.pt: payload} when ``step`` is due, else {} (rank 0, at a save)."""
+        if not self.due(step):
+            return {}
+        sd = {k: v.detach() for k, v in self.model.state_dict().items()}
+        return self.tracker.snapshot_payloads(step, self.flags, sd)
+
+    def finite_tensors(self):
+        """{"post-hoc EMA 0.050": [tensor, ...], ...}: what a save requires finite."""
+        return {f"post-hoc EMA {std_str(s)}": ema
+                for s, ema in zip(self.tracker.stds, self.tracker.emas)}
+
+    def resume_without_state(self, step):
+        """The resumed step holds no tracker state: refuse (PhemaStateError); an EMA cannot
+        start in the middle of a run (its profile begins at the run's first image)."""
+        stds = ",".join(std_str(s) for s in self.tracker.stds)
+        raise PhemaStateError(
+            f"--phema_stds {stds}: the checkpoint of step {step} holds no post-hoc EMA state "
+            f"(trained without --phema_stds), and a power-function EMA averages over the run "
+            f"from its first image; resume without --phema_stds, or give it from a run's first "
+            f"step (a new --log_dir)")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -9,7 +9,8 @@ that phema.py's reconstruction needs), and a step of which only snapshots are le
 the newest complete step, is not listed as a step (``list_snapshots`` lists them).
 A step is *complete* (resumable) when its manifest parses and every file it lists is present with
 the listed size; upstream's steps (untagged files, no manifest) are complete when the model and
-opt files are there and not empty. checkpoint.py knows what is in one file; this module knows what
+opt files are there and not empty, and a DiT step (``{step:07d}.pt``, one combined file) when
+its file is not empty. checkpoint.py knows what is in one file; this module knows what
 is in a directory.
 
 Cost does not grow with the run's history: listing reads names, sizes and manifests (small JSON);
@@ -78,7 +79,8 @@ class StepStatus:
 
     @property
     def model_path(self):
-        return self._find("model")
+        """The model file, or a DiT step's combined file (weights, EMA and optimizer in one)."""
+        return self._find("model") or self._find("combined")
 
     @property
     def opt_path(self):
@@ -261,6 +263,8 @@ def _check_legacy(st):
         return "no manifest and no model file (interrupted save or stray files)", False
     if ckpt.is_tagged_file(model):
         return "no manifest (the save was interrupted before it completed)", False
+    if ckpt.name_info(model).kind == "combined":  # DiT's: everything in one file
+        return (None if _size_or_none(model) else f"{ckpt.basename(model)} is empty"), True
     for p in [model, st.opt_path, *st.ema_paths.values()]:
         if p is None:
             return "upstream step without an opt file (no optimizer state to resume)", True

@@ -14,7 +14,8 @@ its own seeds (sampling.sample_seed(seed, i): noise) and, for a class-conditiona
 first ``count`` samples that ``sample.py --model_path ema_RATE_STEP.pt --use_ddim True
 --timestep_respacing STEPS --seed SEED [--classes 0,1,...]`` draws from the EMA file of that step.
 Any model called as ``model(x, t, **kwargs)`` works: a model that needs other keyword arguments
-(a super-resolution model's ``low_res``) gets them from ``model_kwargs(indices)``.
+(a super-resolution model's ``low_res``) gets them from ``model_kwargs(indices)``. Samples must be
+images (1 or 3 channels): a latent model's are refused at the first step (UsageError).
 
 What it leaves alone:
 
@@ -141,7 +142,14 @@ class SampleGrids:
     def at_step(self, step, shape, resumed=False):
         """Before training step ``step`` + 1, with a batch of samples [C, H, W] ``shape``: the grid
         of ``step`` if it is a multiple of the interval (``resumed``: the job's first step, the
-        state it resumed: only when the file is missing). Not collective."""
+        state it resumed: only when the file is missing). Not collective. Samples that are no
+        image (latents: not 1 or 3 channels) are a UsageError, raised on every rank at the first
+        step."""
+        if self.shape is None and int(shape[0]) not in (1, 3):
+            raise UsageError(
+                f"--sample_interval {self.interval}: the samples have {int(shape[0])} channels "
+                f"(latents?), not an image's 1 or 3, so no grid can show them; pass "
+                f"--sample_interval 0 and decode sample.py's latents (datasets/vae_latents.py)")
         self.shape = tuple(int(s) for s in shape)
         if not self.rank0 or step == 0 or step % self.interval:
             return None

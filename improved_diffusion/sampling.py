@@ -9,7 +9,8 @@
 * `shard_batches` splits the global sample indices into batches, ``batches[rank::world_size]``
   (EDM style); `generate` runs them and gathers the results to rank 0 (collective).
 * `save_samples`: ``samples_{N}x{H}x{W}x{C}.npz`` (``arr_0`` uint8 NHWC, ``arr_1`` labels) and a
-  PNG grid beside it.
+  PNG grid beside it; for a latent model (``as_images=False``) ``samples_{N}x{C}x{H}x{W}.npz``
+  with ``arr_0`` the float32 NCHW latents, for a VAE to decode, and no grid.
 
 Errors made by the user (missing file, bad or contradicting flags) raise `SampleError` with a
 one-line message that names the flag or file; scripts print it as ``error: ...``.
@@ -297,7 +298,7 @@ def to_uint8(sample):
 
 def generate(model, diffusion, *, num_samples, batch_size, shape, seed=0, use_ddim=False,
              clip_denoised=True, num_classes=None, classes=None, extra_kwargs=None,
-             progress=True, log=print):
+             progress=True, log=print, as_images=True):
     """Generate `num_samples` samples, sharded over ranks and gathered to rank 0.
 
     Collective: call from all ranks with the same arguments.
@@ -307,6 +308,8 @@ def generate(model, diffusion, *, num_samples, batch_size, shape, seed=0, use_dd
         `classes`) per sample and passed as ``y``.
     :param extra_kwargs: optional callable ``indices -> dict of tensors [B x ...]`` merged into
         model_kwargs (e.g. ``low_res`` for super-resolution).
+    :param as_images: False for a latent model: the samples as they are, float32 [N x C x H x W]
+        (no clipping, no uint8 rounding).
     :return: on rank 0 (images uint8 [N x H x W x C] numpy, labels int64 [N] numpy or None);
         on other ranks (None, None).
     """
@@ -316,8 +319,9 @@ def generate(model, diffusion, *, num_samples, batch_size, shape, seed=0, use_dd
     # Only rank 0 holds the output array; the other ranks send it each batch (gather, not
     # all-gather), so their memory does not grow with num_samples.
     images = labels = None
+    one = (shape[1], shape[2], shape[0]) if as_images else tuple(shape)
     if rank == 0:
-        images = np.zeros((num_samples, shape[1], shape[2], shape[0]), dtype=np.uint8)
+        images = np.zeros((num_samples,) + one, dtype=np.uint8 if as_images else np.float32)
         labels = np.zeros((num_samples,), dtype=np.int64) if num_classes else None
     # A bar (and one per batch over timesteps) on a terminal, plain lines otherwise.
     bar = logger.Progress(num_samples, "samples", "img", enabled=progress and rank == 0)
@@ -326,9 +330,10 @@ def generate(model, diffusion, *, num_samples, batch_size, shape, seed=0, use_dd
             part = (idx, *sample_indices(
                 model, diffusion, idx, shape=shape, seed=seed, use_ddim=use_ddim,
                 clip_denoised=clip_denoised, num_classes=num_classes, classes=classes,
-                extra_kwargs=extra_kwargs, device=device, progress=bar.is_tty))
+                extra_kwargs=extra_kwargs, device=device, progress=bar.is_tty,
+                as_images=as_images))
         else:
-            part = (idx, np.zeros((0, shape[1], shape[2], shape[0]), np.uint8), None)
+            part = (idx, np.zeros((0,) + one, np.uint8 if as_images else np.float32), None)
         for g_idx, g_img, g_lab in dist_util.gather_object(part, dst=0) or ():
             if len(g_idx):
                 images[g_idx] = g_img
@@ -343,7 +348,7 @@ def generate(model, diffusion, *, num_samples, batch_size, shape, seed=0, use_dd
 
 def sample_indices(model, diffusion, idx, *, shape, seed=0, use_ddim=False, clip_denoised=True,
                    num_classes=None, classes=None, extra_kwargs=None, device=None,
-                   progress=False):
+                   progress=False, as_images=True):
     """The samples of the global sample indices ``idx`` (int64 [n], n >= 1), in one batch, each
     from its own seeds (`sample_seed`), so they do not depend on the batch they are drawn in. Not
     collective.
@@ -351,7 +356,8 @@ def sample_indices(model, diffusion, idx, *, shape, seed=0, use_ddim=False, clip
     :param model: called as ``model(x, t, **model_kwargs)``; :param device: where its inputs go
         (default: that of its first parameter).
     Other arguments as `generate`'s.
-    :return: (images uint8 [n x H x W x C] numpy, labels int64 [n] numpy or None).
+    :return: (images uint8 [n x H x W x C] numpy, labels int64 [n] numpy or None); with
+        ``as_images=False`` the samples as they are, float32 [n x C x H x W].
     """
     if device is None:
         device = next(model.parameters()).device
@@ -369,7 +375,8 @@ def sample_indices(model, diffusion, idx, *, shape, seed=0, use_ddim=False, clip
         out = sample_fn(model, (len(idx),) + tuple(shape), noise=noise,
                         clip_denoised=clip_denoised, model_kwargs=model_kwargs, device=device,
                         progress=progress, randn_like=randn)
-    return to_uint8(out), None if y is None else y.numpy()
+    samples = to_uint8(out) if as_images else out.float().cpu().numpy()
+    return samples, None if y is None else y.numpy()
 
 
 # ----------------------------------------------------------------------------------------------

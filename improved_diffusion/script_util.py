@@ -2,7 +2,8 @@
 
 Flag names and defaults are upstream improved-diffusion's, plus guided-diffusion's
 ``num_head_channels``, ``resblock_updown``, ``use_new_attention_order`` and ``channel_mult``, and
-``num_classes``. The dict of these flags is what checkpoint files store as "flags".
+``num_classes``, and ``arch`` (the UNet, or one of DiT's models: dit.py) with ``in_channels`` and
+DiT's width overrides. The dict of these flags is what checkpoint files store as "flags".
 
 ``channel_mult=""`` picks the channel multipliers from ``image_size``:
 
@@ -17,10 +18,13 @@ Flag names and defaults are upstream improved-diffusion's, plus guided-diffusion
 import argparse
 import inspect
 
+from .dit import DIT_CONFIGS, DiT
 from .unet import SuperResModel, UNetModel
 from .errors import UsageError
 
 NUM_CLASSES = 1000
+# --arch: upstream's UNet, or one of DiT's models (DiT's table: dit.DIT_CONFIGS).
+ARCHS = ("unet",) + tuple(DIT_CONFIGS)
 
 # Upstream's (and guided-diffusion's) channel multipliers for the sizes they support.
 KNOWN_CHANNEL_MULT = {
@@ -64,6 +68,12 @@ def model_and_diffusion_defaults():
         use_new_attention_order=False,
         channel_mult="",
         num_classes=NUM_CLASSES,
+        arch="unet",
+        in_channels=3,
+        # DiT only: 0 = the value of --arch's row in DiT's table.
+        dit_depth=0,
+        dit_hidden_size=0,
+        dit_num_heads=0,
     )
 
 
@@ -96,6 +106,12 @@ def train_defaults():
         max_steps=0,
         seed=0,
         keep_checkpoints=0,
+        # Post-hoc EMA (EDM2; phema.py): comma-separated relative widths, e.g. "0.05,0.1"; one
+        # power-function EMA each, tracked every step, snapshots written with saves ("": off).
+        phema_stds="",
+        # Snapshots every this many steps (a multiple of save_interval); 0: at every
+        # save_interval save. The run's last step (max_steps / lr_anneal_steps) has them too.
+        phema_interval=0,
         # Write checkpoints in a background thread: a save pauses training only to copy the state
         # to host memory (False: write them before training goes on).
         async_save=True,
@@ -330,6 +346,12 @@ def create_model_and_diffusion(
     num_classes=NUM_CLASSES,
     sigma_small=False,
     use_fp16=False,
+    arch="unet",
+    in_channels=3,
+    dit_depth=0,
+    dit_hidden_size=0,
+    dit_num_heads=0,
+    class_dropout_prob=0.0,
 ):
     """Build (model, diffusion) from the flags of model_and_diffusion_defaults().
 
@@ -338,26 +360,39 @@ def create_model_and_diffusion(
     call ``model.convert_to_fp16()`` to run its torso in float16, as guided's scripts do. It is not
     a model flag of ours (checkpoints do not store it): training in mixed precision is the
     training flag ``--use_fp16`` (autocast over float32 weights).
+
+    ``arch`` "unet" builds the UNet (create_model), a DiT name the DiT (create_dit; the UNet's
+    width/attention flags are then unused). ``class_dropout_prob`` (classifier-free guidance's
+    label dropout, null label at index num_classes) is passed to the DiT; 0 when not given.
     """
-    model = create_model(
-        image_size,
-        num_channels,
-        num_res_blocks,
-        learn_sigma=learn_sigma,
-        class_cond=class_cond,
-        use_checkpoint=use_checkpoint,
-        attention_resolutions=attention_resolutions,
-        num_heads=num_heads,
-        num_heads_upsample=num_heads_upsample,
-        use_scale_shift_norm=use_scale_shift_norm,
-        dropout=dropout,
-        num_head_channels=num_head_channels,
-        resblock_updown=resblock_updown,
-        use_new_attention_order=use_new_attention_order,
-        channel_mult=channel_mult,
-        num_classes=num_classes,
-        use_fp16=use_fp16,
-    )
+    if arch != "unet":
+        model = create_dit(
+            arch, image_size, in_channels=in_channels, learn_sigma=learn_sigma,
+            class_cond=class_cond, num_classes=num_classes,
+            class_dropout_prob=class_dropout_prob, depth=dit_depth, hidden_size=dit_hidden_size,
+            num_heads=dit_num_heads,
+        )
+    else:
+        model = create_model(
+            image_size,
+            num_channels,
+            num_res_blocks,
+            learn_sigma=learn_sigma,
+            class_cond=class_cond,
+            use_checkpoint=use_checkpoint,
+            attention_resolutions=attention_resolutions,
+            num_heads=num_heads,
+            num_heads_upsample=num_heads_upsample,
+            use_scale_shift_norm=use_scale_shift_norm,
+            dropout=dropout,
+            num_head_channels=num_head_channels,
+            resblock_updown=resblock_updown,
+            use_new_attention_order=use_new_attention_order,
+            channel_mult=channel_mult,
+            num_classes=num_classes,
+            use_fp16=use_fp16,
+            in_channels=in_channels,
+        )
     diffusion = create_gaussian_diffusion(
         steps=diffusion_steps,
         learn_sigma=learn_sigma,
@@ -390,10 +425,13 @@ def create_model(
     channel_mult="",
     num_classes=NUM_CLASSES,
     use_fp16=False,
+    in_channels=3,
 ):
-    """Build the UNet for ``image_size`` x ``image_size`` RGB images.
+    """Build the UNet for ``image_size`` x ``image_size`` inputs of ``in_channels`` channels (3:
+    RGB images, as upstream; 4: VAE latents).
 
-    Output channels are 6 (mean and variance) when ``learn_sigma``, else 3, as upstream.
+    Output channels are 2 x in_channels (mean and variance) when ``learn_sigma``, else
+    in_channels: 6 and 3 for images, as upstream.
     ``use_fp16``: guided-diffusion's flag, recorded on the model (see UNetModel).
     :raises FlagError: for flag values the UNet cannot be built with.
     """
@@ -403,10 +441,11 @@ def create_model(
         num_channels, mults, attention_ds, num_heads, num_head_channels, num_heads_upsample,
         class_cond, num_classes,
     )
+    _check_in_channels(in_channels)
     return UNetModel(
-        in_channels=3,
+        in_channels=in_channels,
         model_channels=num_channels,
-        out_channels=(3 if not learn_sigma else 6),
+        out_channels=(in_channels if not learn_sigma else 2 * in_channels),
         num_res_blocks=num_res_blocks,
         attention_resolutions=attention_ds,
         dropout=dropout,
@@ -420,6 +459,66 @@ def create_model(
         resblock_updown=resblock_updown,
         use_new_attention_order=use_new_attention_order,
         use_fp16=use_fp16,
+    )
+
+
+def _check_in_channels(in_channels):
+    if isinstance(in_channels, bool) or not isinstance(in_channels, int) or in_channels <= 0:
+        raise FlagError(f"--in_channels must be a positive integer (3 for images, 4 for VAE "
+                        f"latents), got {in_channels!r}")
+
+
+def dit_config(arch, depth=0, hidden_size=0, num_heads=0):
+    """(depth, hidden_size, patch_size, num_heads) of ``--arch`` in DiT's table, each of the
+    first, second and fourth replaced by its --dit_* override when that is not 0.
+
+    :raises FlagError: for an unknown --arch or an override that is not a positive integer (0
+        excepted).
+    """
+    if arch not in DIT_CONFIGS:
+        raise FlagError(f"--arch {arch!r} is unknown; use one of {', '.join(ARCHS)}")
+    table = DIT_CONFIGS[arch]
+    chosen = []
+    for flag, value, default in (("--dit_depth", depth, table[0]),
+                                 ("--dit_hidden_size", hidden_size, table[1]),
+                                 ("--dit_num_heads", num_heads, table[3])):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise FlagError(f"{flag} must be a positive integer, or 0 for {arch}'s {default}; "
+                            f"got {value!r}")
+        chosen.append(value or default)
+    return chosen[0], chosen[1], table[2], chosen[2]
+
+
+def create_dit(arch, image_size, *, in_channels=3, learn_sigma=False, class_cond=False,
+               num_classes=NUM_CLASSES, class_dropout_prob=0.0, depth=0, hidden_size=0,
+               num_heads=0):
+    """Build DiT ``arch`` (e.g. "DiT-S/2") for ``image_size`` x ``image_size`` inputs of
+    ``in_channels`` channels (pixels, or the latent side for VAE latents).
+
+    Without ``class_cond`` the DiT is unconditional: num_classes 0 (its label table is the one
+    null row, and the trainer calls it without y). ``depth`` / ``hidden_size`` / ``num_heads``:
+    the --dit_* overrides of DiT's table (0 = the table's).
+    :raises FlagError: for flag values DiT cannot be built with.
+    """
+    _check_image_size(image_size)
+    _check_in_channels(in_channels)
+    depth, hidden_size, patch_size, num_heads = dit_config(arch, depth, hidden_size, num_heads)
+    if image_size % patch_size:
+        raise FlagError(f"--image_size {image_size} is not a multiple of {arch}'s patch size "
+                        f"{patch_size}; use a multiple of it or another --arch")
+    if hidden_size % 4 or hidden_size % num_heads:
+        raise FlagError(f"--dit_hidden_size {hidden_size} must be a multiple of 4 and of the "
+                        f"{num_heads} heads (--dit_num_heads)")
+    if class_cond and (isinstance(num_classes, bool) or not isinstance(num_classes, int)
+                       or num_classes <= 0):
+        raise FlagError(f"--num_classes must be a positive integer, got {num_classes!r}")
+    if not 0.0 <= float(class_dropout_prob) < 1.0:
+        raise FlagError(f"--class_dropout_prob must be in [0, 1), got {class_dropout_prob!r}")
+    return DiT(
+        input_size=image_size, patch_size=patch_size, in_channels=in_channels,
+        hidden_size=hidden_size, depth=depth, num_heads=num_heads, mlp_ratio=4.0,
+        class_dropout_prob=float(class_dropout_prob) if class_cond else 0.0,
+        num_classes=num_classes if class_cond else 0, learn_sigma=learn_sigma,
     )
 
 
@@ -663,7 +762,7 @@ FLAG_GROUPS = ("model", "diffusion", "data", "training", "checkpointing", "loggi
 # flag -> (group, one-line meaning). Defaults live in the *_defaults() functions above.
 FLAG_HELP = {
     # model
-    "image_size": ("model", "image side in pixels"),
+    "image_size": ("model", "image side in pixels (for latents: the latent side)"),
     "num_channels": ("model", "base channel count of the UNet (a multiple of 32)"),
     "num_res_blocks": ("model", "residual blocks per resolution level"),
     "num_heads": ("model", "attention heads (when --num_head_channels is -1)"),
@@ -674,7 +773,8 @@ FLAG_HELP = {
     "channel_mult": ("model", "width multiplier per level, e.g. 1,2,2; '' = upstream's choice for "
                      "--image_size"),
     "dropout": ("model", "dropout rate in the residual blocks"),
-    "learn_sigma": ("model", "the model also outputs the variance (6 output channels)"),
+    "learn_sigma": ("model", "the model also outputs the variance (2 x --in_channels output "
+                    "channels)"),
     "class_cond": ("model", "class-conditional model: the class of a file is its name before "
                    "the first '_'"),
     "num_classes": ("model", "classes of a --class_cond model; training without it counts the "
@@ -683,6 +783,13 @@ FLAG_HELP = {
     "use_scale_shift_norm": ("model", "FiLM-style timestep conditioning in the residual blocks"),
     "resblock_updown": ("model", "residual blocks for up/downsampling (guided-diffusion)"),
     "use_new_attention_order": ("model", "split qkv before the heads (guided-diffusion)"),
+    "arch": ("model", "the network: unet, or a DiT of DiT's table: DiT-S/2 ... DiT-XL/8 "
+             "(S, B, L, XL; patch 2, 4, 8)"),
+    "in_channels": ("model", "input channels: 3 for images, 4 for VAE latents (a --data_dir of "
+                    ".npy/.npz latents)"),
+    "dit_depth": ("model", "DiT blocks; 0 = --arch's (DiT-S and -B 12, L 24, XL 28)"),
+    "dit_hidden_size": ("model", "DiT width; 0 = --arch's (DiT-S 384, B 768, L 1024, XL 1152)"),
+    "dit_num_heads": ("model", "DiT attention heads; 0 = --arch's (DiT-S 6, B 12, L and XL 16)"),
     "large_size": ("model", "super-resolution output side in pixels"),
     "small_size": ("model", "super-resolution input side in pixels"),
     # diffusion
@@ -698,7 +805,8 @@ FLAG_HELP = {
     "rescale_learned_sigmas": ("diffusion", "weigh the learned-variance term as upstream "
                                "(RESCALED_MSE)"),
     # data
-    "data_dir": ("data", "folder of images (.png/.jpg/.jpeg/.gif, searched recursively)"),
+    "data_dir": ("data", "folder of images (.png/.jpg/.jpeg/.gif, searched recursively), or of "
+                 "latents (.npy/.npz, one [C, H, W] array each)"),
     "num_workers": ("data", "data-loading worker processes, 4 batches ahead each (output never "
                     "depends on their number); -1 = auto: 0 on the CPU, 1-8 on a GPU"),
     "base_samples": ("data", "npz of low-resolution samples to upsample (as sample.py writes)"),
@@ -731,6 +839,11 @@ FLAG_HELP = {
     "allow_model_change": ("checkpointing", "on resume, keep the tensors whose name and shape "
                            "fit the model of the flags and start the others fresh (off: a "
                            "one-line error)"),
+    "phema_stds": ("checkpointing", "post-hoc EMA: comma-separated relative widths to track, "
+                   "e.g. 0.05,0.1 (EDM2); snapshots phema_STD_STEP.pt are written with saves "
+                   "and never pruned; `ckpt.py phema` reconstructs any width; '' = off"),
+    "phema_interval": ("checkpointing", "post-hoc EMA snapshots every this many steps (a "
+                       "multiple of --save_interval) and at the last step; 0 = every save"),
     "lock_wait": ("checkpointing", "seconds to wait for another job holding --log_dir"),
     "model_path": ("checkpointing", "model or EMA file to load (ours or upstream's)"),
     "weights": ("checkpointing", "which weights of a combined file: auto, model or ema"),

@@ -120,8 +120,7 @@ def run_training(args, build: Callable[[Any], Parts]):
     try:
         parts = build(args)
         loop = make_loop(args, parts)
-        logger.start_progress(loop.step, min(
-            [n for n in (args.max_steps, args.lr_anneal_steps) if n > 0], default=0))
+        logger.start_progress(loop.step, loop.config.last_step)
         return run_and_close(loop)
     finally:
         lock.release()

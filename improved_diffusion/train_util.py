@@ -34,7 +34,7 @@ import torch as th
 from torch.nn.parallel.distributed import DistributedDataParallel as DDP
 from torch.optim import AdamW
 
-from . import amp, checkpoint, dist_util, logger, run_dir
+from . import amp, checkpoint, dist_util, logger, phema, run_dir
 from .checkpointer import (PREEMPTED_EXIT_CODE, CheckpointConfig, Checkpointer, NonFiniteError,
                            ResumeError, _from_flags, copy_into)
 from .config_check import check_config_on_all_ranks, data_fingerprint, show_fingerprint
@@ -74,6 +74,10 @@ class TrainConfig:
     sample_interval: rank 0 writes a grid of EMA samples every this many steps and at the end
         (0: off; sample_grids.py). sample_count: images per grid. sample_steps: their DDIM steps.
     tensorboard: rank 0 also logs the scalars and the grids to log_dir/tb/ (TensorBoard).
+    phema_stds: comma-separated post-hoc EMA widths ("0.05,0.1", EDM2's sigma_rel; "": off): one
+        power-function EMA each (phema.RunTracker), its snapshots written with saves.
+    phema_interval: snapshots every this many steps, a multiple of save_interval (snapshots are
+        part of a step's save); 0: at every save_interval save. The run's last step has them too.
     checkpoint: the checkpointer's settings (log_dir, resume, saving; CheckpointConfig).
     """
 
@@ -95,6 +99,8 @@ class TrainConfig:
     sample_count: int
     sample_steps: int
     tensorboard: bool
+    phema_stds: str
+    phema_interval: int
     checkpoint: CheckpointConfig
 
     # Settings that may differ between ranks (each rank's own diagnostics).
@@ -124,6 +130,26 @@ class TrainConfig:
             raise UsageError("--tensorboard True needs the tensorboard package: "
                              "pip install tensorboard (or the project's extra, "
                              "pip install -e '.[tensorboard]')")
+        self._check_phema()
+
+    def _check_phema(self):
+        every, save = self.phema_interval, self.checkpoint.save_interval
+        if every < 0:
+            raise UsageError(f"--phema_interval must be >= 0 (got {every})")
+        if not str(self.phema_stds).strip():
+            if every:
+                raise UsageError(f"--phema_interval {every}: no post-hoc EMA to snapshot; give "
+                                 f"--phema_stds (e.g. 0.05,0.1) or drop --phema_interval")
+            return
+        phema.parse_stds([self.phema_stds], "--phema_stds")
+        if every and not save:
+            raise UsageError(f"--phema_interval {every}: snapshots are written with a step's "
+                             f"save, and --save_interval 0 saves only at the end; give a "
+                             f"--save_interval that divides {every}, or --phema_interval 0")
+        if every % (save or 1):
+            raise UsageError(f"--phema_interval {every}: snapshots are written with a step's "
+                             f"save, so it must be a multiple of --save_interval {save} (e.g. "
+                             f"{save * max(1, round(every / save))}), or 0 for every save")
 
     @classmethod
     def from_flags(cls, flags, **overrides):
@@ -131,6 +157,22 @@ class TrainConfig:
         script_util.train_defaults()'s values), with ``overrides`` applied."""
         ckpt = CheckpointConfig.from_flags(flags, **overrides)
         return _from_flags(cls, flags, dict(overrides, checkpoint=ckpt))
+
+    @property
+    def last_step(self):
+        """The step the run stops at (max_steps or lr_anneal_steps, the earlier); 0: none."""
+        return min([n for n in (self.max_steps, self.lr_anneal_steps) if n > 0], default=0)
+
+    @property
+    def phema_std_list(self):
+        """The post-hoc EMA widths, sorted ([] when off)."""
+        text = str(self.phema_stds).strip()
+        return phema.parse_stds([text], "--phema_stds") if text else []
+
+    @property
+    def phema_every(self):
+        """Snapshots every this many steps: --phema_interval, else --save_interval."""
+        return self.phema_interval or self.checkpoint.save_interval
 
     @property
     def ema_rates(self):
@@ -231,12 +273,16 @@ class TrainLoop:
         self.opt = self._make_optimizer()
         self.ema_params = [[p.detach().clone() for p in self.model.parameters()]
                            for _ in self.ema_rate]
+        self.phema = (phema.RunTracker(self.model, cfg.phema_std_list, cfg.phema_every,
+                                       cfg.last_step, self.model_flags)
+                      if cfg.phema_std_list else None)
         self.checkpointer = Checkpointer(
             cfg.checkpoint, model=self.model, optimizer=self.opt,
             emas=dict(zip(cfg.ema_rates, self.ema_params)), data=data, batch_size=batch_size,
             seed=cfg.seed, model_flags=self.model_flags,
             run_flags={k: getattr(cfg, k) for k in TrainConfig.RECORDED},
-            states={"schedule_sampler": self.schedule_sampler, "grad_scaler": self.grad_scaler})
+            states={"schedule_sampler": self.schedule_sampler, "grad_scaler": self.grad_scaler,
+                    "phema": self.phema})
         self._resume()
         self.grids = self._make_sample_grids(sample_kwargs) if cfg.sample_interval else None
         self._tensorboard = None
@@ -291,6 +337,8 @@ class TrainLoop:
         self.step += 1
         if took_step is not False:  # an upstream-style override returning None took its step
             self._update_ema()
+            if self.phema is not None:
+                self.phema.update(self.global_batch)
         self.log_step()
 
     def forward_backward(self, batch, cond):
@@ -401,6 +449,12 @@ class TrainLoop:
         if self._resuming is None:
             return
         self._load_and_sync_parameters()
+        if self.phema is not None and self._resuming.change is not None:
+            raise phema.PhemaStateError(
+                f"--allow_model_change with --phema_stds: the model changed at step "
+                f"{self._resuming.step}, and post-hoc EMA snapshots of two models cannot be "
+                f"combined; resume without --phema_stds (the snapshots so far stay for "
+                f"`ckpt.py phema`), or train the new model in a new --log_dir")
         self.step = self.resume_step = self._resuming.step
         for ema, rate in zip(self.ema_params, self.ema_rate):
             copy_into(ema, self._load_ema_parameters(rate))
@@ -506,10 +560,13 @@ class TrainLoop:
             group["lr"] = lr
 
     def _update_ema(self):
+        """Upstream's EMA of every trained parameter; a frozen one (requires_grad False, e.g.
+        DiT's pos_embed) keeps its value (rate * x + (1 - rate) * x drifts in floating point)."""
+        trained = [i for i, p in enumerate(self.model.parameters()) if p.requires_grad]
         params = [p.detach() for p in self.model.parameters()]
         with th.no_grad():
             for rate, ema in zip(self.ema_rate, self.ema_params):
-                update_ema(ema, params, rate=rate)
+                update_ema([ema[i] for i in trained], [params[i] for i in trained], rate=rate)
 
     def _done(self):
         if self.config.max_steps and self.step >= self.config.max_steps:

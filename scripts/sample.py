@@ -11,7 +11,10 @@ flags: pass the model and diffusion flags as with upstream's image_sample.py.
 Output (rank 0) into --log_dir (default $OPENAI_LOGDIR; when neither is set, a fresh temporary
 directory, as upstream; its path is printed): ``samples_{N}x{H}x{W}x{C}.npz`` with ``arr_0``
 uint8 NHWC (and ``arr_1`` the labels for a class-conditional model) and ``samples_...png``, a
-grid a person can look at. An existing npz is never replaced unless --overwrite True.
+grid a person can look at. An existing npz is never replaced unless --overwrite True. A latent
+model (--in_channels other than 3, e.g. a DiT trained on VAE latents) writes
+``samples_{N}x{C}x{H}x{W}.npz`` with ``arr_0`` the float32 latents and no grid (decode them with
+the VAE; pass --clip_denoised False, as DiT samples, since latents are not in [-1, 1]).
 
 Sample i's label, initial noise and per-step noise come from its own generator seeded from
 (--seed, i): the output does not depend on the number of ranks or on --batch_size.
@@ -46,12 +49,16 @@ def main(argv=None):
     model, diffusion, flags, ckpt = sampling.load_for_sampling(
         args.model_path, explicit, want=args.weights)
     if args.use_fp16:  # guided-diffusion's --use_fp16: the torso in float16, as its script did
+        if not hasattr(model, "convert_to_fp16"):
+            raise FlagError(f"--use_fp16 True: float16 sampling is the UNet's (guided-diffusion's "
+                            f"convert_to_fp16); --arch {flags['arch']} samples in float32")
         model.convert_to_fp16()
     source = "flags stored in the file" if isinstance(ckpt.flags, dict) else "command-line flags"
     logger.log(
         f"model: {ckpt.kind} weights"
         + (f" at step {ckpt.step}" if ckpt.step is not None else "")
-        + f", {source}; image_size={flags['image_size']} class_cond={flags['class_cond']} "
+        + f", {source}; arch={flags['arch']} image_size={flags['image_size']} "
+        f"class_cond={flags['class_cond']} "
         f"diffusion_steps={flags['diffusion_steps']} "
         f"timestep_respacing={flags['timestep_respacing'] or '(none)'}"
         + (" (float16 torso: --use_fp16)" if args.use_fp16 else "")
@@ -63,10 +70,11 @@ def main(argv=None):
             f"--classes {args.classes}: the model is not class-conditional (class_cond=False)")
     classes = sampling.parse_classes(args.classes, num_classes) if num_classes else None
 
-    in_channels = 3
-    shape = (in_channels, flags["image_size"], flags["image_size"])
-    nhwc = (args.num_samples, shape[1], shape[2], shape[0])
-    npz_path, _ = sampling.sample_paths(log_dir, nhwc)
+    shape = (flags["in_channels"], flags["image_size"], flags["image_size"])
+    as_images = shape[0] == 3
+    out_shape = ((args.num_samples, shape[1], shape[2], shape[0]) if as_images
+                 else (args.num_samples,) + shape)
+    npz_path, _ = sampling.sample_paths(log_dir, out_shape)
     exists = dist_util.broadcast_object(
         dist_util.get_rank() == 0 and os.path.exists(npz_path) and not args.overwrite)
     if exists:
@@ -81,10 +89,10 @@ def main(argv=None):
         model, diffusion,
         num_samples=args.num_samples, batch_size=args.batch_size, shape=shape, seed=args.seed,
         use_ddim=args.use_ddim, clip_denoised=args.clip_denoised, num_classes=num_classes,
-        classes=classes, progress=args.progress,
+        classes=classes, progress=args.progress, as_images=as_images,
     )
     ncol = len(classes) if classes and len(classes) > 1 else None
-    sampling.write_results(log_dir, images, labels, ncol=ncol, grid=args.grid,
+    sampling.write_results(log_dir, images, labels, ncol=ncol, grid=args.grid and as_images,
                            overwrite=args.overwrite)
     return 0
 

@@ -42,7 +42,9 @@ def build(args):
     args.num_classes = train_job.num_classes(args)
     model_flags = args_to_dict(args, model_and_diffusion_defaults().keys())
     train_util.seed_rngs(args.seed, 0, 0)  # identical model init on every rank
-    model, diffusion = create_model_and_diffusion(**model_flags)
+    # classifier-free guidance's label dropout (a DiT takes it; 0 without the flag)
+    dropout = getattr(args, "class_dropout_prob", 0.0)
+    model, diffusion = create_model_and_diffusion(**dict(model_flags, class_dropout_prob=dropout))
     model.to(dist_util.dev())
     data = load_data(
         data_dir=args.data_dir,
@@ -52,6 +54,7 @@ def build(args):
         num_classes=args.num_classes if args.class_cond else None,
         seed=args.seed,
         num_workers=args.num_workers,
+        in_channels=args.in_channels,
     )
     sampler = create_named_schedule_sampler(args.schedule_sampler, diffusion)
     return train_job.Parts(model, diffusion, data, model_flags, sampler)

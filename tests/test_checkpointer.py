@@ -112,6 +112,51 @@ def test_a_cuda_generator_that_cannot_be_put_back_is_logged_with_its_rank(log, m
     assert "resume: rank 0: the CUDA RNG state was not restored" in (log / "log.txt").read_text()
 
 
+class Tracked(Counter):
+    """A state with the optional parts: its own file at even steps, tensors that must be
+    finite, and no fresh start on a resume without its state."""
+
+    def __init__(self):
+        super().__init__("tracked")
+        self.weights = [th.zeros(3)]
+
+    def save_files(self, step):
+        from improved_diffusion import checkpoint as C
+
+        return {} if step % 2 else {C.phema_filename(0.1, step): C.phema_payload(
+            step, 0.1, step, {"w": self.weights[0]}, None, ["w"])}
+
+    def finite_tensors(self):
+        return {"tracked weights": self.weights}
+
+    def resume_without_state(self, step):
+        from improved_diffusion.errors import UserError
+
+        raise UserError(f"step {step} has no tracked state")
+
+
+def test_a_states_own_files_join_the_step_its_tensors_are_checked_and_it_may_refuse(log):
+    import json
+
+    from improved_diffusion.checkpointer import NonFiniteError
+    from improved_diffusion.errors import UserError
+
+    model, opt, ema = parts()
+    ckpt = make(log, model, opt, ema, {"tracked": Tracked(), "counter": Counter()})
+    ckpt.resume()
+    ckpt.save(1)
+    ckpt.save(2)
+    assert "phema_0.100_000002.pt" in json.loads((log / "manifest000002.json").read_text())[
+        "files"] and not (log / "phema_0.100_000001.pt").exists()
+    ckpt.states["tracked"].weights[0][1] = float("inf")
+    with pytest.raises(NonFiniteError, match=r"\(tracked weights: 1 tensor\(s\)\)"):
+        ckpt.save(3)
+    assert not (log / "model000003.pt").exists()
+    model, opt, ema = parts()
+    with pytest.raises(UserError, match="step 2 has no tracked state"):
+        make(log, model, opt, ema, {"counter": Counter(), "later": Tracked()}).resume()
+
+
 def test_states_may_not_take_the_trainer_states_own_names(log):
     model, opt, ema = parts()
     with pytest.raises(ValueError, match="rng"):

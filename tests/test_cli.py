@@ -17,7 +17,7 @@ from improved_diffusion.ckpt_tool import build_parser as ckpt_parser
 from improved_diffusion.ckpt_tool import main as ckpt_main
 from improved_diffusion.errors import UsageError
 
-from conftest import REPO, run_mpi, run_script, write_class_folder
+from conftest import PY, REPO, _run, run_mpi, run_script, write_class_folder
 
 # The scripts whose flags the README's table lists (upstream's image_*.py reuse their parsers).
 TABLE_SCRIPTS = ("train.py", "super_res_train.py", "sample.py", "super_res_sample.py", "nll.py")
@@ -393,13 +393,17 @@ def test_torchrun_summary_shows_the_one_line_and_the_usage_exit_code(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(200)
-def test_fp16_on_this_cpu_trains_reports_skipped_steps_and_warns_once(tmp_path):
+@pytest.mark.parametrize("bf16_units", [False, True], ids=["cpu-without-bf16", "cpu-with-bf16"])
+def test_fp16_on_a_cpu_trains_reports_skipped_steps_and_warns_once(tmp_path, bf16_units):
+    # Either CPU, on any CPU: tests/amp_train.py answers cpu_has_fast_bf16() as asked.
     data = write_class_folder(tmp_path / "data")
-    proc = run_script("train.py", "--data_dir", data, "--log_dir", tmp_path / "run", *TINY,
-                      "--use_fp16", "True", "--batch_size", "2", "--max_steps", "3",
-                      "--log_interval", "1", timeout=180)
-    if amp.cpu_has_fast_bf16():
+    proc = _run([PY, REPO / "tests" / "amp_train.py", "--data_dir", data, "--log_dir",
+                 tmp_path / "run", *TINY, "--use_fp16", "True", "--batch_size", "2",
+                 "--max_steps", "3", "--log_interval", "1"], timeout=180,
+                env={"CPU_BF16": str(int(bf16_units))})
+    if bf16_units:
         assert "--use_fp16: bfloat16 autocast" in proc.stdout
+        assert "slower than fp32" not in proc.stdout and "loss_scale" not in proc.stdout
     else:
         assert proc.stdout.count("slower than fp32") == 1
         skipped = [line for line in proc.stdout.splitlines() if " skipped: NaN/inf" in line]

@@ -143,6 +143,8 @@ def test_a_model_with_batchnorm_and_a_frozen_parameter_resumes_bitwise(
     first = load(half / "model000003.pt")["state_dict"]
     assert int(first["decoder.2.num_batches_tracked"]) == 6
     assert torch.equal(sd["encoder.pos_embedding"], first["encoder.pos_embedding"])  # frozen
+    ema = load(resumed / "ema_0.9999_000006.pt")["state_dict"]  # its EMA stays the parameter
+    assert torch.equal(ema["encoder.pos_embedding"], sd["encoder.pos_embedding"])
     assert not torch.equal(sd["decoder.2.running_mean"], first["decoder.2.running_mean"])
 
 
