@@ -19,6 +19,7 @@ from torch import nn
 
 from conftest import deep_diff, run_mpi, run_script, write_class_folder, write_images
 from improved_diffusion import logger, sample_grids, sampling
+from improved_diffusion.errors import UsageError
 from improved_diffusion.script_util import create_gaussian_diffusion
 
 HAS_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None
@@ -220,3 +221,9 @@ def test_a_grid_past_its_budget_writes_nothing_says_so_and_turns_grids_off(tmp_p
     out = capsys.readouterr().out
     assert out.count("samples: the grid of step 2 stopped after 3.0s") == 1
     assert "lower --sample_count or --sample_steps, or raise --dist_timeout" in out
+
+
+def test_latent_samples_are_refused_at_the_first_step_naming_the_flag(tmp_path):
+    _, _, grids = tiny_grids(tmp_path)
+    with pytest.raises(UsageError, match=r"--sample_interval 2: the samples have 4 channels"):
+        grids.at_step(0, (4, 8, 8), resumed=True)
