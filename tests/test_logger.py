@@ -8,14 +8,7 @@ from improved_diffusion import logger
 from conftest import run_module_mpi
 from test_disk_faults import can_mount, mounts  # noqa: F401 (fixtures)
 
-
-@pytest.fixture(autouse=True)
-def restore_logger():
-    prev = logger.Logger.CURRENT
-    yield
-    if logger.Logger.CURRENT is not prev and logger.Logger.CURRENT is not None:
-        logger.Logger.CURRENT.close()
-    logger.Logger.CURRENT = prev
+pytestmark = pytest.mark.usefixtures("restore_logger")
 
 
 def read_csv(path):

@@ -38,15 +38,6 @@ def pixels(png):
         return np.asarray(im.convert("RGB"))
 
 
-@pytest.fixture(autouse=True)
-def restore_logger():
-    prev = logger.Logger.CURRENT
-    yield
-    if logger.Logger.CURRENT is not prev and logger.Logger.CURRENT is not None:
-        logger.Logger.CURRENT.close()
-    logger.Logger.CURRENT = prev
-
-
 @pytest.fixture(scope="module")
 def class_data(tmp_path_factory):
     return write_class_folder(tmp_path_factory.mktemp("classes"), per_class=3)
@@ -209,7 +200,8 @@ def test_a_resumed_job_draws_the_grid_of_its_resume_step_only_when_it_is_missing
     assert grids.at_end(5) == str(tmp_path / "samples" / "grid_000005.png")
 
 
-def test_a_grid_past_its_budget_writes_nothing_says_so_and_turns_grids_off(tmp_path, capsys):
+def test_a_grid_past_its_budget_writes_nothing_says_so_and_turns_grids_off(tmp_path, capsys,
+                                                                       restore_logger):
     ticks = iter(range(100))
     _, _, grids = tiny_grids(tmp_path, budget_s=1.5, clock=lambda: next(ticks))
     logger.configure(dir=str(tmp_path / "logs"), format_strs="stdout", rank=0)
