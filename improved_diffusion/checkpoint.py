@@ -18,6 +18,8 @@ Files of one step (``step`` = completed optimizer steps), in the log dir:
 Also read: upstream's raw files under the same names, and facebookresearch/DiT's train.py files
 ``checkpoints/{step:07d}.pt`` = {"model", "ema", "opt", "args"} (a "combined" dict: weights, EMA
 weights, index-keyed AdamW state, and a pickled argparse.Namespace; see read_pickled_objects).
+A noised classifier's run (guided-diffusion's classifier_train.py) names its steps the same way in
+its own log dir; its model file has "kind": "classifier" (weights and the classifier's flags).
 
 Reading always uses ``torch.load(weights_only=True, map_location="cpu")``: a file can never run
 code. Every failure is a ``CheckpointError`` whose one-line message names the file; a read that
@@ -50,7 +52,11 @@ from .errors import UserError, typed_one_line
 
 SCHEMA = "improved_diffusion.checkpoint"
 VERSION = 1
-KINDS = ("model", "ema", "opt", "phema")
+KINDS = ("model", "ema", "opt", "phema", "classifier")
+# The kinds whose payload is one network's weights ("state_dict") and its flags.
+WEIGHT_KINDS = ("model", "ema", "phema", "classifier")
+# The slots a step's file names make (a classifier's weights are in the "model" slot).
+SLOTS = ("model", "ema", "opt", "phema")
 
 # Temporary files: "<final name>.tmp-<32 hex>" in the same directory as the final file.
 _TMP_RE = re.compile(r"^(?P<final>.+)\.tmp-[0-9a-f]{8,32}$")
@@ -213,9 +219,9 @@ def parse_step(path):
 
 def slot_of(path):
     """The slot a step file's name claims: "model", "ema", "opt", "phema", or None for any other
-    name."""
+    name. (A classifier's weights sit in the "model" slot: ``model{step:06d}.pt``.)"""
     info = name_info(path)
-    return info.kind if info is not None and info.kind in KINDS else None
+    return info.kind if info is not None and info.kind in SLOTS else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -260,6 +266,13 @@ def posthoc_ema_payload(step, std, nimg, state_dict, flags, inputs, profile_erro
     return payload
 
 
+def classifier_payload(step, state_dict, flags):
+    """The dict saved as a classifier run's ``model{step:06d}.pt`` (``flags``: the classifier's
+    and its diffusion's, script_util.classifier_and_diffusion_defaults() keys)."""
+    return {"schema": SCHEMA, "version": VERSION, "kind": "classifier", "step": int(step),
+            "state_dict": state_dict, "flags": dict(flags or {})}
+
+
 def opt_payload(step, optimizer, trainer):
     """The dict saved as ``opt{step:06d}.pt`` (``optimizer``: named-v1 state; ``trainer``: dict)."""
     return {"schema": SCHEMA, "version": VERSION, "kind": "opt", "step": int(step),
@@ -275,7 +288,7 @@ class CkptFile:
     """A loaded checkpoint file, tagged or not, with what we could tell about it."""
 
     path: str
-    kind: str  # "model" | "ema" | "opt" | "combined" | "unknown"
+    kind: str  # "model" | "ema" | "opt" | "classifier" | "combined" | "unknown"
     tagged: bool
     step: Optional[int] = None
     rate_str: Optional[str] = None
@@ -326,6 +339,16 @@ def _is_state_dict(obj):
 
 def _is_optimizer_state(obj):
     return isinstance(obj, dict) and "param_groups" in obj and "state" in obj
+
+
+def is_classifier_state(sd):
+    """True for the key layout of guided-diffusion's noised classifier (EncoderUNetModel): the
+    UNet's time embedding, input blocks and middle block and an ``out`` head, but no
+    ``output_blocks`` (every UNet has them). Keys may carry the prefixes strip_prefixes removes."""
+    keys = list(strip_prefixes(sd)[0]) if _is_state_dict(sd) else []
+    heads = ("time_embed.", "input_blocks.", "middle_block.", "out.")
+    return (bool(keys) and all(any(k.startswith(h) for k in keys) for h in heads)
+            and not any(k.startswith("output_blocks.") for k in keys))
 
 
 # Optimizer payload layouts (see optim_state): one detection, one phrase each.
@@ -385,12 +408,13 @@ def opt_layout(opt, n_params=None):
 def classify(obj):
     """
     What a loaded object is: returns (kind, notes) with kind one of "model", "ema", "opt",
-    "combined", "unknown" and notes a list of one-line diagnoses.
+    "classifier", "combined", "unknown" and notes a list of one-line diagnoses.
 
-    Recognises tagged files, upstream's raw model state dicts (str -> tensor), raw torch optimizer
-    state dicts ("state" + "param_groups", incl. the flattened fp16 layouts), name-keyed
-    (named-v1) optimizer state, combined dicts ({"model": ..., "ema": ..., "opt": ...}), and
-    ``module.`` / ``_orig_mod.`` key prefixes.
+    Recognises tagged files, upstream's raw model state dicts (str -> tensor), guided-diffusion's
+    raw classifier state dicts (is_classifier_state), raw torch optimizer state dicts ("state" +
+    "param_groups", incl. the flattened fp16 layouts), name-keyed (named-v1) optimizer state,
+    combined dicts ({"model": ..., "ema": ..., "opt": ...}), and ``module.`` / ``_orig_mod.``
+    key prefixes.
     """
     notes = []
     if not isinstance(obj, dict):
@@ -402,7 +426,7 @@ def classify(obj):
             notes.append(f"format version {version!r} (this code reads version {VERSION})")
         if kind not in KINDS:
             return "unknown", notes + [f"tagged file with unknown kind {kind!r}"]
-        if kind in ("model", "ema", "phema") and isinstance(obj.get("state_dict"), dict):
+        if kind in WEIGHT_KINDS and isinstance(obj.get("state_dict"), dict):
             notes += strip_prefixes(obj["state_dict"])[1]
         if kind == "opt" and isinstance(obj.get("optimizer"), dict):
             notes += _opt_notes(obj["optimizer"])
@@ -411,6 +435,9 @@ def classify(obj):
         return "unknown", ["empty dict"]
     if _is_optimizer_state(obj) or obj.get("format") == LAYOUT_NAMED:
         return "opt", notes + _opt_notes(obj)
+    if is_classifier_state(obj):
+        return "classifier", ["guided-diffusion's noised classifier layout (no output_blocks)"
+                              ] + strip_prefixes(obj)[1]
     if _is_state_dict(obj):
         return "model", strip_prefixes(obj)[1]
     entries = [k for k in (*_COMBINED_MODEL_KEYS, *_COMBINED_EMA_KEYS, *_COMBINED_OPT_KEYS)
@@ -436,6 +463,7 @@ KIND_PHRASES = {
     "ema": "EMA model weights",
     "opt": "optimizer state",
     "phema": "a post-hoc EMA snapshot (power-function EMA weights)",
+    "classifier": "noised-classifier weights",
     "combined": "a combined dict",
     "unknown": "something that is not a checkpoint",
 }
@@ -462,8 +490,8 @@ def describe_object(obj):
     if obj.get("schema") == SCHEMA:
         return f"a tagged {obj.get('kind', '?')} checkpoint"
     kind, _ = classify(obj)
-    if kind == "model":
-        return f"{KIND_PHRASES['model']} ({len(obj)} tensors, e.g. {next(iter(obj))!r})"
+    if kind in ("model", "classifier"):
+        return f"{KIND_PHRASES[kind]} ({len(obj)} tensors, e.g. {next(iter(obj))!r})"
     if kind in ("opt", "combined"):
         return describe(CkptFile(path="", kind=kind, tagged=False, raw=obj))
     keys = ", ".join(repr(k) for k in list(obj)[:4]) + (", ..." if len(obj) > 4 else "")
@@ -1067,7 +1095,7 @@ def _make_ckpt(obj, name, nbytes, read_notes=()):
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise CheckpointError(f"{name}: tagged checkpoint has no valid 'step'; replace it")
         c.step = step
-        if kind in ("model", "ema", "phema"):
+        if kind in WEIGHT_KINDS:
             sd = obj.get("state_dict")
             if not isinstance(sd, dict):
                 raise CheckpointError(f"{name}: tagged {kind} file has no 'state_dict'; replace it")
@@ -1096,6 +1124,8 @@ def _make_ckpt(obj, name, nbytes, read_notes=()):
         info = name_info(base)
         if info is not None and info.kind == "ema":
             c.kind, c.rate_str = "ema", info.rate_str
+        c.state_dict, _ = strip_prefixes(obj)
+    elif kind == "classifier":
         c.state_dict, _ = strip_prefixes(obj)
     elif kind == "opt":
         c.optimizer = obj
@@ -1146,14 +1176,14 @@ def _combined_entry(obj, keys, state_dict):
 
 def model_state_from(ckpt, want="model"):
     """
-    Model weights (prefixes stripped) of a loaded file: the file's own for model/ema/phema files
-    (a post-hoc EMA snapshot is an EMA of its own width); from a
-    combined dict, the ``want`` ("model" or "ema") entry. Raises CheckpointError naming the file
-    when it holds no such weights (e.g. optimizer state).
+    Model weights (prefixes stripped) of a loaded file: the file's own for model/ema/phema/
+    classifier files (a post-hoc EMA snapshot is an EMA of its own width); from a combined
+    dict, the ``want`` ("model" or "ema") entry. Raises CheckpointError naming the file when
+    it holds no such weights (e.g. optimizer state).
     """
     if want not in ("model", "ema"):
         raise ValueError(f"want must be 'model' or 'ema', not {want!r}")
-    if ckpt.kind in ("model", "ema", "phema") and ckpt.state_dict is not None:
+    if ckpt.kind in WEIGHT_KINDS and ckpt.state_dict is not None:
         return ckpt.state_dict
     if ckpt.kind == "combined":
         keys = _COMBINED_EMA_KEYS if want == "ema" else _COMBINED_MODEL_KEYS

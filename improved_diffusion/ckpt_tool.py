@@ -227,9 +227,10 @@ def _slot_problems(rep, c, path):
     if slot is None:
         return
     name = os.path.basename(path)
-    if slot == "opt" and kind in ("model", "ema"):
+    if slot == "opt" and kind in ckpt.WEIGHT_KINDS:
+        what = ckpt.KIND_PHRASES["classifier"] if kind == "classifier" else "a model state dict"
         rep["problems"].append(
-            f"optimizer slot holds a model state dict ({name}; as written by upstream's "
+            f"optimizer slot holds {what} ({name}; as written by upstream's "
             "multi-rank resume bug): resuming uses a fresh optimizer; replace the file or delete it"
         )
     elif slot in ("model", "ema") and kind == "opt":
@@ -317,11 +318,12 @@ def _print_inspect(rep, out):
         w(f"  changed     model change at {model_change.record_text(rec)}\n")
     if rep.get("args"):
         w("  args        " + " ".join(f"{k}={v}" for k, v in rep["args"].items()) + "\n")
-    if rep["kind"] in ("model", "ema", "phema") or rep["kind"] == "combined" and rep.get("flags"):
+    if rep["kind"] in ckpt.WEIGHT_KINDS or rep["kind"] == "combined" and rep.get("flags"):
         if rep.get("flags"):
             w("  flags       " + flags_to_argv(rep["flags"]) + "\n")
         else:
-            w("  flags       none stored (give the model flags when sampling or resuming)\n")
+            w(f"  flags       none stored (give the {_network(rep['kind'])} flags when sampling or "
+              "resuming)\n")
     for n in rep["notes"]:
         w(f"  note        {n}\n")
     for p in rep["problems"]:
@@ -439,12 +441,28 @@ def cmd_verify(args, out):
 # diff
 
 
-def _parse_model_flags(text):
-    """(flags dict of all MODEL_FLAG_KEYS, explicitly given keys, ignored args) from a string."""
+def _network(kind):
+    """What a file of ``kind`` holds the weights of, as --flags builds it: "classifier" (the
+    noised classifier's flags) or "model" (the diffusion model's)."""
+    return "classifier" if kind == "classifier" else "model"
+
+
+def _flag_defaults(kind="model"):
+    from . import script_util as su
+
+    if _network(kind) == "classifier":
+        return su.classifier_and_diffusion_defaults()
+    return su.model_and_diffusion_defaults()
+
+
+def _parse_model_flags(text, kind="model"):
+    """(flags dict, explicitly given keys, ignored args) from a string: the model/diffusion flags
+    (MODEL_FLAG_KEYS), or for a classifier file (``kind`` "classifier") the classifier's and its
+    diffusion's (classifier_and_diffusion_defaults)."""
     from . import script_util as su
 
     parser = _Parser(prog="--flags", add_help=False)
-    defaults = su.model_and_diffusion_defaults()
+    defaults = _flag_defaults(kind)
     su.add_dict_to_argparser(parser, defaults)
     try:
         argv = shlex.split(text or "")
@@ -456,19 +474,32 @@ def _parse_model_flags(text):
     return flags, [k for k in given if k in defaults], unknown
 
 
-def _build_model(flags):
+def _build_model(flags, kind="model"):
     from . import script_util as su
 
+    create = (su.create_classifier_and_diffusion if _network(kind) == "classifier"
+              else su.create_model_and_diffusion)
     try:
-        model, _ = su.create_model_and_diffusion(**flags)
+        model, _ = create(**flags)
     except su.FlagError as e:
         raise UsageError(f"--flags: {e}") from None
     return model
 
 
+class _FlagsFor:
+    """convert's --flags, parsed for the network of each file: ``flags_for(kind)`` -> dict, or
+    None when --flags was not given."""
+
+    def __init__(self, text):
+        self.text = text
+
+    def __call__(self, kind):
+        return None if self.text is None else _parse_model_flags(self.text, kind)[0]
+
+
 def _shapes_of(c, want):
     """{name: shape list} of a loaded file's weights (or its named optimizer parameter shapes)."""
-    if c.kind in ("model", "ema", "combined"):
+    if c.kind in (*ckpt.WEIGHT_KINDS, "combined"):
         try:
             sd = ckpt.model_state_from(c, want=want)
         except ckpt.CheckpointError as e:
@@ -494,10 +525,10 @@ def cmd_diff(args, out):
     file_shapes = _shapes_of(c, args.want)
     notes = []
     if args.flags is not None:
-        flags, given, ignored = _parse_model_flags(args.flags)
+        flags, given, ignored = _parse_model_flags(args.flags, c.kind)
         if ignored:
-            notes.append("ignored non-model flags: " + " ".join(ignored))
-        model = _build_model(flags)
+            notes.append(f"ignored non-{_network(c.kind)} flags: " + " ".join(ignored))
+        model = _build_model(flags, c.kind)
         want_shapes = {k: _shape_list(v) for k, v in model.state_dict().items()}
         other = "the model built from --flags"
         want_flags = {k: flags[k] for k in given} if c.flags else None
@@ -582,11 +613,10 @@ def _step_of(c, path, step_arg):
     raise ToolError(f"{path}: the step cannot be read from the file or its name; pass --step N")
 
 
-def _param_names_for_opt(opt_path, files, flags, c_opt):
-    """[(name, shape)] in model parameter order for an index-keyed optimizer file."""
-    if flags is not None:
-        model = _build_model(flags)
-        return [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+def _param_names_for_opt(opt_path, files, flags_for, c_opt):
+    """[(name, shape)] in model parameter order for an index-keyed optimizer file: from the
+    network --flags builds (a classifier's when the step's model file holds one), else from the
+    model file of the same step."""
     beside = [p for p in files if ckpt.slot_of(p) == "model"]
     if not beside:
         d = os.path.dirname(os.path.abspath(opt_path))
@@ -594,12 +624,18 @@ def _param_names_for_opt(opt_path, files, flags, c_opt):
             cand = os.path.join(d, ckpt.model_filename(c_opt.step))
             if os.path.exists(cand):
                 beside = [cand]
-    if not beside:
+    c_model = _load(beside[0]) if beside else None
+    kind = c_model.kind if c_model is not None else "model"
+    flags = flags_for(kind)
+    if flags is not None:
+        model = _build_model(flags, kind)
+        return [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+    if c_model is None:
         raise ToolError(
             f"{opt_path}: index-keyed optimizer state needs the parameter names: put the model "
             "file of the same step beside it or pass --flags \"...\""
         )
-    sd = ckpt.model_state_from(_load(beside[0]))
+    sd = ckpt.model_state_from(c_model)
     return [(n, tuple(t.shape)) for n, t in sd.items()]
 
 
@@ -616,16 +652,16 @@ class _Payloads(dict):
 def _wrong_slot(c, path, notes):
     """True (with a note) when a file's kind contradicts its name's slot: it is not converted."""
     slot = ckpt.slot_of(path)
-    if (slot == "opt" and c.kind in ("model", "ema")) or (slot in ("model", "ema")
-                                                          and c.kind == "opt"):
+    if (slot == "opt" and c.kind in ckpt.WEIGHT_KINDS) or (slot in ("model", "ema")
+                                                           and c.kind == "opt"):
         notes.append(f"{os.path.basename(path)}: the {_SLOT_PHRASE[slot]} slot holds "
                      f"{ckpt.describe(c)}; not converted (see `ckpt.py inspect`)")
         return True
     return False
 
 
-def _tagged_payloads(group_files, flags, step_arg):
-    """{filename: payload} (tagged) for the files of one step; notes."""
+def _tagged_payloads(group_files, flags_for, step_arg):
+    """{filename: payload} (tagged) for the files of one step; notes. ``flags_for``: _FlagsFor."""
     payloads, notes = _Payloads(), []
     for path in group_files:
         c = _load(path)
@@ -638,7 +674,13 @@ def _tagged_payloads(group_files, flags, step_arg):
                 payloads[base] = f.read()
             notes.append(f"{base}: already tagged, copied unchanged")
             continue
-        if c.kind in ("model", "ema"):
+        flags = flags_for(c.kind)
+        if c.kind == "classifier":
+            if flags is not None:
+                _check_fits(c.state_dict, flags, path, c.kind)
+            payloads[ckpt.model_filename(step)] = ckpt.classifier_payload(
+                step, c.state_dict, flags)
+        elif c.kind in ("model", "ema"):
             if flags is not None:
                 _check_fits(c.state_dict, flags, path)
             if c.kind == "ema":
@@ -648,7 +690,7 @@ def _tagged_payloads(group_files, flags, step_arg):
             else:
                 payloads[ckpt.model_filename(step)] = ckpt.model_payload(step, c.state_dict, flags)
         elif c.kind == "opt":
-            names = _param_names_for_opt(path, group_files, flags, c)
+            names = _param_names_for_opt(path, group_files, flags_for, c)
             try:
                 named = convert_to_named(c.optimizer, names, source=path)
             except OptimizerStateError as e:
@@ -678,8 +720,8 @@ def _tagged_payloads(group_files, flags, step_arg):
     return payloads, notes
 
 
-def _check_fits(sd, flags, path):
-    fit = fit_state_dict(shapes_of(_build_model(flags).state_dict()), shapes_of(sd))
+def _check_fits(sd, flags, path, kind="model"):
+    fit = fit_state_dict(shapes_of(_build_model(flags, kind).state_dict()), shapes_of(sd))
     if not fit.ok:
         raise ToolError(
             f"{path}: does not fit the model of --flags ({fit.summary()}"
@@ -695,7 +737,7 @@ def _raw_payloads(group_files, step_arg):
             continue
         step = _step_of(c, path, step_arg)
         base = os.path.basename(path)
-        if c.kind == "model":
+        if c.kind in ("model", "classifier"):
             payloads[ckpt.model_filename(step)] = dict(c.state_dict)
         elif c.kind == "ema":
             rate = c.rate_str or "0.9999"
@@ -745,7 +787,7 @@ def _safetensors_payloads(group_files, step_arg):
         base = os.path.basename(path)
         if _wrong_slot(c, path, notes):
             continue
-        if c.kind not in ("model", "ema", "combined"):
+        if c.kind not in (*ckpt.WEIGHT_KINDS, "combined"):
             notes.append(f"{base}: {c.kind} file skipped (safetensors holds model weights only)")
             continue
         step = _step_of(c, path, step_arg)
@@ -772,15 +814,15 @@ def cmd_convert(args, out):
         raise UsageError("convert: --out must be a different directory from the source")
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise ToolError(f"{args.out}: is a file; --out must be a directory")
-    flags = None
+    flags_for = _FlagsFor(args.flags)
     if args.flags is not None:
-        flags, _, _ = _parse_model_flags(args.flags)
+        flags_for("model")  # a malformed --flags is a usage error before anything is read
     groups = _source_files(args.src, args.step)
     written, notes = [], []
     plans = []
     for step, files, status in groups:
         if args.to == "tagged":
-            payloads, n = _tagged_payloads(files, flags, args.step)
+            payloads, n = _tagged_payloads(files, flags_for, args.step)
         elif args.to == "raw":
             payloads, n = _raw_payloads(files, args.step)
         else:
@@ -816,7 +858,7 @@ def cmd_convert(args, out):
         written += [os.path.join(out_dir, n) for n in payloads]
     rep = {"src": args.src, "to": args.to, "out": args.out, "written": sorted(written),
            "notes": notes}
-    if flags is None and args.to == "tagged":
+    if args.flags is None and args.to == "tagged":
         rep["notes"].append("no --flags given: the tagged model files store no flags")
     if args.json:
         _dump(rep, out)
@@ -1061,7 +1103,8 @@ def build_parser():
                     help="only names, sizes and manifests; do not load files or check sha256")
     sp = sub.add_parser("diff", help="missing / unexpected / reshaped keys vs flags or a file")
     sp.add_argument("file", metavar="FILE")
-    sp.add_argument("--flags", default=None, help='model flags, e.g. "--image_size 32 ..."')
+    sp.add_argument("--flags", default=None, help='model flags, e.g. "--image_size 32 ..." (a '
+                    'classifier file: the classifier flags, "--classifier_width 128 ...")')
     sp.add_argument("--against", default=None, metavar="FILE2")
     sp.add_argument("--want", choices=("model", "ema"), default="model",
                     help="which weights of a combined file")
@@ -1069,7 +1112,8 @@ def build_parser():
     sp.add_argument("src", metavar="SRC", help="a checkpoint file or a run directory")
     sp.add_argument("--to", choices=("tagged", "raw", "safetensors"), required=True)
     sp.add_argument("--out", required=True, metavar="DIR", help="output directory (new files)")
-    sp.add_argument("--flags", default=None, help="model flags to store in tagged files")
+    sp.add_argument("--flags", default=None, help="model flags to store in tagged files (a "
+                    "classifier's: the classifier flags)")
     sp.add_argument("--step", type=int, default=None,
                     help="only this step of a run dir (or the step of a file without one)")
     sp = sub.add_parser("adapt", help="a complete step adapted to other model flags: matching "

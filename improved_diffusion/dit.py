@@ -114,12 +114,13 @@ class LabelEmbedder(nn.Module):
     (the last row is the null label, index ``num_classes``), else ``num_classes``.
     """
 
-    def __init__(self, num_classes, hidden_size, dropout_prob):
+    def __init__(self, num_classes, hidden_size, dropout_prob, drop_in_forward=True):
         super().__init__()
         has_null = dropout_prob > 0 or num_classes == 0
         self.embedding_table = nn.Embedding(num_classes + int(has_null), hidden_size)
         self.num_classes = num_classes
         self.dropout_prob = dropout_prob
+        self.drop_in_forward = drop_in_forward
 
     @property
     def has_null(self):
@@ -140,7 +141,7 @@ class LabelEmbedder(nn.Module):
     def forward(self, labels, train, force_drop_ids=None):
         """:param labels: [N] int64. :param train: drop labels (when dropout_prob > 0).
         :return: [N, D]."""
-        if (train and self.dropout_prob > 0) or force_drop_ids is not None:
+        if (train and self.drop_in_forward and self.dropout_prob > 0) or force_drop_ids is not None:
             labels = self.token_drop(labels, force_drop_ids)
         return self.embedding_table(labels)
 
@@ -228,11 +229,14 @@ class DiT(nn.Module):
     :param class_dropout_prob: probability of the null label in training (classifier-free
         guidance); > 0 adds the null row to the label table.
     :param num_classes: classes; 0 = unconditional (see the module docstring for ``y``).
+    :param drop_labels: (ours, after DiT's arguments) drop labels in the forward in training
+        mode, as DiT's own training does; False when the trainer drops them itself (train.py's
+        --class_dropout_prob, guidance.drop_labels_in: one place for every model).
     """
 
     def __init__(self, input_size=32, patch_size=2, in_channels=4, hidden_size=1152, depth=28,
                  num_heads=16, mlp_ratio=4.0, class_dropout_prob=0.1, num_classes=1000,
-                 learn_sigma=True):
+                 learn_sigma=True, drop_labels=True):
         super().__init__()
         if input_size % patch_size:
             raise ValueError(f"input_size {input_size} is not a multiple of patch_size "
@@ -249,7 +253,7 @@ class DiT(nn.Module):
 
         self.x_embedder = PatchEmbed(input_size, patch_size, in_channels, hidden_size, bias=True)
         self.t_embedder = TimestepEmbedder(hidden_size)
-        self.y_embedder = LabelEmbedder(num_classes, hidden_size, class_dropout_prob)
+        self.y_embedder = LabelEmbedder(num_classes, hidden_size, class_dropout_prob, drop_labels)
         num_patches = self.x_embedder.num_patches
         self.pos_embed = nn.Parameter(th.zeros(1, num_patches, hidden_size), requires_grad=False)
         self.blocks = nn.ModuleList(

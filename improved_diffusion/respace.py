@@ -2,7 +2,7 @@
 Timestep respacing: run a diffusion trained with T steps on a subset of its timesteps.
 
 SpacedDiffusion only remaps timesteps: it recomputes betas for the kept steps and wraps the model
-so that it still sees the original timesteps.
+(and a guidance cond_fn) so that it still sees the original timesteps.
 """
 import numpy as np
 import torch as th
@@ -106,6 +106,13 @@ class SpacedDiffusion(GaussianDiffusion):
     def training_losses(self, model, *args, **kwargs):
         return super().training_losses(self._wrap_model(model), *args, **kwargs)
 
+    def condition_mean(self, cond_fn, *args, **kwargs):
+        # cond_fn sees the original timesteps, as the model does (guided-diffusion's wrapping).
+        return super().condition_mean(self._wrap_model(cond_fn), *args, **kwargs)
+
+    def condition_score(self, cond_fn, *args, **kwargs):
+        return super().condition_score(self._wrap_model(cond_fn), *args, **kwargs)
+
     def _wrap_model(self, model):
         if isinstance(model, _WrappedModel):
             return model
@@ -139,7 +146,8 @@ def respaced(diffusion, section_counts):
 
 
 class _WrappedModel:
-    """Calls the model with original timesteps: [N] spaced indices -> timestep_map[t] (scaled)."""
+    """Calls the model (or a cond_fn) with original timesteps: [N] spaced indices ->
+    timestep_map[t] (scaled)."""
 
     def __init__(self, model, timestep_map, rescale_timesteps, original_num_steps):
         self.model = model

@@ -2,8 +2,10 @@
 
 Flag names and defaults are upstream improved-diffusion's, plus guided-diffusion's
 ``num_head_channels``, ``resblock_updown``, ``use_new_attention_order`` and ``channel_mult``, and
-``num_classes``, and ``arch`` (the UNet, or one of DiT's models: dit.py) with ``in_channels`` and
-DiT's width overrides. The dict of these flags is what checkpoint files store as "flags".
+``num_classes``, ``class_dropout_prob`` (classifier-free guidance), and ``arch`` (the UNet, or
+one of DiT's models: dit.py) with ``in_channels`` and DiT's width overrides. The dict of these
+flags is what checkpoint files store as "flags". guided-diffusion's noised classifier has its
+own flags (``classifier_defaults()``, ``create_classifier``).
 
 ``channel_mult=""`` picks the channel multipliers from ``image_size``:
 
@@ -19,7 +21,7 @@ import argparse
 import inspect
 
 from .dit import DIT_CONFIGS, DiT
-from .unet import SuperResModel, UNetModel
+from .unet import ENCODER_POOLS, EncoderUNetModel, SuperResModel, UNetModel
 from .errors import UsageError
 
 NUM_CLASSES = 1000
@@ -74,6 +76,9 @@ def model_and_diffusion_defaults():
         dit_depth=0,
         dit_hidden_size=0,
         dit_num_heads=0,
+        # Classifier-free guidance: a class-conditional model gets the null label (index
+        # num_classes), which training puts in place of each label with this probability.
+        class_dropout_prob=0.0,
     )
 
 
@@ -161,6 +166,68 @@ def sample_defaults():
         use_fp16=False,
     )
 
+def guidance_defaults():
+    """The classifier-free guidance flag of the sampling scripts (sample.py, classifier_sample.py).
+    """
+    return dict(
+        # eps = uncond + S * (cond - uncond); 1: plain conditional sampling, 0: unconditional
+        # (the null label). Needs a model trained with --class_dropout_prob > 0.
+        guidance_scale=1.0,
+    )
+
+
+# The diffusion flags among model_and_diffusion_defaults(): guided-diffusion's
+# diffusion_defaults(), plus sigma_small.
+DIFFUSION_FLAG_KEYS = ("learn_sigma", "sigma_small", "diffusion_steps", "noise_schedule",
+                       "timestep_respacing", "use_kl", "predict_xstart", "rescale_timesteps",
+                       "rescale_learned_sigmas")
+
+
+def diffusion_defaults():
+    """Defaults of the diffusion flags (guided-diffusion's name; the values are this project's,
+    improved-diffusion's, as in model_and_diffusion_defaults())."""
+    defaults = model_and_diffusion_defaults()
+    return {k: defaults[k] for k in DIFFUSION_FLAG_KEYS}
+
+
+def classifier_defaults():
+    """Defaults of guided-diffusion's noised-classifier flags (its classifier_defaults(), commit
+    22e0df8), plus ours: ``classifier_channel_mult`` ('' = the UNet's choice for ``image_size``,
+    which is guided's for 64-512) and ``classifier_num_classes`` (guided's fixed 1000)."""
+    return dict(
+        image_size=64,
+        classifier_use_fp16=False,
+        classifier_width=128,
+        classifier_depth=2,
+        classifier_attention_resolutions="32,16,8",
+        classifier_use_scale_shift_norm=True,
+        classifier_resblock_updown=True,
+        classifier_pool="attention",
+        classifier_channel_mult="",
+        classifier_num_classes=NUM_CLASSES,
+    )
+
+
+CLASSIFIER_FLAG_KEYS = tuple(classifier_defaults().keys())
+
+
+def classifier_and_diffusion_defaults():
+    """The classifier's flags and the diffusion's (guided-diffusion's name): what a classifier
+    file stores as its flags."""
+    res = classifier_defaults()
+    res.update(diffusion_defaults())
+    return res
+
+
+def classifier_sample_defaults():
+    """classifier_sample.py's own flags (guided-diffusion's names and defaults)."""
+    return dict(
+        classifier_path="",
+        # The classifier's gradient is multiplied by this (guided-diffusion's classifier_scale).
+        classifier_scale=1.0,
+    )
+
+
 def nll_defaults():
     """Defaults of nll.py's own flags (bits/dim of an image folder under a model)."""
     return dict(data_dir="", clip_denoised=True, num_samples=1000, batch_size=1, model_path="",
@@ -207,12 +274,13 @@ def _check_image_size(image_size, flag="--image_size"):
         raise FlagError(f"{flag} must be a positive integer, got {image_size!r}")
 
 
-def parse_channel_mult(channel_mult, image_size):
+def parse_channel_mult(channel_mult, image_size, flag="--channel_mult"):
     """Turn the ``--channel_mult`` flag into a tuple of per-level channel multipliers.
 
     :param channel_mult: "" for the default for ``image_size`` (see the module docstring), or a
         comma-separated list of positive numbers such as "1,2,2" or "0.5,1,2".
     :param image_size: the image side length in pixels.
+    :param flag: the flag's name in error messages (``--classifier_channel_mult``).
     :return: a tuple of ints (floats only where a multiplier is fractional).
     :raises FlagError: for a malformed list, or when ``image_size`` cannot be halved
         ``len(channel_mult) - 1`` times exactly.
@@ -238,26 +306,28 @@ def parse_channel_mult(channel_mult, image_size):
             value = float("nan")
         if not value > 0 or value == float("inf"):
             raise FlagError(
-                f"--channel_mult {text!r} must be a comma-separated list of positive numbers, "
-                "e.g. --channel_mult 1,2,2 (or \"\" for the default for --image_size)"
+                f"{flag} {text!r} must be a comma-separated list of positive numbers, "
+                f"e.g. {flag} 1,2,2 (or \"\" for the default for --image_size)"
             )
         mults.append(int(value) if value.is_integer() else value)
     factor = 2 ** (len(mults) - 1)
     if image_size % factor != 0:
         raise FlagError(
-            f"--channel_mult {text} has {len(mults)} levels (downsamples {factor}x), but "
+            f"{flag} {text} has {len(mults)} levels (downsamples {factor}x), but "
             f"--image_size {image_size} is not divisible by {factor}; use fewer levels in "
-            "--channel_mult or a different --image_size"
+            f"{flag} or a different --image_size"
         )
     return tuple(mults)
 
 
-def parse_attention_resolutions(attention_resolutions, image_size):
+def parse_attention_resolutions(attention_resolutions, image_size,
+                                flag="--attention_resolutions"):
     """Turn ``--attention_resolutions`` (resolutions, e.g. "16,8") into downsample rates.
 
     As upstream, each resolution ``res`` becomes the rate ``image_size // res``; rates that no
     level of the UNet has are ignored (upstream behaviour, so default flags work at any size).
 
+    :param flag: the flag's name in error messages.
     :return: a tuple of ints.
     :raises FlagError: when an entry is not a positive integer.
     """
@@ -274,11 +344,42 @@ def parse_attention_resolutions(attention_resolutions, image_size):
             res = 0
         if res <= 0:
             raise FlagError(
-                f"--attention_resolutions {attention_resolutions!r} must be a comma-separated "
+                f"{flag} {attention_resolutions!r} must be a comma-separated "
                 "list of positive integers (feature-map sizes such as 16,8), or \"\" for none"
             )
         rates.append(image_size // res)
     return tuple(rates)
+
+
+def _level_widths(num_channels, channel_mult, flag, mult_flag):
+    """The channels of each level, [int]; FlagError (naming ``flag``) unless each is a positive
+    multiple of 32 (GroupNorm uses 32 groups)."""
+    if isinstance(num_channels, bool) or not isinstance(num_channels, int) or num_channels <= 0:
+        raise FlagError(f"{flag} must be a positive integer, got {num_channels!r}")
+    widths = []
+    for mult in channel_mult:
+        width = mult * num_channels
+        if width != int(width) or int(width) % 32 != 0:
+            raise FlagError(
+                f"{flag} {num_channels} times {mult_flag} entry {mult} gives {width} "
+                "channels, which is not a multiple of 32 (GroupNorm uses 32 groups); use a "
+                f"multiple of 32 for {flag}"
+            )
+        widths.append(int(width))
+    return widths
+
+
+def _check_class_dropout(class_dropout_prob, class_cond):
+    """FlagError unless ``--class_dropout_prob`` is in [0, 1) and, when above 0, the model is
+    class-conditional."""
+    p = class_dropout_prob
+    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p < 1:
+        raise FlagError(f"--class_dropout_prob must be in [0, 1), got {p!r}")
+    if p > 0 and not class_cond:
+        raise FlagError(
+            f"--class_dropout_prob {p} replaces class labels by the null label, but the model is "
+            "not class-conditional; add --class_cond True (or use --class_dropout_prob 0)"
+        )
 
 
 def _check_model_flags(
@@ -286,18 +387,7 @@ def _check_model_flags(
     class_cond, num_classes,
 ):
     """Raise FlagError for flag combinations the UNet cannot be built with."""
-    if isinstance(num_channels, bool) or not isinstance(num_channels, int) or num_channels <= 0:
-        raise FlagError(f"--num_channels must be a positive integer, got {num_channels!r}")
-    widths = []
-    for mult in channel_mult:
-        width = mult * num_channels
-        if width != int(width) or int(width) % 32 != 0:
-            raise FlagError(
-                f"--num_channels {num_channels} times --channel_mult entry {mult} gives {width} "
-                "channels, which is not a multiple of 32 (GroupNorm uses 32 groups); use a "
-                "multiple of 32 for --num_channels"
-            )
-        widths.append(int(width))
+    widths = _level_widths(num_channels, channel_mult, "--num_channels", "--channel_mult")
     # Attention sits at levels whose downsample rate is listed, and always in the middle block.
     att_widths = {widths[-1]} | {w for level, w in enumerate(widths) if 2**level in attention_ds}
     heads_up = num_heads if num_heads_upsample == -1 else num_heads_upsample
@@ -392,6 +482,7 @@ def create_model_and_diffusion(
             num_classes=num_classes,
             use_fp16=use_fp16,
             in_channels=in_channels,
+            class_dropout_prob=class_dropout_prob,
         )
     diffusion = create_gaussian_diffusion(
         steps=diffusion_steps,
@@ -426,6 +517,7 @@ def create_model(
     num_classes=NUM_CLASSES,
     use_fp16=False,
     in_channels=3,
+    class_dropout_prob=0.0,
 ):
     """Build the UNet for ``image_size`` x ``image_size`` inputs of ``in_channels`` channels (3:
     RGB images, as upstream; 4: VAE latents).
@@ -433,6 +525,9 @@ def create_model(
     Output channels are 2 x in_channels (mean and variance) when ``learn_sigma``, else
     in_channels: 6 and 3 for images, as upstream.
     ``use_fp16``: guided-diffusion's flag, recorded on the model (see UNetModel).
+    ``class_dropout_prob`` > 0 (class-conditional models only) adds the null label of
+    classifier-free guidance: a label embedding row at index ``num_classes`` (UNetModel's
+    ``use_null_label``); the dropout itself happens in training (guidance.drop_labels).
     :raises FlagError: for flag values the UNet cannot be built with.
     """
     mults = parse_channel_mult(channel_mult, image_size)
@@ -442,6 +537,7 @@ def create_model(
         class_cond, num_classes,
     )
     _check_in_channels(in_channels)
+    _check_class_dropout(class_dropout_prob, class_cond)
     return UNetModel(
         in_channels=in_channels,
         model_channels=num_channels,
@@ -459,6 +555,7 @@ def create_model(
         resblock_updown=resblock_updown,
         use_new_attention_order=use_new_attention_order,
         use_fp16=use_fp16,
+        use_null_label=class_dropout_prob > 0,
     )
 
 
@@ -519,7 +616,127 @@ def create_dit(arch, image_size, *, in_channels=3, learn_sigma=False, class_cond
         hidden_size=hidden_size, depth=depth, num_heads=num_heads, mlp_ratio=4.0,
         class_dropout_prob=float(class_dropout_prob) if class_cond else 0.0,
         num_classes=num_classes if class_cond else 0, learn_sigma=learn_sigma,
+        drop_labels=False,  # the trainer drops them (guidance.drop_labels_in), as for the UNet
     )
+
+
+# guided-diffusion's classifier has a fixed 64 channels per attention head.
+CLASSIFIER_HEAD_CHANNELS = 64
+
+
+def create_classifier(
+    image_size,
+    classifier_use_fp16,
+    classifier_width,
+    classifier_depth,
+    classifier_attention_resolutions,
+    classifier_use_scale_shift_norm,
+    classifier_resblock_updown,
+    classifier_pool,
+    classifier_channel_mult="",
+    classifier_num_classes=NUM_CLASSES,
+):
+    """Build guided-diffusion's noised image classifier (an EncoderUNetModel) from the flags of
+    classifier_defaults(); guided's keyword names, order and module layout.
+
+    Unlike guided's, any ``image_size`` works: ``classifier_channel_mult`` "" takes the UNet's
+    multipliers for the size (parse_channel_mult: guided's for 64, 128, 256 and 512; e.g.
+    (1, 2) for 8), or give them explicitly. ``classifier_num_classes``: the number of logits
+    (guided fixes 1000). Attention heads have 64 channels, as guided's.
+    ``classifier_use_fp16`` is recorded on the model; ``convert_to_fp16()`` converts.
+
+    :raises FlagError: for flag values the classifier cannot be built with.
+    """
+    mults = parse_channel_mult(classifier_channel_mult, image_size, "--classifier_channel_mult")
+    attention_ds = parse_attention_resolutions(
+        classifier_attention_resolutions, image_size, "--classifier_attention_resolutions")
+    _check_classifier_flags(image_size, classifier_width, mults, attention_ds, classifier_pool,
+                            classifier_num_classes)
+    return EncoderUNetModel(
+        image_size=image_size,
+        in_channels=3,
+        model_channels=classifier_width,
+        out_channels=classifier_num_classes,
+        num_res_blocks=classifier_depth,
+        attention_resolutions=attention_ds,
+        channel_mult=mults,
+        use_fp16=classifier_use_fp16,
+        num_head_channels=CLASSIFIER_HEAD_CHANNELS,
+        use_scale_shift_norm=classifier_use_scale_shift_norm,
+        resblock_updown=classifier_resblock_updown,
+        pool=classifier_pool,
+    )
+
+
+def _check_classifier_flags(image_size, width, mults, attention_ds, pool, num_classes):
+    """Raise FlagError for classifier flags the EncoderUNetModel cannot be built with."""
+    if pool not in ENCODER_POOLS:
+        raise FlagError(f"--classifier_pool {pool!r} is unknown; use one of "
+                        f"{', '.join(ENCODER_POOLS)}")
+    if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes <= 0:
+        raise FlagError(f"--classifier_num_classes must be a positive integer, got "
+                        f"{num_classes!r}")
+    widths = _level_widths(width, mults, "--classifier_width", "--classifier_channel_mult")
+    bottom = image_size // 2 ** (len(widths) - 1)
+    for level, w in enumerate(widths):
+        if 2 ** level in attention_ds and w % CLASSIFIER_HEAD_CHANNELS:
+            res = image_size // 2 ** level
+            raise FlagError(
+                f"--classifier_attention_resolutions has {res} ({res}x{res} features), where "
+                f"the classifier has {w} channels: not a multiple of its "
+                f"{CLASSIFIER_HEAD_CHANNELS} channels per attention head; drop {res} or use a "
+                "larger --classifier_width"
+            )
+    if widths[-1] % CLASSIFIER_HEAD_CHANNELS:
+        raise FlagError(
+            f"--classifier_width {width}: the classifier's middle block ({bottom}x{bottom}) "
+            f"has {widths[-1]} channels, not a multiple of its {CLASSIFIER_HEAD_CHANNELS} "
+            "channels per attention head; use a larger --classifier_width (or more levels in "
+            "--classifier_channel_mult)"
+        )
+
+
+def create_classifier_and_diffusion(
+    image_size,
+    classifier_use_fp16,
+    classifier_width,
+    classifier_depth,
+    classifier_attention_resolutions,
+    classifier_use_scale_shift_norm,
+    classifier_resblock_updown,
+    classifier_pool,
+    learn_sigma,
+    diffusion_steps,
+    noise_schedule,
+    timestep_respacing,
+    use_kl,
+    predict_xstart,
+    rescale_timesteps,
+    rescale_learned_sigmas,
+    classifier_channel_mult="",
+    classifier_num_classes=NUM_CLASSES,
+    sigma_small=False,
+):
+    """(classifier, diffusion) from the flags of classifier_and_diffusion_defaults()
+    (guided-diffusion's keyword names; ours have defaults)."""
+    classifier = create_classifier(
+        image_size,
+        classifier_use_fp16,
+        classifier_width,
+        classifier_depth,
+        classifier_attention_resolutions,
+        classifier_use_scale_shift_norm,
+        classifier_resblock_updown,
+        classifier_pool,
+        classifier_channel_mult=classifier_channel_mult,
+        classifier_num_classes=classifier_num_classes,
+    )
+    diffusion = diffusion_from_flags(dict(
+        diffusion_steps=diffusion_steps, learn_sigma=learn_sigma, sigma_small=sigma_small,
+        noise_schedule=noise_schedule, use_kl=use_kl, predict_xstart=predict_xstart,
+        rescale_timesteps=rescale_timesteps, rescale_learned_sigmas=rescale_learned_sigmas,
+        timestep_respacing=timestep_respacing))
+    return classifier, diffusion
 
 
 def sr_model_and_diffusion_defaults():
@@ -650,6 +867,12 @@ def sr_create_model(
     )
 
 
+def diffusion_from_flags(flags):
+    """create_gaussian_diffusion from the diffusion flags (DIFFUSION_FLAG_KEYS) of ``flags``."""
+    kwargs = {k: flags[k] for k in DIFFUSION_FLAG_KEYS if k != "diffusion_steps"}
+    return create_gaussian_diffusion(steps=flags["diffusion_steps"], **kwargs)
+
+
 def create_gaussian_diffusion(
     *,
     steps=1000,
@@ -756,8 +979,8 @@ def str2bool(v):
 # README's flag table are made from it), and the parser every script uses.
 
 # Groups in the order --help shows them.
-FLAG_GROUPS = ("model", "diffusion", "data", "training", "checkpointing", "logging",
-               "distributed", "sampling")
+FLAG_GROUPS = ("model", "classifier", "diffusion", "data", "training", "checkpointing",
+               "logging", "distributed", "sampling")
 
 # flag -> (group, one-line meaning). Defaults live in the *_defaults() functions above.
 FLAG_HELP = {
@@ -790,8 +1013,32 @@ FLAG_HELP = {
     "dit_depth": ("model", "DiT blocks; 0 = --arch's (DiT-S and -B 12, L 24, XL 28)"),
     "dit_hidden_size": ("model", "DiT width; 0 = --arch's (DiT-S 384, B 768, L 1024, XL 1152)"),
     "dit_num_heads": ("model", "DiT attention heads; 0 = --arch's (DiT-S 6, B 12, L and XL 16)"),
+    "class_dropout_prob": ("model", "classifier-free guidance: a --class_cond model gets a null "
+                           "label (index num_classes) that replaces each training label with "
+                           "this probability; 0 = none"),
     "large_size": ("model", "super-resolution output side in pixels"),
     "small_size": ("model", "super-resolution input side in pixels"),
+    # classifier (guided-diffusion's noised image classifier)
+    "classifier_width": ("classifier", "base channel count of the classifier (a multiple of 32)"),
+    "classifier_depth": ("classifier", "residual blocks per resolution level of the classifier"),
+    "classifier_attention_resolutions": ("classifier", "feature-map sizes with self-attention in "
+                                         "the classifier (64 channels per head)"),
+    "classifier_use_scale_shift_norm": ("classifier", "FiLM-style timestep conditioning in the "
+                                        "classifier's residual blocks"),
+    "classifier_resblock_updown": ("classifier", "residual blocks for downsampling in the "
+                                   "classifier"),
+    "classifier_pool": ("classifier", "the classifier's head: attention, adaptive, spatial or "
+                        "spatial_v2"),
+    "classifier_channel_mult": ("classifier", "classifier width multiplier per level; '' = the "
+                                "UNet's choice for --image_size (guided's for 64-512)"),
+    "classifier_num_classes": ("classifier", "classes (logits) of the classifier; a file's stored "
+                               "flags say it (upstream's: 1000)"),
+    "classifier_use_fp16": ("classifier", "run the classifier's torso in float16 "
+                            "(convert_to_fp16), as guided-diffusion"),
+    "classifier_path": ("classifier", "the noised classifier's file (ours, or guided-diffusion's "
+                        "e.g. 64x64_classifier.pt)"),
+    "classifier_scale": ("classifier", "classifier guidance: the gradient of log p(y|x_t) is "
+                         "multiplied by this"),
     # diffusion
     "diffusion_steps": ("diffusion", "timesteps of the diffusion process"),
     "noise_schedule": ("diffusion", "beta schedule: linear or cosine"),
@@ -870,6 +1117,9 @@ FLAG_HELP = {
     "clip_denoised": ("sampling", "clip the predicted x0 to [-1, 1]"),
     "classes": ("sampling", "comma-separated class labels to cycle through; '' = random labels "
                 "of the trained classes"),
+    "guidance_scale": ("sampling", "classifier-free guidance: eps = uncond + S * (cond - "
+                       "uncond), with learned sigma on the mean only (the conditional variance "
+                       "is kept, as DiT); 1 = plain conditional, 0 = unconditional (null label)"),
     "grid": ("sampling", "also write a PNG grid of the samples"),
     "overwrite": ("sampling", "replace an existing samples npz"),
 }

@@ -24,6 +24,7 @@ SHAPE_FLAGS = (
     "image_size", "num_channels", "num_res_blocks", "attention_resolutions", "channel_mult",
     "learn_sigma", "class_cond", "num_classes", "use_scale_shift_norm", "resblock_updown",
     "arch", "in_channels", "dit_depth", "dit_hidden_size",
+    "class_dropout_prob",
 )
 
 
@@ -140,8 +141,10 @@ def _layout_hints(have, want, other):
         hints.append(f"--class_cond (file: {lab_f}, {other}: {lab_w})")
     elif lab_f and have["label_emb.weight"] and want["label_emb.weight"] and \
             have["label_emb.weight"][0] != want["label_emb.weight"][0]:
-        hints.append(f"--num_classes (file: {have['label_emb.weight'][0]}, "
-                     f"{other}: {want['label_emb.weight'][0]})")
+        rows_f, rows_w = have["label_emb.weight"][0], want["label_emb.weight"][0]
+        hints.append(f"--num_classes (file: {rows_f}, {other}: {rows_w})"
+                     + (" or --class_dropout_prob (its null label is one more row)"
+                        if abs(rows_f - rows_w) == 1 else ""))
     te_f, te_w = have.get("time_embed.0.weight"), want.get("time_embed.0.weight")
     if te_f and te_w and te_f[1] != te_w[1]:
         hints.append(f"--num_channels (file: {te_f[1]}, {other}: {te_w[1]})")

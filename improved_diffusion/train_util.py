@@ -34,7 +34,7 @@ import torch as th
 from torch.nn.parallel.distributed import DistributedDataParallel as DDP
 from torch.optim import AdamW
 
-from . import amp, checkpoint, dist_util, logger, phema, run_dir
+from . import amp, checkpoint, dist_util, guidance, logger, phema, run_dir
 from .checkpointer import (PREEMPTED_EXIT_CODE, CheckpointConfig, Checkpointer, NonFiniteError,
                            ResumeError, _from_flags, copy_into)
 from .config_check import check_config_on_all_ranks, data_fingerprint, show_fingerprint
@@ -233,17 +233,17 @@ class TrainLoop:
                  **settings):
         if log_dir is None:  # upstream's TrainLoop wrote to get_blob_logdir()
             log_dir = get_blob_logdir()
-        if model_flags is None:
-            logger.warn(
-                "warning: TrainLoop: model_flags not given (unknown): checkpoint files will "
-                "carry no model flags, so sample.py/nll.py need them on the command line; pass "
-                "model_flags=args_to_dict(args, model_and_diffusion_defaults().keys())")
         self.config = cfg = TrainConfig.from_flags(_settings(settings, dict(
             batch_size=batch_size, microbatch=microbatch, lr=lr, ema_rate=ema_rate,
             log_interval=log_interval, save_interval=save_interval,
             resume_checkpoint=resume_checkpoint or "", use_fp16=use_fp16,
             fp16_scale_growth=fp16_scale_growth, weight_decay=weight_decay,
             lr_anneal_steps=lr_anneal_steps, log_dir=log_dir)))
+        if model_flags is None:
+            logger.warn(
+                "warning: TrainLoop: model_flags not given (unknown): checkpoint files will "
+                "carry no model flags, so sample.py/nll.py need them on the command line; pass "
+                "model_flags=args_to_dict(args, model_and_diffusion_defaults().keys())")
         # upstream's attribute names
         self.model, self.diffusion, self.data = model, diffusion, data
         self.batch_size, self.lr, self.weight_decay = batch_size, lr, weight_decay
@@ -346,6 +346,7 @@ class TrainLoop:
         for i in range(0, batch.shape[0], self.microbatch):
             micro = batch[i : i + self.microbatch].to(self.device)
             micro_cond = {k: v[i : i + self.microbatch].to(self.device) for k, v in cond.items()}
+            micro_cond = guidance.drop_labels_in(micro_cond, self.model_flags)  # CFG training
             if not self._ddp_primed:
                 self._prime_ddp_buckets(micro, micro_cond)
             if i == 0:

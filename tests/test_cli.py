@@ -20,7 +20,8 @@ from improved_diffusion.errors import UsageError
 from conftest import PY, REPO, _run, run_mpi, run_script, write_class_folder
 
 # The scripts whose flags the README's table lists (upstream's image_*.py reuse their parsers).
-TABLE_SCRIPTS = ("train.py", "super_res_train.py", "sample.py", "super_res_sample.py", "nll.py")
+TABLE_SCRIPTS = ("train.py", "super_res_train.py", "sample.py", "super_res_sample.py", "nll.py",
+                 "classifier_sample.py")
 # Flags of launchers and installers the README shows (not ours).
 LAUNCHER_FLAGS = {"--nproc_per_node", "--nnodes", "--standalone", "--rdzv_endpoint",
                   "--master_addr", "--no-print-directory",

@@ -18,8 +18,8 @@ OTHER_VALUE = dict(
     class_cond=True, diffusion_steps=50, noise_schedule="cosine", timestep_respacing="10",
     use_kl=True, predict_xstart=True, rescale_timesteps=False, rescale_learned_sigmas=False,
     use_checkpoint=True, use_scale_shift_norm=False, num_head_channels=16, resblock_updown=True,
-    use_new_attention_order=True, channel_mult="1,2,2", num_classes=5, arch="DiT-S/8",
-    in_channels=4, dit_depth=2, dit_hidden_size=64, dit_num_heads=2,
+    use_new_attention_order=True, channel_mult="1,2,2", num_classes=5, class_dropout_prob=0.1,
+    arch="DiT-S/8", in_channels=4, dit_depth=2, dit_hidden_size=64, dit_num_heads=2,
 )
 # A tiny DiT, and a value of each flag that matters to it.
 DIT_BASE = dict(arch="DiT-S/2", image_size=8, dit_depth=1, dit_hidden_size=32, dit_num_heads=2)
@@ -43,7 +43,7 @@ def test_shape_flags_are_exactly_the_flags_that_change_names_or_shapes():
     assert set(OTHER_VALUE) == set(model_and_diffusion_defaults())
     changes = set()
     for k, v in [*OTHER_VALUE.items(), *(("dit", kv) for kv in DIT_OTHER_VALUE.items())]:
-        extra = {"class_cond": True} if k in ("num_classes", "dit") else {}
+        extra = {"class_cond": True} if k in ("num_classes", "class_dropout_prob", "dit") else {}
         if k == "dit":  # the same flag on the DiT
             (k, v), extra = v, dict(DIT_BASE, **extra)
         if shapes(**{**extra, k: v}) != shapes(**extra):
