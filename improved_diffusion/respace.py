@@ -79,13 +79,15 @@ class SpacedDiffusion(GaussianDiffusion):
         process to retain.
     :param kwargs: the kwargs to create the base diffusion process (betas of the ORIGINAL T).
 
-    Attributes: `timestep_map` (list: new index -> original timestep), `original_num_steps`.
+    Attributes: `timestep_map` (list: new index -> original timestep), `original_num_steps`,
+    `base_betas` (float64 [original T]: the original process's betas).
     """
 
     def __init__(self, use_timesteps, **kwargs):
         self.use_timesteps = set(use_timesteps)
         self.timestep_map = []
         self.original_num_steps = len(kwargs["betas"])
+        self.base_betas = np.array(kwargs["betas"], dtype=np.float64)
 
         base_diffusion = GaussianDiffusion(**kwargs)
         last_alpha_cumprod = 1.0
@@ -121,6 +123,26 @@ class SpacedDiffusion(GaussianDiffusion):
     def _scale_timesteps(self, t):
         # Scaling is done by the wrapped model.
         return t
+
+
+def respaced(diffusion, section_counts):
+    """
+    ``diffusion`` (a GaussianDiffusion, or a SpacedDiffusion of one) on a subset of its own
+    timesteps: ``space_timesteps(diffusion.num_timesteps, section_counts)``, as a SpacedDiffusion
+    of the same original process, so the model sees the original timesteps as under
+    ``diffusion``. For an unspaced process of T steps this is the diffusion that
+    ``--timestep_respacing section_counts`` builds from the flags (the same schedules, bit for bit).
+
+    :raises ValueError: when the request is impossible (space_timesteps).
+    """
+    kept = sorted(space_timesteps(diffusion.num_timesteps, section_counts))
+    timestep_map = getattr(diffusion, "timestep_map", None)
+    if timestep_map is not None:
+        kept = [timestep_map[i] for i in kept]
+    return SpacedDiffusion(
+        kept, betas=getattr(diffusion, "base_betas", diffusion.betas),
+        model_mean_type=diffusion.model_mean_type, model_var_type=diffusion.model_var_type,
+        loss_type=diffusion.loss_type, rescale_timesteps=diffusion.rescale_timesteps)
 
 
 class _WrappedModel:

@@ -504,12 +504,10 @@ def generate(model, diffusion, *, num_samples, batch_size, shape, seed=0, use_dd
     rank, world = dist_util.get_rank(), dist_util.get_world_size()
     device = next(model.parameters()).device
     batches = shard_batches(num_samples, batch_size, rank, world)
-    sample_fn = diffusion.ddim_sample_loop if use_ddim else diffusion.p_sample_loop
     # Only rank 0 holds the output array; the other ranks send it each batch (gather, not
     # all-gather), so their memory does not grow with num_samples.
     images = labels = None
     one = (shape[1], shape[2], shape[0]) if as_images else tuple(shape)
-    convert = to_uint8 if as_images else (lambda x: x.float().cpu().numpy())
     if rank == 0:
         images = np.zeros((num_samples,) + one, dtype=np.uint8 if as_images else np.float32)
         labels = np.zeros((num_samples,), dtype=np.int64) if num_classes else None
@@ -517,22 +515,11 @@ def generate(model, diffusion, *, num_samples, batch_size, shape, seed=0, use_dd
     bar = logger.Progress(num_samples, "samples", "img", enabled=progress and rank == 0)
     for idx in batches:
         if len(idx):
-            randn = PerSampleRandn([sample_seed(seed, i) for i in idx])
-            noise = randn(th.empty((len(idx),) + tuple(shape), device=device))
-            model_kwargs = {}
-            y = None
-            if num_classes:
-                y = sample_labels(idx, seed, num_classes, classes)
-                model_kwargs["y"] = y.to(device)
-            if extra_kwargs is not None:
-                model_kwargs.update({k: v.to(device) for k, v in extra_kwargs(idx).items()})
-            with th.no_grad():
-                out = sample_fn(model if forward is None else forward,
-                                (len(idx),) + tuple(shape), noise=noise,
-                                clip_denoised=clip_denoised, model_kwargs=model_kwargs,
-                                device=device, progress=bar.is_tty, randn_like=randn,
-                                cond_fn=cond_fn)
-            part = (idx, convert(out), None if y is None else y.numpy())
+            part = (idx, *sample_indices(
+                model, diffusion, idx, shape=shape, seed=seed, use_ddim=use_ddim,
+                clip_denoised=clip_denoised, num_classes=num_classes, classes=classes,
+                extra_kwargs=extra_kwargs, device=device, progress=bar.is_tty,
+                as_images=as_images, forward=forward, cond_fn=cond_fn))
         else:
             part = (idx, np.zeros((0,) + one, np.uint8 if as_images else np.float32), None)
         for g_idx, g_img, g_lab in dist_util.gather_object(part, dst=0) or ():
@@ -545,6 +532,39 @@ def generate(model, diffusion, *, num_samples, batch_size, shape, seed=0, use_dd
     if rank != 0:
         return None, None
     return images, labels
+
+
+def sample_indices(model, diffusion, idx, *, shape, seed=0, use_ddim=False, clip_denoised=True,
+                   num_classes=None, classes=None, extra_kwargs=None, device=None,
+                   progress=False, as_images=True, forward=None, cond_fn=None):
+    """The samples of the global sample indices ``idx`` (int64 [n], n >= 1), in one batch, each
+    from its own seeds (`sample_seed`), so they do not depend on the batch they are drawn in. Not
+    collective.
+
+    :param model: called as ``model(x, t, **model_kwargs)``; :param device: where its inputs go
+        (default: that of its first parameter).
+    Other arguments as `generate`'s.
+    :return: (images uint8 [n x H x W x C] numpy, labels int64 [n] numpy or None); with
+        ``as_images=False`` the samples as they are, float32 [n x C x H x W].
+    """
+    if device is None:
+        device = next(model.parameters()).device
+    randn = PerSampleRandn([sample_seed(seed, i) for i in idx])
+    noise = randn(th.empty((len(idx),) + tuple(shape), device=device))
+    model_kwargs = {}
+    y = None
+    if num_classes:
+        y = sample_labels(idx, seed, num_classes, classes)
+        model_kwargs["y"] = y.to(device)
+    if extra_kwargs is not None:
+        model_kwargs.update({k: v.to(device) for k, v in extra_kwargs(idx).items()})
+    sample_fn = diffusion.ddim_sample_loop if use_ddim else diffusion.p_sample_loop
+    with th.no_grad():
+        out = sample_fn(model if forward is None else forward, (len(idx),) + tuple(shape),
+                        noise=noise, clip_denoised=clip_denoised, model_kwargs=model_kwargs,
+                        device=device, progress=progress, randn_like=randn, cond_fn=cond_fn)
+    samples = to_uint8(out) if as_images else out.float().cpu().numpy()
+    return samples, None if y is None else y.numpy()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -600,16 +620,27 @@ def save_samples(log_dir, images, labels=None, *, ncol=None, grid=True, overwrit
         os.replace(tmp, npz_path)
     if not grid:
         return npz_path, None
-    from PIL import Image
+    with bf.BlobFile(png_path, "wb") as f:
+        grid_png(images, f, ncol=ncol)
+    return npz_path, png_path
 
+
+def grid_image(images, ncol=None):
+    """The grid a PNG shows: images uint8 [N x H x W x C] -> uint8 [h x w x C], images smaller
+    than 64 pixels scaled up by an integer factor, white padding of 1/16 of a side (>= 2)."""
     h = images.shape[1]
     scale = max(1, 64 // h) if h < 64 else 1
-    g = make_grid(images, ncol=ncol, scale=scale, pad=max(2, h * scale // 16))
-    if g.shape[2] == 1:
-        g = g[:, :, 0]
-    with bf.BlobFile(png_path, "wb") as f:
-        Image.fromarray(g).save(f, format="PNG")
-    return npz_path, png_path
+    return make_grid(images, ncol=ncol, scale=scale, pad=max(2, h * scale // 16))
+
+
+def grid_png(images, f, ncol=None):
+    """Write `grid_image` of ``images`` [N x H x W x C] uint8 as a PNG to the binary file ``f``
+    (one channel: greyscale). Returns the grid [h x w x C]."""
+    from PIL import Image
+
+    g = grid_image(images, ncol)
+    Image.fromarray(g[:, :, 0] if g.shape[2] == 1 else g).save(f, format="PNG")
+    return g
 
 
 def write_results(log_dir, images, labels=None, *, ncol=None, grid=True, overwrite=False):

@@ -135,6 +135,13 @@ def train_defaults():
         # Seconds any wait between ranks may take (rendezvous, each collective): a dead rank or
         # host ends the job within about this long, naming it.
         dist_timeout=600.0,
+        # Every this many steps and at the end, rank 0 writes LOG_DIR/samples/grid_{step}.png:
+        # --sample_count EMA samples by DDIM with --sample_steps steps (0: off).
+        sample_interval=0,
+        sample_count=8,
+        sample_steps=25,
+        # Also log the progress scalars and the sample grids to TensorBoard, LOG_DIR/tb/.
+        tensorboard=False,
     )
 
 
@@ -1094,6 +1101,13 @@ FLAG_HELP = {
     "log_sample_indices": ("logging", "append each rank's dataset indices per step to "
                            "LOG_DIR/sample_indices/rankR.csv"),
     "progress": ("logging", "show progress (a bar on a terminal, plain lines otherwise)"),
+    "sample_interval": ("logging", "every this many steps and at the end, rank 0 writes a grid "
+                        "of EMA samples to LOG_DIR/samples/grid_STEP.png (fixed seeds and "
+                        "labels); 0 = off"),
+    "sample_count": ("logging", "images in each --sample_interval grid"),
+    "sample_steps": ("logging", "DDIM steps of the --sample_interval grids"),
+    "tensorboard": ("logging", "also log the progress scalars and the sample grids to "
+                    "TensorBoard in LOG_DIR/tb/ (needs the tensorboard package)"),
     # distributed
     "dist_timeout": ("distributed", "seconds any wait between ranks may take; a dead rank ends "
                      "the job within about this long"),

@@ -25,6 +25,9 @@ class Parts(NamedTuple):
     data: Any
     model_flags: dict
     schedule_sampler: Any = None  # None: uniform
+    # --sample_interval: indices -> the model's keyword arguments for the grid's samples (None:
+    # class labels for a class_cond model; TrainLoop's sample_kwargs)
+    sample_kwargs: Any = None
 
 
 def check_train_args(args):
@@ -93,7 +96,7 @@ def make_loop(args, parts):
     return train_util.TrainLoop(
         model=parts.model, diffusion=parts.diffusion, data=parts.data,
         schedule_sampler=parts.schedule_sampler, model_flags=parts.model_flags,
-        **config.flags())
+        sample_kwargs=parts.sample_kwargs, **config.flags())
 
 
 def run_and_close(loop):

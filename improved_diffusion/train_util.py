@@ -24,6 +24,7 @@ Where it differs from upstream's:
 import contextlib
 import dataclasses
 import gc
+import importlib.util
 import os
 from dataclasses import dataclass
 
@@ -40,6 +41,7 @@ from .config_check import check_config_on_all_ranks, data_fingerprint, show_fing
 from .errors import UsageError
 from .resample import LossAwareSampler, UniformSampler
 from .rng import get_rng_state, seed_rngs, set_rng_state
+from .sample_grids import SampleGrids, label_count
 
 __all__ = ["TrainLoop", "TrainConfig", "PREEMPTED_EXIT_CODE", "NonFiniteError", "ResumeError",
            "seed_rngs", "get_rng_state", "set_rng_state", "update_ema", "parse_ema_rates",
@@ -69,6 +71,9 @@ class TrainConfig:
     log_sample_indices: append each step's dataset indices to log_dir/sample_indices/ (per rank).
     nan_policy: a step with a NaN/Inf loss or gradient, without a GradScaler: "stop" or "skip".
     compile: run the forward/backward through torch.compile.
+    sample_interval: rank 0 writes a grid of EMA samples every this many steps and at the end
+        (0: off; sample_grids.py). sample_count: images per grid. sample_steps: their DDIM steps.
+    tensorboard: rank 0 also logs the scalars and the grids to log_dir/tb/ (TensorBoard).
     phema_stds: comma-separated post-hoc EMA widths ("0.05,0.1", EDM2's sigma_rel; "": off): one
         power-function EMA each (phema.RunTracker), its snapshots written with saves.
     phema_interval: snapshots every this many steps, a multiple of save_interval (snapshots are
@@ -90,6 +95,10 @@ class TrainConfig:
     log_sample_indices: bool
     nan_policy: str
     compile: bool
+    sample_interval: int
+    sample_count: int
+    sample_steps: int
+    tensorboard: bool
     phema_stds: str
     phema_interval: int
     checkpoint: CheckpointConfig
@@ -107,13 +116,20 @@ class TrainConfig:
         for name in ("batch_size", "log_interval"):
             if getattr(self, name) < 1:
                 raise UsageError(f"--{name} must be >= 1 (got {getattr(self, name)})")
-        for name in ("max_steps", "lr_anneal_steps"):
+        for name in ("sample_count", "sample_steps"):
+            if getattr(self, name) < 1:
+                raise UsageError(f"--{name} must be >= 1 (got {getattr(self, name)})")
+        for name in ("max_steps", "lr_anneal_steps", "sample_interval"):
             if getattr(self, name) < 0:
                 raise UsageError(f"--{name} must be >= 0 (got {getattr(self, name)})")
         if self.nan_policy not in NAN_POLICIES:
             raise UsageError(f"--nan_policy must be one of {', '.join(NAN_POLICIES)} "
                              f"(got {self.nan_policy!r})")
         parse_ema_rates(self.ema_rate)
+        if self.tensorboard and importlib.util.find_spec("tensorboard") is None:
+            raise UsageError("--tensorboard True needs the tensorboard package: "
+                             "pip install tensorboard (or the project's extra, "
+                             "pip install -e '.[tensorboard]')")
         self._check_phema()
 
     def _check_phema(self):
@@ -202,6 +218,9 @@ class TrainLoop:
     checkpoints record that, and a resume reseeds the RNGs from (seed, step, rank).
     model: any nn.Module called as ``model(x, t, **cond)`` (buffers and frozen parameters are
     fine: they are saved and restored as they are).
+    sample_kwargs: for --sample_interval, ``indices (int64 [n]) -> {name: tensor [n, ...]}``, the
+    keyword arguments of the model for the grid's samples (default: the labels ``i % num_classes``
+    when model_flags say class_cond, else none).
 
     Construction resolves and loads the resume checkpoint (if any): a collective, so construct it
     on every rank with the same arguments.
@@ -210,7 +229,8 @@ class TrainLoop:
     def __init__(self, *, model, diffusion, data, batch_size, microbatch, lr, ema_rate,
                  log_interval, save_interval, resume_checkpoint, use_fp16=False,
                  fp16_scale_growth=1e-3, schedule_sampler=None, weight_decay=0.0,
-                 lr_anneal_steps=0, log_dir=None, model_flags=None, **settings):
+                 lr_anneal_steps=0, log_dir=None, model_flags=None, sample_kwargs=None,
+                 **settings):
         if log_dir is None:  # upstream's TrainLoop wrote to get_blob_logdir()
             log_dir = get_blob_logdir()
         self.config = cfg = TrainConfig.from_flags(_settings(settings, dict(
@@ -264,6 +284,11 @@ class TrainLoop:
             states={"schedule_sampler": self.schedule_sampler, "grad_scaler": self.grad_scaler,
                     "phema": self.phema})
         self._resume()
+        self.grids = self._make_sample_grids(sample_kwargs) if cfg.sample_interval else None
+        self._tensorboard = None
+        if cfg.tensorboard and self.rank == 0:  # purge: steps a killed job logged past its save
+            self._tensorboard = logger.add_tensorboard(
+                os.path.join(cfg.checkpoint.log_dir, "tb"), purge_step=self.step + 1)
         self.use_ddp = self.world_size > 1
         self.ddp_model = self._wrap_ddp() if self.use_ddp else self.model
         if cfg.compile:  # only the forward/backward: self.model keeps its state-dict keys
@@ -283,6 +308,9 @@ class TrainLoop:
             while not self._done():
                 self.checkpointer.step_begins()  # all ranks exchange their flags meanwhile
                 batch, cond = next(data)
+                if self.grids is not None:  # the state after self.step steps
+                    self.grids.at_step(self.step, batch.shape[1:],
+                                       resumed=self.step == self.resume_step)
                 if self.config.log_sample_indices:
                     record_indices(self.config.checkpoint.log_dir, self.rank, self.step + 1,
                                    getattr(self.data, "last_indices", None))
@@ -298,6 +326,8 @@ class TrainLoop:
             if self.step == self.resume_step and self.checkpointer.last_saved_step == self.step:
                 logger.log(f"already at step {self.step}; nothing to train")
             self.save(wait=True)
+            if self.grids is not None:
+                self.grids.at_end(self.step)
         return 0
 
     def run_step(self, batch, cond):
@@ -402,6 +432,9 @@ class TrainLoop:
         process at exit ("terminate called without an active exception", signal 6).
         """
         self.checkpointer.close(sync=sync)
+        if self._tensorboard is not None:
+            logger.remove_output(self._tensorboard)
+            self._tensorboard = None
         if self.use_ddp and self.ddp_model is not self.model:
             if sync:
                 dist_util.barrier()
@@ -446,6 +479,19 @@ class TrainLoop:
         self._resuming.load_optimizer()
 
     # ------------------------------------------------------------------ helpers
+
+    def _make_sample_grids(self, sample_kwargs):
+        """--sample_interval's grids (sample_grids.py) of the first EMA (the model's parameters
+        without --ema_rate), on every rank (rank 0 draws them)."""
+        cfg = self.config
+        params, what = ((self.ema_params[0], f"EMA {cfg.ema_rates[0]}") if self.ema_params
+                        else (list(self.model.parameters()), "model (no --ema_rate)"))
+        return SampleGrids(
+            model=self.model, params=params, what=what, diffusion=self.diffusion,
+            log_dir=cfg.checkpoint.log_dir, interval=cfg.sample_interval, count=cfg.sample_count,
+            steps=cfg.sample_steps, seed=cfg.seed, model_kwargs=sample_kwargs,
+            num_classes=None if sample_kwargs else label_count(self.model_flags),
+            budget_s=SampleGrids.budget_of_job())
 
     def _make_optimizer(self):
         """AdamW over the model's parameters (a subclass may build its own param groups)."""

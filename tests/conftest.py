@@ -91,6 +91,18 @@ def one_torch_thread():
     torch.set_num_threads(before)
 
 
+@pytest.fixture
+def restore_logger():
+    """The logger of before the test, back after it (for tests that configure their own)."""
+    from improved_diffusion import logger
+
+    prev = logger.Logger.CURRENT
+    yield
+    if logger.Logger.CURRENT is not prev and logger.Logger.CURRENT is not None:
+        logger.Logger.CURRENT.close()
+    logger.Logger.CURRENT = prev
+
+
 # The process-tree helpers live in cluster_sim (benchmarks use them without pytest).
 process_tree, signal_all = cluster_sim.process_tree, cluster_sim.signal_all
 
