@@ -91,9 +91,11 @@ def one_torch_thread():
     torch.set_num_threads(before)
 
 
-@pytest.fixture
+@pytest.fixture(autouse=True)
 def restore_logger():
-    """The logger of before the test, back after it (for tests that configure their own)."""
+    """The logger of before the test, back after it, for every test: a test that configures a
+    logger onto pytest's captured stdout would otherwise leave it to the next test, whose first
+    log line then writes to a closed file (seen in CI: test_sample_grids after a logger test)."""
     from improved_diffusion import logger
 
     prev = logger.Logger.CURRENT
