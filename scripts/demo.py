@@ -395,13 +395,15 @@ def sample(run_dir, samples_dir, s):
 
 
 def plot_curve(run_dir, samples_dir):
-    """The run's loss curve (by timestep quartile), beside the sample grid. Returns its path."""
-    from improved_diffusion.progress_plot import plot_loss_curve
+    """The run's loss curve (by timestep quartile, the preemption marked), beside the sample grid.
+    Returns its path."""
+    from improved_diffusion.progress_plot import plot_loss_curve, run_events
 
     png = os.path.join(samples_dir, "loss_curve.png")
     print(f"$ python scripts/plot_progress.py {run_dir} --out {png}   (run in-process)",
           flush=True)
-    n = plot_loss_curve(os.path.join(run_dir, "progress.csv"), png)
+    n = plot_loss_curve(os.path.join(run_dir, "progress.csv"), png,
+                        marks=run_events(os.path.join(run_dir, "log.txt")))
     print(f"loss curve of {n} logged steps: {png}", flush=True)
     return png
 

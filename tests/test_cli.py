@@ -340,6 +340,36 @@ def test_plot_progress_draws_the_loss_curve_of_a_run(class_run, tmp_path, capsys
     assert not (tmp_path / "x.png").exists()
 
 
+def test_the_loss_curve_marks_the_step_where_the_run_was_preempted_and_resumed(tmp_path):
+    rows = ["step,loss_q0,loss_q1"] + [f"{s},{1 / s},{2 / s}" for s in range(2, 42, 2)]
+    (tmp_path / "progress.csv").write_text("\n".join(rows) + "\n")
+    (tmp_path / "log.txt").write_text(  # the checkpointer's lines, as a preempted run logs them
+        "step 20/40  loss 0.1\npreempted (SIGTERM on some rank): saved step 21; exiting with "
+        "code 75\nauto-resume: newest complete step in L is 21\n"
+        "resumed at step 21 from L/model000021.pt (ema: ema_0.9_000021.pt; opt: opt000021.pt)\n")
+    events = progress_plot.run_events(str(tmp_path / "log.txt"))
+    assert events == [(21, "preempted, resumed")]
+    assert progress_plot.run_events(str(tmp_path / "missing.txt")) == []
+    from PIL import Image
+
+    def mark_columns(png):
+        with Image.open(png) as im:
+            rgb = im.convert("RGB")
+            return {x for x in range(rgb.width) for y in range(rgb.height)
+                    if rgb.getpixel((x, y)) == progress_plot.MARK_COLOUR}
+
+    marked, plain = tmp_path / "marked.png", tmp_path / "plain.png"
+    progress_plot.plot_loss_curve(str(tmp_path / "progress.csv"), str(marked), marks=events)
+    progress_plot.plot_loss_curve(str(tmp_path / "progress.csv"), str(plain))
+    assert not mark_columns(plain)
+    # step 21 of 2..40 on a plot area from x=70 to x=700
+    x = 70 + (21 - 2) / (40 - 2) * (720 - 70 - 20)
+    assert any(abs(c - x) <= 1.5 for c in mark_columns(marked)), sorted(mark_columns(marked))
+    # plot_progress.py finds the events in the run's own log.txt
+    assert load_script("plot_progress.py").main([str(tmp_path), "--out", str(plain)]) == 0
+    assert mark_columns(plain)
+
+
 def test_diff_against_names_only_the_flag_that_changes_shapes(tmp_path):
     paths = {}
     for name, extra in (("a", {}), ("b", dict(learn_sigma=True, dropout=0.3,
