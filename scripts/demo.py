@@ -16,10 +16,11 @@
              mean confidence, label agreement, class histogram, Frechet distance vs real halves.
 
 Everything lands in --out (default demo_out/ in the repository): data/, run/ (checkpoints and
-logs), samples/ (npz and grid PNG), eval.json and summary.txt. An --out that holds a finished run
-is never overwritten: its summary is shown again (pass a new --out to run afresh). An --out with an
-unfinished run of the same settings is continued (training auto-resumes); different settings are
-an error. Exit code 0 on success, 1 when a stage fails, 2 for bad usage.
+logs), samples/ (npz, grid PNG and loss curve), eval.json, summary.txt and index.html (the page
+to look at: figures, grids, loss curve; improved_diffusion/demo_page.py). An --out that holds a
+finished run is never overwritten: its summary is shown again (pass a new --out to run afresh).
+An --out with an unfinished run of the same settings is continued (training auto-resumes);
+different settings are an error. Exit code 0 on success, 1 when a stage fails, 2 for bad usage.
 """
 import argparse
 import json
@@ -511,6 +512,9 @@ def main(argv=None):
         f.write("\n".join(lines) + "\n")
     os.replace(summary_path + ".tmp", summary_path)
     print("\n".join(lines), flush=True)
+    from improved_diffusion.demo_page import write_page
+
+    print(f"page:    {write_page(out)}   (open it in a browser)", flush=True)
     return 0
 
 
