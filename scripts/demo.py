@@ -302,6 +302,8 @@ def train_cmd(data_dir, run_dir, s):
         "--log_interval", str(s["log_interval"]), "--save_interval", "0",
         "--keep_checkpoints", "2", "--seed", str(s["seed"]),
         "--resume_checkpoint", "auto",
+        # a grid of EMA samples four times a run (run/samples/grid_STEP.png; on the page)
+        "--sample_interval", str(max(1, s["steps"] // 4)), "--sample_steps", str(s["sample_steps"]),
     ]
 
 

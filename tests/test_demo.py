@@ -69,6 +69,9 @@ def test_tiny_demo_trains_is_preempted_resumes_samples_and_prints_its_figures(ti
     assert "samples/samples_10x8x8x3.png" in srcs and "samples/loss_curve.png" in srcs
     assert all((out / s).is_file() for s in srcs), srcs
     assert "SIGTERM at step" in page.read_text()
+    # the grids drawn while training (--sample_interval: a quarter of the steps), on the page
+    assert [s for s in srcs if s.startswith("run/samples/")] == [
+        f"run/samples/grid_{step:06d}.png" for step in (10, 20, 30, 40)]
 
 
 @pytest.mark.timeout(60)
