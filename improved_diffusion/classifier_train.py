@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch.nn.parallel.distributed import DistributedDataParallel as DDP
 
 from . import amp, cli, dist_util, logger, train_job
-from .checkpointer import PREEMPTED_EXIT_CODE, CheckpointConfig, Checkpointer, NonFiniteError
+from .checkpointer import CheckpointConfig, Checkpointer
 from .config_check import check_config_on_all_ranks, data_fingerprint, show_fingerprint
 from .errors import UsageError
 from .image_datasets import load_data
@@ -48,8 +48,8 @@ from .resample import create_named_schedule_sampler
 from .rng import seed_rngs
 from .script_util import (args_to_dict, classifier_and_diffusion_defaults,
                           create_classifier_and_diffusion)
-from .train_util import (NAN_POLICIES, _poison_if_not_finite, grad_norm, keep_model_state,
-                         log_loss_dict, make_adamw)
+from .train_util import (NAN_POLICIES, _poison_if_not_finite, grad_norm, grads_finite,
+                         keep_model_state, log_loss_dict, make_adamw, non_finite_step)
 
 # The settings of the training math that opt files record (a resume with others says so).
 RECORDED = ("lr", "weight_decay", "anneal_lr", "iterations", "noised", "microbatch",
@@ -288,24 +288,11 @@ class ClassifierLoop:
                 logger.logkv_mean("fp16_skipped", 1)
                 return False
             return True
-        if not bool(th.isfinite(norm)):
-            return self._non_finite_step(float(norm))
+        if not grads_finite(self.model.parameters(), norm):
+            return non_finite_step(self.step + 1, float(norm), self.args.nan_policy, self.opt,
+                                   self.checkpointer.last_saved_step)
         self.opt.step()
         return True
-
-    def _non_finite_step(self, norm):
-        step = self.step + 1
-        if self.args.nan_policy == "stop":
-            saved = self.checkpointer.last_saved_step
-            raise NonFiniteError(
-                f"step {step}: the classifier's loss or gradients are not finite (grad norm "
-                f"{norm}); stopped (--nan_policy stop) without saving it (last saved step: "
-                f"{saved}); lower --lr, resume from a saved step, or pass --nan_policy skip")
-        self.opt.zero_grad(set_to_none=True)
-        logger.logkv_mean("nan_skipped", 1)
-        logger.log(f"step {step}: non-finite loss or gradients (grad norm {norm}); optimizer "
-                   f"step skipped (--nan_policy skip)")
-        return False
 
     def _anneal_lr(self):
         """--anneal_lr: guided's lr * (1 - completed steps / --iterations)."""

@@ -141,7 +141,7 @@ def test_a_run_of_torchrun_on_2_ranks_continues_in_plain_python_on_1_without_rep
 
 
 @pytest.mark.timeout(200)
-def test_sigterm_to_rank_1_saves_a_complete_step_exits_75_a_second_job_is_refused_and_a_rerun_resumes(
+def test_sigterm_to_rank_1_saves_a_step_exits_75_a_second_job_is_refused_and_a_rerun_resumes(
         tmp_path, data):
     run = tmp_path / "run"
     cmd = train_cmd(2, data, run, "--iterations", 100000, "--save_interval", 100000)
@@ -251,3 +251,15 @@ def test_a_diffusion_model_file_is_refused_as_a_classifier_to_resume(tmp_path, d
     assert re.search(r"error: --resume_checkpoint \S+model000002.pt: holds .*not a noised "
                      r"classifier's weights", out), out[-2000:]
     assert not (tmp_path / "run" / "model000003.pt").exists()
+
+
+def test_nan_policy_stop_ends_the_run_naming_the_step_and_skip_goes_on_with_finite_weights(
+        tmp_path, data):
+    out = train(1, data, tmp_path / "stop", "--iterations", 3, "--lr", 1e30, expect=1)
+    assert "error: step 2: the loss or gradients are not finite" in out, out[-2000:]
+    assert not list((tmp_path / "stop").glob("model*.pt"))
+    out = train(1, data, tmp_path / "skip", "--iterations", 3, "--lr", 1e30, "--nan_policy",
+                "skip")
+    assert "optimizer step skipped (--nan_policy skip)" in out, out[-2000:]
+    model, _ = assert_complete_classifier_step(tmp_path / "skip", 3)
+    assert all(v.isfinite().all() for v in model["state_dict"].values())
