@@ -101,7 +101,8 @@ def create_argparser():
     p.add_argument("--classifier_steps", type=int, default=None,
                    help="steps of the noised classifier (stage 5; default 400)")
     p.add_argument("--classifier_scale", type=float, default=None,
-                   help=f"classifier guidance scale (default {GUIDANCE_SCALES['classifier_scale']})")
+                   help=f"classifier guidance scale (default "
+                        f"{GUIDANCE_SCALES['classifier_scale']})")
     p.add_argument("--guidance_scale", type=float, default=None,
                    help=f"classifier-free guidance scale (default "
                         f"{GUIDANCE_SCALES['guidance_scale']})")
