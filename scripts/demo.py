@@ -99,7 +99,7 @@ def create_argparser():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no_preempt", action="store_true", help="skip the preemption/resume show")
     p.add_argument("--classifier_steps", type=int, default=None,
-                   help="steps of the noised classifier (stage 5; default 400)")
+                   help="steps of the noised classifier (stage 5; default 200)")
     p.add_argument("--classifier_scale", type=float, default=None,
                    help=f"classifier guidance scale (default "
                         f"{GUIDANCE_SCALES['classifier_scale']})")
@@ -118,10 +118,10 @@ def settings_from(args):
                  sample_batch_size=10, log_interval=2, classifier_steps=8,
                  classifier_batch_size=4, classifier_log_interval=2)
     else:
-        s = dict(image_size=16, steps=1200, batch_size=32, lr=2e-3, ema_rate="0.995",
+        s = dict(image_size=16, steps=1000, batch_size=32, lr=2e-3, ema_rate="0.995",
                  num_channels=32, num_res_blocks=1, channel_mult="1,2,2", diffusion_steps=200,
                  noise_schedule="cosine", predict_xstart=True, num_samples=100, sample_steps=25,
-                 sample_batch_size=50, log_interval=50, classifier_steps=400,
+                 sample_batch_size=50, log_interval=50, classifier_steps=200,
                  classifier_batch_size=32, classifier_log_interval=50)
     # Guidance (stage 5): the model learns the null label too (classifier-free guidance); a
     # small noised classifier steers (classifier guidance).
