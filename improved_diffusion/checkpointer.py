@@ -49,6 +49,9 @@ the model's kind, diffusion. What it is given:
 - ``run_flags``: {flag: value} of the settings the training math depends on (--lr, ...). They are
   recorded, and a resume with other values logs one line for each (``resume: --lr A -> B``).
 - ``model_flags``: the model's flags, stored in every weights file (sampling needs no flags).
+- ``model_kind``: what the model file of a step is tagged as: "model" (a diffusion model) or
+  "classifier" (guided-diffusion's noised classifier, classifier_train.py); a resume takes a
+  file of that kind only (an upstream raw file of the layout, or a combined dict for "model").
 
 What a step S on disk is (docs/checkpoints.md): ``model{S}.pt``, ``ema_{rate}_{S}.pt`` for each
 rate and ``opt{S}.pt`` (the optimizer, plus the trainer state: step, world size, batch sizes,
@@ -98,6 +101,9 @@ from .script_util import same_flag_value
 PREEMPTED_EXIT_CODE = 75
 
 PREEMPT_SIGNALS = ("SIGTERM", "SIGUSR1")
+
+# model_kind -> the kinds of file (checkpoint.classify) a resume takes as its model file.
+MODEL_FILE_KINDS = {"model": ("model", "combined"), "classifier": ("classifier",)}
 
 # Trainer-state keys of the checkpointer's own; a loop's ``states`` may not use them.
 TRAINER_KEYS = ("step", "world_size", "batch_size", "global_batch", "seed", "data", "rng",
@@ -171,8 +177,13 @@ class Checkpointer:
     on every rank with the same arguments (it does no communication itself)."""
 
     def __init__(self, config: CheckpointConfig, *, model, optimizer, emas=None, data=None,
-                 batch_size=None, seed=0, states=None, model_flags=None, run_flags=None):
+                 batch_size=None, seed=0, states=None, model_flags=None, run_flags=None,
+                 model_kind="model"):
+        if model_kind not in MODEL_FILE_KINDS:
+            raise ValueError(f"Checkpointer: model_kind must be one of {sorted(MODEL_FILE_KINDS)}, "
+                             f"not {model_kind!r}")
         self.config = config
+        self.model_kind = model_kind
         self.model = model
         self.optimizer = optimizer
         self.emas = dict(emas or {})
@@ -370,7 +381,9 @@ class Checkpointer:
         ``rngs``: every rank's rng.get_rng_state(), by rank. Not collective."""
         flags = self.model_flags
         sd = {k: v.detach() for k, v in self.model.state_dict().items()}
-        files = {checkpoint.model_filename(step): checkpoint.model_payload(step, sd, flags)}
+        payload = (checkpoint.classifier_payload if self.model_kind == "classifier"
+                   else checkpoint.model_payload)
+        files = {checkpoint.model_filename(step): payload(step, sd, flags)}
         for rate, params in self.emas.items():
             ema_sd = {k: v.detach() for k, v in self._params_to_state_dict(params).items()}
             files[checkpoint.ema_filename(rate, step)] = checkpoint.ema_payload(
@@ -566,9 +579,11 @@ class Resume:
         --log_dir holds a newer complete step. Collective."""
         ckpt, path = self.ckpt, self.plan.model
         c = checkpoint.load_file_collective(path)
-        if c.kind not in ("model", "combined"):
+        if c.kind not in MODEL_FILE_KINDS[ckpt.model_kind]:
+            want = ("a noised classifier's weights; pass a model file of a classifier run"
+                    if ckpt.model_kind == "classifier" else "model weights; pass a model file")
             raise ResumeError(f"--resume_checkpoint {path}: holds {checkpoint.describe(c)}, not "
-                              f"model weights; pass a model file (modelNNNNNN.pt)")
+                              f"{want} (modelNNNNNN.pt)")
         sd = checkpoint.model_state_from(c, want="model")  # prefixes already stripped
         if not sd:
             raise ResumeError(f"--resume_checkpoint {path}: no model weights found in the file")

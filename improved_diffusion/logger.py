@@ -141,7 +141,9 @@ class ProgressOutputFormat(KVWriter, SeqWriter):
     """
 
     # key -> label shown after the step, in this order, when logged
-    KEYS = (("loss", "loss"), ("grad_norm", "grad_norm"), ("loss_scale", "loss_scale"))
+    KEYS = (("loss", "loss"), ("train_loss", "loss"), ("train_acc@1", "acc@1"),
+            ("val_loss", "val_loss"), ("val_acc@1", "val_acc@1"), ("grad_norm", "grad_norm"),
+            ("loss_scale", "loss_scale"))  # train_* / val_*: classifier_train.py
 
     def __init__(self, file):
         self.file = file

@@ -228,6 +228,38 @@ def classifier_sample_defaults():
     )
 
 
+# The flags classifier_train.py shares with train.py (train_defaults()'s values): where to write,
+# how to save and resume, and how the job runs.
+CLASSIFIER_TRAIN_SHARED_FLAGS = (
+    "log_dir", "max_steps", "seed", "keep_checkpoints", "async_save", "allow_model_change",
+    "nan_policy", "lock_wait", "dist_timeout", "num_workers", "log_format", "fp16_scale_growth")
+
+
+def classifier_train_defaults():
+    """Defaults of classifier_train.py's own flags: guided-diffusion's (its classifier_train.py's
+    create_argparser(), commit 22e0df8) plus the job flags it shares with train.py; the script
+    adds classifier_and_diffusion_defaults()."""
+    shared = train_defaults()
+    res = dict(
+        data_dir="",
+        val_data_dir="",
+        noised=True,
+        iterations=150000,
+        lr=3e-4,
+        weight_decay=0.0,
+        anneal_lr=False,
+        batch_size=4,
+        microbatch=-1,
+        schedule_sampler="uniform",
+        resume_checkpoint="",
+        log_interval=10,
+        eval_interval=5,
+        save_interval=10000,
+    )
+    res.update({k: shared[k] for k in CLASSIFIER_TRAIN_SHARED_FLAGS})
+    return res
+
+
 def nll_defaults():
     """Defaults of nll.py's own flags (bits/dim of an image folder under a model)."""
     return dict(data_dir="", clip_denoised=True, num_samples=1000, batch_size=1, model_path="",
@@ -1057,6 +1089,8 @@ FLAG_HELP = {
     "num_workers": ("data", "data-loading worker processes, 4 batches ahead each (output never "
                     "depends on their number); -1 = auto: 0 on the CPU, 1-8 on a GPU"),
     "base_samples": ("data", "npz of low-resolution samples to upsample (as sample.py writes)"),
+    "val_data_dir": ("data", "classifier_train.py: a folder of labelled images to validate on "
+                     "every --eval_interval steps; '' = none"),
     # training
     "lr": ("training", "learning rate (AdamW)"),
     "weight_decay": ("training", "AdamW weight decay"),
@@ -1068,6 +1102,12 @@ FLAG_HELP = {
     "schedule_sampler": ("training", "timestep sampler: uniform or loss-second-moment"),
     "use_fp16": ("training", "mixed precision (autocast; fp16 + loss scaling on GPU)"),
     "fp16_scale_growth": ("training", "loss-scale growth per good step (log2), as upstream"),
+    "iterations": ("training", "classifier_train.py: train this many optimizer steps in total "
+                   "(guided-diffusion's; --max_steps, when > 0, stops earlier)"),
+    "anneal_lr": ("training", "classifier_train.py: decay the lr linearly to 0 over "
+                  "--iterations"),
+    "noised": ("training", "classifier_train.py: classify noised images x_t at timesteps drawn "
+               "by --schedule_sampler (guidance needs it); False = clean images at t = 0"),
     "max_steps": ("training", "stop after this many optimizer steps in total (resumed ones "
                   "count); 0 = no limit"),
     "seed": ("training", "seeds everything (data order, noise, sampled labels)"),
@@ -1096,6 +1136,8 @@ FLAG_HELP = {
     "weights": ("checkpointing", "which weights of a combined file: auto, model or ema"),
     # logging
     "log_interval": ("logging", "log (a progress line, a progress.csv row) every this many steps"),
+    "eval_interval": ("logging", "classifier_train.py: validation loss and accuracy on "
+                      "--val_data_dir every this many steps; 0 = never"),
     "log_format": ("logging", "stdout: progress (one line per --log_interval) or table "
                    "(upstream's key/value table)"),
     "log_sample_indices": ("logging", "append each rank's dataset indices per step to "

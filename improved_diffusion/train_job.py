@@ -59,15 +59,34 @@ def num_classes(args):
         return args.num_classes
     saved = checkpointer.saved_model_flags(args.log_dir, args.resume_checkpoint)
     n = (saved or {}).get("num_classes")
-    if not (saved and saved.get("class_cond") and isinstance(n, int) and n > 0):
+    return _resumed_or_data_classes(args, n if saved and saved.get("class_cond") else None,
+                                    "--num_classes", "--class_cond True")
+
+
+def classifier_num_classes(args):
+    """--classifier_num_classes of a classifier job (collective: call on all ranks): as given
+    (not None), else the class count of the classifier file the job resumes, else the number of
+    classes in --data_dir, as num_classes() does for a class-conditional model."""
+    if args.classifier_num_classes is not None:
+        return args.classifier_num_classes
+    saved = checkpointer.saved_model_flags(args.log_dir, args.resume_checkpoint)
+    return _resumed_or_data_classes(args, (saved or {}).get("classifier_num_classes"),
+                                    "--classifier_num_classes", "classifier_train.py")
+
+
+def _resumed_or_data_classes(args, n, flag, who):
+    """``n`` (the resumed checkpoint's class count, when a positive int) after checking that
+    --data_dir holds no more classes, else the count of --data_dir's classes; logged once.
+    Collective."""
+    if not (isinstance(n, int) and not isinstance(n, bool) and n > 0):
         return image_datasets.resolve_num_classes(args.data_dir, None, log=logger.log)
     names = dist_util.run_on_rank0(lambda: image_datasets.folder_class_names(args.data_dir))
     if len(names) > n:
         raise UsageError(
             f"--data_dir {args.data_dir} holds {len(names)} classes, but the checkpoint to resume "
-            f"was trained with {n}: pass --num_classes {len(names)} --allow_model_change True to "
-            f"grow its label embedding, or train on its {n} classes")
-    logger.log(f"--class_cond True: num_classes={n}, the checkpoint's ({len(names)} classes in "
+            f"was trained with {n}: pass {flag} {len(names)} --allow_model_change True to "
+            f"grow it, or train on its {n} classes")
+    logger.log(f"{who}: {flag.lstrip('-')}={n}, the checkpoint's ({len(names)} classes in "
                f"--data_dir {args.data_dir})")
     return n
 

@@ -490,31 +490,13 @@ class TrainLoop:
         return norm
 
     def _grads_finite(self, norm):
-        """False if a gradient is NaN/Inf (the step's one host sync). ``norm`` decides unless it
-        is inf, which large finite gradients can also give: then they are looked at one by one."""
-        if bool(th.isfinite(norm)):
-            return True
-        if bool(th.isnan(norm)):
-            return False
-        return all(bool(th.isfinite(p.grad).all())
-                   for p in self.model.parameters() if p.grad is not None)
+        """False if a gradient is NaN/Inf (the step's one host sync; grads_finite)."""
+        return grads_finite(self.model.parameters(), norm)
 
     def _non_finite_step(self, norm):
         """--nan_policy for a step with non-finite gradients: raise, or skip it (returns False)."""
-        step = self.step + 1
-        if self.config.nan_policy == "stop":
-            saved = self.checkpointer.last_saved_step
-            last = "none saved" if saved is None else f"the last saved step is {saved}"
-            raise NonFiniteError(
-                f"step {step}: the loss or gradients are not finite (grad norm {norm}); stopped "
-                f"(--nan_policy stop) without saving it ({last}); lower --lr, resume from a "
-                f"saved step, or pass --nan_policy skip to skip such steps")
-        self.opt.zero_grad(set_to_none=True)
-        logger.logkv_mean("nan_skipped", 1)
-        logger.log(f"step {step}: the loss or gradients are not finite (grad norm {norm}); "
-                   f"optimizer step skipped (--nan_policy skip): weights, Adam moments and EMA "
-                   f"unchanged")
-        return False
+        return non_finite_step(self.step + 1, norm, self.config.nan_policy, self.opt,
+                               self.checkpointer.last_saved_step)
 
     def _anneal_lr(self):
         """Upstream: lr * (1 - completed_steps / lr_anneal_steps)."""
@@ -703,6 +685,36 @@ def log_loss_dict(diffusion, ts, losses):
     names = [name for k in keys for name in (k, *(f"{k}_q{q}" for q in range(4)))]
     logger.logkv_mean_device(names, th.cat([values.mean(1, keepdim=True), per_q], 1),
                              th.cat([ones, counts], 1))
+
+
+def grads_finite(params, norm):
+    """False if a gradient of ``params`` is NaN/Inf (one host sync). ``norm``, their global norm
+    (grad_norm), decides unless it is inf, which large finite gradients can also give: then they
+    are looked at one by one."""
+    if bool(th.isfinite(norm)):
+        return True
+    if bool(th.isnan(norm)):
+        return False
+    return all(bool(th.isfinite(p.grad).all()) for p in params if p.grad is not None)
+
+
+def non_finite_step(step, norm, nan_policy, opt, last_saved_step):
+    """--nan_policy for optimizer step ``step``, whose gradients are not finite (grad norm
+    ``norm``): "stop" raises NonFiniteError naming the step and the last saved one; "skip" drops
+    the gradients, logs it and returns False (the step is not taken)."""
+    if nan_policy == "stop":
+        last = ("none saved" if last_saved_step is None
+                else f"the last saved step is {last_saved_step}")
+        raise NonFiniteError(
+            f"step {step}: the loss or gradients are not finite (grad norm {norm}); stopped "
+            f"(--nan_policy stop) without saving it ({last}); lower --lr, resume from a "
+            f"saved step, or pass --nan_policy skip to skip such steps")
+    opt.zero_grad(set_to_none=True)
+    logger.logkv_mean("nan_skipped", 1)
+    logger.log(f"step {step}: the loss or gradients are not finite (grad norm {norm}); "
+               f"optimizer step skipped (--nan_policy skip): weights, Adam moments and EMA "
+               f"unchanged")
+    return False
 
 
 def _poison_if_not_finite(loss):

@@ -14,13 +14,21 @@
              digits, classes 0..9 in turn (each grid column one class), npz + PNG grid.
 6. evaluate  a classifier trained on the real digits scores the samples (scripts/eval_digits.py):
              mean confidence, label agreement, class histogram, Frechet distance vs real halves.
+7. guidance  the model above learnt the null label too (--class_dropout_prob 0.1); a small noised
+             classifier is trained with `mpiexec -n 2 python scripts/classifier_train.py`,
+             preempted halfway and auto-resumed like the model; then the same seeds and labels
+             are sampled with classifier guidance (classifier_sample.py --classifier_scale),
+             classifier-free guidance (sample.py --guidance_scale), both, unconditionally (the
+             null label) and unconditionally with classifier guidance, each scored as in 6.
 
 Everything lands in --out (default demo_out/ in the repository): data/, run/ (checkpoints and
-logs), samples/ (npz, grid PNG and loss curve), eval.json, summary.txt and index.html (the page
-to look at: figures, grids, loss curve; improved_diffusion/demo_page.py). An --out that holds a
-finished run is never overwritten: its summary is shown again (pass a new --out to run afresh).
-An --out with an unfinished run of the same settings is continued (training auto-resumes);
-different settings are an error. Exit code 0 on success, 1 when a stage fails, 2 for bad usage.
+logs), samples/ (npz, grid PNG and loss curve), eval.json, classifier/ (its run), guidance/ (the
+guided samples), guidance.json (a list of rows {"way", "label_agreement", "mean_confidence",
+"command"}), summary.txt and index.html (the page to look at: figures, grids, loss curve, the
+guidance table; improved_diffusion/demo_page.py). An --out that holds a finished run is never
+overwritten: its summary is shown again (pass a new --out to run afresh). An --out with an
+unfinished run of the same settings is continued (training auto-resumes); different settings are
+an error. Exit code 0 on success, 1 when a stage fails, 2 for bad usage.
 """
 import argparse
 import json
@@ -38,11 +46,14 @@ from improved_diffusion.errors import UsageError, UserError  # noqa: E402
 from improved_diffusion.script_util import FlagParser  # noqa: E402
 BIN = os.path.dirname(sys.executable)
 PREEMPTED_EXIT_CODE = 75  # train_util.PREEMPTED_EXIT_CODE (not imported: keep startup light)
+# Stage 5's scales: --classifier_scale (classifier guidance) and --guidance_scale (classifier-free).
+GUIDANCE_SCALES = {"classifier_scale": 4.0, "guidance_scale": 2.0}
 
 # Settings that define a run; an --out holding other values is a different run.
 RUN_KEYS = ("image_size", "steps", "batch_size", "lr", "ema_rate", "num_channels",
             "num_res_blocks", "channel_mult", "diffusion_steps", "noise_schedule", "predict_xstart",
-            "seed", "ranks")
+            "seed", "ranks", "class_dropout_prob", "classifier_steps", "classifier_batch_size",
+            "classifier_lr", "classifier_width", "classifier_scale", "guidance_scale")
 
 
 class DemoError(UserError):
@@ -88,6 +99,14 @@ def create_argparser():
     p.add_argument("--ranks", type=int, default=2, help="processes for mpiexec (default 2)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no_preempt", action="store_true", help="skip the preemption/resume show")
+    p.add_argument("--classifier_steps", type=int, default=None,
+                   help="steps of the noised classifier (stage 5; default 200)")
+    p.add_argument("--classifier_scale", type=float, default=None,
+                   help=f"classifier guidance scale (default "
+                        f"{GUIDANCE_SCALES['classifier_scale']})")
+    p.add_argument("--guidance_scale", type=float, default=None,
+                   help=f"classifier-free guidance scale (default "
+                        f"{GUIDANCE_SCALES['guidance_scale']})")
     return p
 
 
@@ -97,12 +116,19 @@ def settings_from(args):
         s = dict(image_size=8, steps=40, batch_size=4, lr=2e-3, ema_rate="0.9",
                  num_channels=32, num_res_blocks=1, channel_mult="1,2", diffusion_steps=20,
                  noise_schedule="cosine", predict_xstart=True, num_samples=10, sample_steps=5,
-                 sample_batch_size=10, log_interval=2)
+                 sample_batch_size=10, log_interval=2, classifier_steps=8,
+                 classifier_batch_size=4, classifier_log_interval=2)
     else:
-        s = dict(image_size=16, steps=1200, batch_size=32, lr=2e-3, ema_rate="0.995",
+        s = dict(image_size=16, steps=1000, batch_size=32, lr=2e-3, ema_rate="0.995",
                  num_channels=32, num_res_blocks=1, channel_mult="1,2,2", diffusion_steps=200,
                  noise_schedule="cosine", predict_xstart=True, num_samples=100, sample_steps=25,
-                 sample_batch_size=50, log_interval=50)
+                 sample_batch_size=50, log_interval=50, classifier_steps=200,
+                 classifier_batch_size=32, classifier_log_interval=50)
+    # Guidance (stage 5): the model learns the null label too (classifier-free guidance); a
+    # small noised classifier steers (classifier guidance).
+    s.update(class_dropout_prob=0.1, classifier_lr=1e-3, classifier_width=32,
+             classifier_scale=GUIDANCE_SCALES["classifier_scale"],
+             guidance_scale=GUIDANCE_SCALES["guidance_scale"])
     for k in list(s):
         v = getattr(args, k, None)
         if v is not None:
@@ -110,11 +136,12 @@ def settings_from(args):
     s["ranks"] = args.ranks
     s["seed"] = args.seed
     for k in ("steps", "batch_size", "num_samples", "sample_batch_size", "ranks", "image_size",
-              "diffusion_steps"):
+              "diffusion_steps", "classifier_steps"):
         if int(s[k]) < 1:
             raise UsageError(f"--{k} must be at least 1 (got {s[k]})")
-    if int(s["steps"]) < 4:
-        raise UsageError(f"--steps {s['steps']}: at least 4, to preempt halfway and resume")
+    for k in ("steps", "classifier_steps"):
+        if int(s[k]) < 4:
+            raise UsageError(f"--{k} {s[k]}: at least 4, to preempt halfway and resume")
     s["sample_steps"] = str(s["sample_steps"]).replace("ddim", "")
     return s
 
@@ -297,6 +324,7 @@ def train_cmd(data_dir, run_dir, s):
         "--learn_sigma", "False", "--predict_xstart", str(s["predict_xstart"]),
         "--diffusion_steps", str(s["diffusion_steps"]),
         "--noise_schedule", str(s["noise_schedule"]),
+        "--class_dropout_prob", str(s["class_dropout_prob"]),
         "--lr", str(s["lr"]), "--batch_size", str(s["batch_size"]),
         "--ema_rate", str(s["ema_rate"]), "--max_steps", str(s["steps"]),
         "--log_interval", str(s["log_interval"]), "--save_interval", "0",
@@ -307,14 +335,17 @@ def train_cmd(data_dir, run_dir, s):
     ]
 
 
-def train_with_preemption(data_dir, run_dir, s, preempt=True):
-    """Train to s["steps"]: preempt halfway (SIGTERM to rank 1), then rerun to auto-resume.
+def train_with_preemption(data_dir, run_dir, s, preempt=True, cmd=None, script="train.py",
+                          steps=None, label="train"):
+    """Train to ``steps`` (s["steps"]) with ``cmd`` (train_cmd's) running ``script``: preempt
+    halfway (SIGTERM to rank 1), then rerun to auto-resume.
 
     Returns a dict: preempted (bool), preempt_exit (int|None), preempted_at (step|None),
     resumed_from (step|None).
     """
-    cmd = train_cmd(data_dir, run_dir, s)
-    half = max(1, s["steps"] // 2)
+    cmd = cmd or train_cmd(data_dir, run_dir, s)
+    steps = steps or s["steps"]
+    half = max(1, steps // 2)
     info = {"preempted": False, "preempt_exit": None, "preempted_at": None,
             "resumed_from": None}
     state = {"sent": False}
@@ -325,7 +356,7 @@ def train_with_preemption(data_dir, run_dir, s, preempt=True):
         if state["sent"] or not preempt or step is None:
             return
         if step >= half:
-            target = _rank_pid(proc.pid, "train.py", rank=min(1, s["ranks"] - 1))
+            target = _rank_pid(proc.pid, script, rank=min(1, s["ranks"] - 1))
             state["sent"] = True
             if target is None:
                 print("  (no rank pid found under /proc; sending SIGTERM to mpiexec)",
@@ -343,13 +374,13 @@ def train_with_preemption(data_dir, run_dir, s, preempt=True):
         print(f"{run_dir} already holds step {already} (past halfway): continuing without the "
               f"preemption show", flush=True)
         preempt = False
-    code, text = run_child(cmd, label="train", on_line=watch)
+    code, text = run_child(cmd, label=label, on_line=watch)
     if code == PREEMPTED_EXIT_CODE:
         info.update(preempted=True, preempt_exit=code, preempted_at=_newest_step(run_dir))
-        print(f"\n>>> training exited with code {code} (preempted) and a complete checkpoint "
+        print(f"\n>>> {label} exited with code {code} (preempted) and a complete checkpoint "
               f"at step {info['preempted_at']}. Rerunning the same command: it auto-resumes.\n",
               flush=True)
-        code, text = run_child(cmd, label="train (resumed)")
+        code, text = run_child(cmd, label=f"{label} (resumed)")
         for line in text.splitlines():
             if "auto-resume" in line or line.startswith("resumed at step"):
                 print(f">>> {line.strip()}", flush=True)
@@ -357,11 +388,11 @@ def train_with_preemption(data_dir, run_dir, s, preempt=True):
     elif state["sent"]:
         print(">>> training ended before the preemption signal took effect", flush=True)
     if code != 0:
-        raise DemoError(f"training failed (exit code {code}); see the output above. Rerun the "
+        raise DemoError(f"{label} failed (exit code {code}); see the output above. Rerun the "
                         f"same command to resume from {run_dir}")
     step = _newest_step(run_dir)
-    if step is None or step < s["steps"]:
-        raise DemoError(f"training ended at step {step}, not {s['steps']}; rerun to resume")
+    if step is None or step < steps:
+        raise DemoError(f"{label} ended at step {step}, not {steps}; rerun to resume")
     return info
 
 
@@ -376,25 +407,33 @@ def _newest_step(run_dir):
     return None if st is None else st.step
 
 
-def sample(run_dir, samples_dir, s):
-    """DDIM samples from the EMA weights of the final step. Returns (npz, png)."""
+def sample_cmd(run_dir, samples_dir, s, script="sample.py", extra=()):
+    """`mpiexec -n R python scripts/<script>`: --num_samples DDIM samples of the final step's EMA
+    weights, classes 0..9 in turn, the demo's seed (``extra``: guidance flags)."""
     ema = os.path.join(run_dir, f"ema_{s['ema_rate']}_{s['steps']:06d}.pt")
-    n = s["num_samples"]
-    cmd = [
+    return [
         _mpiexec(), "-n", str(s["ranks"]), sys.executable,
-        os.path.join(REPO, "scripts", "sample.py"),
-        "--model_path", ema, "--log_dir", samples_dir, "--num_samples", str(n),
+        os.path.join(REPO, "scripts", script),
+        "--model_path", ema, "--log_dir", samples_dir, "--num_samples", str(s["num_samples"]),
         "--batch_size", str(s["sample_batch_size"]), "--use_ddim", "True",
         "--timestep_respacing", f"ddim{s['sample_steps']}",
         "--classes", ",".join(str(c) for c in range(10)), "--seed", str(s["seed"]),
-        "--overwrite", "True",
+        "--overwrite", "True", *extra,
     ]
-    code, _ = run_child(cmd, label="sample")
+
+
+def _samples_npz(samples_dir, s):
+    size = s["image_size"]
+    return os.path.join(samples_dir, f"samples_{s['num_samples']}x{size}x{size}x3.npz")
+
+
+def sample(run_dir, samples_dir, s):
+    """DDIM samples from the EMA weights of the final step. Returns (npz, png)."""
+    code, _ = run_child(sample_cmd(run_dir, samples_dir, s), label="sample")
     if code != 0:
         raise DemoError(f"sampling failed (exit code {code}); see the output above")
-    size = s["image_size"]
-    base = os.path.join(samples_dir, f"samples_{n}x{size}x{size}x3")
-    return base + ".npz", base + ".png"
+    npz = _samples_npz(samples_dir, s)
+    return npz, npz[:-len(".npz")] + ".png"
 
 
 def plot_curve(run_dir, samples_dir):
@@ -411,21 +450,28 @@ def plot_curve(run_dir, samples_dir):
     return png
 
 
-def evaluate(npz, out):
-    """Score the samples (datasets/digits.py, as scripts/eval_digits.py); writes eval.json."""
+def _score(npz):
+    """The evaluator's figures of an npz of samples (datasets/digits.py, in-process)."""
     sys.path.insert(0, os.path.join(REPO, "datasets"))
     import warnings
 
     import digits  # datasets/digits.py
 
-    t0 = time.time()
-    print(f"$ python scripts/eval_digits.py {npz}   (run in-process)", flush=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # sklearn's SVC(probability=True) notice
         try:
-            fig = digits.evaluate_npz(npz)
+            return digits.evaluate_npz(npz)
         except (OSError, ValueError) as e:
             raise DemoError(f"evaluation failed: {e}") from None
+
+
+def evaluate(npz, out):
+    """Score the samples (datasets/digits.py, as scripts/eval_digits.py); writes eval.json."""
+    import digits  # datasets/digits.py (on the path: prepare_data)
+
+    t0 = time.time()
+    print(f"$ python scripts/eval_digits.py {npz}   (run in-process)", flush=True)
+    fig = _score(npz)
     print(digits.format_report(fig), flush=True)
     with open(os.path.join(out, "eval.json"), "w") as f:
         json.dump(fig, f, indent=1)
@@ -434,10 +480,89 @@ def evaluate(npz, out):
 
 
 # ---------------------------------------------------------------------------------------------
+# guidance (stage 5)
+
+
+def classifier_cmd(data_dir, clf_dir, s):
+    """A small noised classifier of the demo's noise process: `mpiexec -n R classifier_train.py`."""
+    return [
+        _mpiexec(), "-n", str(s["ranks"]), sys.executable,
+        os.path.join(REPO, "scripts", "classifier_train.py"),
+        "--data_dir", data_dir, "--log_dir", clf_dir, "--image_size", str(s["image_size"]),
+        "--classifier_width", str(s["classifier_width"]), "--classifier_depth", "1",
+        "--classifier_attention_resolutions", "", "--diffusion_steps", str(s["diffusion_steps"]),
+        "--noise_schedule", str(s["noise_schedule"]), "--lr", str(s["classifier_lr"]),
+        "--batch_size", str(s["classifier_batch_size"]),
+        "--iterations", str(s["classifier_steps"]),
+        "--log_interval", str(s["classifier_log_interval"]), "--save_interval", "0",
+        "--keep_checkpoints", "2", "--seed", str(s["seed"]), "--resume_checkpoint", "auto",
+    ]
+
+
+# The ways stage 5 samples the same seeds and labels: (name, script, guidance flags). "{cs}" and
+# "{gs}" are the demo's --classifier_scale and --guidance_scale.
+GUIDANCE_WAYS = (
+    ("unguided (class-conditional)", None, []),
+    ("classifier guidance", "classifier_sample.py", ["--classifier_scale", "{cs}"]),
+    ("classifier-free guidance", "sample.py", ["--guidance_scale", "{gs}"]),
+    ("both", "classifier_sample.py", ["--classifier_scale", "{cs}", "--guidance_scale", "{gs}"]),
+    ("unconditional (null label)", "sample.py", ["--guidance_scale", "0"]),
+    ("unconditional + classifier guidance", "classifier_sample.py",
+     ["--classifier_scale", "{cs}", "--guidance_scale", "0"]),
+)
+
+
+def guidance(data_dir, run_dir, out, s, base_npz, base_fig, preempt=True):
+    """Stage 5: train the noised classifier (preempted halfway and resumed), then sample the
+    seeds of stage 3 each way of GUIDANCE_WAYS (stage 3's own samples are the unguided row) and
+    score them with the evaluator. Writes guidance.json (a list of rows {"way",
+    "label_agreement", "mean_confidence", "command"}); returns (rows, classifier info)."""
+    clf_dir = os.path.join(out, "classifier")
+    info = train_with_preemption(
+        data_dir, clf_dir, s, preempt=preempt, cmd=classifier_cmd(data_dir, clf_dir, s),
+        script="classifier_train.py", steps=s["classifier_steps"], label="classifier")
+    classifier = os.path.join(clf_dir, f"model{s['classifier_steps']:06d}.pt")
+    rows = []
+    for way, script, flags in GUIDANCE_WAYS:
+        if script is None:
+            npz, fig, cmd = base_npz, base_fig, sample_cmd(run_dir, os.path.dirname(base_npz), s)
+        else:
+            flags = [f.format(cs=s["classifier_scale"], gs=s["guidance_scale"]) for f in flags]
+            if script == "classifier_sample.py":
+                flags = ["--classifier_path", classifier] + flags
+            samples = os.path.join(out, "guidance", way.split(" (")[0].replace(" + ", "_plus_")
+                                   .replace(" ", "_").replace("-", "_"))
+            cmd = sample_cmd(run_dir, samples, s, script=script, extra=flags)
+            code, _ = run_child(cmd, label=f"sample: {way}")
+            if code != 0:
+                raise DemoError(f"sampling ({way}) failed (exit code {code}); see the output above")
+            npz = _samples_npz(samples, s)
+            fig = _score(npz)
+        rows.append({"way": way, "label_agreement": fig["label_agreement"],
+                     "mean_confidence": fig["mean_confidence"],
+                     "command": " ".join(_quote(c) for c in cmd)})
+    with open(os.path.join(out, "guidance.json.tmp"), "w") as f:
+        json.dump(rows, f, indent=1)
+    os.replace(os.path.join(out, "guidance.json.tmp"), os.path.join(out, "guidance.json"))
+    return rows, info
+
+
+def guidance_table(rows, s):
+    """The rows of guidance.json as aligned text lines (way, agreement, confidence)."""
+    lines = [f"guidance (same seeds and labels; classifier scale {s['classifier_scale']}, "
+             f"classifier-free scale {s['guidance_scale']}):",
+             f"  {'way':<38}{'label agreement':>16}{'mean confidence':>17}"]
+    for r in rows:
+        lines.append(f"  {r['way']:<38}{r['label_agreement']:>16.3f}{r['mean_confidence']:>17.3f}")
+    return lines
+
+
+# ---------------------------------------------------------------------------------------------
 # main
 
 
-def summary_lines(out, png, npz, fig, info, s, seconds, curve):
+def summary_lines(out, png, npz, fig, info, s, seconds, curve, guided=None):
+    """The summary; ``guided``: (guidance.json's rows, the classifier's preemption info)."""
     hist = fig.get("histogram")
     lines = [
         f"demo finished in {seconds / 60:.1f} min ({s['steps']} steps at batch "
@@ -446,6 +571,17 @@ def summary_lines(out, png, npz, fig, info, s, seconds, curve):
             f"SIGTERM at step {info['preempted_at']} -> exit code {info['preempt_exit']}; "
             f"auto-resumed from step {info['resumed_from']} to {s['steps']}"
             if info.get("preempted") else "not shown this time"),
+    ]
+    if guided is not None:
+        rows, clf = guided
+        lines.append(
+            f"noised classifier: {s['classifier_steps']} steps on {s['ranks']} ranks, " + (
+                f"SIGTERM at step {clf['preempted_at']} -> exit code {clf['preempt_exit']}; "
+                f"auto-resumed to {s['classifier_steps']}" if clf.get("preempted")
+                else "preemption not shown this time"))
+        lines += guidance_table(rows, s)
+        lines.append(f"         (rows and commands: {os.path.join(out, 'guidance.json')})")
+    lines += [
         f"samples: {npz}",
         f"grid:    {png}   (column c = class c)",
         f"loss:    {curve}   (training loss by timestep quartile)",
@@ -497,7 +633,7 @@ def main(argv=None):
     with open(settings_path, "w") as f:
         json.dump(run_settings, f, indent=1)
 
-    total = 5
+    total = 6
     print(f"demo settings: {json.dumps(s)}\noutput: {out}", flush=True)
     stage(1, total, f"data: scikit-learn digits as {s['image_size']}px images")
     data_dir = prepare_data(out, s)
@@ -508,8 +644,11 @@ def main(argv=None):
     curve = plot_curve(run_dir, samples_dir)
     stage(4, total, "evaluate with a classifier trained on the real digits")
     fig = evaluate(npz, out)
-    stage(5, total, "summary")
-    lines = summary_lines(out, png, npz, fig, info, s, time.time() - t0, curve)
+    stage(5, total, "guidance: a noised classifier (2 ranks, preempted, resumed), then the same "
+          "seeds sampled with classifier guidance, classifier-free guidance, both, and without")
+    guided = guidance(data_dir, run_dir, out, s, npz, fig, preempt=not args.no_preempt)
+    stage(6, total, "summary")
+    lines = summary_lines(out, png, npz, fig, info, s, time.time() - t0, curve, guided)
     with open(summary_path + ".tmp", "w") as f:
         f.write("\n".join(lines) + "\n")
     os.replace(summary_path + ".tmp", summary_path)

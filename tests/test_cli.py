@@ -23,7 +23,7 @@ from conftest import PY, REPO, _run, run_mpi, run_script, write_class_folder
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 # The scripts whose flags docs/flags.md lists (upstream's image_*.py reuse their parsers).
 TABLE_SCRIPTS = ("train.py", "super_res_train.py", "sample.py", "super_res_sample.py", "nll.py",
-                 "classifier_sample.py")
+                 "classifier_sample.py", "classifier_train.py")
 # Flags of launchers and installers the README and docs/ show (not ours).
 LAUNCHER_FLAGS = {"--nproc_per_node", "--nnodes", "--standalone", "--rdzv_endpoint",
                   "--master_addr", "--no-print-directory",
@@ -73,9 +73,10 @@ def all_known_flags():
 @pytest.mark.parametrize("script", TABLE_SCRIPTS)
 def test_a_shortened_flag_is_refused_naming_the_flag_it_was_short_for(script):
     parser = parser_of(script)
-    with pytest.raises(UsageError, match=r"unknown flag --num_channel \(did you mean "
-                                         r"--num_channels\?\)"):
-        parser.parse_args(["--num_channel", "64"])
+    flag = "--classifier_width" if script == "classifier_train.py" else "--num_channels"
+    with pytest.raises(UsageError, match=rf"unknown flag {flag[:-1]} \(did you mean "
+                                         rf"{flag}\?\)"):
+        parser.parse_args([flag[:-1], "64"])
 
 
 def test_a_typo_names_the_closest_flag_and_several_unknown_flags_are_one_line():

@@ -10,7 +10,7 @@ from PIL import Image
 
 from conftest import PY, REPO, child_env
 
-DEMO_TIMEOUT = 85
+DEMO_TIMEOUT = 120
 
 
 def _make_demo(out, *extra, timeout=DEMO_TIMEOUT):
@@ -72,6 +72,39 @@ def test_tiny_demo_trains_is_preempted_resumes_samples_and_prints_its_figures(ti
     # the grids drawn while training (--sample_interval: a quarter of the steps), on the page
     assert [s for s in srcs if s.startswith("run/samples/")] == [
         f"run/samples/grid_{step:06d}.png" for step in (10, 20, 30, 40)]
+
+
+@pytest.mark.timeout(DEMO_TIMEOUT + 10)
+def test_tiny_demo_trains_a_noised_classifier_through_a_preemption_and_tables_four_guidances(
+        tiny_demo):
+    out, text = tiny_demo
+    # the classifier: 2 ranks, preempted (exit 75), the same command auto-resumed to its end
+    assert "[classifier: exit code 75" in text and "[classifier (resumed): exit code 0" in text
+    manifests = sorted(p.name for p in (out / "classifier").glob("manifest*.json"))
+    assert manifests[-1] == "manifest000008.json", manifests
+    # the diffusion model learnt the null label (classifier-free guidance)
+    assert "--class_dropout_prob 0.1" in text
+    rows = json.loads((out / "guidance.json").read_text())
+    ways = [r["way"] for r in rows]
+    assert ways[:4] == ["unguided (class-conditional)", "classifier guidance",
+                        "classifier-free guidance", "both"], ways
+    by_way = {r["way"]: r for r in rows}
+    for r in rows:
+        assert 0.0 <= r["label_agreement"] <= 1.0 and 0.0 <= r["mean_confidence"] <= 1.0, r
+    assert by_way["unguided (class-conditional)"]["label_agreement"] == json.loads(
+        (out / "eval.json").read_text())["label_agreement"]  # stage 3's samples, scored once
+    cg, cfg, both = (by_way[w]["command"] for w in ways[1:4])
+    assert "classifier_sample.py" in cg and "--classifier_scale 4.0" in cg
+    assert "--classifier_path " + str(out / "classifier" / "model000008.pt") in cg
+    assert "scripts/sample.py" in cfg and "--guidance_scale 2.0" in cfg
+    assert "--classifier_scale 4.0" in both and "--guidance_scale 2.0" in both
+    for way, r in list(by_way.items())[1:]:  # each way's own samples, of the same labels
+        npz = r["command"].split("--log_dir ")[1].split()[0] + "/samples_10x8x8x3.npz"
+        with np.load(npz) as z:
+            assert z["arr_1"].tolist() == list(range(10)), way
+    summary = (out / "summary.txt").read_text()
+    assert re.search(r"^  classifier-free guidance +\d\.\d{3} +\d\.\d{3}$", summary, re.M), summary
+    assert "auto-resumed to 8" in summary
 
 
 @pytest.mark.timeout(60)

@@ -1,0 +1,334 @@
+"""
+guided-diffusion's noised-classifier training (its scripts/classifier_train.py) as a loop of its
+own on the checkpointer (checkpointer.py; the pattern of examples/own_loop.py):
+
+    args = parser.parse_args(argv)        # classifier_train_defaults() + the classifier's flags
+    check_args(args)
+    return run_job(args)                  # the process group, the lock, build, resume, the loop
+
+Each step, as guided's: a batch of labelled images, noised to x_t at timesteps drawn by
+--schedule_sampler (--noised True; else the clean images at t = 0), cross-entropy of the
+classifier's logits, in microbatches, one AdamW step (lr annealed linearly to 0 over
+--iterations with --anneal_lr). Logged as guided logs: ``train_loss``, ``train_acc@1``,
+``train_acc@5`` and each by quarter of the timestep range (``_q0`` .. ``_q3``), and every
+--eval_interval steps the same for a batch of --val_data_dir (``val_*``, no gradient).
+
+Where it differs from guided's:
+
+- Save and resume are the checkpointer's (upstream's rank-0-only load is the bug this project
+  exists for): ``model{S}.pt`` tagged kind "classifier" (the weights and the classifier's and
+  diffusion's flags, so classifier_sample.py needs no flags), ``opt{S}.pt`` (optimizer and
+  trainer state: data positions, RNG, sampler, loss scale), manifest last; auto-resume of the
+  newest complete step of --log_dir, bitwise on any rank count, elastic, SIGTERM/SIGUSR1 -> a
+  complete save and exit 75, the lock, the explained fresh-optimizer fallback. guided's raw
+  files (``model{S}.pt`` state dicts, their ``opt{S}.pt`` beside) resume as they are.
+- ``step`` counts completed optimizer steps (the files of step S hold the state after S
+  steps); the run stops at --iterations (or --max_steps, when > 0 and earlier).
+- The class count comes from --data_dir (or the resumed file), not a fixed 1000.
+- acc@5 is acc@k with k = min(5, classes); --classifier_use_fp16 trains in mixed precision with
+  amp.py (autocast + GradScaler), not guided's hand-made fp16 master weights; images are
+  resized and center-cropped as train.py's (guided's random crop is not done).
+- Validation is at steps that are multiples of --eval_interval, on the bare classifier in eval
+  mode; the validation loader's position is part of the trainer state, so a resumed run
+  validates on the batches a straight run would.
+"""
+import contextlib
+import os
+
+import torch as th
+import torch.nn.functional as F
+from torch.nn.parallel.distributed import DistributedDataParallel as DDP
+
+from . import amp, cli, dist_util, logger, train_job
+from .checkpointer import CheckpointConfig, Checkpointer
+from .config_check import check_config_on_all_ranks, data_fingerprint, show_fingerprint
+from .errors import UsageError
+from .image_datasets import load_data
+from .resample import create_named_schedule_sampler
+from .rng import seed_rngs
+from .script_util import (args_to_dict, classifier_and_diffusion_defaults,
+                          create_classifier_and_diffusion)
+from .train_util import (NAN_POLICIES, _poison_if_not_finite, grad_norm, grads_finite,
+                         keep_model_state, log_loss_dict, make_adamw, non_finite_step)
+
+# The settings of the training math that opt files record (a resume with others says so).
+RECORDED = ("lr", "weight_decay", "anneal_lr", "iterations", "noised", "microbatch",
+            "nan_policy", "fp16_scale_growth")
+
+
+def check_args(args):
+    """Resolve --log_dir and check the values argparse cannot (raises UsageError naming the
+    flag)."""
+    args.log_dir = args.log_dir or os.environ.get("OPENAI_LOGDIR", "")
+    if not args.data_dir:
+        raise UsageError("--data_dir is required: a folder of labelled images (the class of a "
+                         "file is its name before the first '_')")
+    for name in ("batch_size", "log_interval"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name} must be >= 1 (got {getattr(args, name)})")
+    for name in ("iterations", "max_steps", "eval_interval"):
+        if getattr(args, name) < 0:
+            raise UsageError(f"--{name} must be >= 0 (got {getattr(args, name)})")
+    if last_step(args) == 0:
+        raise UsageError("--iterations 0 and --max_steps 0: nothing would stop the run; give "
+                         "--iterations N")
+    if args.microbatch == 0 or args.microbatch < -1:
+        raise UsageError(f"--microbatch must be -1 (off) or >= 1 (got {args.microbatch})")
+    if args.nan_policy not in NAN_POLICIES:
+        raise UsageError(f"--nan_policy must be one of {', '.join(NAN_POLICIES)} "
+                         f"(got {args.nan_policy!r})")
+    if args.lock_wait < 0:
+        raise UsageError(f"--lock_wait must be >= 0 (got {args.lock_wait})")
+    if args.num_workers < -1:
+        raise UsageError(f"--num_workers must be -1 (auto) or >= 0 (got {args.num_workers})")
+    if args.log_format not in ("progress", "table"):
+        raise UsageError(f"--log_format must be progress or table (got {args.log_format!r})")
+    cli.check_dist_timeout(args.dist_timeout)
+    CheckpointConfig.from_flags(args)  # --log_dir, --save_interval, --keep_checkpoints
+
+
+def last_step(args):
+    """The step the run stops at: --iterations, or --max_steps when > 0 and earlier."""
+    return min([n for n in (args.iterations, args.max_steps) if n > 0], default=0)
+
+
+def run_job(args):
+    """The whole job: the process group (bounded by --dist_timeout), the log dir's lock, the
+    logger, the classifier and data, the resume, the loop; returns 0, or 75 after a preemption
+    save. Collective: call from all ranks with the same arguments."""
+    lock = train_job.start_job(args)
+    try:
+        loop = ClassifierLoop(args)
+        try:
+            code = loop.run_loop()
+        except BaseException:
+            loop.checkpointer.close(sync=False)  # no collective: other ranks may be elsewhere
+            raise
+        loop.close()
+        dist_util.cleanup()
+        return code
+    finally:
+        lock.release()
+
+
+class ClassifierLoop:
+    """The noised classifier's training on the checkpointer (see the module docstring).
+    Construction builds the classifier, diffusion and data from ``args`` and resumes (collective:
+    construct it on every rank with the same arguments)."""
+
+    def __init__(self, args):
+        self.args = args
+        self.rank, self.world_size = dist_util.get_rank(), dist_util.get_world_size()
+        self.device = dist_util.dev()
+        self.last_step = last_step(args)
+        args.classifier_num_classes = train_job.classifier_num_classes(args)
+        self.flags = args_to_dict(args, classifier_and_diffusion_defaults().keys())
+        seed_rngs(args.seed, 0, 0)  # the same initial weights on every rank
+        self.model, self.diffusion = create_classifier_and_diffusion(**self.flags)
+        self.model.to(self.device)
+        dist_util.sync_params(self.model.parameters())
+        self.num_classes = self.flags["classifier_num_classes"]
+        self.data = self._load(args.data_dir)
+        self.val_data = self._load(args.val_data_dir) if args.val_data_dir else None
+        self.sampler = (create_named_schedule_sampler(args.schedule_sampler, self.diffusion)
+                        if args.noised else None)
+        fingerprint = data_fingerprint(self.data)
+        digest = check_config_on_all_ranks(self._rank_flags(), fingerprint)
+        logger.log(f"flags (sha256 {digest[:12]}) and data ({show_fingerprint(fingerprint)}) "
+                   f"agree on all {self.world_size} rank(s)")
+        seed_rngs(args.seed, 0, self.rank)  # each rank its own noise
+        self.amp_dtype, self.grad_scaler = amp.make_amp(
+            self.device, args.classifier_use_fp16, args.fp16_scale_growth)
+        self.opt = make_adamw(self.model.parameters(), lr=args.lr,
+                              weight_decay=args.weight_decay)
+        self.checkpointer = Checkpointer(
+            CheckpointConfig.from_flags(args), model=self.model, optimizer=self.opt,
+            data=self.data, batch_size=args.batch_size, seed=args.seed, model_flags=self.flags,
+            run_flags={k: getattr(args, k) for k in RECORDED}, model_kind="classifier",
+            states={"schedule_sampler": self.sampler, "grad_scaler": self.grad_scaler,
+                    "val_data": self.val_data})
+        self.step = self.resume_step = self.checkpointer.resume()
+        self.microbatch = args.microbatch if args.microbatch > 0 else args.batch_size
+        self.ddp_model = self._wrap_ddp() if self.world_size > 1 else self.model
+        self._ddp_primed = self.world_size == 1
+        logger.start_progress(self.step, self.last_step)
+
+    def _load(self, data_dir):
+        a = self.args
+        return load_data(data_dir=data_dir, batch_size=a.batch_size, image_size=a.image_size,
+                         class_cond=True, num_classes=self.num_classes, seed=a.seed,
+                         num_workers=a.num_workers)
+
+    def _rank_flags(self):
+        """What every rank must agree on (--log_dir and the data paths excepted: the data is
+        compared by its fingerprint)."""
+        flags = dict(self.flags)
+        flags.update({k: v for k, v in vars(self.args).items()
+                      if k not in ("data_dir", "val_data_dir", "num_workers")})
+        return flags
+
+    def _wrap_ddp(self):
+        kwargs = dict(bucket_cap_mb=128, find_unused_parameters=False)
+        if self.device.type == "cuda":
+            kwargs.update(device_ids=[self.device], output_device=self.device)
+        return DDP(self.model, **kwargs)
+
+    # ------------------------------------------------------------------ the loop
+
+    def run_loop(self):
+        """Train to the last step; returns 0, or PREEMPTED_EXIT_CODE after a SIGTERM/SIGUSR1 on
+        any rank (the current step saved completely first). Collective."""
+        ckpt, a = self.checkpointer, self.args
+        train = iter(self.data)
+        val = iter(self.val_data) if self.val_data is not None else None
+        with ckpt.watch_signals():
+            while self.step < self.last_step:
+                ckpt.step_begins()  # the ranks' [preempted, save failed] flags travel meanwhile
+                self._anneal_lr()
+                self.forward_backward(*next(train), prefix="train")
+                self.optimize()
+                self.step += 1
+                logger.logkv("step", self.step)
+                logger.logkv("samples", int(getattr(self.data, "position",
+                                                    self.step * a.batch_size * self.world_size)))
+                logger.logkv("lr", self.opt.param_groups[0]["lr"])
+                if val is not None and a.eval_interval and self.step % a.eval_interval == 0:
+                    self.evaluate(*next(val))
+                if self.step % a.log_interval == 0:
+                    logger.dumpkvs()
+                if a.save_interval and self.step % a.save_interval == 0:
+                    ckpt.save(self.step)
+                if ckpt.stop_requested():
+                    self._flush_logs()
+                    return ckpt.save_for_preemption(self.step)
+            self._flush_logs()
+            if self.step == self.resume_step and ckpt.last_saved_step == self.step:
+                logger.log(f"already at step {self.step}; nothing to train")
+            ckpt.save(self.step, wait=True)
+        return 0
+
+    def forward_backward(self, batch, cond, prefix="train"):
+        """Noise this rank's batch [B, C, H, W] (with --noised), then the cross-entropy of the
+        logits [B, classes] against cond["y"] [B], accumulated over microbatches (DDP syncs on the
+        last). Collective (DDP all-reduce)."""
+        batch, labels = batch.to(self.device), cond["y"].to(self.device)
+        t = self._noise_levels(batch)
+        if self.sampler is not None:
+            batch = self.diffusion.q_sample(batch, t)
+        if not self._ddp_primed:
+            self._prime_ddp_buckets(batch[: self.microbatch], t[: self.microbatch])
+        self.opt.zero_grad(set_to_none=True)
+        n = batch.shape[0]
+        for i in range(0, n, self.microbatch):
+            sub = slice(i, i + self.microbatch)
+            last = i + self.microbatch >= n
+            sync = (contextlib.nullcontext() if last or self.ddp_model is self.model
+                    else self.ddp_model.no_sync())
+            with sync:
+                with amp.autocast(self.device, self.amp_dtype):
+                    logits = self.ddp_model(batch[sub], t[sub])
+                loss = self._log_losses(logits.float(), labels[sub], t[sub], prefix)
+                loss = _poison_if_not_finite(loss.mean() * (labels[sub].shape[0] / n))
+                if self.grad_scaler is not None:
+                    self.grad_scaler.scale(loss).backward()
+                else:
+                    loss.backward()
+
+    def evaluate(self, batch, cond):
+        """The ``val_*`` losses and accuracies of a --val_data_dir batch: the bare classifier in
+        eval mode, no gradients (its noise comes from this rank's RNG, as guided's). Not
+        collective."""
+        batch, labels = batch.to(self.device), cond["y"].to(self.device)
+        t = self._noise_levels(batch)
+        if self.sampler is not None:
+            batch = self.diffusion.q_sample(batch, t)
+        self.model.eval()
+        try:
+            with th.no_grad(), amp.autocast(self.device, self.amp_dtype):
+                for i in range(0, batch.shape[0], self.microbatch):
+                    sub = slice(i, i + self.microbatch)
+                    self._log_losses(self.model(batch[sub], t[sub]).float(), labels[sub], t[sub],
+                                     "val")
+        finally:
+            self.model.train()
+
+    def _noise_levels(self, batch):
+        """Timesteps [B] (int64): drawn by the schedule sampler (--noised), else zeros."""
+        if self.sampler is None:
+            return th.zeros(batch.shape[0], dtype=th.long, device=self.device)
+        t, _ = self.sampler.sample(batch.shape[0], self.device)  # weights unused, as guided's
+        return t
+
+    def _log_losses(self, logits, labels, t, prefix):
+        """Log ``{prefix}_loss``, ``_acc@1``, ``_acc@5`` (and by timestep quarter); returns the
+        per-sample cross-entropy [N]."""
+        loss = F.cross_entropy(logits, labels, reduction="none")
+        log_loss_dict(self.diffusion, t, {
+            f"{prefix}_loss": loss.detach(),
+            f"{prefix}_acc@1": top_k_hits(logits, labels, 1),
+            f"{prefix}_acc@5": top_k_hits(logits, labels, 5),
+        })
+        return loss
+
+    def optimize(self):
+        """Unscale (GradScaler), log the grad norm, step. Returns False for a skipped step
+        (fp16 overflow, or non-finite gradients under --nan_policy skip); raises NonFiniteError
+        for them under --nan_policy stop. The same decision on every rank (all-reduced
+        gradients)."""
+        if self.grad_scaler is not None:
+            self.grad_scaler.unscale_(self.opt)
+        grads = [p.grad.detach() for p in self.model.parameters() if p.grad is not None]
+        norm = grad_norm(grads) if grads else th.zeros((), device=self.device)
+        logger.logkv_mean_device("grad_norm", norm, 1)
+        if self.grad_scaler is not None:
+            scale = amp.scale_tensor(self.grad_scaler).clone()
+            self.grad_scaler.step(self.opt)
+            self.grad_scaler.update()
+            if bool(amp.scale_tensor(self.grad_scaler) < scale):
+                logger.logkv_mean("fp16_skipped", 1)
+                return False
+            return True
+        if not grads_finite(self.model.parameters(), norm):
+            return non_finite_step(self.step + 1, float(norm), self.args.nan_policy, self.opt,
+                                   self.checkpointer.last_saved_step)
+        self.opt.step()
+        return True
+
+    def _anneal_lr(self):
+        """--anneal_lr: guided's lr * (1 - completed steps / --iterations)."""
+        if not self.args.anneal_lr or not self.args.iterations:
+            return
+        lr = self.args.lr * (1 - self.step / self.args.iterations)
+        for group in self.opt.param_groups:
+            group["lr"] = lr
+
+    def _prime_ddp_buckets(self, x, t):
+        """One throw-away forward/backward, so that DDP settles its gradient buckets before the
+        first step of every job (a resumed one included: on 3+ ranks the order of the sums
+        changes the last bits); model state and RNG are put back. Collective."""
+        with keep_model_state(self.model):
+            with amp.autocast(self.device, self.amp_dtype):
+                out = self.ddp_model(x, t)
+            (out.float().sum() * 0.0).backward()
+            self.opt.zero_grad(set_to_none=True)
+        self._ddp_primed = True
+
+    def _flush_logs(self):
+        if self.step > self.resume_step and self.step % self.args.log_interval != 0:
+            logger.dumpkvs()
+
+    def close(self):
+        """Wait for the last save and drop the DDP wrapper (before dist_util.cleanup()).
+        Collective."""
+        self.checkpointer.close()
+        if self.ddp_model is not self.model:
+            dist_util.barrier()
+            self.ddp_model = self.model
+
+
+def top_k_hits(logits, labels, k):
+    """1.0 where the label [N] is among the ``k`` largest logits [N, classes] (k at most the
+    class count), else 0.0: float [N]."""
+    top = th.topk(logits, min(k, logits.shape[-1]), dim=-1).indices
+    return (top == labels[:, None]).float().sum(dim=-1)
+

@@ -1,0 +1,265 @@
+"""scripts/classifier_train.py (issue 21): guided-diffusion's noised classifier trained with every
+resume guarantee of train.py, tested through the real CLI (plain python, mpiexec, torchrun) on a
+tiny classifier and a folder of 8x8 images of 3 classes; each test reads the files on disk."""
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch as th
+
+from conftest import MPIEXEC, PY, REPO, _run, child_env, deep_diff, write_class_folder
+from improved_diffusion import script_util as su
+
+SCRIPT = REPO / "scripts" / "classifier_train.py"
+TINY = ["--image_size", "8", "--classifier_width", "32", "--classifier_depth", "1",
+        "--classifier_attention_resolutions", "4", "--diffusion_steps", "20",
+        "--noise_schedule", "cosine", "--batch_size", "4", "--log_interval", "1"]
+# What can break an exact resume at once: the timestep sampler's history, microbatches, a
+# validation loader whose position and noise must continue.
+HARD = ["--schedule_sampler", "loss-second-moment", "--microbatch", "2", "--eval_interval", "2"]
+FLAGS = dict(su.classifier_and_diffusion_defaults(), image_size=8, classifier_width=32,
+             classifier_depth=1, classifier_attention_resolutions="4", diffusion_steps=20,
+             noise_schedule="cosine", classifier_num_classes=3)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    """Training and validation folders of 8x8 images, classes cat, dog, owl."""
+    d = tmp_path_factory.mktemp("classes")
+    return (write_class_folder(d / "train", per_class=6),
+            write_class_folder(d / "val", per_class=2))
+
+
+def launcher(ranks, how="mpiexec"):
+    if ranks == 1 and how == "mpiexec":
+        return [PY]
+    if how == "torchrun":
+        return [Path(PY).parent / "torchrun", "--standalone", "--nproc_per_node", str(ranks)]
+    return [MPIEXEC, "-n", str(ranks), PY]
+
+
+def train_cmd(ranks, data, log_dir, *extra, how="mpiexec"):
+    train_dir, val_dir = data
+    return [*launcher(ranks, how), SCRIPT, *TINY, "--data_dir", train_dir, "--val_data_dir",
+            val_dir, "--log_dir", log_dir, *map(str, extra)]
+
+
+def train(ranks, data, log_dir, *extra, how="mpiexec", expect=0, timeout=150):
+    """Run classifier_train.py; returns its output (stdout and stderr)."""
+    proc = _run(train_cmd(ranks, data, log_dir, *extra, how=how), timeout, check=False)
+    assert proc.returncode == expect, f"exit {proc.returncode}:\n{proc.stdout[-4000:]}"
+    return proc.stdout
+
+
+def load(path):
+    return th.load(path, weights_only=True, map_location="cpu")
+
+
+def assert_complete_classifier_step(log_dir, step):
+    """The step on disk as docs/checkpoints.md says: model (kind classifier, with the flags) and
+    opt files of this step, listed with their sizes in the manifest; returns (model, opt)."""
+    manifest = json.loads((log_dir / f"manifest{step:06d}.json").read_text())
+    names = {f"model{step:06d}.pt", f"opt{step:06d}.pt"}
+    assert set(manifest["files"]) == names, manifest["files"]
+    for name, info in manifest["files"].items():
+        assert (log_dir / name).stat().st_size == info["size"], name
+    model, opt = load(log_dir / f"model{step:06d}.pt"), load(log_dir / f"opt{step:06d}.pt")
+    assert (model["kind"], model["step"], opt["kind"], opt["step"]) == (
+        "classifier", step, "opt", step)
+    assert model["flags"] == FLAGS  # 3 classes: counted in --data_dir
+    assert not list(log_dir.glob("ema_*")), "a classifier run has no EMA"
+    return model, opt
+
+
+def progress(log_dir):
+    """{step: row} of progress.csv."""
+    import csv
+
+    with open(log_dir / "progress.csv", newline="") as f:
+        return {int(float(r["step"])): r for r in csv.DictReader(f) if r.get("step")}
+
+
+# ------------------------------------------------------------------------------ bitwise
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("ranks", [1, 2, 3])
+def test_a_classifier_run_resumed_at_step_3_ends_bitwise_identical_to_a_straight_run(
+        tmp_path, data, ranks):
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    train(ranks, data, straight, *HARD, "--iterations", 6)
+    train(ranks, data, resumed, *HARD, "--iterations", 6, "--max_steps", 3)
+    out = train(ranks, data, resumed, *HARD, "--iterations", 6)  # the same command: auto-resume
+    assert "resumed at step 3 from" in out and "opt: opt000003.pt" in out, out[-3000:]
+
+    a, b = (assert_complete_classifier_step(d, 6) for d in (straight, resumed))
+    diffs = deep_diff(a, b) + deep_diff(*(load(d / "opt000006.pt") for d in (straight, resumed)))
+    assert not diffs, "step-6 files differ (straight vs resumed):\n" + "\n".join(diffs[:30])
+    rows_a, rows_b = progress(straight), progress(resumed)
+    logged = [c for c in rows_a[6] if re.match(r"(train|val)_(loss|acc@[15])", c)]
+    assert {"val_loss", "val_acc@1", "val_acc@5", "train_acc@5_q3"} <= set(logged), logged
+    bad = [(s, c) for s in (4, 5, 6) for c in logged if rows_a[s].get(c) != rows_b[s].get(c)]
+    assert not bad, f"progress.csv differs after the resume (step, column): {bad}"
+
+
+def test_the_log_has_guideds_metrics_by_timestep_quarter_and_validation_every_eval_interval(
+        tmp_path, data):
+    out = train(1, data, tmp_path / "run", "--iterations", 4, "--eval_interval", 2)
+    rows = progress(tmp_path / "run")
+    for q in range(4):
+        assert {f"train_loss_q{q}", f"train_acc@1_q{q}", f"train_acc@5_q{q}"} <= set(rows[4])
+    assert rows[1]["val_loss"] == "" and rows[2]["val_loss"] != "", rows  # steps 2, 4
+    assert float(rows[4]["train_acc@5"]) == 1.0  # 3 classes: acc@5 is acc@3
+    assert 0.0 <= float(rows[4]["val_acc@1"]) <= 1.0
+    assert re.search(r"^step 2/4  loss \S+  acc@1 \S+  val_loss \S+  val_acc@1 \S+", out, re.M), out
+
+
+# ------------------------------------------------------------------------------ elastic, launchers
+
+
+@pytest.mark.timeout(200)
+def test_a_run_of_torchrun_on_2_ranks_continues_in_plain_python_on_1_without_repeating_data(
+        tmp_path, data):
+    run = tmp_path / "run"
+    train(2, data, run, "--iterations", 6, "--max_steps", 3, how="torchrun")
+    first = assert_complete_classifier_step(run, 3)[1]["trainer"]
+    out = train(1, data, run, "--iterations", 6)
+    assert "resumed at step 3" in out and "resume: world size 2 -> 1" in out, out[-3000:]
+    assert "fresh optimizer" not in out
+    trainer = assert_complete_classifier_step(run, 6)[1]["trainer"]
+    assert (first["world_size"], trainer["world_size"]) == (2, 1)
+    # the data position is global: 3 steps of 2 x 4 images, then 3 steps of 1 x 4
+    assert (first["data"]["position"], trainer["data"]["position"]) == (24, 36)
+
+
+# ------------------------------------------------------------------------------ preemption, lock
+
+
+@pytest.mark.timeout(200)
+def test_sigterm_to_rank_1_saves_a_step_exits_75_a_second_job_is_refused_and_a_rerun_resumes(
+        tmp_path, data):
+    run = tmp_path / "run"
+    cmd = train_cmd(2, data, run, "--iterations", 100000, "--save_interval", 100000)
+    with open(tmp_path / "first.log", "w") as log:
+        proc = subprocess.Popen([str(c) for c in cmd], cwd=REPO, env=child_env(), stdout=log,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+    try:
+        end = time.monotonic() + 90
+        while not ((run / "progress.csv").exists() and len(progress(run)) >= 3):
+            assert proc.poll() is None and time.monotonic() < end, (tmp_path / "first.log"
+                                                                    ).read_text()[-3000:]
+            time.sleep(0.05)
+        second = train(1, data, run, "--iterations", 4, "--lock_wait", 0, expect=1)
+        assert f"log dir {run} is in use by" in second, second[-2000:]
+        os.kill(rank_pid(proc.pid, 1), signal.SIGTERM)  # not the writer: rank 0 learns it
+        assert proc.wait(timeout=60) == 75, (tmp_path / "first.log").read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    steps = sorted(int(p.name[8:14]) for p in run.glob("manifest*.json"))
+    assert len(steps) == 1, steps
+    saved = steps[0]
+    assert_complete_classifier_step(run, saved)
+    assert max(progress(run)) == saved
+    out = train(2, data, run, "--iterations", saved + 2)
+    assert f"resumed at step {saved}" in out, out[-3000:]
+    assert_complete_classifier_step(run, saved + 2)
+
+
+def rank_pid(launcher_pid, rank):
+    """The pid of MPI rank ``rank`` of classifier_train.py under the launcher."""
+    from conftest import process_tree
+
+    for pid in process_tree(launcher_pid):
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"classifier_train.py" in cmd and f"PMI_RANK={rank}".encode() in env:
+            return pid
+    raise AssertionError(f"no rank {rank} under pid {launcher_pid}")
+
+
+# ------------------------------------------------------------------------------ upstream's files
+
+
+def upstream_run(d, step, opt_holds_weights):
+    """guided-diffusion's classifier_train.py output: raw model{step}.pt (the classifier's state
+    dict) and opt{step}.pt (torch's AdamW state dict after ``step`` steps, or, with
+    ``opt_holds_weights``, the model's state dict: the multi-rank mix-up), no manifest."""
+    th.manual_seed(1)
+    model = su.create_classifier(**{k: FLAGS[k] for k in su.CLASSIFIER_FLAG_KEYS})
+    opt = th.optim.AdamW(model.parameters(), lr=3e-4)
+    for _ in range(step):
+        opt.zero_grad()
+        model(th.randn(4, 3, 8, 8), th.tensor([0, 5, 10, 19])).logsumexp(-1).sum().backward()
+        opt.step()
+    d.mkdir()
+    th.save(model.state_dict(), d / f"model{step:06d}.pt")
+    th.save(model.state_dict() if opt_holds_weights else opt.state_dict(),
+            d / f"opt{step:06d}.pt")
+    return model.state_dict(), opt.state_dict()
+
+
+@pytest.mark.timeout(120)
+def test_guideds_raw_classifier_files_resume_as_they_are(tmp_path, data):
+    weights, opt_sd = upstream_run(tmp_path / "guided", 3, opt_holds_weights=False)
+    run = tmp_path / "run"
+    out = train(2, data, run, "--iterations", 3, "--resume_checkpoint",
+                tmp_path / "guided" / "model000003.pt")
+    assert "resumed at step 3" in out and "opt: opt000003.pt" in out, out[-3000:]
+    model, opt = assert_complete_classifier_step(run, 3)  # step 3 again: now tagged, with flags
+    assert not deep_diff(model["state_dict"], weights)
+    names = list(weights)
+    for i, state in opt_sd["state"].items():  # upstream's index-keyed moments, now by name
+        assert th.equal(opt["optimizer"]["state"][names[i]]["exp_avg"], state["exp_avg"])
+
+
+@pytest.mark.timeout(120)
+def test_an_opt_file_holding_classifier_weights_falls_back_in_one_line_on_every_rank(
+        tmp_path, data):
+    upstream_run(tmp_path / "guided", 3, opt_holds_weights=True)
+    run = tmp_path / "run"
+    out = train(2, data, run, "--iterations", 4, "--resume_checkpoint",
+                tmp_path / "guided" / "model000003.pt")
+    warnings = [ln for ln in out.splitlines() if "continuing with a fresh optimizer" in ln]
+    assert len(warnings) == 1, out[-3000:]
+    assert "opt000003.pt" in warnings[0] and "noised-classifier weights" in warnings[0]
+    assert "opt: fresh optimizer" in out
+    _, opt = assert_complete_classifier_step(run, 4)
+    steps = {float(s["step"]) for s in opt["optimizer"]["state"].values()}
+    assert steps == {1.0}, steps  # the fresh optimizer took step 4 only, the same on both ranks
+
+
+def test_a_diffusion_model_file_is_refused_as_a_classifier_to_resume(tmp_path, data):
+    d = tmp_path / "unet"
+    d.mkdir()
+    model, _ = su.create_model_and_diffusion(**dict(
+        su.model_and_diffusion_defaults(), image_size=8, num_channels=32, num_res_blocks=1,
+        attention_resolutions=""))
+    th.save(model.state_dict(), d / "model000002.pt")
+    out = train(1, data, tmp_path / "run", "--iterations", 3, "--resume_checkpoint",
+                d / "model000002.pt", expect=1)
+    assert re.search(r"error: --resume_checkpoint \S+model000002.pt: holds .*not a noised "
+                     r"classifier's weights", out), out[-2000:]
+    assert not (tmp_path / "run" / "model000003.pt").exists()
+
+
+def test_nan_policy_stop_ends_the_run_naming_the_step_and_skip_goes_on_with_finite_weights(
+        tmp_path, data):
+    out = train(1, data, tmp_path / "stop", "--iterations", 3, "--lr", 1e30, expect=1)
+    assert "error: step 2: the loss or gradients are not finite" in out, out[-2000:]
+    assert not list((tmp_path / "stop").glob("model*.pt"))
+    out = train(1, data, tmp_path / "skip", "--iterations", 3, "--lr", 1e30, "--nan_policy",
+                "skip")
+    assert "optimizer step skipped (--nan_policy skip)" in out, out[-2000:]
+    model, _ = assert_complete_classifier_step(tmp_path / "skip", 3)
+    assert all(v.isfinite().all() for v in model["state_dict"].values())
