@@ -20,8 +20,13 @@ collective, and so a rank that dies. Each rank of a process group beats a heartb
 TCP store (a daemon thread); when a collective fails, ``diagnose_failure`` names the ranks whose
 heartbeat stopped (``RankLostError``), so a dead rank or host ends the job with a message naming it.
 
-Backend: ``nccl`` when CUDA is available, else ``gloo``. The device comes from the local rank
-(``LOCAL_RANK``, else the MPI shared-memory split, else 0), never from a hard-coded GPU count.
+Backend: ``nccl`` when CUDA is available, else ``gloo``. The device comes from the rank's index on
+its host (``local_rank_from_env``: ``LOCAL_RANK``, else ``SLURM_LOCALID``,
+``OMPI_COMM_WORLD_LOCAL_RANK``, ``MPI_LOCALRANKID``, ``MV2_COMM_WORLD_LOCAL_RANK``; else the
+ranks sharing this host, counted in the MPI shared-memory split or the process group's store):
+cuda:(local rank), or cuda:0 when the launcher shows each rank only its own GPU. More ranks on a
+host than GPUs, or two ranks on one GPU, is a one-line ``DeviceError`` (``local_device_index``),
+never NCCL's "Duplicate GPU detected" at the first collective.
 
 No hidden global settings beyond the process-group state itself. Rules (docs/ARCHITECTURE.md): every
 collective is called by every rank in the same order; each function that synchronises ranks says
@@ -79,6 +84,11 @@ class RendezvousError(UserError):
     """The ranks could not form a process group; the one-line message says what to set."""
 
 
+class DeviceError(UserError):
+    """This rank has no GPU of its own (more ranks on its host than visible GPUs, or two ranks
+    on one GPU); the one-line message says how to start one rank per GPU."""
+
+
 class RankLostError(UserError):
     """A collective failed because some rank died or ended; the message names the rank(s).
 
@@ -117,8 +127,93 @@ def _default_backend():
 
 
 def _set_threads(local_world_size):
-    if local_world_size > 1 and "OMP_NUM_THREADS" not in os.environ and not th.cuda.is_available():
-        th.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size))
+    """Give this rank's torch its share of the host's cores (``cpu_share``) when several ranks
+    share the host and OMP_NUM_THREADS does not say otherwise; on a GPU host too, where
+    otherwise every rank's host-side work (data, sampling noise) runs on all cores at once."""
+    if local_world_size > 1 and "OMP_NUM_THREADS" not in os.environ:
+        th.set_num_threads(cpu_share(local_world_size))
+
+
+def _affinity():
+    """The cores this process may run on (its CPU affinity; all cores where unknown)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def cpu_share(local_world_size, affinity=None, host_cpus=None):
+    """The cores one of ``local_world_size`` ranks on this host may use: its own affinity when a
+    launcher bound it to fewer cores than the host has (``srun --cpus-per-task=6``: that is its
+    share already), else the host's cores divided among the ranks; at least 1."""
+    affinity = _affinity() if affinity is None else affinity
+    host_cpus = (os.cpu_count() or affinity) if host_cpus is None else host_cpus
+    if affinity < host_cpus:
+        return max(1, affinity)
+    return max(1, affinity // max(1, local_world_size))
+
+
+# Where launchers put a rank's index on its host, and the number of ranks there: (index variable,
+# count variable), in order of preference. SLURM's count comes from its tasks-per-node list.
+_LOCAL_RANK_VARS = (
+    ("LOCAL_RANK", "LOCAL_WORLD_SIZE"),  # torchrun (and setup_dist itself, once known)
+    ("SLURM_LOCALID", None),  # srun
+    ("OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),  # Open MPI
+    ("MPI_LOCALRANKID", "MPI_LOCALNRANKS"),  # MPICH / Intel MPI (hydra)
+    ("MV2_COMM_WORLD_LOCAL_RANK", "MV2_COMM_WORLD_LOCAL_SIZE"),  # MVAPICH2
+)
+
+
+def local_rank_from_env(env=None):
+    """(local rank, ranks on this host or None when unknown) from the first launcher variable of
+    _LOCAL_RANK_VARS present in ``env`` (default os.environ), else None."""
+    env = os.environ if env is None else env
+    for rank_var, size_var in _LOCAL_RANK_VARS:
+        value = env.get(rank_var, "").strip()
+        if not value:
+            continue
+        size = _slurm_tasks_on_this_node(env) if size_var is None else env.get(size_var, "")
+        try:
+            return int(value), int(size) if str(size or "").strip() else None
+        except ValueError:
+            raise DeviceError(f"{rank_var}={value!r} ({size_var}={size!r}): not an integer; "
+                              f"check how the launcher sets it") from None
+    return None
+
+
+def _slurm_tasks_on_this_node(env):
+    """The number of this step's tasks on this node from SLURM_STEP_TASKS_PER_NODE ("8(x4)" or
+    "2(x3),1", indexed by SLURM_NODEID when the nodes differ), else None."""
+    spec = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or ""
+    counts = []
+    for part in filter(None, spec.split(",")):
+        n, _, times = part.partition("(x")
+        try:
+            counts += [int(n)] * (int(times.rstrip(")")) if times else 1)
+        except ValueError:
+            return None
+    if counts and all(c == counts[0] for c in counts):
+        return counts[0]
+    node = env.get("SLURM_NODEID", "")
+    return counts[int(node)] if node.isdigit() and int(node) < len(counts) else None
+
+
+def local_device_index(local_rank, local_world, visible):
+    """The CUDA device of the rank with index ``local_rank`` on its host (of ``local_world``
+    ranks there; None when unknown) that sees ``visible`` GPUs: 0 when it sees only one (the
+    launcher gave each rank its own, e.g. ``srun --gpus-per-task=1``; two ranks on one GPU are
+    caught later, by ``_check_distinct_gpus``), else its local rank. Raises DeviceError when
+    the host has more ranks than visible GPUs."""
+    if visible == 1:
+        return 0
+    if local_rank < 0 or local_rank >= visible or (local_world or 0) > visible:
+        ranks = (f"{local_world} ranks on this host" if local_world
+                 else f"local rank {local_rank} on this host")
+        raise DeviceError(
+            f"{ranks} but {visible} GPUs visible to each (local rank {local_rank} has none of "
+            f"its own); start at most one rank per GPU (torchrun --nproc_per_node {visible}, "
+            f"srun --ntasks-per-node {visible}), or give each rank its own GPU (srun "
+            f"--gpus-per-task=1, or CUDA_VISIBLE_DEVICES per rank)")
+    return local_rank
 
 
 def as_timedelta(timeout):
@@ -151,12 +246,18 @@ def setup_dist(backend=None, *, timeout=DEFAULT_TIMEOUT_S):
     if all(k in env for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
         world = int(env["WORLD_SIZE"])
         if world > 1:
-            local_rank = int(env.get("LOCAL_RANK", 0))
-            _select_device(backend, local_rank)
-            _set_threads(int(env.get("LOCAL_WORLD_SIZE", world)))
+            local = local_rank_from_env(env)
+            if local is None and _mpi_comm() is not None:  # e.g. srun --mpi=pmi2 of an MPI
+                local = _mpi_local_split(_mpi_comm())
+            if local is not None:
+                _select_device(local[0], local[1])
             dist.init_process_group(backend=backend, init_method="env://", timeout=timeout)
             atexit.register(_cleanup_at_exit)
-            _start_heartbeat(timeout)
+            if local is None:  # no launcher said it: count the ranks of this host in the store
+                local = _store_local_split(_launch_store("local"), world, timeout)
+                _select_device(local[0], local[1])
+            _set_threads(local[1] or world)
+            _after_init(timeout, local[1])
         return
 
     comm = _mpi_comm()
@@ -166,21 +267,45 @@ def setup_dist(backend=None, *, timeout=DEFAULT_TIMEOUT_S):
     from mpi4py import MPI
 
     rank, world = comm.Get_rank(), comm.Get_size()
-    local = comm.Split_type(MPI.COMM_TYPE_SHARED)
-    local_rank, local_world = local.Get_rank(), local.Get_size()
-    local.Free()
+    local_rank, local_world = _mpi_local_split(comm)
     store = _mpi_rendezvous(comm, timeout)
 
     if "LOCAL_RANK" in env:
         local_rank = int(env["LOCAL_RANK"])
-    _select_device(backend, local_rank)
+    # every rank learns the first rank's device error: all raise it, none waits in a collective
+    errors = [e for e in comm.allgather(_device_problem(local_rank, local_world)) if e]
+    if errors:
+        raise DeviceError(errors[0])
+    _select_device(local_rank, local_world)
     _set_threads(local_world)
-    os.environ.setdefault("LOCAL_RANK", str(local_rank))
     dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world,
                             timeout=timeout)
     # Registered after mpi4py's MPI_Finalize hook, so it runs first (atexit is LIFO).
     atexit.register(_cleanup_at_exit)
+    _after_init(timeout, local_world)
+
+
+def _mpi_local_split(comm):
+    """(this rank's index, the number of ranks) among the ranks of ``comm`` that share its host
+    (MPI's shared-memory split). Collective (MPI)."""
+    from mpi4py import MPI
+
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        return local.Get_rank(), local.Get_size()
+    finally:
+        local.Free()
+
+
+def _after_init(timeout, local_world):
+    """What every rank does once its process group exists: check that no two ranks drive one
+    GPU (raises DeviceError on the ranks that share one), then start the heartbeat."""
     _start_heartbeat(timeout)
+    if th.cuda.is_available() and (local_world or 2) > 1:
+        uuid = _gpu_uuid(th.cuda.current_device())
+        if uuid is not None:
+            _check_distinct_gpus(_launch_store("gpus"), get_world_size(), get_rank(), uuid,
+                                 timeout)
 
 
 # --------------------------------------------------------------------------------------------
@@ -392,9 +517,90 @@ def _choose_address(infos, env, probe=_source_address_towards):
         f"resolves to a loopback address and no interface has another); {hint}")
 
 
-def _select_device(backend, local_rank):
+# This process's CUDA device index once setup_dist chose it (dev() returns it), else None.
+_device_index = None
+
+
+def _device_problem(local_rank, local_world):
+    """The DeviceError message local_device_index gives this rank, else None."""
+    try:
+        if th.cuda.is_available():
+            local_device_index(local_rank, local_world, th.cuda.device_count())
+    except DeviceError as e:
+        return str(e)
+    return None
+
+
+def _select_device(local_rank, local_world):
+    """Make cuda:(local_device_index(...)) this process's device (no-op without CUDA); records
+    the local rank and count (LOCAL_RANK, LOCAL_WORLD_SIZE) for get_local_rank() and
+    get_local_world_size()."""
+    global _device_index
+    os.environ.setdefault("LOCAL_RANK", str(local_rank))
+    if local_world:
+        os.environ.setdefault("LOCAL_WORLD_SIZE", str(local_world))
     if th.cuda.is_available():
-        th.cuda.set_device(local_rank % th.cuda.device_count())
+        _device_index = local_device_index(local_rank, local_world, th.cuda.device_count())
+        th.cuda.set_device(_device_index)
+
+
+def _store_prefix():
+    """The prefix of this launch's keys in the process group's store (a torchrun restart does
+    not read the last attempt's)."""
+    return "improved_diffusion/{}/{}/".format(os.environ.get("TORCHELASTIC_RUN_ID", "job"),
+                                              os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def _wait_for_all(store, key, world, timeout):
+    """Add this rank to the counter ``key`` of ``store``, then wait (bounded by ``timeout``, a
+    timedelta) until all ``world`` ranks have. Not a collective of the process group."""
+    store.add(key, 1)
+    deadline = time.monotonic() + timeout.total_seconds()
+    pause = 0.01
+    while store.add(key, 0) < world:
+        if time.monotonic() > deadline:
+            raise RendezvousError(
+                f"not all {world} ranks reached the start within {timeout.total_seconds():g} s "
+                f"(--dist_timeout); check that every rank was started")
+        time.sleep(pause)
+        pause = min(0.2, pause * 2)
+
+
+def _launch_store(name):
+    """The process group's store, under this launch's prefix and ``name``."""
+    return dist.PrefixStore(f"{_store_prefix()}{name}/",
+                            dist.distributed_c10d._get_default_store())
+
+
+def _store_local_split(store, world, timeout):
+    """(this rank's index among the ranks of its host, their number), counted in ``store``
+    (each rank adds itself under its host's network stack, in arrival order): for a launcher
+    that sets no local-rank variable. Collective: call from all ``world`` ranks."""
+    host = _network_stack() or socket.gethostname()
+    mine = store.add(f"host/{host}", 1) - 1
+    _wait_for_all(store, "arrived", world, timeout)
+    return mine, store.add(f"host/{host}", 0)
+
+
+def _check_distinct_gpus(store, world, rank, uuid, timeout):
+    """Raise DeviceError on the ranks whose GPU (``uuid``) another rank drives too: a launcher
+    that shows each rank "its" GPU as cuda:0 may show two ranks the same one, which NCCL reports
+    only at the first collective ("Duplicate GPU detected"). Collective: call from all
+    ``world`` ranks, through ``store``."""
+    store.add(f"uuid/{uuid}", 1)
+    _wait_for_all(store, "arrived", world, timeout)
+    sharing = store.add(f"uuid/{uuid}", 0)
+    if sharing > 1:
+        raise DeviceError(
+            f"{sharing} ranks drive the same GPU ({uuid}; rank {rank} is one); start at most one "
+            f"rank per GPU, or give each rank its own GPU (srun --gpus-per-task=1, or "
+            f"CUDA_VISIBLE_DEVICES per rank)")
+
+
+def _gpu_uuid(index):
+    """The UUID of CUDA device ``index`` as text, None where torch does not report it."""
+    uuid = getattr(th.cuda.get_device_properties(index), "uuid", None)
+    return None if uuid is None else str(uuid)
 
 
 def _cleanup_at_exit():
@@ -442,9 +648,7 @@ class _Heartbeat:
     def __init__(self, host, port, rank, world, timeout_s):
         self.host, self.port, self.rank, self.world = host, port, rank, world
         self.interval = heartbeat_interval(timeout_s)
-        self.prefix = "improved_diffusion/heartbeat/{}/{}/".format(
-            os.environ.get("TORCHELASTIC_RUN_ID", "job"),
-            os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        self.prefix = _store_prefix() + "heartbeat/"
         self._lock = threading.Lock()
         self.store_lost = False  # set once peer_states found the store unreachable
         self._stop = threading.Event()
@@ -703,14 +907,26 @@ def get_world_size():
 
 
 def get_local_rank():
-    """LOCAL_RANK (set by torchrun, or by setup_dist under mpiexec), else 0."""
-    return int(os.environ.get("LOCAL_RANK", 0))
+    """This rank's index on its host (local_rank_from_env: set by the launcher, or by setup_dist
+    once it counted the host's ranks), else 0."""
+    local = local_rank_from_env()
+    return local[0] if local is not None else 0
+
+
+def get_local_world_size():
+    """The number of ranks on this host (as get_local_rank), else 1."""
+    local = local_rank_from_env()
+    return local[1] if local is not None and local[1] else 1
 
 
 def dev():
-    """This rank's device: cuda:(local_rank % device_count) when CUDA is available, else cpu."""
+    """This rank's device: the CUDA device setup_dist chose (see local_device_index; in a single
+    process, from the local rank of the environment) when CUDA is available, else cpu."""
     if th.cuda.is_available():
-        return th.device(f"cuda:{get_local_rank() % th.cuda.device_count()}")
+        if _device_index is not None:
+            return th.device(f"cuda:{_device_index}")
+        local = local_rank_from_env() or (0, None)
+        return th.device(f"cuda:{local_device_index(local[0], local[1], th.cuda.device_count())}")
     return th.device("cpu")
 
 

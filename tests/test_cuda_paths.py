@@ -1,0 +1,147 @@
+"""The CUDA/NCCL paths, checked on a CPU: faked device counts and GPU identities, launcher
+environments, recorded calls, in-process stores standing in for the other ranks."""
+import datetime
+import os
+import threading
+import time
+
+import pytest
+import torch as th
+import torch.distributed as dist
+
+from improved_diffusion import dist_util
+from improved_diffusion.dist_util import DeviceError
+
+TIMEOUT = datetime.timedelta(seconds=20)
+
+# Every variable a launcher may set that says where a rank runs.
+LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK",
+                 "LOCAL_WORLD_SIZE", "SLURM_LOCALID", "SLURM_STEP_TASKS_PER_NODE",
+                 "SLURM_TASKS_PER_NODE", "SLURM_NODEID", "OMPI_COMM_WORLD_LOCAL_RANK",
+                 "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS",
+                 "MV2_COMM_WORLD_LOCAL_RANK", "MV2_COMM_WORLD_LOCAL_SIZE",
+                 *dist_util._MPI_LAUNCHER_VARS)
+
+
+class _InitCalled(Exception):
+    """Raised by the faked init_process_group: the test looks at what happened before it."""
+
+
+@pytest.fixture
+def gpus(monkeypatch):
+    """``gpus(n, **env)``: this process sees n CUDA devices and runs under a launcher that set
+    ``env`` (on top of torchrun-style RANK/WORLD_SIZE/MASTER_*); returns the record of
+    set_device calls and of the init_process_group call (which raises _InitCalled)."""
+    record = {"set_device": [], "init": None}
+
+    def setup(n, **env):
+        environ = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
+        environ.update(RANK="1", WORLD_SIZE="8", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+        environ.update({k: str(v) for k, v in env.items()})
+        monkeypatch.setattr(os, "environ", environ)
+        monkeypatch.setattr(th.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(th.cuda, "device_count", lambda: n)
+        monkeypatch.setattr(th.cuda, "set_device", record["set_device"].append)
+        monkeypatch.setattr(dist_util, "_device_index", None)
+
+        def init(**kwargs):
+            record["init"] = dict(kwargs, blocking_wait=os.environ.get("TORCH_NCCL_BLOCKING_WAIT"))
+            raise _InitCalled
+
+        monkeypatch.setattr(dist, "init_process_group", init)
+        return record
+
+    return setup
+
+
+@pytest.mark.parametrize("env, device", [
+    ({"LOCAL_RANK": 3, "LOCAL_WORLD_SIZE": 8}, 3),  # torchrun
+    ({"SLURM_LOCALID": 5, "SLURM_STEP_TASKS_PER_NODE": "8(x2)"}, 5),  # srun exporting RANK etc.
+    ({"OMPI_COMM_WORLD_LOCAL_RANK": 2, "OMPI_COMM_WORLD_LOCAL_SIZE": 8}, 2),
+    ({"MPI_LOCALRANKID": 6, "MPI_LOCALNRANKS": 8}, 6),
+    ({"MV2_COMM_WORLD_LOCAL_RANK": 7, "MV2_COMM_WORLD_LOCAL_SIZE": 8}, 7),
+], ids=["torchrun", "srun", "openmpi", "mpich", "mvapich"])
+def test_each_rank_takes_the_gpu_of_its_launchers_local_rank_before_the_process_group(
+        gpus, env, device):
+    record = gpus(8, **env)
+    with pytest.raises(_InitCalled):
+        dist_util.setup_dist()
+    assert record["set_device"] == [device]  # not cuda:0 for every rank of the node
+    assert record["init"]["backend"] == "nccl"
+    assert dist_util.get_local_rank() == device and dist_util.get_local_world_size() == 8
+
+
+def test_a_rank_that_sees_only_its_own_gpu_takes_cuda_0(gpus):
+    record = gpus(1, SLURM_LOCALID=5, SLURM_STEP_TASKS_PER_NODE="8")  # srun --gpus-per-task=1
+    with pytest.raises(_InitCalled):
+        dist_util.setup_dist()
+    assert record["set_device"] == [0]
+
+
+@pytest.mark.parametrize("env", [
+    {"LOCAL_RANK": 1, "LOCAL_WORLD_SIZE": 8},  # the node's 8 ranks, 4 GPUs: every rank knows
+    {"SLURM_LOCALID": 5},  # the count unknown: the rank without a GPU
+])
+def test_more_ranks_on_a_host_than_visible_gpus_is_one_line_before_the_process_group(gpus, env):
+    record = gpus(4, **env)
+    with pytest.raises(DeviceError) as e:
+        dist_util.setup_dist()
+    message = str(e.value)
+    assert "\n" not in message and "4 GPUs visible" in message
+    assert "one rank per GPU" in message and "--gpus-per-task=1" in message
+    assert record["set_device"] == [] and record["init"] is None
+
+
+def test_slurm_tasks_per_node_lists_are_read_for_this_node():
+    assert dist_util._slurm_tasks_on_this_node({"SLURM_STEP_TASKS_PER_NODE": "8(x4)"}) == 8
+    uneven = {"SLURM_STEP_TASKS_PER_NODE": "2(x3),1", "SLURM_NODEID": "3"}
+    assert dist_util._slurm_tasks_on_this_node(uneven) == 1
+    assert dist_util._slurm_tasks_on_this_node({"SLURM_TASKS_PER_NODE": "garbled"}) is None
+    assert dist_util._slurm_tasks_on_this_node({}) is None
+
+
+def _as_ranks(n, fn):
+    """Run fn(rank) in n threads (standing in for n ranks); returns {rank: result or error}."""
+    out = {}
+
+    def run(r):
+        try:
+            out[r] = fn(r)
+        except Exception as e:
+            out[r] = e
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    return out
+
+
+def test_without_any_launcher_variable_the_ranks_of_a_host_count_themselves_in_the_store():
+    store = dist.HashStore()
+    got = _as_ranks(3, lambda r: dist_util._store_local_split(store, 3, TIMEOUT))
+    assert sorted(got.values()) == [(0, 3), (1, 3), (2, 3)]
+
+
+def test_two_ranks_driving_one_gpu_both_stop_with_one_line_naming_it():
+    store = dist.HashStore()
+    uuids = ["GPU-a", "GPU-a", "GPU-b"]
+    got = _as_ranks(3, lambda r: dist_util._check_distinct_gpus(store, 3, r, uuids[r], TIMEOUT))
+    assert got[2] is None
+    for r in (0, 1):
+        assert isinstance(got[r], DeviceError)
+        assert "2 ranks drive the same GPU (GPU-a" in str(got[r]) and "\n" not in str(got[r])
+
+
+def test_cpu_threads_are_this_ranks_share_on_a_gpu_host_too(monkeypatch):
+    set_to = []
+    monkeypatch.setattr(th.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(th, "set_num_threads", set_to.append)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(dist_util, "_affinity", lambda: 48)
+    monkeypatch.setattr(os, "cpu_count", lambda: 48)
+    dist_util._set_threads(8)  # 8 ranks, no binding: 6 cores each, not all 48 for every rank
+    monkeypatch.setattr(dist_util, "_affinity", lambda: 6)
+    dist_util._set_threads(8)  # srun --cpus-per-task=6: the 6 it was given
+    assert set_to == [6, 6]
