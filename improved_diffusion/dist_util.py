@@ -632,6 +632,14 @@ def heartbeat_interval(timeout_s):
     return min(5.0, max(0.5, float(timeout_s) / 60.0))
 
 
+def watch_window(timeout_s):
+    """Seconds without a beat after which a watching heartbeat (NCCL) takes its neighbour for
+    lost: a few beats, and longer with a long ``timeout_s`` (a GIL held for a while delays a beat),
+    but well within the timeout, before NCCL's watchdog acts."""
+    interval = heartbeat_interval(timeout_s)
+    return max(2.5 * interval + 0.5, min(0.25 * float(timeout_s), 30.0))
+
+
 # Bound of one store operation made outside a collective (heartbeat marks, first_to_report,
 # the count of failed ranks): a healthy store answers in milliseconds.
 _STORE_CALL_S = 5.0
@@ -643,11 +651,21 @@ class _Heartbeat:
     ``interval`` seconds, through its own connection; ``state/{rank}`` says why a rank stopped
     ("exited", or "ended: cause" from ``end_job_after_error``). Keys live under a prefix of this
     launch, so a torchrun restart does not read the last attempt's beats.
+
+    With ``on_lost`` (NCCL, whose collectives do not raise in the host thread: its watchdog
+    aborts the process at the timeout), the thread also watches the next rank's beats (one store
+    read per beat, ring order) and the job's ``lost`` key: when the neighbour has not beaten for
+    ``watch_window`` seconds and recorded no state, or another rank found a loss, it calls
+    ``on_lost(RankLostError naming every lost rank)`` once, from this thread.
     """
 
-    def __init__(self, host, port, rank, world, timeout_s):
+    def __init__(self, host, port, rank, world, timeout_s, on_lost=None):
         self.host, self.port, self.rank, self.world = host, port, rank, world
         self.interval = heartbeat_interval(timeout_s)
+        self.window = watch_window(timeout_s)
+        self._on_lost = on_lost if world > 1 else None
+        self._neighbour = (rank + 1) % world
+        self._last_beat = (None, time.monotonic())  # the neighbour's count, when it changed
         self.prefix = _store_prefix() + "heartbeat/"
         self._lock = threading.Lock()
         self.store_lost = False  # set once peer_states found the store unreachable
@@ -667,8 +685,47 @@ class _Heartbeat:
             try:
                 with self._lock:
                     self._client.add(f"beat/{self.rank}", 1)
+                    found = self._on_lost is not None and self._look_for_loss()
             except Exception:
                 return  # the store is gone: the collectives will say so
+            if found:
+                self._report_loss(found)
+                return
+
+    def _look_for_loss(self):
+        """(Under the lock.) The job's recorded loss, or "neighbour" when the watched rank has
+        not beaten for the window and recorded no state; else None."""
+        if self._client.check(["lost"]):
+            return self._client.get("lost").decode()
+        count = self._client.add(f"beat/{self._neighbour}", 0)
+        now = time.monotonic()
+        if count != self._last_beat[0]:
+            self._last_beat = (count, now)
+            return None
+        if now - self._last_beat[1] < self.window:
+            return None
+        if self._client.check([f"state/{self._neighbour}"]):  # it stopped on purpose
+            self._on_lost = None  # (exited, or ended the job itself, which names its cause)
+            return None
+        return "neighbour"
+
+    def _report_loss(self, found):
+        """Name every lost rank (the first rank to find the loss records the line for all), then
+        hand it to on_lost."""
+        if found == "neighbour":
+            states = peer_states(self.window, hb=self)
+            lost = sorted(r for r, st in states.items() if st == "lost") or [self._neighbour]
+            message = (f"lost rank(s) {', '.join(map(str, lost))}: no heartbeat for "
+                       f"{self.window:.1f} s (the process or its host died)")
+            found = f"{','.join(map(str, lost))}|{message}"
+            try:  # the first rank's finding is the job's (the others read it at their next beat)
+                found = self.call(lambda c: c.compare_set("lost", "", found)).decode()
+            except Exception:
+                pass
+        ranks, _, message = found.partition("|")
+        err = RankLostError(f"{message}; ending the job (found by the heartbeats)")
+        err.lost = [int(r) for r in ranks.split(",") if r]
+        self._on_lost(err)
 
     def call(self, fn, seconds=_STORE_CALL_S):
         """``fn(client)`` under the lock, waited for at most ``seconds``: an operation on a store
@@ -704,8 +761,32 @@ class _Heartbeat:
 _heartbeat = None
 
 
+def _end_job_for_lost_ranks(error):
+    """What a watching heartbeat (NCCL) does with a loss, as after a failed collective on gloo:
+    the line naming the lost ranks (printed once for the job, then handed to the line hook), then
+    every rank ends with exit 1."""
+    message = str(error)
+    if first_to_report("lost"):
+        sys.stderr.write(f"error: {message}\n")
+        sys.stderr.flush()
+    if _error_line_hook is not None:
+        _error_line_hook(message)
+    end_job_after_error(1, cause=message, lost=error.lost)
+
+
+_error_line_hook = None
+
+
+def set_error_line_hook(hook):
+    """``hook(message)`` is called (in the heartbeat thread) with the error line of a job that
+    the heartbeats end (NCCL: a lost rank); cli.run_main writes it to the log files."""
+    global _error_line_hook
+    _error_line_hook = hook
+
+
 def _start_heartbeat(timeout):
-    """Start this rank's heartbeat when the process group's store is a TCPStore (best effort)."""
+    """Start this rank's heartbeat when the process group's store is a TCPStore (best effort);
+    on NCCL it also watches for lost ranks (see _Heartbeat)."""
     global _heartbeat
     _stop_heartbeat("restarted")
     store = dist.distributed_c10d._get_default_store()
@@ -715,8 +796,10 @@ def _start_heartbeat(timeout):
         return
     host = "127.0.0.1" if store.host in ("", "0.0.0.0", "::") else store.host
     try:
+        watch = dist.get_backend() == "nccl"
         _heartbeat = _Heartbeat(host, store.port, get_rank(), get_world_size(),
-                                timeout.total_seconds())
+                                timeout.total_seconds(),
+                                on_lost=_end_job_for_lost_ranks if watch else None)
     except Exception:
         _heartbeat = None  # no heartbeat: failures are still bounded by the timeout
 
@@ -728,15 +811,16 @@ def _stop_heartbeat(state):
         _heartbeat = None
 
 
-def peer_states(window_s=None):
+def peer_states(window_s=None, hb=None):
     """
     What became of the other ranks, from their heartbeats: ``{rank: state}`` for each rank that
     did not beat within ``window_s`` (default 2.5 heartbeat intervals): "lost" (no beat: the
     process or its host died) or the state it recorded ("exited", "ended: cause"). Ranks still
     beating are left out. Raises ``RankLostError`` when the store itself is unreachable (its host,
-    rank 0's under mpiexec, is gone). {} without a heartbeat. Not collective.
+    rank 0's under mpiexec, is gone). {} without a heartbeat. ``hb``: the heartbeat to ask
+    through (default this rank's). Not collective.
     """
-    hb = _heartbeat
+    hb = _heartbeat if hb is None else hb
     if hb is None:
         return {}
     window = window_s if window_s is not None else 2.5 * hb.interval + 0.5
