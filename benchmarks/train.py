@@ -6,8 +6,9 @@ medians over --repeat runs, and every ratio compares variants measured in the sa
 
 Variants (all on the same model, diffusion, batch and synthetic data; --variants picks them):
 
-- ``bare``: forward (diffusion.training_losses), backward, AdamW step; under mpiexec wrapped in
-  DDP. Nothing else: the reference for the loop's own overhead.
+- ``bare``: forward (diffusion.training_losses), backward, AdamW step (the loop's own optimizer,
+  train_util.make_adamw: fused where the device has it); under mpiexec wrapped in DDP. Nothing
+  else: the reference for the loop's own overhead.
 - ``loop``: the real TrainLoop.run_loop (flags exchange, device-side logging, dumpkvs every
   --log_interval steps, foreach EMA, fused AdamW); no checkpoint is written.
 - ``upstream``: the step as upstream computed it: einsum attention (legacy order), a per-parameter
@@ -15,7 +16,9 @@ Variants (all on the same model, diffusion, batch and synthetic data; --variants
   all-reduce per step, plain (for-loop) AdamW. The reference for "a step at least 10% faster".
 - ``einsum``: the bare loop with upstream's einsum attention instead of SDPA.
 - ``compile``: the bare loop with torch.compile of the model (compile time excluded: warm-up).
-- ``bf16``: the bare loop under torch.autocast(bfloat16) (SDPA takes its fused bf16 kernels).
+- ``bf16``: the bare loop under torch.autocast(bfloat16). The figure says which attention kernel
+  the model's attention can take there (``sdpa_flash``: true when an AttentionBlock runs with
+  only the flash backend allowed, as on CUDA for bf16; false: SDPA falls back to another kernel).
 
 Also printed: the EMA update alone, as a share of the loop's step (the target: at most 2%).
 
@@ -167,11 +170,34 @@ def child(args):
         print("RESULT " + json.dumps({"steps_per_s": steps / elapsed, "step_s": elapsed / steps,
                                       "peak_mb_per_rank": [round(p, 1) for p in peaks],
                                       "ema_s": ema_s, "device": device.type,
+                                      "sdpa_flash": _flash_takes_attention(model, device)
+                                      if args.variant == "bf16" else None,
                                       "threads": th.get_num_threads(), "world": world}),
               flush=True)
     if args.ranks > 1:
         dist_util.barrier()
         dist_util.cleanup()
+
+
+def _flash_takes_attention(model, device):
+    """Whether the model's first attention block runs under bf16 autocast on ``device`` with only
+    SDPA's flash backend allowed (False: SDPA would take another kernel there)."""
+    import torch as th
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from improved_diffusion.unet import AttentionBlock
+
+    block = next((m for m in model.modules() if isinstance(m, AttentionBlock)), None)
+    if block is None:
+        return None
+    x = th.randn(2, block.channels, 8, 8, device=device)
+    try:
+        with th.no_grad(), th.autocast(device_type=device.type, dtype=th.bfloat16), \
+                sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            block(x)
+    except RuntimeError:
+        return False
+    return True
 
 
 def _sync(device):
@@ -186,7 +212,7 @@ def _bare_step(variant, model, diffusion, device, world, batch):
     import torch as th
     from torch.nn.parallel.distributed import DistributedDataParallel as DDP
 
-    from improved_diffusion import dist_util, logger
+    from improved_diffusion import dist_util, logger, train_util
     from improved_diffusion.resample import UniformSampler
 
     sampler = UniformSampler(diffusion)
@@ -194,7 +220,10 @@ def _bare_step(variant, model, diffusion, device, world, batch):
     if variant == "compile":
         net = th.compile(net)
     params = list(model.parameters())
-    opt = th.optim.AdamW(params, lr=1e-4, foreach=False if variant == "upstream" else None)
+    if variant == "upstream":
+        opt = th.optim.AdamW(params, lr=1e-4, foreach=False)
+    else:  # the loop's optimizer: the loop's overhead is measured against the same step
+        opt = train_util.make_adamw(params, lr=1e-4, weight_decay=0.0)
     ema = [p.detach().clone() for p in params]
 
     def step(x):
@@ -289,6 +318,7 @@ def parent(args):
         batch = _flags(args.config)[1] * args.ranks
         print(json.dumps({"figure": f"train_{v}_steps_per_s", "value": round(1 / med[v], 4),
                           "samples_per_s": round(batch / med[v], 2),
+                          **({"sdpa_flash": r[0]["sdpa_flash"]} if v == "bf16" else {}),
                           "peak_mb_per_rank": max((x["peak_mb_per_rank"] for x in r),
                                                   key=max),
                           "device": r[0]["device"], **base}), flush=True)

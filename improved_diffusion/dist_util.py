@@ -1171,23 +1171,31 @@ def sync_params(params):
 def _broadcast_bytes(data, nbytes):
     """Broadcast ``data`` (bytes-like on rank 0, ignored elsewhere) of length ``nbytes`` from rank
     0, in pieces of at most _CHUNK_BYTES; the other ranks receive straight into one preallocated
-    bytearray. Returns rank 0's ``data`` itself, the bytearray elsewhere (no other copy)."""
+    bytearray. Returns rank 0's ``data`` itself, the bytearray elsewhere (no other copy). On a
+    GPU backend (NCCL) each piece travels through one device buffer: rank 0 copies its piece in,
+    the others receive into it as it is (never a host piece copied up first) and copy it out."""
     device = _comm_device()
-    buf = data if get_rank() == 0 else bytearray(nbytes)
+    rank = get_rank()
+    buf = data if rank == 0 else bytearray(nbytes)
     if nbytes == 0:
         return buf
     with warnings.catch_warnings():  # rank 0's bytes are only read (the source of a broadcast)
         warnings.simplefilter("ignore")
         host = th.frombuffer(buf, dtype=th.uint8)
+    on_device = None
     for start in range(0, nbytes, _CHUNK_BYTES):
         piece = host[start:start + _CHUNK_BYTES]
         if device.type == "cpu":
             dist.broadcast(piece, 0)
-        else:
-            moved = piece.to(device)
-            dist.broadcast(moved, 0)
-            if get_rank() != 0:
-                piece.copy_(moved.cpu())
+            continue
+        if on_device is None:
+            on_device = th.empty(min(nbytes, _CHUNK_BYTES), dtype=th.uint8, device=device)
+        moved = on_device[:piece.numel()]
+        if rank == 0:
+            moved.copy_(piece)
+        dist.broadcast(moved, 0)
+        if rank != 0:
+            piece.copy_(moved)
     return buf
 
 

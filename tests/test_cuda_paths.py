@@ -209,3 +209,31 @@ def test_the_heartbeat_watches_for_lost_ranks_on_nccl_only(store_server, monkeyp
         watching[backend] = dist_util._heartbeat._on_lost
         dist_util._stop_heartbeat("exited")
     assert watching == {"nccl": dist_util._end_job_for_lost_ranks, "gloo": None}
+
+
+# ------------------------------------------------------------------------------ broadcasts
+
+
+def test_a_receiving_rank_sends_nothing_to_the_gpu_before_a_broadcast(monkeypatch):
+    """Receivers broadcast into an empty device buffer: copying their zeroed 64 MiB host piece up
+    first was a wasted host-to-device transfer per piece."""
+    copies = []
+    real_copy = th.Tensor.copy_
+
+    def copy_(dst, src, *args, **kwargs):
+        copies.append((src.device.type, dst.device.type))
+        return dst if "meta" in (src.device.type, dst.device.type) else real_copy(dst, src)
+
+    monkeypatch.setattr(th.Tensor, "copy_", copy_)
+    monkeypatch.setattr(th.Tensor, "to", lambda *a, **k: pytest.fail("a tensor was moved"))
+    monkeypatch.setattr(dist_util, "_comm_device", lambda: th.device("meta"))  # "the GPU"
+    monkeypatch.setattr(dist_util, "_CHUNK_BYTES", 4)
+    sent = []
+    monkeypatch.setattr(dist, "broadcast", lambda t, src: sent.append((t.device.type, t.numel())))
+    for rank in (1, 0):
+        monkeypatch.setattr(dist_util, "get_rank", lambda: rank)
+        dist_util._broadcast_bytes(b"0123456789" if rank == 0 else None, 10)
+    assert sent == [("meta", 4), ("meta", 4), ("meta", 2)] * 2
+    receiver, sender = copies[:3], copies[3:]
+    assert receiver == [("meta", "cpu")] * 3  # device -> host only
+    assert sender == [("cpu", "meta")] * 3
