@@ -237,3 +237,21 @@ def test_a_receiving_rank_sends_nothing_to_the_gpu_before_a_broadcast(monkeypatc
     receiver, sender = copies[:3], copies[3:]
     assert receiver == [("meta", "cpu")] * 3  # device -> host only
     assert sender == [("cpu", "meta")] * 3
+
+
+# ------------------------------------------------------------------------------ async saves
+
+
+def test_a_host_snapshot_waits_for_the_devices_it_copied_from(monkeypatch):
+    """The copies into pinned buffers run on the source tensors' device: each one is
+    synchronised, not only the current device (a process on cuda:1 copied while it waited on
+    cuda:0)."""
+    from improved_diffusion import async_save
+
+    synced = []
+    monkeypatch.setattr(th.cuda, "synchronize", lambda device=None: synced.append(device))
+    async_save.wait_for_copies({th.device("cuda", 1), th.device("cuda", 3)})
+    assert synced == [th.device("cuda", 1), th.device("cuda", 3)]
+    synced.clear()
+    async_save.HostSnapshot().copy({"w": th.ones(3)})  # CPU copies block: nothing to wait for
+    assert synced == []
