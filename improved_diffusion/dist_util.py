@@ -1339,7 +1339,7 @@ def all_gather_varlen(tensor):
     n = th.tensor([tensor.numel()], dtype=th.int64, device=device)
     sizes = [th.zeros_like(n) for _ in range(world)]
     dist.all_gather(sizes, n)
-    sizes = [int(x.item()) for x in sizes]
+    sizes = th.cat(sizes).tolist()  # one host transfer
     padded = th.zeros(max(sizes), dtype=tensor.dtype, device=device)
     padded[: tensor.numel()] = tensor.reshape(-1).to(device)
     out = [th.zeros_like(padded) for _ in range(world)]

@@ -255,3 +255,28 @@ def test_a_host_snapshot_waits_for_the_devices_it_copied_from(monkeypatch):
     synced.clear()
     async_save.HostSnapshot().copy({"w": th.ones(3)})  # CPU copies block: nothing to wait for
     assert synced == []
+
+
+# ------------------------------------------------------------------------------ host syncs
+
+
+def test_the_loss_aware_sampler_reads_a_microbatchs_losses_in_one_host_transfer(monkeypatch):
+    """On a GPU every .item() is a host sync: the sampler took two per sample of the global batch,
+    every microbatch."""
+    from improved_diffusion.resample import LossSecondMomentResampler
+
+    class _Diffusion:
+        num_timesteps = 4
+
+    reads = []
+    for name in ("item", "tolist", "numpy", "cpu"):
+        real = getattr(th.Tensor, name)
+        monkeypatch.setattr(th.Tensor, name, lambda self, *a, _n=name, _r=real, **k:
+                            reads.append(_n) or _r(self, *a, **k))
+    sampler = LossSecondMomentResampler(_Diffusion(), history_per_term=2)
+    sampler.update_with_local_losses(th.tensor([1, 2, 2, 3]), th.tensor([0.5, 1.5, 2.5, 0.25]))
+    assert reads == ["tolist"]
+    monkeypatch.undo()
+    assert sampler._loss_counts.tolist() == [0, 1, 2, 1]
+    assert sampler._loss_history[2].tolist() == [1.5, 2.5]
+    assert sampler._loss_history[3][0] == 0.25
