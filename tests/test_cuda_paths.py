@@ -280,3 +280,33 @@ def test_the_loss_aware_sampler_reads_a_microbatchs_losses_in_one_host_transfer(
     assert sampler._loss_counts.tolist() == [0, 1, 2, 1]
     assert sampler._loss_history[2].tolist() == [1.5, 2.5]
     assert sampler._loss_history[3][0] == 0.25
+
+
+# ------------------------------------------------------------------------------ sampling
+
+
+def test_sampling_noise_is_drawn_on_the_models_device_by_per_sample_generators(monkeypatch):
+    """On CUDA the noise was drawn on the CPU row by row and copied to the GPU at every step."""
+    from improved_diffusion import sampling
+
+    made, drawn = [], []
+
+    class Generator:
+        def __init__(self, device):
+            self.device = th.device(device)
+            made.append(self.device)
+
+        def manual_seed(self, seed):
+            self.seed = seed
+            return self
+
+    def randn(shape, generator, device, dtype):
+        drawn.append((generator.device, th.device(device)))
+        return th.full(shape, float(generator.seed), dtype=dtype)
+
+    monkeypatch.setattr(th, "Generator", Generator)
+    monkeypatch.setattr(th, "randn", randn)
+    noise = sampling.PerSampleRandn([3, 5], device="cuda:1")(th.empty(2, 1, 2))
+    cuda1 = th.device("cuda", 1)
+    assert made == [cuda1, cuda1] and drawn == [(cuda1, cuda1)] * 2
+    assert noise[:, 0, 0].tolist() == [3.0, 5.0]  # row j from generator j
