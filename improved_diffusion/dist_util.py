@@ -216,6 +216,27 @@ def local_device_index(local_rank, local_world, visible):
     return local_rank
 
 
+# cuBLAS's workspace setting for reproducible results (NVIDIA's cuBLAS docs, "Results
+# reproducibility"): read when cuBLAS makes its first handle.
+CUBLAS_DETERMINISTIC_WORKSPACE = ":4096:8"
+
+
+def set_deterministic(on):
+    """``--deterministic True``: deterministic kernels wherever torch has them
+    (``torch.use_deterministic_algorithms``, warning once for an op that has none), cuDNN's
+    deterministic algorithms without autotuning, and cuBLAS's fixed workspace
+    (``CUBLAS_WORKSPACE_CONFIG``, unless set already); a ProcessGroupNCCL created afterwards
+    also leaves out NCCL's NVLS all-reduce (recent torch), whose sums are not reproducible. Call
+    before CUDA initialises and before the process group exists (train_job.start_job calls it
+    first). ``on`` False: nothing changes (torch's defaults: fast, not reproducible on a GPU)."""
+    if not on:
+        return
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_DETERMINISTIC_WORKSPACE)
+    th.use_deterministic_algorithms(True, warn_only=True)
+    th.backends.cudnn.deterministic = True
+    th.backends.cudnn.benchmark = False
+
+
 def as_timedelta(timeout):
     """``timeout`` (seconds, int/float, or a timedelta) as a timedelta; must be finite and > 0."""
     seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else timeout

@@ -310,3 +310,25 @@ def test_sampling_noise_is_drawn_on_the_models_device_by_per_sample_generators(m
     cuda1 = th.device("cuda", 1)
     assert made == [cuda1, cuda1] and drawn == [(cuda1, cuda1)] * 2
     assert noise[:, 0, 0].tolist() == [3.0, 5.0]  # row j from generator j
+
+
+# ------------------------------------------------------------------------------ --deterministic
+
+
+@pytest.fixture
+def torch_determinism():
+    """Restores torch's global determinism settings after the test."""
+    saved = (th.are_deterministic_algorithms_enabled(),
+             th.is_deterministic_algorithms_warn_only_enabled(),
+             th.backends.cudnn.deterministic, th.backends.cudnn.benchmark)
+    yield
+    th.use_deterministic_algorithms(saved[0], warn_only=saved[1])
+    th.backends.cudnn.deterministic, th.backends.cudnn.benchmark = saved[2:]
+
+
+def test_without_deterministic_torchs_settings_are_left_alone(monkeypatch, torch_determinism):
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    before = th.are_deterministic_algorithms_enabled()
+    dist_util.set_deterministic(False)
+    assert th.are_deterministic_algorithms_enabled() == before
+    assert "CUBLAS_WORKSPACE_CONFIG" not in os.environ
