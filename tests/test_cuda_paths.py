@@ -326,6 +326,28 @@ def torch_determinism():
     th.backends.cudnn.deterministic, th.backends.cudnn.benchmark = saved[2:]
 
 
+def test_deterministic_is_off_by_default_and_set_before_cuda_and_the_process_group(
+        monkeypatch, torch_determinism):
+    from improved_diffusion import script_util, train_job
+
+    assert script_util.train_defaults()["deterministic"] is False
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    th.backends.cudnn.benchmark = True  # as a user's import might leave it
+    seen = {}
+
+    def setup_dist(timeout):
+        seen.update(algorithms=th.are_deterministic_algorithms_enabled(),
+                    cudnn=(th.backends.cudnn.deterministic, th.backends.cudnn.benchmark),
+                    cublas=os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
+        raise _InitCalled
+
+    monkeypatch.setattr(dist_util, "setup_dist", setup_dist)
+    args = type("Args", (), dict(script_util.train_defaults(), deterministic=True))()
+    with pytest.raises(_InitCalled):
+        train_job.start_job(args)
+    assert seen == {"algorithms": True, "cudnn": (True, False), "cublas": ":4096:8"}
+
+
 def test_without_deterministic_torchs_settings_are_left_alone(monkeypatch, torch_determinism):
     monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
     before = th.are_deterministic_algorithms_enabled()
