@@ -30,9 +30,11 @@ if [ "$MODE" = gpu ]; then
         echo "gpu_check: no CUDA GPU visible; nothing to check (--cpu checks the script)" >&2
         exit 1
     fi
-    TRAIN_CONFIG=bench BF16_CONFIG=cifar10 RANKS=$NGPU
-else
-    NGPU=0 TRAIN_CONFIG=tiny BF16_CONFIG=tiny RANKS=2
+    TRAIN_CONFIG=bench BF16_CONFIG=cifar10 RANKS=$NGPU STEPS=(--steps 30 --warmup 5)
+    BF16_STEPS=(--steps 20 --warmup 5) SIZES=10M,60M RUN_STEPS=20
+else  # the script's own check: every part, at sizes a 2-core CPU runs within the budgets
+    NGPU=0 TRAIN_CONFIG=tiny BF16_CONFIG=tiny RANKS=2 STEPS=(--steps 5 --warmup 2)
+    BF16_STEPS=(--steps 3 --warmup 1) SIZES=10M RUN_STEPS=10
     export OMP_NUM_THREADS=1
 fi
 WORK=$(mktemp -d); trap 'rm -rf "$WORK"' EXIT
@@ -41,18 +43,16 @@ fail() { echo "gpu_check: FAILED: $*" >&2; exit 1; }
 part() { echo "== $1 (budget $2 s; $((SECONDS - START)) s so far)" >&2; }
 
 part "training ($MODE, $RANKS rank(s))" 70
-timeout 70 "$PY" benchmarks/train.py --config "$TRAIN_CONFIG" --ranks "$RANKS" --steps 30 \
-    --warmup 5 --repeat 1 --variants bare,loop,upstream --attention_reps 0 \
-    || fail "training benchmark (70 s)"
+timeout 70 "$PY" benchmarks/train.py --config "$TRAIN_CONFIG" --ranks "$RANKS" "${STEPS[@]}" \
+    --repeat 1 --variants bare,loop,upstream --attention_reps 0 || fail "training benchmark (70 s)"
 
 part "bf16 vs fp32" 40
-timeout 40 "$PY" benchmarks/train.py --config "$BF16_CONFIG" --steps 20 --warmup 5 --repeat 1 \
+timeout 40 "$PY" benchmarks/train.py --config "$BF16_CONFIG" "${BF16_STEPS[@]}" --repeat 1 \
     --variants bare,bf16 --attention_reps 0 || fail "bf16 vs fp32 benchmark (40 s)"
 
 part "saves" 90
-SIZES=10M,60M; [ "$MODE" = cpu ] && SIZES=10M
 timeout 90 "$PY" benchmarks/checkpoint.py --sizes "$SIZES" --repeat 1 --figures save,run \
-    --run_steps 20 --dir "$WORK/ckpt" || fail "checkpoint benchmark (90 s)"
+    --run_steps "$RUN_STEPS" --dir "$WORK/ckpt" || fail "checkpoint benchmark (90 s)"
 
 part "2-rank resume with --deterministic True must be bitwise" 90
 [ "$MODE" = gpu ] && [ "$NGPU" -lt 2 ] && RANKS=1

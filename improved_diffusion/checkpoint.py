@@ -1095,9 +1095,10 @@ def write_file(path, obj):
 
         out = _ChecksumWriter(buf, reread)
         _save_into(obj, out)
+        info = out.digest()
         with bf.BlobFile(path, "wb") as f:
             f.write(buf.getbuffer())
-        return out.digest()
+        return info
 
     d = dirname(path)
     tmp = os.path.join(d, f"{basename(path)}.tmp-{uuid.uuid4().hex}")
@@ -1107,8 +1108,8 @@ def write_file(path, obj):
                                   writeback=f.fileno())
             _save_into(obj, out)
             f.flush()
+            info = out.digest()
             os.fsync(f.fileno())
-        info = out.digest()
         try:
             os.link(tmp, path)
         except FileExistsError:
@@ -1149,11 +1150,12 @@ class _ChecksumWriter:
 
     The CRC of a tensor's bytes costs nothing here: torch's zip writer computes each record's
     CRC-32 anyway and writes it in the data descriptor (``PK\x07\x08``) right after the
-    record's data. A large write (``LARGE`` bytes or more) is therefore not read; when the next
-    write is the descriptor of a record of that size, its CRC is combined into the file's
+    record's data. A large write (``LARGE`` bytes or more) where a record's data begins (after
+    a local header ``PK\x03\x04``, its name and extra field) is therefore not read; when the
+    next write is the descriptor of a record of that size, its CRC is combined into the file's
     (crc32_combine), and any other pattern (a record written in pieces, another writer) reads
-    the bytes back (``reread(offset, n)``, from the file as written) and computes it. Smaller
-    writes are CRC'd as they pass. The file's CRC is that of all its bytes, whoever computed
+    the bytes back (``reread(offset, n)``, from the file as written) and computes it. Every
+    other write is CRC'd as it passes. The file's CRC is that of all its bytes, whoever computed
     which part (file_digest gives the same).
 
     ``writeback``: the file descriptor whose written bytes the kernel is asked to start writing
@@ -1170,6 +1172,7 @@ class _ChecksumWriter:
         self._writeback = writeback if _sync_file_range() is not None else None
         self._crc = 0
         self._pending = None  # (offset, nbytes) of a large write whose CRC is not known yet
+        self._data_at = None  # where the data of the record whose local header passed begins
         self._started = 0  # bytes handed to writeback so far
         self.size = 0
         self.error = None
@@ -1179,7 +1182,10 @@ class _ChecksumWriter:
         n = view.nbytes
         if self._pending is not None:
             self._resolve_pending(view)
-        if n >= self.LARGE:
+        if n == 30 and view[:4] == b"PK\x03\x04":  # a local header: name, extra, then the data
+            self._data_at = self.size + 30 + int.from_bytes(view[26:28], "little") \
+                + int.from_bytes(view[28:30], "little")
+        if n >= self.LARGE and self.size == self._data_at:
             self._pending = (self.size, n)
         else:
             self._crc = zlib.crc32(view, self._crc)
@@ -1222,7 +1228,8 @@ class _ChecksumWriter:
         return self._f.flush()
 
     def digest(self):
-        """{"size", CHECKSUM} of everything written so far (file_digest's format)."""
+        """{"size", CHECKSUM} of everything written so far (file_digest's format); call it while
+        the file is open (a large last write is read back)."""
         if self._pending is not None:
             self._resolve_pending(memoryview(b""))
         return {"size": self.size, CHECKSUM: f"{self._crc:08x}"}

@@ -416,15 +416,20 @@ def test_crc32_combine_is_zlibs_crc_of_the_concatenation():
         assert C.crc32_combine(zlib.crc32(a), zlib.crc32(b), len_b) == zlib.crc32(a + b)
 
 
+HEADER = b"PK\x03\x04" + bytes(22) + (4).to_bytes(2, "little") + bytes(2)  # a 4-byte name
+DATA = bytes(range(256)) * 512  # 128 KiB
+
+
 @pytest.mark.parametrize("pieces", [
-    [b"PK\x03\x04" + bytes(26), bytes(range(256)) * 512, b"tail"],  # large, not a descriptor
-    [bytes(200000), bytes(300000)],  # two large writes in a row
-    [bytes(70000), b"PK\x07\x08" + bytes(12)],  # a "descriptor" whose size is not the record's
-    [b"x" * 10, bytes(70000)],  # large last write
+    [HEADER, b"name", DATA, b"tail"],  # the record's data, then no descriptor
+    [HEADER, b"name", DATA, DATA],  # the data in two pieces
+    [HEADER, b"name", DATA, b"PK\x07\x08" + bytes(12)],  # a descriptor of another size
+    [HEADER, b"name", DATA],  # the data last
+    [b"x" * 10, DATA, DATA],  # large writes that are no record's data
 ])
 def test_the_writers_crc_is_the_files_whatever_the_write_pattern(tmp_path, pieces):
-    """Large writes are left to the record CRC torch writes after them; any other pattern is
-    read back from the file: the file's CRC-32 either way."""
+    """A record's large data is left to the CRC torch writes after it; any other pattern is
+    read back from the file or CRC'd as it passes: the file's CRC-32 either way."""
     path = tmp_path / "f.bin"
     with open(path, "wb") as f, open(path, "rb") as back:
         out = C._ChecksumWriter(f, reread=lambda o, n: os.pread(back.fileno(), n, o))
@@ -442,6 +447,7 @@ def test_a_torch_file_gets_its_crc_from_the_records_crcs_without_reading_them_ba
     real = os.pread
     monkeypatch.setattr(os, "pread", lambda fd, n, o: reads.append(n) or real(fd, n, o))
     sd = {f"w{i}": th.randn(20000 + i) for i in range(5)}  # records of 80 KB and more
+    sd.update({f"b{i}": th.ones(1) for i in range(1200)})  # a central directory of > 64 KB
     info = C.write_file(str(tmp_path / "model000001.pt"), C.model_payload(1, sd, None))
     data = (tmp_path / "model000001.pt").read_bytes()
     assert info == {"size": len(data), "crc32": f"{zlib.crc32(data):08x}"} and reads == []
@@ -573,3 +579,22 @@ def test_a_flipped_byte_inside_a_tensor_record_is_caught_by_the_zip_crc(tmp_path
     assert th.load(damaged, weights_only=True)["w"].abs().sum() > 0  # loads silently, damaged
     with pytest.raises(C.CheckpointError, match="CRC mismatch"):
         C.load_file(damaged)
+
+
+def test_a_save_written_in_two_large_pieces_gets_the_files_crc(tmp_path, monkeypatch):
+    """A torch.save that hands the file over in two halves (as tests/slow_save_train.py does):
+    the checksum is still the file's (it once failed: 'flush of closed file')."""
+    real = th.save
+
+    def two_halves(obj, f):
+        buf = io.BytesIO()
+        real(obj, buf)
+        data = buf.getvalue()
+        f.write(data[:len(data) // 2])
+        f.write(data[len(data) // 2:])
+
+    monkeypatch.setattr(C.th, "save", two_halves)
+    sd = {"w": th.randn(100000)}
+    info = C.write_file(str(tmp_path / "model000001.pt"), C.model_payload(1, sd, None))
+    data = (tmp_path / "model000001.pt").read_bytes()
+    assert info == {"size": len(data), "crc32": f"{zlib.crc32(data):08x}"}
