@@ -177,7 +177,7 @@ def bench_save(size, d, repeat, cmd, keep_path):
         loop.run_step(*batch)  # a training step while the writer runs
         during = time.perf_counter() - t1
         loop.step = step  # run_step counted one
-        _, total, _, _ = loop.checkpointer.wait_for_save()  # from the save's start until the step is on disk
+        _, total, _, _ = loop.checkpointer.wait_for_save()  # from the save's start: on disk
         sizes = [os.path.getsize(os.path.join(d, n)) for n in step_files(d, step)]
         drop_step(d, step)
         rows["first_pause" if r == 0 else "pause"].append(pause)
@@ -224,12 +224,14 @@ def timed_run(loop, steps, save_interval):
     only at the end, which run_loop does in any case), until the last save is on disk; then the
     step's files are removed. Returns (seconds, saves)."""
     first = loop.step
-    loop.max_steps, loop.save_interval = first + steps, save_interval
+    loop.config = dataclasses.replace(loop.config, max_steps=first + steps)
+    loop.save_interval = save_interval
     t0 = time.perf_counter()
     loop.run_loop()
     took = time.perf_counter() - t0
-    for step in {int(n[5:11]) for n in os.listdir(loop.log_dir) if n.startswith("model")}:
-        drop_step(loop.log_dir, step)
+    log_dir = loop.config.checkpoint.log_dir
+    for step in {int(n[5:11]) for n in os.listdir(log_dir) if n.startswith("model")}:
+        drop_step(log_dir, step)
     last = first + steps
     every = [s for s in range(first + 1, last + 1) if save_interval and s % save_interval == 0]
     return took, len(every) + (0 if every and every[-1] == last else 1)  # + run_loop's final save
@@ -278,7 +280,7 @@ def bench_run(size, d, repeat, steps, cmd):
          step_s=round(statistics.median(step_s), 4), raw_write_fsync_s=round(raw, 4),
          pause_s=round(statistics.median(p for _, p in logged), 4),
          background_write_s=round(statistics.median(t for t, _ in logged), 4),
-         async_save=loop.async_save, repeats=repeat)
+         async_save=loop.checkpointer.config.async_save, repeats=repeat)
 
 
 # ------------------------------------------------------------------------------------ loading
