@@ -17,10 +17,13 @@ state, as the trainer saves them), measured side by side in the same run, on the
   saving every 10 steps, against the same run saving only at its end, on the compute-light model
   of the same size (sizes.LIGHT: the same parameters and bytes on 8x8 images, one thread, batch
   1, --keep_checkpoints 2); the extra wall time per extra save, over the raw write of the same
-  bytes, with the pause of each save (``pause_s``) and the time its background write took;
+  bytes, with the pause of each save (``pause_s``), the rest of the extra time
+  (``extra_beyond_pause_s``: the steps slowed by the writer beside them) and the time its
+  background write took;
 - ``save_async_pause_s``: how long TrainLoop.save() holds training with --async_save True (the
   weights check, the RNG gather, the host copy into reused buffers; ``save_async_first_pause_s``:
-  the first save, which allocates the buffers); ``save_async_total_s``: until its files and
+  the first save, which allocates the buffers), beside ``host_memcpy_s``: a plain copy of the
+  step's bytes between preallocated host buffers (the bound of the pause on a CPU); ``save_async_total_s``: until its files and
   manifest are on disk (fsync'd); ``step_s_during_async_save`` vs ``step_s``: one training step
   while the writer runs, and alone;
 - ``load_2ranks_s``: checkpoint.load_file_collective of the step's opt file (its largest) on 2 ranks
@@ -130,6 +133,23 @@ def random_bytes():
     return np.random.default_rng(0).integers(0, 256, 64 << 20, dtype=np.uint8).tobytes()
 
 
+def memcpy_s(nbytes):
+    """Seconds to copy ``nbytes`` between two preallocated host buffers (torch's copy_, in 256 MiB
+    pieces): what the host copy of an async save cannot beat on a CPU (median of 3)."""
+    import torch as th
+
+    piece = min(nbytes, 256 << 20)
+    src = th.randint(0, 256, (piece,), dtype=th.uint8)
+    dst = th.empty_like(src)
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for left in range(nbytes, 0, -piece):
+            dst[:min(left, piece)].copy_(src[:min(left, piece)])
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def timed_save(loop, step, async_save):
     """Seconds TrainLoop.save() held the caller for a save of ``step``."""
     loop.step = step
@@ -199,8 +219,10 @@ def bench_save(size, d, repeat, cmd, keep_path):
     med = {k: statistics.median(v) for k, v in rows.items()}
     common = dict(size=size, params=params, step_bytes=nbytes, repeats=repeat)
     raw = med["raw"]
+    memcpy = memcpy_s(nbytes)
     emit("save_async_pause_s", med["pause"], "s", cmd, **common,
-         over_raw_write=round(med["pause"] / raw, 4))
+         over_raw_write=round(med["pause"] / raw, 4), host_memcpy_s=round(memcpy, 4),
+         over_host_memcpy=round(med["pause"] / memcpy, 4))
     emit("save_async_first_pause_s", med["first_pause"], "s", cmd, **common,
          over_raw_write=round(med["first_pause"] / raw, 4))
     emit("save_async_total_s", med["total"], "s", cmd, **common,
@@ -273,12 +295,14 @@ def bench_run(size, d, repeat, steps, cmd):
         logged = [tuple(map(float, m.groups())) for m in re.finditer(
             r"saved step \d+ to .* in ([\d.]+) s \(training paused ([\d.]+) s\)", f.read())]
     extra = (every - once) / (saves[10] - saves[0])
+    pause = statistics.median(p for _, p in logged)
     emit("save_every_10_steps_extra_wall_over_raw_write", extra / raw, "ratio", cmd, size=size,
          params=params, step_bytes=sum(sizes), goal="<= 0.10", model="light (8x8 images)",
          steps=steps, saves=[saves[10], saves[0]], extra_s_per_save=round(extra, 4),
          run_s_saving_every_10=round(every, 3), run_s_saving_once=round(once, 3),
          step_s=round(statistics.median(step_s), 4), raw_write_fsync_s=round(raw, 4),
-         pause_s=round(statistics.median(p for _, p in logged), 4),
+         pause_s=round(pause, 4), pause_over_raw_write=round(pause / raw, 4),
+         extra_beyond_pause_s=round(extra - pause, 4),
          background_write_s=round(statistics.median(t for t, _ in logged), 4),
          async_save=loop.checkpointer.config.async_save, repeats=repeat)
 
