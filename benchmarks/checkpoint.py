@@ -244,8 +244,12 @@ def bench_save(size, d, repeat, cmd, keep_path):
 def timed_run(loop, steps, save_interval):
     """Seconds of loop.run_loop() for ``steps`` more steps, saving every ``save_interval`` (0:
     only at the end, which run_loop does in any case), until the last save is on disk; then the
-    step's files are removed. Returns (seconds, saves)."""
-    first = loop.step
+    step's files are removed. The run starts at a multiple of 10 (the step counter moves on):
+    with ``steps`` a multiple of 10 too, its last step is an interval save and the final save is
+    that one, as in a run whose --max_steps is a multiple of --save_interval (otherwise the final
+    save, one step after an interval save, would wait for that one's background write). Returns
+    (seconds, saves)."""
+    loop.step = first = -(-loop.step // 10) * 10
     loop.config = dataclasses.replace(loop.config, max_steps=first + steps)
     loop.save_interval = save_interval
     t0 = time.perf_counter()
@@ -374,7 +378,8 @@ def main():
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--figures", default="save,run,load",
                     help="which: save (pause, sync save), run (saving every 10 steps), load")
-    ap.add_argument("--run_steps", type=int, default=40, help="steps of each run (run figure)")
+    ap.add_argument("--run_steps", type=int, default=40,
+                    help="steps of each run (run figure; a multiple of 10, >= 20)")
     ap.add_argument("--_save", help=argparse.SUPPRESS)
     ap.add_argument("--_run", help=argparse.SUPPRESS)
     ap.add_argument("--_load", help=argparse.SUPPRESS)
@@ -382,6 +387,8 @@ def main():
     ap.add_argument("--keep", help=argparse.SUPPRESS)
     ap.add_argument("--cmd", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.run_steps < 20 or args.run_steps % 10:
+        ap.error(f"--run_steps must be a multiple of 10, at least 20 (got {args.run_steps})")
     if args._load:
         return load_once(args._load, args.mode)
     if args._save:

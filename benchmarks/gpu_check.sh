@@ -34,7 +34,7 @@ if [ "$MODE" = gpu ]; then
     BF16_STEPS=(--steps 20 --warmup 5) SIZES=10M,60M RUN_STEPS=20
 else  # the script's own check: every part, at sizes a 2-core CPU runs within the budgets
     NGPU=0 TRAIN_CONFIG=tiny BF16_CONFIG=tiny RANKS=2 STEPS=(--steps 5 --warmup 2)
-    BF16_STEPS=(--steps 3 --warmup 1) SIZES=10M RUN_STEPS=10
+    BF16_STEPS=(--steps 3 --warmup 1) SIZES=10M RUN_STEPS=20
     export OMP_NUM_THREADS=1
 fi
 WORK=$(mktemp -d); trap 'rm -rf "$WORK"' EXIT
