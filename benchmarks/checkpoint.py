@@ -1,16 +1,31 @@
-"""Checkpoint cost: the training pause per save, the whole save, the load (issue 11).
+"""Checkpoint cost: the training pause per save, the whole save, what saves cost a run, the load
+(issues 11, 20).
 
-For UNets of about 10M, 60M and 250M parameters (model + one EMA + AdamW state, as the trainer
-saves them), measured side by side in the same run, on the same disk (--dir):
+For UNets of about 10M, 60M and 250M parameters (benchmarks/sizes.py; model + one EMA + AdamW
+state, as the trainer saves them), measured side by side in the same run, on the same disk
+(--dir):
 
+- ``save_sync_bandwidth_over_raw_write`` (goal >= 0.70): the bytes of a step over the time of
+  TrainLoop.save() with --async_save False (``save_sync_s``: the weights check, the RNG gather,
+  serialising, checksums, writing, fsyncs), against ``raw_write_fsync_s``, the reference:
+  writing the same number of bytes, in as many files, from memory with plain write() + fsync
+  (+ the directory's fsync), in the same directory. ``raw_write_writeback_s``: the same raw write
+  asking the kernel to start writeback every 32 MiB, as the checkpoint writer does (what the
+  disk itself allows);
+- ``save_every_10_steps_extra_wall_over_raw_write`` (goal <= 0.10): what saves cost a whole run:
+  the real TrainLoop.run_loop of ``--run_steps`` steps (default 40, async saves, the default)
+  saving every 10 steps, against the same run saving only at its end, on the compute-light model
+  of the same size (sizes.LIGHT: the same parameters and bytes on 8x8 images, one thread, batch
+  1, --keep_checkpoints 2); the extra wall time per extra save, over the raw write of the same
+  bytes, with the pause of each save (``pause_s``), the rest of the extra time
+  (``extra_beyond_pause_s``: the steps slowed by the writer beside them) and the time its
+  background write took;
 - ``save_async_pause_s``: how long TrainLoop.save() holds training with --async_save True (the
   weights check, the RNG gather, the host copy into reused buffers; ``save_async_first_pause_s``:
-  the first save, which allocates the buffers); ``save_async_total_s``: until
-  its files and manifest are on disk (fsync'd);
-- ``save_sync_s``: TrainLoop.save() with --async_save False (pause = total);
-- ``raw_write_fsync_s``: the reference: writing the same number of bytes, in as many files, from
-  memory with plain write() + fsync (+ the directory's fsync), in the same directory;
-- ``step_s_during_async_save`` vs ``step_s``: one training step while the writer runs, and alone;
+  the first save, which allocates the buffers), beside ``host_memcpy_s``: a plain copy of the
+  step's bytes between preallocated host buffers (the bound of the pause on a CPU); ``save_async_total_s``: until its files and
+  manifest are on disk (fsync'd); ``step_s_during_async_save`` vs ``step_s``: one training step
+  while the writer runs, and alone;
 - ``load_2ranks_s``: checkpoint.load_file_collective of the step's opt file (its largest) on 2 ranks
   (mpiexec -n 2), every rank timed from a barrier to the end; ``load_broadcast_2ranks_s``: the same
   through the fallback (rank 0 reads, broadcasts the bytes); ``load_1rank_s``: load_file in one
@@ -22,13 +37,16 @@ saves them), measured side by side in the same run, on the same disk (--dir):
 One JSON line per figure, each with the command that reproduces it. Usage:
 
     python benchmarks/checkpoint.py [--sizes 10M,60M,250M] [--dir DIR] [--repeat 2]
+                                    [--figures save,run,load] [--run_steps 40]
 
-250M needs ~10 GB of free memory and ~10 GB of disk: leave it out with --sizes 10M,60M.
+250M needs ~12 GB of free memory and ~15 GB of disk (a step is 4.4 GB): leave it out with
+--sizes 10M,60M.
 """
 import argparse
 import dataclasses
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -39,13 +57,9 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-# name -> UNet flags (learn_sigma, as the CIFAR-10/ImageNet-64 recipes)
-SIZES = {
-    "10M": dict(image_size=32, num_channels=64, num_res_blocks=2, attention_resolutions="16,8"),
-    "60M": dict(image_size=64, num_channels=96, num_res_blocks=3, attention_resolutions="16,8"),
-    "250M": dict(image_size=64, num_channels=192, num_res_blocks=3,
-                 attention_resolutions="32,16,8"),
-}
+sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+
+from sizes import model_flags  # noqa: E402
 
 
 def vm(field):
@@ -65,15 +79,13 @@ def emit(figure, value, unit, cmd, **extra):
 # ------------------------------------------------------------------------------------ saving
 
 
-def build_loop(size, log_dir):
+def build_loop(size, log_dir, light=False, **kwargs):
     import torch as th
 
     from improved_diffusion import train_util
-    from improved_diffusion.script_util import (create_model_and_diffusion,
-                                                model_and_diffusion_defaults)
+    from improved_diffusion.script_util import create_model_and_diffusion
 
-    flags = model_and_diffusion_defaults()
-    flags.update(SIZES[size], learn_sigma=True, diffusion_steps=100)
+    flags = model_flags(size, light)
     train_util.seed_rngs(0)
     model, diffusion = create_model_and_diffusion(**flags)
     n = flags["image_size"]
@@ -81,21 +93,29 @@ def build_loop(size, log_dir):
     loop = train_util.TrainLoop(
         model=model, diffusion=diffusion, data=iter(lambda: batch, None), batch_size=1,
         microbatch=-1, lr=1e-4, ema_rate="0.9999", log_interval=10 ** 9,
-        save_interval=0, resume_checkpoint="", log_dir=log_dir, model_flags=flags)
+        save_interval=0, resume_checkpoint="", log_dir=log_dir, model_flags=flags, **kwargs)
     return loop, batch
 
 
-def raw_write(d, sizes, buf):
-    """Write len(sizes) new files of these sizes from ``buf`` with fsync, then fsync ``d``."""
+def raw_write(d, sizes, buf, writeback=False):
+    """Write len(sizes) new files of these sizes from ``buf`` with fsync, then fsync ``d``
+    (``writeback``: starting the kernel's writeback every 32 MiB, as checkpoint.write_file)."""
+    from improved_diffusion import checkpoint
+
+    start_writeback = checkpoint._sync_file_range() if writeback else None
     t0 = time.perf_counter()
     for i, n in enumerate(sizes):
         with open(os.path.join(d, f"raw{i}.bin"), "wb") as f:
             view = memoryview(buf)
-            left = n
-            while left:
-                k = min(left, len(buf))
+            left = started = 0
+            while left < n:
+                k = min(n - left, len(buf))
                 f.write(view[:k])
-                left -= k
+                left += k
+                if start_writeback is not None and left - started >= 32 << 20:
+                    f.flush()
+                    start_writeback(f.fileno(), started, left - started, 2)
+                    started = left
             f.flush()
             os.fsync(f.fileno())
     fd = os.open(d, os.O_RDONLY)
@@ -105,6 +125,29 @@ def raw_write(d, sizes, buf):
     for i in range(len(sizes)):
         os.unlink(os.path.join(d, f"raw{i}.bin"))
     return took
+
+
+def random_bytes():
+    import numpy as np
+
+    return np.random.default_rng(0).integers(0, 256, 64 << 20, dtype=np.uint8).tobytes()
+
+
+def memcpy_s(nbytes):
+    """Seconds to copy ``nbytes`` between two preallocated host buffers (torch's copy_, in 256 MiB
+    pieces): what the host copy of an async save cannot beat on a CPU (median of 3)."""
+    import torch as th
+
+    piece = min(nbytes, 256 << 20)
+    src = th.randint(0, 256, (piece,), dtype=th.uint8)
+    dst = th.empty_like(src)
+    times = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for left in range(nbytes, 0, -piece):
+            dst[:min(left, piece)].copy_(src[:min(left, piece)])
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def timed_save(loop, step, async_save):
@@ -130,7 +173,6 @@ def drop_step(d, step):
 def bench_save(size, d, repeat, cmd, keep_path):
     """The save figures of one size (in this process); leaves the last step's opt file at
     ``keep_path`` for the load figures."""
-    import numpy as np
     import torch as th
 
     from improved_diffusion import logger
@@ -144,8 +186,9 @@ def bench_save(size, d, repeat, cmd, keep_path):
         t0 = time.perf_counter()
         loop.run_step(*batch)
         step_alone.append(time.perf_counter() - t0)
-    buf = np.random.default_rng(0).integers(0, 256, 64 << 20, dtype=np.uint8).tobytes()
-    rows = {k: [] for k in ("pause", "total", "sync", "raw", "step_during", "first_pause")}
+    buf = random_bytes()
+    rows = {k: [] for k in ("pause", "total", "sync", "raw", "raw_writeback", "step_during",
+                            "first_pause")}
     step = 100
     for r in range(repeat + 1):  # the first async save allocates its buffers: not counted
         step += 1
@@ -154,7 +197,7 @@ def bench_save(size, d, repeat, cmd, keep_path):
         loop.run_step(*batch)  # a training step while the writer runs
         during = time.perf_counter() - t1
         loop.step = step  # run_step counted one
-        _, total, _, _ = loop.checkpointer.wait_for_save()  # from the save's start until the step is on disk
+        _, total, _, _ = loop.checkpointer.wait_for_save()  # from the save's start: on disk
         sizes = [os.path.getsize(os.path.join(d, n)) for n in step_files(d, step)]
         drop_step(d, step)
         rows["first_pause" if r == 0 else "pause"].append(pause)
@@ -167,16 +210,19 @@ def bench_save(size, d, repeat, cmd, keep_path):
             rows["step_during"].append(during)
             rows["sync"].append(sync)
             rows["raw"].append(raw_write(d, sizes, buf))
+            rows["raw_writeback"].append(raw_write(d, sizes, buf, writeback=True))
     for n in step_files(d, step):
-        if n.startswith("opt"):
+        if n.startswith("opt") and keep_path:
             shutil.move(os.path.join(d, n), keep_path)
     drop_step(d, step)
     nbytes = sum(sizes)
     med = {k: statistics.median(v) for k, v in rows.items()}
     common = dict(size=size, params=params, step_bytes=nbytes, repeats=repeat)
     raw = med["raw"]
+    memcpy = memcpy_s(nbytes)
     emit("save_async_pause_s", med["pause"], "s", cmd, **common,
-         over_raw_write=round(med["pause"] / raw, 4))
+         over_raw_write=round(med["pause"] / raw, 4), host_memcpy_s=round(memcpy, 4),
+         over_host_memcpy=round(med["pause"] / memcpy, 4))
     emit("save_async_first_pause_s", med["first_pause"], "s", cmd, **common,
          over_raw_write=round(med["first_pause"] / raw, 4))
     emit("save_async_total_s", med["total"], "s", cmd, **common,
@@ -184,10 +230,85 @@ def bench_save(size, d, repeat, cmd, keep_path):
     emit("save_sync_s", med["sync"], "s", cmd, **common,
          bandwidth_over_raw_write=round(raw / med["sync"], 4))
     emit("raw_write_fsync_s", raw, "s", cmd, **common, mb_per_s=round(nbytes / raw / 1e6, 1))
+    emit("raw_write_writeback_s", med["raw_writeback"], "s", cmd, **common,
+         mb_per_s=round(nbytes / med["raw_writeback"] / 1e6, 1))
+    emit("save_sync_bandwidth_over_raw_write", raw / med["sync"], "ratio", cmd, **common,
+         goal=">= 0.70", save_sync_s=round(med["sync"], 4), raw_write_fsync_s=round(raw, 4),
+         over_raw_write_writeback=round(med["raw_writeback"] / med["sync"], 4))
     emit("step_s", statistics.median(step_alone), "s", cmd, **common)
     emit("step_s_during_async_save", med["step_during"], "s", cmd, **common,
          over_step=round(med["step_during"] / statistics.median(step_alone), 4))
     th.cuda.empty_cache() if th.cuda.is_available() else None
+
+
+def timed_run(loop, steps, save_interval):
+    """Seconds of loop.run_loop() for ``steps`` more steps, saving every ``save_interval`` (0:
+    only at the end, which run_loop does in any case), until the last save is on disk; then the
+    step's files are removed. The run starts at a multiple of 10 (the step counter moves on):
+    with ``steps`` a multiple of 10 too, its last step is an interval save and the final save is
+    that one, as in a run whose --max_steps is a multiple of --save_interval (otherwise the final
+    save, one step after an interval save, would wait for that one's background write). Returns
+    (seconds, saves)."""
+    loop.step = first = -(-loop.step // 10) * 10
+    loop.config = dataclasses.replace(loop.config, max_steps=first + steps)
+    loop.save_interval = save_interval
+    t0 = time.perf_counter()
+    loop.run_loop()
+    took = time.perf_counter() - t0
+    log_dir = loop.config.checkpoint.log_dir
+    for step in {int(n[5:11]) for n in os.listdir(log_dir) if n.startswith("model")}:
+        drop_step(log_dir, step)
+    last = first + steps
+    every = [s for s in range(first + 1, last + 1) if save_interval and s % save_interval == 0]
+    return took, len(every) + (0 if every and every[-1] == last else 1)  # + run_loop's final save
+
+
+def bench_run(size, d, repeat, steps, cmd):
+    """What saves cost a whole run (in this process): run_loop saving every 10 steps against
+    saving once, alternating, on the compute-light model of ``size``."""
+    import torch as th
+
+    from improved_diffusion import logger
+
+    th.set_num_threads(1)
+    logger.configure(dir=d, format_strs=["log"])
+    loop, batch = build_loop(size, d, light=True, keep_checkpoints=2)  # prunes as runs do
+    params = sum(p.numel() for p in loop.model.parameters())
+    timed_run(loop, 1, 0)  # warm: Adam moments, the writer's host buffers
+    buf = random_bytes()
+    runs = {10: [], 0: []}
+    raws, saves = [], {}
+    for _ in range(repeat):
+        for interval in (10, 0):
+            took, saves[interval] = timed_run(loop, steps, interval)
+            runs[interval].append(took)
+        loop.step += 1
+        loop.save(wait=True)  # one step's files, for the size of the raw write
+        sizes = [os.path.getsize(os.path.join(d, n)) for n in step_files(d, loop.step)]
+        drop_step(d, loop.step)
+        raws.append(raw_write(d, sizes, buf))
+    step_s = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        loop.run_step(*batch)
+        step_s.append(time.perf_counter() - t0)
+    every, once, raw = (statistics.median(runs[10]), statistics.median(runs[0]),
+                        statistics.median(raws))
+    # the loop's own line per save: "saved step N to D in T s (training paused P s)"
+    with open(os.path.join(d, "log.txt")) as f:
+        logged = [tuple(map(float, m.groups())) for m in re.finditer(
+            r"saved step \d+ to .* in ([\d.]+) s \(training paused ([\d.]+) s\)", f.read())]
+    extra = (every - once) / (saves[10] - saves[0])
+    pause = statistics.median(p for _, p in logged)
+    emit("save_every_10_steps_extra_wall_over_raw_write", extra / raw, "ratio", cmd, size=size,
+         params=params, step_bytes=sum(sizes), goal="<= 0.10", model="light (8x8 images)",
+         steps=steps, saves=[saves[10], saves[0]], extra_s_per_save=round(extra, 4),
+         run_s_saving_every_10=round(every, 3), run_s_saving_once=round(once, 3),
+         step_s=round(statistics.median(step_s), 4), raw_write_fsync_s=round(raw, 4),
+         pause_s=round(pause, 4), pause_over_raw_write=round(pause / raw, 4),
+         extra_beyond_pause_s=round(extra - pause, 4),
+         background_write_s=round(statistics.median(t for t, _ in logged), 4),
+         async_save=loop.checkpointer.config.async_save, repeats=repeat)
 
 
 # ------------------------------------------------------------------------------------ loading
@@ -255,31 +376,50 @@ def main():
     ap.add_argument("--sizes", default="10M,60M,250M")
     ap.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
     ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--figures", default="save,run,load",
+                    help="which: save (pause, sync save), run (saving every 10 steps), load")
+    ap.add_argument("--run_steps", type=int, default=40,
+                    help="steps of each run (run figure; a multiple of 10, >= 20)")
     ap.add_argument("--_save", help=argparse.SUPPRESS)
+    ap.add_argument("--_run", help=argparse.SUPPRESS)
     ap.add_argument("--_load", help=argparse.SUPPRESS)
     ap.add_argument("--mode", help=argparse.SUPPRESS)
     ap.add_argument("--keep", help=argparse.SUPPRESS)
     ap.add_argument("--cmd", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.run_steps < 20 or args.run_steps % 10:
+        ap.error(f"--run_steps must be a multiple of 10, at least 20 (got {args.run_steps})")
     if args._load:
         return load_once(args._load, args.mode)
     if args._save:
         return bench_save(args._save, args.dir, args.repeat, args.cmd, args.keep)
+    if args._run:
+        return bench_run(args._run, args.dir, args.repeat, args.run_steps, args.cmd)
     cmd = "python benchmarks/checkpoint.py " + " ".join(sys.argv[1:])
+    figures = set(args.figures.split(","))
     if args.dir:
         os.makedirs(args.dir, exist_ok=True)
     root = tempfile.mkdtemp(dir=args.dir, prefix="bench_ckpt")
+
+    def child(*flags):
+        subprocess.run([sys.executable, os.path.abspath(__file__), *flags, "--repeat",
+                        str(args.repeat), "--cmd", cmd], check=True, timeout=3600)
+
     try:
         for size in args.sizes.split(","):
             d = os.path.join(root, size)
-            os.makedirs(d)
-            keep = os.path.join(root, f"opt_{size}.pt")
-            subprocess.run([sys.executable, os.path.abspath(__file__), "--_save", size, "--dir", d,
-                            "--repeat", str(args.repeat), "--keep", keep, "--cmd", cmd],
-                           check=True, timeout=3600)
-            bench_load(size, keep, args.repeat, cmd)
-            shutil.rmtree(d)
-            os.unlink(keep)
+            keep = os.path.join(root, f"opt_{size}.pt") if "load" in figures else ""
+            if figures & {"save", "load"}:
+                os.makedirs(d)
+                child("--_save", size, "--dir", d, "--keep", keep)
+                shutil.rmtree(d)
+            if "load" in figures:
+                bench_load(size, keep, args.repeat, cmd)
+                os.unlink(keep)
+            if "run" in figures:
+                os.makedirs(d)
+                child("--_run", size, "--dir", d, "--run_steps", str(args.run_steps))
+                shutil.rmtree(d)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

@@ -3,9 +3,9 @@
 Writes N tagged steps of a model of about --params parameters (model + one EMA + AdamW state, as
 the trainer saves them) into a temp dir, then times, side by side in the same run:
 
-- ``plan``: run_dir.plan_resume (rank 0's listing, manifests, sha256 of the chosen step);
+- ``plan``: run_dir.plan_resume (rank 0's listing, manifests, checksums of the chosen step);
 - ``startup``: the plan plus the loads of the chosen step's model, EMA and opt files;
-- ``reference_verify_all``: the reference, what auto-resume did before: the sha256 of every file
+- ``reference_verify_all``: the reference, what auto-resume did before: the checksum of every file
   of every step in the log dir (run_dir.list_steps(verify_checksums=True)).
 
 One JSON line per figure. Usage:

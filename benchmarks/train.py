@@ -6,8 +6,9 @@ medians over --repeat runs, and every ratio compares variants measured in the sa
 
 Variants (all on the same model, diffusion, batch and synthetic data; --variants picks them):
 
-- ``bare``: forward (diffusion.training_losses), backward, AdamW step; under mpiexec wrapped in
-  DDP. Nothing else: the reference for the loop's own overhead.
+- ``bare``: forward (diffusion.training_losses), backward, AdamW step (the loop's own optimizer,
+  train_util.make_adamw: fused where the device has it); under mpiexec wrapped in DDP. Nothing
+  else: the reference for the loop's own overhead.
 - ``loop``: the real TrainLoop.run_loop (flags exchange, device-side logging, dumpkvs every
   --log_interval steps, foreach EMA, fused AdamW); no checkpoint is written.
 - ``upstream``: the step as upstream computed it: einsum attention (legacy order), a per-parameter
@@ -15,13 +16,16 @@ Variants (all on the same model, diffusion, batch and synthetic data; --variants
   all-reduce per step, plain (for-loop) AdamW. The reference for "a step at least 10% faster".
 - ``einsum``: the bare loop with upstream's einsum attention instead of SDPA.
 - ``compile``: the bare loop with torch.compile of the model (compile time excluded: warm-up).
-- ``bf16``: the bare loop under torch.autocast(bfloat16) (SDPA takes its fused bf16 kernels).
+- ``bf16``: the bare loop under torch.autocast(bfloat16). The figure says which attention kernel
+  the model's attention can take there (``sdpa_flash``: true when an AttentionBlock runs with
+  only the flash backend allowed, as on CUDA for bf16; false: SDPA falls back to another kernel).
 
 Also printed: the EMA update alone, as a share of the loop's step (the target: at most 2%).
 
     python benchmarks/train.py --config bench --threads 2
     mpiexec -n 2 python benchmarks/train.py --config tiny --ranks 2   (ranks: how it was launched)
     python benchmarks/train.py --config tiny --variants bare,loop,upstream,einsum,compile
+    python benchmarks/train.py --config 10M,60M,250M --variants bare,loop --threads 1
 
 One JSON line per figure, each with the command that reproduces it.
 """
@@ -40,6 +44,9 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+
+from sizes import SIZES  # noqa: E402
 
 CONFIGS = {
     # The issue's bench config: CIFAR-sized, learned sigma, dropout; batch 16.
@@ -51,6 +58,10 @@ CONFIGS = {
                     batch_size=128),
     "tiny": dict(image_size=8, num_channels=32, num_res_blocks=1, attention_resolutions="4",
                  learn_sigma=True, dropout=0.1, batch_size=4),
+    # benchmarks/sizes.py's models (the checkpoint figures' sizes), at batches that keep a CPU
+    # step to a few seconds.
+    **{size: dict(SIZES[size], learn_sigma=True, batch_size=batch)
+       for size, batch in (("10M", 16), ("60M", 4), ("250M", 1))},
 }
 
 
@@ -166,13 +177,37 @@ def child(args):
     peaks = dist_util.all_gather_object(peak)
     if rank == 0:
         print("RESULT " + json.dumps({"steps_per_s": steps / elapsed, "step_s": elapsed / steps,
+                                      "params": sum(p.numel() for p in model.parameters()),
                                       "peak_mb_per_rank": [round(p, 1) for p in peaks],
                                       "ema_s": ema_s, "device": device.type,
+                                      "sdpa_flash": _flash_takes_attention(model, device)
+                                      if args.variant == "bf16" else None,
                                       "threads": th.get_num_threads(), "world": world}),
               flush=True)
     if args.ranks > 1:
         dist_util.barrier()
         dist_util.cleanup()
+
+
+def _flash_takes_attention(model, device):
+    """Whether the model's first attention block runs under bf16 autocast on ``device`` with only
+    SDPA's flash backend allowed (False: SDPA would take another kernel there)."""
+    import torch as th
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from improved_diffusion.unet import AttentionBlock
+
+    block = next((m for m in model.modules() if isinstance(m, AttentionBlock)), None)
+    if block is None:
+        return None
+    x = th.randn(2, block.channels, 8, 8, device=device)
+    try:
+        with th.no_grad(), th.autocast(device_type=device.type, dtype=th.bfloat16), \
+                sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            block(x)
+    except RuntimeError:
+        return False
+    return True
 
 
 def _sync(device):
@@ -187,7 +222,7 @@ def _bare_step(variant, model, diffusion, device, world, batch):
     import torch as th
     from torch.nn.parallel.distributed import DistributedDataParallel as DDP
 
-    from improved_diffusion import dist_util, logger
+    from improved_diffusion import dist_util, logger, train_util
     from improved_diffusion.resample import UniformSampler
 
     sampler = UniformSampler(diffusion)
@@ -195,7 +230,10 @@ def _bare_step(variant, model, diffusion, device, world, batch):
     if variant == "compile":
         net = th.compile(net)
     params = list(model.parameters())
-    opt = th.optim.AdamW(params, lr=1e-4, foreach=False if variant == "upstream" else None)
+    if variant == "upstream":
+        opt = th.optim.AdamW(params, lr=1e-4, foreach=False)
+    else:  # the loop's optimizer: the loop's overhead is measured against the same step
+        opt = train_util.make_adamw(params, lr=1e-4, weight_decay=0.0)
     ema = [p.detach().clone() for p in params]
 
     def step(x):
@@ -290,14 +328,17 @@ def parent(args):
         batch = _flags(args.config)[1] * args.ranks
         print(json.dumps({"figure": f"train_{v}_steps_per_s", "value": round(1 / med[v], 4),
                           "samples_per_s": round(batch / med[v], 2),
+                          **({"sdpa_flash": r[0]["sdpa_flash"]} if v == "bf16" else {}),
                           "peak_mb_per_rank": max((x["peak_mb_per_rank"] for x in r),
                                                   key=max),
                           "device": r[0]["device"], **base}), flush=True)
     if "bare" in med:
         for v in variants:
             if v != "bare":
+                goal = {"goal": "<= 1.03"} if v == "loop" else {}
                 print(json.dumps({"figure": f"train_{v}_step_time_over_bare",
-                                  "value": round(med[v] / med["bare"], 4), **base}), flush=True)
+                                  "value": round(med[v] / med["bare"], 4), **goal,
+                                  "params": runs[v][0]["params"], **base}), flush=True)
     if "upstream" in med:
         for v in variants:
             if v != "upstream":
@@ -316,7 +357,9 @@ def parent(args):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--config", choices=sorted(CONFIGS), default="tiny")
+    ap.add_argument("--config", default="tiny",
+                    help=f"one of {', '.join(CONFIGS)}, or several, comma-separated (one after "
+                         f"the other)")
     ap.add_argument("--variants", default="bare,loop,upstream")
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
@@ -331,7 +374,13 @@ def main():
     if args.child:
         args.variant = args.child
         child(args)
-    else:
+        return
+    configs = args.config.split(",")
+    unknown = [c for c in configs if c not in CONFIGS]
+    if unknown:
+        ap.error(f"--config {','.join(unknown)}: not one of {', '.join(CONFIGS)}")
+    for config in configs:
+        args.config = config
         parent(args)
 
 

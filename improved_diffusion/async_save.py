@@ -64,12 +64,11 @@ class _HostCopier:
         self._used = used
         self._memo = {}  # id(source object) -> its copy (pickle records sharing: keep it)
         self._storages = {}  # source storage -> host storage, within this walk
-        self._cuda = False
+        self._devices = set()  # the CUDA devices copied from without blocking
 
     def walk(self, obj):
         out = self._walk(obj)
-        if self._cuda:
-            th.cuda.synchronize()  # the non-blocking copies into pinned buffers are done
+        wait_for_copies(self._devices)
         return out
 
     def _walk(self, obj):
@@ -113,7 +112,8 @@ class _HostCopier:
             host = self._host_storage(skey, src)
             # as byte tensors: a tensor copy uses torch's intra-op threads (a storage copy does not)
             _bytes(host).copy_(_bytes(src), non_blocking=src.device.type == "cuda")
-            self._cuda = self._cuda or src.device.type == "cuda"
+            if src.device.type == "cuda":
+                self._devices.add(src.device)
             self._storages[skey] = host
         return th.empty(0, dtype=t.dtype).set_(host, t.storage_offset(), t.size(), t.stride())
 
@@ -126,6 +126,14 @@ class _HostCopier:
             buf = th.empty(src.nbytes(), dtype=th.uint8, pin_memory=pin).untyped_storage()
         self._used[skey] = buf
         return buf
+
+
+def wait_for_copies(devices):
+    """Wait until the non-blocking copies from each CUDA device in ``devices`` are done: each is
+    synchronised itself (th.cuda.synchronize() alone waits on the current device only, and a
+    process may copy from another one, e.g. a single process with LOCAL_RANK=1)."""
+    for device in sorted(devices, key=str):
+        th.cuda.synchronize(device)
 
 
 def _bytes(storage):

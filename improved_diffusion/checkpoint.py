@@ -13,7 +13,7 @@ Files of one step (``step`` = completed optimizer steps), in the log dir:
     phema_{std:.3f}_{step:06d}.pt  {... "kind": "phema", "state_dict", "flags", "std", "nimg",
                                   "param_names"}: a post-hoc EMA snapshot (phema.py), kept when
                                   its step is pruned
-    manifest{step:06d}.json       written LAST: {"step", "files": {name: {"size", "sha256"}}, ...}
+    manifest{step:06d}.json       written LAST: {"step", "files": {name: {"size", "crc32"}}, ...}
 
 Also read: upstream's raw files under the same names, and facebookresearch/DiT's train.py files
 ``checkpoints/{step:07d}.pt`` = {"model", "ema", "opt", "args"} (a "combined" dict: weights, EMA
@@ -27,8 +27,9 @@ failed (I/O, permissions, a remote store, memory) is its subclass ``CheckpointRe
 no caller takes as a reason to fall back.
 """
 
-import concurrent.futures
+import ctypes
 import errno
+import functools
 import hashlib
 import io
 import os
@@ -1277,9 +1278,54 @@ def is_tagged_file(path):
     return SCHEMA.encode() in head
 
 
-def file_digest(path):
-    """{"size", "sha256"} of a file, read in 8 MB pieces; CheckpointReadError when a read fails."""
-    h = hashlib.sha256()
+# ---------------------------------------------------------------------------------------------
+# checksums
+
+# The checksum a manifest lists for each file beside its size, under its own name: the CRC-32 of
+# the whole file (zlib's, as 8 hex digits), which the writer gets almost for free from the
+# records' CRC-32s torch computes anyway. Manifests of format version 1 list "sha256"; both are
+# read (CHECKSUMS).
+CHECKSUM = "crc32"
+CHECKSUMS = ("crc32", "sha256")
+# The manifest's own format version (2: crc32 in place of sha256); the .pt files stay VERSION.
+MANIFEST_VERSION = 2
+
+
+def checksum_of(info):
+    """(algorithm, hex value) of a manifest's entry for one file ({"size", "crc32" or
+    "sha256"}); (None, None) when it lists none of CHECKSUMS."""
+    if isinstance(info, dict):
+        for algorithm in CHECKSUMS:
+            if isinstance(info.get(algorithm), str):
+                return algorithm, info[algorithm]
+    return None, None
+
+
+class _Crc32:
+    """zlib's CRC-32 with hashlib's interface (update, hexdigest)."""
+
+    def __init__(self):
+        self.value = 0
+
+    def update(self, data):
+        self.value = zlib.crc32(data, self.value)
+
+    def hexdigest(self):
+        return f"{self.value:08x}"
+
+
+def _hasher(algorithm):
+    if algorithm == "crc32":
+        return _Crc32()
+    if algorithm == "sha256":
+        return hashlib.sha256()
+    raise ValueError(f"unknown checksum {algorithm!r} (known: {', '.join(CHECKSUMS)})")
+
+
+def file_digest(path, algorithm=CHECKSUM):
+    """{"size", algorithm: hex} of a file (``algorithm`` one of CHECKSUMS), read in 8 MB pieces;
+    CheckpointReadError when a read fails."""
+    h = _hasher(algorithm)
     size = 0
     try:
         with bf.BlobFile(path, "rb") as f:
@@ -1292,7 +1338,47 @@ def file_digest(path):
     except (OSError, bf.Error) as e:
         raise CheckpointReadError(f"{path}: cannot read ({typed_one_line(e)}); check that it is "
                                   f"reachable and readable") from e
-    return {"size": size, "sha256": h.hexdigest()}
+    return {"size": size, algorithm: h.hexdigest()}
+
+
+# CRC-32 of a concatenation from the CRC-32s of its parts (zlib's crc32_combine, which Python's
+# zlib does not expose): in GF(2), crc(A + B) = crc(A) * x^(8 len(B)) + crc(B) mod the CRC's
+# polynomial (reflected bit order, as zlib).
+_CRC_POLY = 0xEDB88320
+
+
+def _crc_multmodp(a, b):
+    """a * b modulo the CRC-32 polynomial (bit-reflected 32-bit values)."""
+    m, p = 1 << 31, 0
+    while True:
+        if a & m:
+            p ^= b
+            if a & (m - 1) == 0:
+                return p
+        m >>= 1
+        b = (b >> 1) ^ _CRC_POLY if b & 1 else b >> 1
+
+
+_CRC_X2N = [1 << 30]  # x^(2^k) mod the polynomial, k = 0..31
+for _ in range(31):
+    _CRC_X2N.append(_crc_multmodp(_CRC_X2N[-1], _CRC_X2N[-1]))
+
+
+@functools.lru_cache(maxsize=4096)
+def _crc_shift(nbytes):
+    """x^(8 * nbytes) mod the polynomial (cached: a model's tensors share few sizes)."""
+    p, k = 1 << 31, 3
+    while nbytes:
+        if nbytes & 1:
+            p = _crc_multmodp(_CRC_X2N[k & 31], p)
+        nbytes >>= 1
+        k += 1
+    return p
+
+
+def crc32_combine(crc_a, crc_b, len_b):
+    """zlib.crc32(A + B) from zlib.crc32(A), zlib.crc32(B) and len(B)."""
+    return _crc_multmodp(_crc_shift(len_b), crc_a) ^ crc_b
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1318,7 +1404,7 @@ def atomic_write(path, obj):
     file either does not exist or is complete: a temp name in the same directory, flush + fsync,
     then a no-overwrite rename (hard link + unlink, else os.replace). Remote blobfile paths
     (gs://, az://) are written directly (the object appears only once the upload completes).
-    Refuses to overwrite an existing file (CheckpointError). Returns {"size", "sha256"}.
+    Refuses to overwrite an existing file (CheckpointError). Returns {"size", "crc32"}.
 
     A full disk, an exceeded quota, a read-only file system, a denied permission or a vanished
     directory is a CheckpointError whose one line names the directory and what to do (see
@@ -1347,21 +1433,27 @@ def write_file(path, obj):
         # Serialised in memory first: a BlobFile closed after a failed torch.save would publish
         # a partial object.
         buf = io.BytesIO()
-        out = _HashingWriter(buf)
+        def reread(offset, n):
+            with buf.getbuffer() as view:  # released at once: the BytesIO may grow again
+                return bytes(view[offset:offset + n])
+
+        out = _ChecksumWriter(buf, reread)
         _save_into(obj, out)
+        info = out.digest()
         with bf.BlobFile(path, "wb") as f:
             f.write(buf.getbuffer())
-        return out.digest()
+        return info
 
     d = dirname(path)
     tmp = os.path.join(d, f"{basename(path)}.tmp-{uuid.uuid4().hex}")
     try:
-        with open(tmp, "wb") as f:
-            out = _HashingWriter(f)
+        with open(tmp, "wb") as f, open(tmp, "rb") as back:
+            out = _ChecksumWriter(f, reread=lambda offset, n: os.pread(back.fileno(), n, offset),
+                                  writeback=f.fileno())
             _save_into(obj, out)
             f.flush()
+            info = out.digest()
             os.fsync(f.fileno())
-        info = out.digest()
         try:
             os.link(tmp, path)
         except FileExistsError:
@@ -1393,62 +1485,128 @@ def _unlink_quietly(path):
         pass
 
 
-class _HashingWriter:
-    """A file wrapper that computes the SHA-256 and size of the bytes as they are written (so a
-    written file is never read back for its checksum), and remembers the OSError of a failed
-    write: torch.save reports one as "RuntimeError: [enforce fail at inline_container.cc]
-    unexpected pos ..." without the errno; ``_save_into`` raises the remembered OSError instead.
+class _ChecksumWriter:
+    """A file wrapper that computes the size and the CRC-32 (``CHECKSUM``) of the bytes as they
+    are written, so that a written file is never read back for its checksum, and remembers the
+    OSError of a failed write: torch.save reports one as "RuntimeError: [enforce fail at
+    inline_container.cc] unexpected pos ..." without the errno; ``_save_into`` raises the
+    remembered OSError instead.
+
+    The CRC of a tensor's bytes costs nothing here: torch's zip writer computes each record's
+    CRC-32 anyway and writes it in the data descriptor (``PK\x07\x08``) right after the
+    record's data. A large write (``LARGE`` bytes or more) where a record's data begins (after
+    a local header ``PK\x03\x04``, its name and extra field) is therefore not read; when the
+    next write is the descriptor of a record of that size, its CRC is combined into the file's
+    (crc32_combine), and any other pattern (a record written in pieces, another writer) reads
+    the bytes back (``reread(offset, n)``, from the file as written) and computes it. Every
+    other write is CRC'd as it passes. The file's CRC is that of all its bytes, whoever computed
+    which part (file_digest gives the same).
+
+    ``writeback``: the file descriptor whose written bytes the kernel is asked to start writing
+    to the disk every WRITEBACK_BYTES (Linux sync_file_range, no wait), so that the final fsync
+    finds most of the file on disk already, instead of the disk idling while the CPU serialises.
     """
 
-    # Pieces at least this large are hashed on a helper thread while they are written (hashlib
-    # and the write both release the GIL); each write waits for its hash before returning, since
-    # torch.save may reuse the memory of a piece once written.
-    OVERLAP_BYTES = 1 << 20
+    LARGE = 1 << 16
+    WRITEBACK_BYTES = 32 << 20
 
-    def __init__(self, f):
+    def __init__(self, f, reread, writeback=None):
         self._f = f
-        self._sha = hashlib.sha256()
+        self._reread = reread
+        self._writeback = writeback if _sync_file_range() is not None else None
+        self._crc = 0
+        self._pending = None  # (offset, nbytes) of a large write whose CRC is not known yet
+        self._data_at = None  # where the data of the record whose local header passed begins
+        self._started = 0  # bytes handed to writeback so far
         self.size = 0
         self.error = None
 
     def write(self, data):
-        view = memoryview(data)
-        self.size += view.nbytes
-        hashed = None
-        if view.nbytes >= self.OVERLAP_BYTES:
-            hashed = _hash_pool().submit(self._sha.update, view)
+        view = memoryview(data).cast("B")
+        n = view.nbytes
+        if self._pending is not None:
+            self._resolve_pending(view)
+        if n == 30 and view[:4] == b"PK\x03\x04":  # a local header: name, extra, then the data
+            self._data_at = self.size + 30 + int.from_bytes(view[26:28], "little") \
+                + int.from_bytes(view[28:30], "little")
+        if n >= self.LARGE and self.size == self._data_at:
+            self._pending = (self.size, n)
         else:
-            self._sha.update(view)
+            self._crc = zlib.crc32(view, self._crc)
         try:
-            return self._f.write(data)
+            written = self._f.write(data)
         except OSError as e:
             self.error = e
             raise
-        finally:
-            if hashed is not None:
-                hashed.result()
+        self.size += n
+        if self._writeback is not None and self.size - self._started >= self.WRITEBACK_BYTES:
+            self._start_writeback()
+        return written
+
+    def _resolve_pending(self, view):
+        """The CRC of the pending large write: from ``view`` when it is that record's data
+        descriptor (crc32, then sizes of 4 or, zip64, 8 bytes each), else read back."""
+        offset, n = self._pending
+        self._pending = None
+        if view.nbytes in (16, 24) and view[:4] == b"PK\x07\x08":
+            width = (view.nbytes - 8) // 2
+            size = int.from_bytes(view[8 + width:8 + 2 * width], "little")
+            if size == n:
+                record_crc = int.from_bytes(view[4:8], "little")
+                self._crc = crc32_combine(self._crc, record_crc, n)
+                return
+        self.flush()
+        self._crc = zlib.crc32(self._reread(offset, n), self._crc)
+
+    def _start_writeback(self):
+        try:
+            self._f.flush()
+            _sync_file_range()(self._writeback, self._started, self.size - self._started,
+                               _SYNC_FILE_RANGE_WRITE)
+        except OSError as e:
+            self.error = e
+            raise
+        self._started = self.size
 
     def flush(self):
         return self._f.flush()
 
     def digest(self):
-        """{"size", "sha256"} of everything written so far (file_digest's format)."""
-        return {"size": self.size, "sha256": self._sha.hexdigest()}
+        """{"size", CHECKSUM} of everything written so far (file_digest's format); call it while
+        the file is open (a large last write is read back)."""
+        if self._pending is not None:
+            self._resolve_pending(memoryview(b""))
+        return {"size": self.size, CHECKSUM: f"{self._crc:08x}"}
 
 
-_HASH_POOL = []
+_SYNC_FILE_RANGE_WRITE = 2  # <linux/fs.h>: start writeback of dirty pages, do not wait
+_SYNC_FILE_RANGE = []
 
 
-def _hash_pool():
-    """The one helper thread that hashes large pieces while they are written (made on first
-    use; its waits are bounded by the hash of one piece)."""
-    if not _HASH_POOL:
-        _HASH_POOL.append(concurrent.futures.ThreadPoolExecutor(1, "checkpoint-hash"))
-    return _HASH_POOL[0]
+def _sync_file_range():
+    """Linux's sync_file_range(fd, offset, nbytes, flags) through libc (raising OSError), or None
+    where there is none (another OS, no libc symbol)."""
+    if not _SYNC_FILE_RANGE:
+        fn = None
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            raw = libc.sync_file_range
+            raw.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+            raw.restype = ctypes.c_int
+
+            def fn(fd, offset, nbytes, flags):
+                if raw(fd, offset, nbytes, flags) != 0:
+                    err = ctypes.get_errno()
+                    if err not in (errno.EINVAL, errno.ESPIPE, errno.ENOSYS):  # not supported
+                        raise OSError(err, os.strerror(err))
+        except (OSError, AttributeError):
+            fn = None
+        _SYNC_FILE_RANGE.append(fn)
+    return _SYNC_FILE_RANGE[0]
 
 
 def _save_into(obj, out):
-    """Write ``obj`` (raw bytes as they are, else torch.save) into ``out`` (a _HashingWriter)."""
+    """Write ``obj`` (raw bytes as they are, else torch.save) into ``out`` (a _ChecksumWriter)."""
     if isinstance(obj, (bytes, bytearray)):
         out.write(obj)
         return

@@ -1100,7 +1100,7 @@ def build_parser():
     sp = sub.add_parser("verify", help="every step of a run directory and whether it resumes")
     sp.add_argument("dir", metavar="DIR")
     sp.add_argument("--quick", action="store_true",
-                    help="only names, sizes and manifests; do not load files or check sha256")
+                    help="only names, sizes and manifests; do not load files or check checksums")
     sp = sub.add_parser("diff", help="missing / unexpected / reshaped keys vs flags or a file")
     sp.add_argument("file", metavar="FILE")
     sp.add_argument("--flags", default=None, help='model flags, e.g. "--image_size 32 ..." (a '

@@ -53,6 +53,7 @@ def run_main(main, argv=None):
     """
     lost = ()
     error, tb = None, None
+    dist_util.set_error_line_hook(_record_error_line)
     try:
         return main(argv)
     except UserError as e:
@@ -82,6 +83,12 @@ def run_main(main, argv=None):
     _record_for_torchelastic(code, message, tb)
     dist_util.end_job_after_error(code, cause=message, lost=lost)
     return code
+
+
+def _record_error_line(message):
+    """Where an error line goes beside stderr: the log files, and torchrun's failure summary."""
+    logger.append_to_log_files(f"error: {message}")
+    _record_for_torchelastic(ERROR_EXIT_CODE, message)
 
 
 def _first_to_report(topic, e):

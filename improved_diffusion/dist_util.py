@@ -20,8 +20,13 @@ collective, and so a rank that dies. Each rank of a process group beats a heartb
 TCP store (a daemon thread); when a collective fails, ``diagnose_failure`` names the ranks whose
 heartbeat stopped (``RankLostError``), so a dead rank or host ends the job with a message naming it.
 
-Backend: ``nccl`` when CUDA is available, else ``gloo``. The device comes from the local rank
-(``LOCAL_RANK``, else the MPI shared-memory split, else 0), never from a hard-coded GPU count.
+Backend: ``nccl`` when CUDA is available, else ``gloo``. The device comes from the rank's index on
+its host (``local_rank_from_env``: ``LOCAL_RANK``, else ``SLURM_LOCALID``,
+``OMPI_COMM_WORLD_LOCAL_RANK``, ``MPI_LOCALRANKID``, ``MV2_COMM_WORLD_LOCAL_RANK``; else the
+ranks sharing this host, counted in the MPI shared-memory split or the process group's store):
+cuda:(local rank), or cuda:0 when the launcher shows each rank only its own GPU. More ranks on a
+host than GPUs, or two ranks on one GPU, is a one-line ``DeviceError`` (``local_device_index``),
+never NCCL's "Duplicate GPU detected" at the first collective.
 
 No hidden global settings beyond the process-group state itself. Rules (docs/ARCHITECTURE.md): every
 collective is called by every rank in the same order; each function that synchronises ranks says
@@ -81,6 +86,11 @@ class RendezvousError(UserError):
     """The ranks could not form a process group; the one-line message says what to set."""
 
 
+class DeviceError(UserError):
+    """This rank has no GPU of its own (more ranks on its host than visible GPUs, or two ranks
+    on one GPU); the one-line message says how to start one rank per GPU."""
+
+
 class RankLostError(UserError):
     """A collective failed because some rank died or ended; the message names the rank(s).
 
@@ -119,8 +129,114 @@ def _default_backend():
 
 
 def _set_threads(local_world_size):
-    if local_world_size > 1 and "OMP_NUM_THREADS" not in os.environ and not th.cuda.is_available():
-        th.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size))
+    """Give this rank's torch its share of the host's cores (``cpu_share``) when several ranks
+    share the host and OMP_NUM_THREADS does not say otherwise; on a GPU host too, where
+    otherwise every rank's host-side work (data, sampling noise) runs on all cores at once."""
+    if local_world_size > 1 and "OMP_NUM_THREADS" not in os.environ:
+        th.set_num_threads(cpu_share(local_world_size))
+
+
+def _affinity():
+    """The cores this process may run on (its CPU affinity; all cores where unknown)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def cpu_share(local_world_size, affinity=None, host_cpus=None):
+    """The cores one of ``local_world_size`` ranks on this host may use: its own affinity when a
+    launcher bound it to fewer cores than the host has (``srun --cpus-per-task=6``: that is its
+    share already), else the host's cores divided among the ranks; at least 1."""
+    affinity = _affinity() if affinity is None else affinity
+    host_cpus = (os.cpu_count() or affinity) if host_cpus is None else host_cpus
+    if affinity < host_cpus:
+        return max(1, affinity)
+    return max(1, affinity // max(1, local_world_size))
+
+
+# Where launchers put a rank's index on its host, and the number of ranks there: (index variable,
+# count variable), in order of preference. SLURM's count comes from its tasks-per-node list.
+_LOCAL_RANK_VARS = (
+    ("LOCAL_RANK", "LOCAL_WORLD_SIZE"),  # torchrun (and setup_dist itself, once known)
+    ("SLURM_LOCALID", None),  # srun
+    ("OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),  # Open MPI
+    ("MPI_LOCALRANKID", "MPI_LOCALNRANKS"),  # MPICH / Intel MPI (hydra)
+    ("MV2_COMM_WORLD_LOCAL_RANK", "MV2_COMM_WORLD_LOCAL_SIZE"),  # MVAPICH2
+)
+
+
+def local_rank_from_env(env=None):
+    """(local rank, ranks on this host or None when unknown) from the first launcher variable of
+    _LOCAL_RANK_VARS present in ``env`` (default os.environ), else None."""
+    env = os.environ if env is None else env
+    for rank_var, size_var in _LOCAL_RANK_VARS:
+        value = env.get(rank_var, "").strip()
+        if not value:
+            continue
+        size = _slurm_tasks_on_this_node(env) if size_var is None else env.get(size_var, "")
+        try:
+            return int(value), int(size) if str(size or "").strip() else None
+        except ValueError:
+            raise DeviceError(f"{rank_var}={value!r} ({size_var}={size!r}): not an integer; "
+                              f"check how the launcher sets it") from None
+    return None
+
+
+def _slurm_tasks_on_this_node(env):
+    """The number of this step's tasks on this node from SLURM_STEP_TASKS_PER_NODE ("8(x4)" or
+    "2(x3),1", indexed by SLURM_NODEID when the nodes differ), else None."""
+    spec = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE") or ""
+    counts = []
+    for part in filter(None, spec.split(",")):
+        n, _, times = part.partition("(x")
+        try:
+            counts += [int(n)] * (int(times.rstrip(")")) if times else 1)
+        except ValueError:
+            return None
+    if counts and all(c == counts[0] for c in counts):
+        return counts[0]
+    node = env.get("SLURM_NODEID", "")
+    return counts[int(node)] if node.isdigit() and int(node) < len(counts) else None
+
+
+def local_device_index(local_rank, local_world, visible):
+    """The CUDA device of the rank with index ``local_rank`` on its host (of ``local_world``
+    ranks there; None when unknown) that sees ``visible`` GPUs: 0 when it sees only one (the
+    launcher gave each rank its own, e.g. ``srun --gpus-per-task=1``; two ranks on one GPU are
+    caught later, by ``_check_distinct_gpus``), else its local rank. Raises DeviceError when
+    the host has more ranks than visible GPUs."""
+    if visible == 1:
+        return 0
+    if local_rank < 0 or local_rank >= visible or (local_world or 0) > visible:
+        ranks = (f"{local_world} ranks on this host" if local_world
+                 else f"local rank {local_rank} on this host")
+        raise DeviceError(
+            f"{ranks} but {visible} GPUs visible to each (local rank {local_rank} has none of "
+            f"its own); start at most one rank per GPU (torchrun --nproc_per_node {visible}, "
+            f"srun --ntasks-per-node {visible}), or give each rank its own GPU (srun "
+            f"--gpus-per-task=1, or CUDA_VISIBLE_DEVICES per rank)")
+    return local_rank
+
+
+# cuBLAS's workspace setting for reproducible results (NVIDIA's cuBLAS docs, "Results
+# reproducibility"): read when cuBLAS makes its first handle.
+CUBLAS_DETERMINISTIC_WORKSPACE = ":4096:8"
+
+
+def set_deterministic(on):
+    """``--deterministic True``: deterministic kernels wherever torch has them
+    (``torch.use_deterministic_algorithms``, warning once for an op that has none), cuDNN's
+    deterministic algorithms without autotuning, and cuBLAS's fixed workspace
+    (``CUBLAS_WORKSPACE_CONFIG``, unless set already); a ProcessGroupNCCL created afterwards
+    also leaves out NCCL's NVLS all-reduce (recent torch), whose sums are not reproducible. Call
+    before CUDA initialises and before the process group exists (train_job.start_job calls it
+    first). ``on`` False: nothing changes (torch's defaults: fast, not reproducible on a GPU)."""
+    if not on:
+        return
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_DETERMINISTIC_WORKSPACE)
+    th.use_deterministic_algorithms(True, warn_only=True)
+    th.backends.cudnn.deterministic = True
+    th.backends.cudnn.benchmark = False
 
 
 def as_timedelta(timeout):
@@ -155,12 +271,18 @@ def setup_dist(backend=None, *, timeout=DEFAULT_TIMEOUT_S):
     if all(k in env for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
         world = int(env["WORLD_SIZE"])
         if world > 1:
-            local_rank = int(env.get("LOCAL_RANK", 0))
-            _select_device(backend, local_rank)
-            _set_threads(int(env.get("LOCAL_WORLD_SIZE", world)))
+            local = local_rank_from_env(env)
+            if local is None and _mpi_comm() is not None:  # e.g. srun --mpi=pmi2 of an MPI
+                local = _mpi_local_split(_mpi_comm())
+            if local is not None:
+                _select_device(local[0], local[1])
             dist.init_process_group(backend=backend, init_method="env://", timeout=timeout)
             atexit.register(_cleanup_at_exit)
-            _start_heartbeat(timeout)
+            if local is None:  # no launcher said it: count the ranks of this host in the store
+                local = _store_local_split(_launch_store("local"), world, timeout)
+                _select_device(local[0], local[1])
+            _set_threads(local[1] or world)
+            _after_init(timeout, local[1])
         return
 
     comm = _mpi_comm()
@@ -170,21 +292,45 @@ def setup_dist(backend=None, *, timeout=DEFAULT_TIMEOUT_S):
     from mpi4py import MPI
 
     rank, world = comm.Get_rank(), comm.Get_size()
-    local = comm.Split_type(MPI.COMM_TYPE_SHARED)
-    local_rank, local_world = local.Get_rank(), local.Get_size()
-    local.Free()
+    local_rank, local_world = _mpi_local_split(comm)
     store = _mpi_rendezvous(comm, timeout)
 
     if "LOCAL_RANK" in env:
         local_rank = int(env["LOCAL_RANK"])
-    _select_device(backend, local_rank)
+    # every rank learns the first rank's device error: all raise it, none waits in a collective
+    errors = [e for e in comm.allgather(_device_problem(local_rank, local_world)) if e]
+    if errors:
+        raise DeviceError(errors[0])
+    _select_device(local_rank, local_world)
     _set_threads(local_world)
-    os.environ.setdefault("LOCAL_RANK", str(local_rank))
     dist.init_process_group(backend=backend, store=store, rank=rank, world_size=world,
                             timeout=timeout)
     # Registered after mpi4py's MPI_Finalize hook, so it runs first (atexit is LIFO).
     atexit.register(_cleanup_at_exit)
+    _after_init(timeout, local_world)
+
+
+def _mpi_local_split(comm):
+    """(this rank's index, the number of ranks) among the ranks of ``comm`` that share its host
+    (MPI's shared-memory split). Collective (MPI)."""
+    from mpi4py import MPI
+
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        return local.Get_rank(), local.Get_size()
+    finally:
+        local.Free()
+
+
+def _after_init(timeout, local_world):
+    """What every rank does once its process group exists: check that no two ranks drive one
+    GPU (raises DeviceError on the ranks that share one), then start the heartbeat."""
     _start_heartbeat(timeout)
+    if th.cuda.is_available() and (local_world or 2) > 1:
+        uuid = _gpu_uuid(th.cuda.current_device())
+        if uuid is not None:
+            _check_distinct_gpus(_launch_store("gpus"), get_world_size(), get_rank(), uuid,
+                                 timeout)
 
 
 # --------------------------------------------------------------------------------------------
@@ -396,9 +542,90 @@ def _choose_address(infos, env, probe=_source_address_towards):
         f"resolves to a loopback address and no interface has another); {hint}")
 
 
-def _select_device(backend, local_rank):
+# This process's CUDA device index once setup_dist chose it (dev() returns it), else None.
+_device_index = None
+
+
+def _device_problem(local_rank, local_world):
+    """The DeviceError message local_device_index gives this rank, else None."""
+    try:
+        if th.cuda.is_available():
+            local_device_index(local_rank, local_world, th.cuda.device_count())
+    except DeviceError as e:
+        return str(e)
+    return None
+
+
+def _select_device(local_rank, local_world):
+    """Make cuda:(local_device_index(...)) this process's device (no-op without CUDA); records
+    the local rank and count (LOCAL_RANK, LOCAL_WORLD_SIZE) for get_local_rank() and
+    get_local_world_size()."""
+    global _device_index
+    os.environ.setdefault("LOCAL_RANK", str(local_rank))
+    if local_world:
+        os.environ.setdefault("LOCAL_WORLD_SIZE", str(local_world))
     if th.cuda.is_available():
-        th.cuda.set_device(local_rank % th.cuda.device_count())
+        _device_index = local_device_index(local_rank, local_world, th.cuda.device_count())
+        th.cuda.set_device(_device_index)
+
+
+def _store_prefix():
+    """The prefix of this launch's keys in the process group's store (a torchrun restart does
+    not read the last attempt's)."""
+    return "improved_diffusion/{}/{}/".format(os.environ.get("TORCHELASTIC_RUN_ID", "job"),
+                                              os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def _wait_for_all(store, key, world, timeout):
+    """Add this rank to the counter ``key`` of ``store``, then wait (bounded by ``timeout``, a
+    timedelta) until all ``world`` ranks have. Not a collective of the process group."""
+    store.add(key, 1)
+    deadline = time.monotonic() + timeout.total_seconds()
+    pause = 0.01
+    while store.add(key, 0) < world:
+        if time.monotonic() > deadline:
+            raise RendezvousError(
+                f"not all {world} ranks reached the start within {timeout.total_seconds():g} s "
+                f"(--dist_timeout); check that every rank was started")
+        time.sleep(pause)
+        pause = min(0.2, pause * 2)
+
+
+def _launch_store(name):
+    """The process group's store, under this launch's prefix and ``name``."""
+    return dist.PrefixStore(f"{_store_prefix()}{name}/",
+                            dist.distributed_c10d._get_default_store())
+
+
+def _store_local_split(store, world, timeout):
+    """(this rank's index among the ranks of its host, their number), counted in ``store``
+    (each rank adds itself under its host's network stack, in arrival order): for a launcher
+    that sets no local-rank variable. Collective: call from all ``world`` ranks."""
+    host = _network_stack() or socket.gethostname()
+    mine = store.add(f"host/{host}", 1) - 1
+    _wait_for_all(store, "arrived", world, timeout)
+    return mine, store.add(f"host/{host}", 0)
+
+
+def _check_distinct_gpus(store, world, rank, uuid, timeout):
+    """Raise DeviceError on the ranks whose GPU (``uuid``) another rank drives too: a launcher
+    that shows each rank "its" GPU as cuda:0 may show two ranks the same one, which NCCL reports
+    only at the first collective ("Duplicate GPU detected"). Collective: call from all
+    ``world`` ranks, through ``store``."""
+    store.add(f"uuid/{uuid}", 1)
+    _wait_for_all(store, "arrived", world, timeout)
+    sharing = store.add(f"uuid/{uuid}", 0)
+    if sharing > 1:
+        raise DeviceError(
+            f"{sharing} ranks drive the same GPU ({uuid}; rank {rank} is one); start at most one "
+            f"rank per GPU, or give each rank its own GPU (srun --gpus-per-task=1, or "
+            f"CUDA_VISIBLE_DEVICES per rank)")
+
+
+def _gpu_uuid(index):
+    """The UUID of CUDA device ``index`` as text, None where torch does not report it."""
+    uuid = getattr(th.cuda.get_device_properties(index), "uuid", None)
+    return None if uuid is None else str(uuid)
 
 
 def _cleanup_at_exit():
@@ -430,6 +657,14 @@ def heartbeat_interval(timeout_s):
     return min(5.0, max(0.5, float(timeout_s) / 60.0))
 
 
+def watch_window(timeout_s):
+    """Seconds without a beat after which a watching heartbeat (NCCL) takes its neighbour for
+    lost: a few beats, and longer with a long ``timeout_s`` (a GIL held for a while delays a beat),
+    but well within the timeout, before NCCL's watchdog acts."""
+    interval = heartbeat_interval(timeout_s)
+    return max(2.5 * interval + 0.5, min(0.25 * float(timeout_s), 30.0))
+
+
 # Bound of one store operation made outside a collective (heartbeat marks, first_to_report,
 # the count of failed ranks): a healthy store answers in milliseconds.
 _STORE_CALL_S = 5.0
@@ -441,14 +676,22 @@ class _Heartbeat:
     ``interval`` seconds, through its own connection; ``state/{rank}`` says why a rank stopped
     ("exited", or "ended: cause" from ``end_job_after_error``). Keys live under a prefix of this
     launch, so a torchrun restart does not read the last attempt's beats.
+
+    With ``on_lost`` (NCCL, whose collectives do not raise in the host thread: its watchdog
+    aborts the process at the timeout), the thread also watches the next rank's beats (one store
+    read per beat, ring order) and the job's ``lost`` key: when the neighbour has not beaten for
+    ``watch_window`` seconds and recorded no state, or another rank found a loss, it calls
+    ``on_lost(RankLostError naming every lost rank)`` once, from this thread.
     """
 
-    def __init__(self, host, port, rank, world, timeout_s):
+    def __init__(self, host, port, rank, world, timeout_s, on_lost=None):
         self.host, self.port, self.rank, self.world = host, port, rank, world
         self.interval = heartbeat_interval(timeout_s)
-        self.prefix = "improved_diffusion/heartbeat/{}/{}/".format(
-            os.environ.get("TORCHELASTIC_RUN_ID", "job"),
-            os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        self.window = watch_window(timeout_s)
+        self._on_lost = on_lost if world > 1 else None
+        self._neighbour = (rank + 1) % world
+        self._last_beat = (None, time.monotonic())  # the neighbour's count, when it changed
+        self.prefix = _store_prefix() + "heartbeat/"
         self._lock = threading.Lock()
         self.store_lost = False  # set once peer_states found the store unreachable
         self._stop = threading.Event()
@@ -467,8 +710,47 @@ class _Heartbeat:
             try:
                 with self._lock:
                     self._client.add(f"beat/{self.rank}", 1)
+                    found = self._on_lost is not None and self._look_for_loss()
             except Exception:
                 return  # the store is gone: the collectives will say so
+            if found:
+                self._report_loss(found)
+                return
+
+    def _look_for_loss(self):
+        """(Under the lock.) The job's recorded loss, or "neighbour" when the watched rank has
+        not beaten for the window and recorded no state; else None."""
+        if self._client.check(["lost"]):
+            return self._client.get("lost").decode()
+        count = self._client.add(f"beat/{self._neighbour}", 0)
+        now = time.monotonic()
+        if count != self._last_beat[0]:
+            self._last_beat = (count, now)
+            return None
+        if now - self._last_beat[1] < self.window:
+            return None
+        if self._client.check([f"state/{self._neighbour}"]):  # it stopped on purpose
+            self._on_lost = None  # (exited, or ended the job itself, which names its cause)
+            return None
+        return "neighbour"
+
+    def _report_loss(self, found):
+        """Name every lost rank (the first rank to find the loss records the line for all), then
+        hand it to on_lost."""
+        if found == "neighbour":
+            states = peer_states(self.window, hb=self)
+            lost = sorted(r for r, st in states.items() if st == "lost") or [self._neighbour]
+            message = (f"lost rank(s) {', '.join(map(str, lost))}: no heartbeat for "
+                       f"{self.window:.1f} s (the process or its host died)")
+            found = f"{','.join(map(str, lost))}|{message}"
+            try:  # the first rank's finding is the job's (the others read it at their next beat)
+                found = self.call(lambda c: c.compare_set("lost", "", found)).decode()
+            except Exception:
+                pass
+        ranks, _, message = found.partition("|")
+        err = RankLostError(f"{message}; ending the job (found by the heartbeats)")
+        err.lost = [int(r) for r in ranks.split(",") if r]
+        self._on_lost(err)
 
     def call(self, fn, seconds=_STORE_CALL_S):
         """``fn(client)`` under the lock, waited for at most ``seconds``: an operation on a store
@@ -504,8 +786,32 @@ class _Heartbeat:
 _heartbeat = None
 
 
+def _end_job_for_lost_ranks(error):
+    """What a watching heartbeat (NCCL) does with a loss, as after a failed collective on gloo:
+    the line naming the lost ranks (printed once for the job, then handed to the line hook), then
+    every rank ends with exit 1."""
+    message = str(error)
+    if first_to_report("lost"):
+        sys.stderr.write(f"error: {message}\n")
+        sys.stderr.flush()
+    if _error_line_hook is not None:
+        _error_line_hook(message)
+    end_job_after_error(1, cause=message, lost=error.lost)
+
+
+_error_line_hook = None
+
+
+def set_error_line_hook(hook):
+    """``hook(message)`` is called (in the heartbeat thread) with the error line of a job that
+    the heartbeats end (NCCL: a lost rank); cli.run_main writes it to the log files."""
+    global _error_line_hook
+    _error_line_hook = hook
+
+
 def _start_heartbeat(timeout):
-    """Start this rank's heartbeat when the process group's store is a TCPStore (best effort)."""
+    """Start this rank's heartbeat when the process group's store is a TCPStore (best effort);
+    on NCCL it also watches for lost ranks (see _Heartbeat)."""
     global _heartbeat
     _stop_heartbeat("restarted")
     store = dist.distributed_c10d._get_default_store()
@@ -515,8 +821,10 @@ def _start_heartbeat(timeout):
         return
     host = "127.0.0.1" if store.host in ("", "0.0.0.0", "::") else store.host
     try:
+        watch = dist.get_backend() == "nccl"
         _heartbeat = _Heartbeat(host, store.port, get_rank(), get_world_size(),
-                                timeout.total_seconds())
+                                timeout.total_seconds(),
+                                on_lost=_end_job_for_lost_ranks if watch else None)
     except Exception:
         _heartbeat = None  # no heartbeat: failures are still bounded by the timeout
 
@@ -528,15 +836,16 @@ def _stop_heartbeat(state):
         _heartbeat = None
 
 
-def peer_states(window_s=None):
+def peer_states(window_s=None, hb=None):
     """
     What became of the other ranks, from their heartbeats: ``{rank: state}`` for each rank that
     did not beat within ``window_s`` (default 2.5 heartbeat intervals): "lost" (no beat: the
     process or its host died) or the state it recorded ("exited", "ended: cause"). Ranks still
     beating are left out. Raises ``RankLostError`` when the store itself is unreachable (its host,
-    rank 0's under mpiexec, is gone). {} without a heartbeat. Not collective.
+    rank 0's under mpiexec, is gone). {} without a heartbeat. ``hb``: the heartbeat to ask
+    through (default this rank's). Not collective.
     """
-    hb = _heartbeat
+    hb = _heartbeat if hb is None else hb
     if hb is None:
         return {}
     window = window_s if window_s is not None else 2.5 * hb.interval + 0.5
@@ -716,14 +1025,26 @@ def get_world_size():
 
 
 def get_local_rank():
-    """LOCAL_RANK (set by torchrun, or by setup_dist under mpiexec), else 0."""
-    return int(os.environ.get("LOCAL_RANK", 0))
+    """This rank's index on its host (local_rank_from_env: set by the launcher, or by setup_dist
+    once it counted the host's ranks), else 0."""
+    local = local_rank_from_env()
+    return local[0] if local is not None else 0
+
+
+def get_local_world_size():
+    """The number of ranks on this host (as get_local_rank), else 1."""
+    local = local_rank_from_env()
+    return local[1] if local is not None and local[1] else 1
 
 
 def dev():
-    """This rank's device: cuda:(local_rank % device_count) when CUDA is available, else cpu."""
+    """This rank's device: the CUDA device setup_dist chose (see local_device_index; in a single
+    process, from the local rank of the environment) when CUDA is available, else cpu."""
     if th.cuda.is_available():
-        return th.device(f"cuda:{get_local_rank() % th.cuda.device_count()}")
+        if _device_index is not None:
+            return th.device(f"cuda:{_device_index}")
+        local = local_rank_from_env() or (0, None)
+        return th.device(f"cuda:{local_device_index(local[0], local[1], th.cuda.device_count())}")
     return th.device("cpu")
 
 
@@ -884,23 +1205,31 @@ def sync_params(params):
 def _broadcast_bytes(data, nbytes):
     """Broadcast ``data`` (bytes-like on rank 0, ignored elsewhere) of length ``nbytes`` from rank
     0, in pieces of at most _CHUNK_BYTES; the other ranks receive straight into one preallocated
-    bytearray. Returns rank 0's ``data`` itself, the bytearray elsewhere (no other copy)."""
+    bytearray. Returns rank 0's ``data`` itself, the bytearray elsewhere (no other copy). On a
+    GPU backend (NCCL) each piece travels through one device buffer: rank 0 copies its piece in,
+    the others receive into it as it is (never a host piece copied up first) and copy it out."""
     device = _comm_device()
-    buf = data if get_rank() == 0 else bytearray(nbytes)
+    rank = get_rank()
+    buf = data if rank == 0 else bytearray(nbytes)
     if nbytes == 0:
         return buf
     with warnings.catch_warnings():  # rank 0's bytes are only read (the source of a broadcast)
         warnings.simplefilter("ignore")
         host = th.frombuffer(buf, dtype=th.uint8)
+    on_device = None
     for start in range(0, nbytes, _CHUNK_BYTES):
         piece = host[start:start + _CHUNK_BYTES]
         if device.type == "cpu":
             dist.broadcast(piece, 0)
-        else:
-            moved = piece.to(device)
-            dist.broadcast(moved, 0)
-            if get_rank() != 0:
-                piece.copy_(moved.cpu())
+            continue
+        if on_device is None:
+            on_device = th.empty(min(nbytes, _CHUNK_BYTES), dtype=th.uint8, device=device)
+        moved = on_device[:piece.numel()]
+        if rank == 0:
+            moved.copy_(piece)
+        dist.broadcast(moved, 0)
+        if rank != 0:
+            piece.copy_(moved)
     return buf
 
 
@@ -1044,7 +1373,7 @@ def all_gather_varlen(tensor):
     n = th.tensor([tensor.numel()], dtype=th.int64, device=device)
     sizes = [th.zeros_like(n) for _ in range(world)]
     dist.all_gather(sizes, n)
-    sizes = [int(x.item()) for x in sizes]
+    sizes = th.cat(sizes).tolist()  # one host transfer
     padded = th.zeros(max(sizes), dtype=tensor.dtype, device=device)
     padded[: tensor.numel()] = tensor.reshape(-1).to(device)
     out = [th.zeros_like(padded) for _ in range(world)]

@@ -521,21 +521,21 @@ class ResumableLoader:
 PREFETCH_BATCHES = 4
 
 
-def auto_num_workers(device=None, cpu_count=None, local_devices=None):
+def auto_num_workers(device=None, affinity=None, host_cpus=None, local_ranks=None):
     """The worker count of --num_workers -1 (the default): loading runs beside the step.
 
     On a GPU the step does not use the CPU cores: one worker per spare core of this rank's share
-    (cores / GPUs on this host, minus the training process), at most 8; at least 1. On the CPU the
-    step's own threads take every core and a step consumes its batch far slower than one process
-    decodes it (benchmarks/loader.py), so loading stays in the training process (0).
+    (dist_util.cpu_share: its own CPU affinity when the launcher bound it to part of the host,
+    as ``srun --cpus-per-task=6`` does, else the host's cores / the ranks on it), minus the
+    training process, at most 8; at least 1. On the CPU the step's own threads take every core
+    and a step consumes its batch far slower than one process decodes it (benchmarks/loader.py),
+    so loading stays in the training process (0).
     """
     device = device if device is not None else dist_util.dev()
     if th.device(device).type != "cuda":
         return 0
-    cpus = cpu_count if cpu_count is not None else len(os.sched_getaffinity(0)) \
-        if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    gpus = local_devices if local_devices is not None else max(1, th.cuda.device_count())
-    return max(1, min(8, cpus // gpus - 1))
+    ranks = local_ranks if local_ranks is not None else dist_util.get_local_world_size()
+    return max(1, min(8, dist_util.cpu_share(ranks, affinity, host_cpus) - 1))
 
 
 def _default_rank_world():

@@ -109,14 +109,12 @@ class LossAwareSampler(ScheduleSampler):
         :param local_ts: a long tensor [N] of timesteps.
         :param local_losses: a float tensor [N] of losses, one per timestep.
         """
+        # (t, loss) pairs in one float64 tensor (exact for both): one gather, one host transfer
+        pairs = th.stack([local_ts.double(), local_losses.detach().double()], dim=1).reshape(-1)
         if dist_util.get_world_size() > 1:
-            timesteps = [x.item() for y in dist_util.all_gather_varlen(local_ts) for x in y]
-            losses = [x.item() for y in dist_util.all_gather_varlen(local_losses.detach())
-                      for x in y]
-        else:
-            timesteps = [x.item() for x in local_ts]
-            losses = [x.item() for x in local_losses.detach()]
-        self.update_with_all_losses(timesteps, losses)
+            pairs = th.cat(dist_util.all_gather_varlen(pairs))
+        pairs = pairs.reshape(-1, 2).tolist()
+        self.update_with_all_losses([int(t) for t, _ in pairs], [loss for _, loss in pairs])
 
     @abstractmethod
     def update_with_all_losses(self, ts, losses):

@@ -17,7 +17,7 @@ Cost does not grow with the run's history: listing reads names, sizes and manife
 checksums (``verify_step``) are read for the candidate step only, stepping back one step at a time
 when it does not match. Example, a log dir with steps 30 (manifest garbled), 20 and 10::
 
-    plan = plan_resume("runs/a", "", ["0.9999"])     # rank 0: one listing, sha256 of step 20
+    plan = plan_resume("runs/a", "", ["0.9999"])     # rank 0: one listing, checksums of step 20
     plan.model    -> "runs/a/model000020.pt"
     plan.warnings -> ["warning: skipping step 30 in runs/a: manifest manifest000030.json ..."]
     plan.newer_than(20) -> [30]                        # moved to runs/a/incomplete/ after loading
@@ -135,7 +135,7 @@ def list_steps(log_dir, verify_checksums=False, names=None):
     """
     Every step found in ``log_dir``, newest first, each with whether it is complete.
 
-    Reads names, sizes and manifests only; with ``verify_checksums`` also the sha256 of every file
+    Reads names, sizes and manifests only; with ``verify_checksums`` also the checksum of every file
     of every step (the doctor's deep verify; a resume verifies only its candidate, see
     ``latest_complete_step``). ``names``: a listing made before (to list once). Raises
     CheckpointReadError when a read fails.
@@ -202,7 +202,7 @@ def _read_manifest(st):
     if not isinstance(files, dict) or not files or doc.get("step") != st.step:
         raise _Problem(f"manifest {ckpt.basename(path)} does not describe step {st.step}")
     version = doc.get("version")
-    if not isinstance(version, int) or version > ckpt.VERSION:
+    if not isinstance(version, int) or version > ckpt.MANIFEST_VERSION:
         raise _Problem(f"manifest {ckpt.basename(path)} has format version {version!r} (newer "
                        f"than this code reads)")
     return doc
@@ -229,16 +229,22 @@ def _check_manifest(st, log_dir):
 
 
 def verify_step(st, log_dir):
-    """Read every file of a complete step and compare its sha256 with the manifest; sets
-    ``st.complete``/``st.problem``/``st.verified``. Upstream steps have no checksums (verified
-    means "loadable sizes"). Raises CheckpointReadError when a read fails."""
+    """Read every file of a complete step and compare its checksum with the manifest's (crc32,
+    or sha256 in a version-1 manifest); sets ``st.complete``/``st.problem``/``st.verified``.
+    Upstream steps have no checksums (verified means "loadable sizes"). Raises
+    CheckpointReadError when a read fails."""
     doc = st.manifest
     if doc is not None:
         for name, info in doc["files"].items():
-            digest = ckpt.file_digest(ckpt.join(log_dir, name))
-            if digest["sha256"] != info.get("sha256"):
+            algorithm, want = ckpt.checksum_of(info)
+            if algorithm is None:
                 st.complete, st.problem = False, (
-                    f"{name} does not match its sha256 in the manifest (corrupt)")
+                    f"manifest {ckpt.basename(st.manifest_path)} lists no checksum for {name}")
+                return st
+            digest = ckpt.file_digest(ckpt.join(log_dir, name), algorithm)
+            if digest[algorithm] != want:
+                st.complete, st.problem = False, (
+                    f"{name} does not match its {algorithm} in the manifest (corrupt)")
                 return st
     st.verified = True
     return st
@@ -277,7 +283,7 @@ def latest_complete_step(log_dir, warn=print, verify_checksums=False, steps=None
     """
     The newest complete step in ``log_dir`` (StepStatus) or None. Newer steps that are not
     complete are skipped with a one-line warning each through ``warn``. With
-    ``verify_checksums`` only the candidate step's files are read (sha256); on a mismatch it is
+    ``verify_checksums`` only the candidate step's files are read (checksums); on a mismatch it is
     skipped (warned) and the next older one tried. ``steps``: a ``list_steps`` result to reuse.
     Raises CheckpointReadError when a read fails. Not collective.
     """
@@ -501,7 +507,7 @@ def save_step(log_dir, step, files):
     0's ``files`` are used (other ranks may pass the same dict or ``{}``). Rank 0 refuses to
     overwrite any existing file (checked before anything is written), writes each file with
     ``checkpoint.write_file`` (temp name, fsync, no-overwrite rename), then
-    ``manifest{step:06d}.json`` with each file's size and sha256. An error on rank 0 is broadcast,
+    ``manifest{step:06d}.json`` with each file's size and crc32. An error on rank 0 is broadcast,
     so every rank raises the same exception; all ranks return together.
 
     A local ``log_dir`` must exist (the caller creates it at start; train.py's logger does): one
@@ -517,7 +523,7 @@ def save_step(log_dir, step, files):
 
 def write_step(log_dir, step, files):
     """save_step's work, in this process only (not collective): rank 0's part, also run by the
-    trainer's background writer (async_save). Each file's size and sha256 are computed while it
+    trainer's background writer (async_save). Each file's size and CRC-32 are computed while it
     is written (checkpoint.write_file), never read back."""
     log_dir, step = os.fspath(log_dir), int(step)
     kept = (f"step {step} was not saved (no manifest; its partial files were removed) and the "
@@ -555,7 +561,7 @@ def write_step(log_dir, step, files):
 def _manifest_bytes(step, entries):
     doc = {
         "schema": ckpt.SCHEMA,
-        "version": ckpt.VERSION,
+        "version": ckpt.MANIFEST_VERSION,
         "kind": "manifest",
         "step": step,
         "files": entries,

@@ -7,8 +7,9 @@
 * Guidance: `sampling_forward` is what the sampler calls in place of the model (classifier-free
   guided with ``--guidance_scale``); `generate` takes a classifier guidance ``cond_fn``.
 * Per-sample randomness: sample ``i`` draws its label, its initial noise and every step's noise from
-  its own ``torch.Generator`` seeded from ``(seed, i)``, so the output does not depend on the
-  number of ranks or the batch size (`PerSampleRandn`, `sample_seed`).
+  its own ``torch.Generator`` seeded from ``(seed, i)`` (the noise on the model's device), so the
+  output does not depend on the number of ranks or the batch size (`PerSampleRandn`,
+  `sample_seed`).
 * `shard_batches` splits the global sample indices into batches, ``batches[rank::world_size]``
   (EDM style); `generate` runs them and gathers the results to rank 0 (collective).
 * `save_samples`: ``samples_{N}x{H}x{W}x{C}.npz`` (``arr_0`` uint8 NHWC, ``arr_1`` labels) and a
@@ -423,18 +424,23 @@ def sample_seed(seed, index, stream=0):
 class PerSampleRandn:
     """``randn_like`` whose row ``j`` comes from its own generator (seeded per global sample).
 
-    Noise is drawn on the CPU in float32 and moved to the tensor's device, so it is the same on
-    every device. Usable as the ``randn_like`` keyword of the diffusion's sampling loops.
+    The generators live on ``device`` (the model's) and draw there, in float32: on the CPU the
+    noise is the same on every machine; on CUDA it is drawn on the GPU (no host work per step,
+    nothing copied), the same for every batch size and rank count on one GPU model (torch's
+    CUDA generator spreads its stream over the device's multiprocessors, so another GPU model
+    draws other noise, as it computes other roundings anyway). Usable as the ``randn_like``
+    keyword of the diffusion's sampling loops.
     """
 
-    def __init__(self, seeds):
-        self.generators = [th.Generator(device="cpu").manual_seed(int(s)) for s in seeds]
+    def __init__(self, seeds, device="cpu"):
+        self.device = th.device(device)
+        self.generators = [th.Generator(device=self.device).manual_seed(int(s)) for s in seeds]
 
     def __call__(self, x):
         """x: [N x ...] with N == len(seeds) -> standard normal noise shaped like x."""
         if x.shape[0] != len(self.generators):
             raise ValueError(f"batch of {x.shape[0]} rows but {len(self.generators)} generators")
-        rows = [th.randn(tuple(x.shape[1:]), generator=g, dtype=th.float32)
+        rows = [th.randn(tuple(x.shape[1:]), generator=g, device=self.device, dtype=th.float32)
                 for g in self.generators]
         return th.stack(rows).to(device=x.device, dtype=x.dtype)
 
@@ -549,7 +555,7 @@ def sample_indices(model, diffusion, idx, *, shape, seed=0, use_ddim=False, clip
     """
     if device is None:
         device = next(model.parameters()).device
-    randn = PerSampleRandn([sample_seed(seed, i) for i in idx])
+    randn = PerSampleRandn([sample_seed(seed, i) for i in idx], device=device)
     noise = randn(th.empty((len(idx),) + tuple(shape), device=device))
     model_kwargs = {}
     y = None

@@ -123,6 +123,9 @@ def train_defaults():
         num_workers=-1,  # data-loading worker processes; -1: image_datasets.auto_num_workers()
         # torch.compile the model's forward/backward (off by default; see benchmarks/train.py).
         compile=False,
+        # Deterministic kernels (dist_util.set_deterministic): a GPU run resumed from a checkpoint
+        # equals a straight one bit for bit; slower, so off by default (the CPU needs none).
+        deterministic=False,
         # Append this rank's dataset indices of every step to {log_dir}/sample_indices/rank{r}.csv
         # as "step,idx1,idx2,...", where step is the completed-step count after that batch.
         log_sample_indices=False,
@@ -1114,6 +1117,8 @@ FLAG_HELP = {
     "nan_policy": ("training", "a step with a NaN/Inf loss or gradient: stop (exit 1) or skip"),
     "compile": ("training", "torch.compile the model's forward/backward (keys unchanged; a slower "
                 "start, then faster steps)"),
+    "deterministic": ("training", "deterministic GPU kernels (cuDNN, cuBLAS, atomics), so that a "
+                      "resumed GPU run is bitwise a straight one; slower"),
     # checkpointing
     "log_dir": ("checkpointing", "where checkpoints and logs go (default $OPENAI_LOGDIR)"),
     "save_interval": ("checkpointing", "save a checkpoint every this many steps; 0 = only at "

@@ -94,10 +94,12 @@ def _resumed_or_data_classes(args, n, flag, who):
 def start_job(args):
     """
     Set up the process group and take the log dir's lock (before anything touches the log dir),
-    then configure the logger. Returns the lock: release it when the job ends.
+    then configure the logger. Returns the lock: release it when the job ends. ``--deterministic``
+    is applied first, before CUDA or the process group exist.
 
     Collective: call from all ranks with the same arguments.
     """
+    dist_util.set_deterministic(getattr(args, "deterministic", False))
     dist_util.setup_dist(timeout=args.dist_timeout)
     lock = run_lock.acquire_for_job(args.log_dir, args.lock_wait)
     try:

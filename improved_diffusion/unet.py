@@ -271,12 +271,28 @@ class AttentionBlock(nn.Module):
 
 
 def _attention(q, k, v):
-    """softmax(q^T k / sqrt(C)) applied to v, for q, k, v [N x C x T] -> [N x C x T], through
-    torch's scaled_dot_product_attention (a fused kernel where the device has one). Upstream's
-    einsum form scaled q and k by C^-1/4 each and took the softmax in float32; SDPA computes the
-    same product (its softmax accumulates in float32 for half inputs too)."""
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
-    return out.transpose(1, 2)
+    """softmax(q k^T / sqrt(C)) v for q, k, v [N x H x T x C] (last dimension contiguous) ->
+    [N x (H * C) x T], through torch's scaled_dot_product_attention. Its fused kernels (flash,
+    memory-efficient; on CUDA and on the CPU) take only 4-D inputs whose last dimension has stride
+    1: anything else silently falls back to the math kernel, which builds the T x T matrix.
+    Upstream's einsum form scaled q and k by C^-1/4 each and took the softmax in float32; SDPA
+    computes the same product (its softmax accumulates in float32 for half inputs too)."""
+    n, heads, length, ch = q.shape
+    out = F.scaled_dot_product_attention(q, k, v)  # [N x H x T x C]
+    return out.permute(0, 1, 3, 2).reshape(n, heads * ch, length)
+
+
+def _split_heads(qkv, n_heads, order):
+    """[N x width x T] qkv -> q, k, v, each [N x H x T x C] with the channels last (one copy of
+    qkv). ``order``: how width is laid out, "legacy" (H, 3, C) or "new" (3, H, C)."""
+    bs, width, length = qkv.shape
+    ch = width // (3 * n_heads)
+    tokens = qkv.transpose(1, 2).contiguous()  # [N x T x width]: the one copy
+    if order == "legacy":
+        parts = tokens.reshape(bs, length, n_heads, 3, ch).unbind(3)
+    else:
+        parts = tokens.reshape(bs, length, 3, n_heads, ch).unbind(2)
+    return (p.transpose(1, 2) for p in parts)  # each [N x H x T x C], stride 1 along C
 
 
 class QKVAttentionLegacy(nn.Module):
@@ -289,10 +305,7 @@ class QKVAttentionLegacy(nn.Module):
     def forward(self, qkv):
         """:param qkv: [N x (H * 3 * C) x T] tensor of Qs, Ks and Vs.
         :return: [N x (H * C) x T] tensor after attention."""
-        bs, width, length = qkv.shape
-        ch = width // (3 * self.n_heads)
-        q, k, v = qkv.reshape(bs * self.n_heads, ch * 3, length).split(ch, dim=1)
-        return _attention(q, k, v).reshape(bs, -1, length)
+        return _attention(*_split_heads(qkv, self.n_heads, "legacy"))
 
 
 class QKVAttention(nn.Module):
@@ -305,10 +318,7 @@ class QKVAttention(nn.Module):
     def forward(self, qkv):
         """:param qkv: [N x (3 * H * C) x T] tensor of Qs, Ks and Vs.
         :return: [N x (H * C) x T] tensor after attention."""
-        bs, width, length = qkv.shape
-        ch = width // (3 * self.n_heads)
-        q, k, v = (x.reshape(bs * self.n_heads, ch, length) for x in qkv.chunk(3, dim=1))
-        return _attention(q, k, v).reshape(bs, -1, length)
+        return _attention(*_split_heads(qkv, self.n_heads, "new"))
 
 
 def _block_factories(emb_channels, dropout, dims, use_checkpoint, use_scale_shift_norm,

@@ -3,7 +3,7 @@ The checkpoint doctor: inspect, verify, diff, convert and prune checkpoints; rec
 post-hoc EMAs.
 
     python scripts/ckpt.py inspect FILE
-    python scripts/ckpt.py verify DIR [--quick]      (deep by default: loads files, checks sha256)
+    python scripts/ckpt.py verify DIR [--quick]      (deep by default: loads files, checks checksums)
     python scripts/ckpt.py diff FILE --flags "--image_size 32 ..."   (or --against FILE2)
     python scripts/ckpt.py convert SRC --to tagged|raw|safetensors --out DIR [--flags "..."]
     python scripts/ckpt.py prune DIR --keep K [--delete_snapshots]   (snapshots are kept)

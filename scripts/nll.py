@@ -74,7 +74,7 @@ def main(argv=None):
             # Image i's noise comes from its own generator seeded from (seed, i): the result
             # does not depend on --batch_size or the number of ranks.
             randn = sampling.PerSampleRandn(
-                [sampling.sample_seed(args.seed, int(i), stream=2) for i in idx])
+                [sampling.sample_seed(args.seed, int(i), stream=2) for i in idx], device=device)
             batch, cond = collate([dataset[int(i)] for i in idx])
             model_kwargs = {k: v.to(device) for k, v in cond.items()}
             m = diffusion.calc_bpd_loop(model, batch.to(device), clip_denoised=args.clip_denoised,

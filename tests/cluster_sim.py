@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+import zlib
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -162,7 +163,7 @@ def complete_steps(log_dir):
 
 
 def step_problems(log_dir, step):
-    """Check step ``step`` against its manifest (sizes and sha256, computed here); [] if intact."""
+    """Check step ``step`` against its manifest (sizes and checksums, computed here); [] if intact."""
     doc = json.loads((Path(log_dir) / f"manifest{step:06d}.json").read_text())
     problems = []
     for name, meta in doc["files"].items():
@@ -170,10 +171,19 @@ def step_problems(log_dir, step):
         if not path.is_file():
             problems.append(f"{name}: missing")
             continue
-        data = path.read_bytes()
-        if len(data) != meta["size"] or hashlib.sha256(data).hexdigest() != meta["sha256"]:
+        if not matches_manifest(path.read_bytes(), meta):
             problems.append(f"{name}: does not match the manifest")
     return problems
+
+
+def matches_manifest(data, entry):
+    """Whether a file's bytes ``data`` have the size and checksum its manifest ``entry`` lists
+    (crc32, or sha256 in a version-1 manifest), computed here from the bytes alone."""
+    if len(data) != entry["size"]:
+        return False
+    if "crc32" in entry:
+        return f"{zlib.crc32(data):08x}" == entry["crc32"]
+    return hashlib.sha256(data).hexdigest() == entry["sha256"]
 
 
 def wait_exit(proc, timeout):

@@ -1,4 +1,5 @@
 """checkpoint.py: tagged files, the bad-file corpus, legacy files, save/discover/prune, crashes."""
+import hashlib
 import io
 import json
 import os
@@ -8,6 +9,7 @@ import shutil
 import textwrap
 import time
 import zipfile
+import zlib
 from collections import OrderedDict
 
 import pytest
@@ -399,10 +401,11 @@ def test_save_step_writes_files_then_a_manifest_with_sizes_and_checksums(tmp_pat
                                           *_step_files(2), "manifest000002.json"]
     assert all(src.startswith(dst + ".tmp-") for src, dst in placed)  # never written in place
     man = json.loads((tmp_path / "manifest000002.json").read_text())
-    assert man["step"] == 2 and man["version"] == C.VERSION
+    assert man["step"] == 2 and man["version"] == C.MANIFEST_VERSION == 2
     assert set(man["files"]) == {"model000002.pt", "opt000002.pt", "ema_0.9999_000002.pt"}
     for name, info in man["files"].items():
-        assert info["size"] == (tmp_path / name).stat().st_size and len(info["sha256"]) == 64
+        data = (tmp_path / name).read_bytes()
+        assert info == {"size": len(data), "crc32": f"{zlib.crc32(data):08x}"}
     steps = R.list_steps(tmp_path)
     assert [s.step for s in steps] == [2, 1] and all(s.complete and not s.legacy for s in steps)
     latest = R.latest_complete_step(tmp_path, warn=pytest.fail)
@@ -481,7 +484,86 @@ def test_checksum_verification_catches_same_size_corruption(tmp_path):
     assert R.latest_complete_step(tmp_path, warn=None).step == 2
     warnings = []
     assert R.latest_complete_step(tmp_path, warn=warnings.append, verify_checksums=True).step == 1
-    assert "sha256" in warnings[0]
+    assert "does not match its crc32 in the manifest (corrupt)" in warnings[0]
+
+
+def test_a_version_1_manifest_with_sha256s_is_still_read_and_verified(tmp_path):
+    _save_steps(tmp_path, [1, 2])
+    for step in (1, 2):
+        path = tmp_path / f"manifest{step:06d}.json"
+        doc = json.loads(path.read_text())
+        doc["version"] = 1
+        doc["files"] = {n: {"size": (tmp_path / n).stat().st_size,
+                            "sha256": hashlib.sha256((tmp_path / n).read_bytes()).hexdigest()}
+                        for n in doc["files"]}
+        path.write_text(json.dumps(doc))
+    assert R.latest_complete_step(tmp_path, warn=pytest.fail, verify_checksums=True).step == 2
+    p = tmp_path / "opt000002.pt"
+    data = bytearray(p.read_bytes())
+    data[-100] ^= 0xFF
+    p.write_bytes(bytes(data))
+    warnings = []
+    assert R.latest_complete_step(tmp_path, warn=warnings.append, verify_checksums=True).step == 1
+    assert "does not match its sha256 in the manifest (corrupt)" in warnings[0]
+
+
+def test_crc32_combine_is_zlibs_crc_of_the_concatenation():
+    rng = random.Random(0)
+    for len_a, len_b in [(0, 0), (1, 0), (0, 7), (100, 1), (4096, 65536), (3, 1 << 20)]:
+        a, b = rng.randbytes(len_a), rng.randbytes(len_b)
+        assert C.crc32_combine(zlib.crc32(a), zlib.crc32(b), len_b) == zlib.crc32(a + b)
+
+
+HEADER = b"PK\x03\x04" + bytes(22) + (4).to_bytes(2, "little") + bytes(2)  # a 4-byte name
+DATA = bytes(range(256)) * 512  # 128 KiB
+
+
+@pytest.mark.parametrize("pieces", [
+    [HEADER, b"name", DATA, b"tail"],  # the record's data, then no descriptor
+    [HEADER, b"name", DATA, DATA],  # the data in two pieces
+    [HEADER, b"name", DATA, b"PK\x07\x08" + bytes(12)],  # a descriptor of another size
+    [HEADER, b"name", DATA],  # the data last
+    [b"x" * 10, DATA, DATA],  # large writes that are no record's data
+])
+def test_the_writers_crc_is_the_files_whatever_the_write_pattern(tmp_path, pieces):
+    """A record's large data is left to the CRC torch writes after it; any other pattern is
+    read back from the file or CRC'd as it passes: the file's CRC-32 either way."""
+    path = tmp_path / "f.bin"
+    with open(path, "wb") as f, open(path, "rb") as back:
+        out = C._ChecksumWriter(f, reread=lambda o, n: os.pread(back.fileno(), n, o))
+        for piece in pieces:
+            out.write(piece)
+        f.flush()
+        digest = out.digest()
+    data = path.read_bytes()
+    assert digest == {"size": len(data), "crc32": f"{zlib.crc32(data):08x}"}
+
+
+def test_a_torch_file_gets_its_crc_from_the_records_crcs_without_reading_them_back(
+        tmp_path, monkeypatch):
+    reads = []
+    real = os.pread
+    monkeypatch.setattr(os, "pread", lambda fd, n, o: reads.append(n) or real(fd, n, o))
+    sd = {f"w{i}": th.randn(20000 + i) for i in range(5)}  # records of 80 KB and more
+    sd.update({f"b{i}": th.ones(1) for i in range(1200)})  # a central directory of > 64 KB
+    info = C.write_file(str(tmp_path / "model000001.pt"), C.model_payload(1, sd, None))
+    data = (tmp_path / "model000001.pt").read_bytes()
+    assert info == {"size": len(data), "crc32": f"{zlib.crc32(data):08x}"} and reads == []
+    assert th.equal(th.load(tmp_path / "model000001.pt", weights_only=True)["state_dict"]["w4"],
+                    sd["w4"])
+
+
+def test_a_large_file_is_handed_to_the_disk_while_it_is_written(tmp_path, monkeypatch):
+    """The writer starts the kernel's writeback every WRITEBACK_BYTES (sync_file_range), so that
+    the final fsync does not find the whole file still in memory."""
+    started = []
+    monkeypatch.setattr(C, "_sync_file_range",
+                        lambda: lambda fd, offset, n, flags: started.append((offset, n, flags)))
+    monkeypatch.setattr(C._ChecksumWriter, "WRITEBACK_BYTES", 1 << 20)
+    sd = {f"w{i}": th.randn(300000) for i in range(4)}  # 4.8 MB
+    C.write_file(str(tmp_path / "model000001.pt"), C.model_payload(1, sd, None))
+    assert len(started) >= 4 and all(flags == 2 for _, _, flags in started)
+    assert [o for o, _, _ in started] == [0] + [o + n for o, n, _ in started[:-1]]  # contiguous
 
 
 # ------------------------------------------------------------------------------------------
@@ -595,3 +677,22 @@ def test_a_flipped_byte_inside_a_tensor_record_is_caught_by_the_zip_crc(tmp_path
     assert th.load(damaged, weights_only=True)["w"].abs().sum() > 0  # loads silently, damaged
     with pytest.raises(C.CheckpointError, match="CRC mismatch"):
         C.load_file(damaged)
+
+
+def test_a_save_written_in_two_large_pieces_gets_the_files_crc(tmp_path, monkeypatch):
+    """A torch.save that hands the file over in two halves (as tests/slow_save_train.py does):
+    the checksum is still the file's (it once failed: 'flush of closed file')."""
+    real = th.save
+
+    def two_halves(obj, f):
+        buf = io.BytesIO()
+        real(obj, buf)
+        data = buf.getvalue()
+        f.write(data[:len(data) // 2])
+        f.write(data[len(data) // 2:])
+
+    monkeypatch.setattr(C.th, "save", two_halves)
+    sd = {"w": th.randn(100000)}
+    info = C.write_file(str(tmp_path / "model000001.pt"), C.model_payload(1, sd, None))
+    data = (tmp_path / "model000001.pt").read_bytes()
+    assert info == {"size": len(data), "crc32": f"{zlib.crc32(data):08x}"}

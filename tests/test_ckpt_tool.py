@@ -214,6 +214,34 @@ def test_verify_reports_the_upstream_dir_resumable_and_changes_nothing():
     assert tree_hash(RUN) == before
 
 
+def test_verify_reads_a_version_1_run_by_its_sha256s_and_a_new_step_beside_it_by_crc32(tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(FIXTURES / "manifest_v1_run", run)  # manifests of format version 1
+    for quick in ((), ("--quick",)):
+        code, out, err = cli("verify", run, *quick)
+        assert code == 0, out + err
+        assert "step        2  ok" in out and "step        1  ok" in out
+        assert "resume: step 2" in out
+    model = tiny_model()
+    write_tagged_step(run, 3, model, tiny_opt_state(model))
+    manifest = json.loads((run / "manifest000003.json").read_text())
+    assert manifest["version"] == 2 and "crc32" in manifest["files"]["opt000003.pt"]
+    code, out, _ = cli("verify", run)
+    assert code == 0 and out.count("  ok ") == 3 and "resume: step 3" in out
+
+    opt = run / "opt000002.pt"
+    data = bytearray(opt.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size: only the checksum can tell
+    opt.write_bytes(bytes(data))
+    (run / "manifest000003.json").unlink()
+    code, out, _ = cli("verify", run, "--quick")
+    assert code == 1 and "resume: step 2" in out  # sizes and manifests only
+    code, out, _ = cli("verify", run)
+    assert code == 1
+    assert "opt000002.pt does not match its sha256 in the manifest (corrupt)" in out
+    assert "resume: step 1" in out
+
+
 def write_tagged_step(d, step, model, opt, save=True):
     files = {
         ckpt.model_filename(step): ckpt.model_payload(step, model.state_dict(), {"image_size": 8}),

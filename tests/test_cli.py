@@ -31,7 +31,7 @@ LAUNCHER_FLAGS = {"--nproc_per_node", "--nnodes", "--standalone", "--rdzv_endpoi
                   "--local_addr", "--master_port", "--max_restarts", "--node_rank",
                   "--rdzv_backend", "--rdzv_id", "--cpus-per-task", "--gpus-per-node",
                   "--job-name", "--mpi", "--nodelist", "--nodes", "--ntasks-per-node",
-                  "--open-mode", "--output", "--requeue", "--signal", "--time"}
+                  "--open-mode", "--output", "--requeue", "--signal", "--time", "--gpus-per-task"}
 # What docs/flags.md shows as mistakes (typos, a shortened flag) and the usage line's placeholder.
 EXAMPLE_MISTAKES = {"--num_chanels", "--num_channel", "--lr_anneal", "--bad_flag", "--flag"}
 TINY = ["--image_size", "8", "--num_channels", "32", "--channel_mult", "1",

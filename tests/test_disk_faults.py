@@ -4,13 +4,12 @@ The faults are real: a small tmpfs shrunk under a running 2-rank job, a read-onl
 over its log dir, the log dir removed with shutil.rmtree. Each job is frozen (SIGSTOP to its process
 group) right after it saved step N, the fault is injected, and the job continues into its save of
 step 2N. Every rank must exit 1 with the same one line naming the log dir and the cause; on disk
-step N must stay complete (our own manifest + sha256 reading) with nothing of step 2N and no temp
+step N must stay complete (our own manifest + checksum reading) with nothing of step 2N and no temp
 file; after the repair, auto-resume continues from N. Unit tests check the errno -> message mapping
 in-process (also for remote-like paths) and that other errors keep their type.
 """
 import contextlib
 import errno
-import hashlib
 import io
 import json
 import os
@@ -27,6 +26,7 @@ import torch
 from conftest import (MPIEXEC, PY, REPO, child_env, process_tree, resumed_step, signal_all,
                       write_images)
 
+from cluster_sim import matches_manifest
 from improved_diffusion import checkpoint as C
 from improved_diffusion import run_dir as R
 
@@ -95,7 +95,7 @@ def names_in(d):
 
 def step_problem(log_dir, step):
     """None when `step` is complete by our own reading: the manifest lists model, EMA and opt
-    files, each present with the listed size and sha256, each loading with weights_only."""
+    files, each present with the listed size and checksum, each loading with weights_only."""
     try:
         files = json.loads((Path(log_dir) / f"manifest{step:06d}.json").read_text())["files"]
     except FileNotFoundError:
@@ -105,7 +105,7 @@ def step_problem(log_dir, step):
         return f"manifest lists {sorted(files)}"
     for name, info in files.items():
         data = (Path(log_dir) / name).read_bytes()
-        if len(data) != info["size"] or hashlib.sha256(data).hexdigest() != info["sha256"]:
+        if not matches_manifest(data, info):
             return f"{name} differs from its manifest"
         obj = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
         if obj.get("step") != step:

@@ -201,10 +201,25 @@ def test_auto_num_workers_loads_in_process_on_the_cpu_and_uses_spare_cores_besid
     from improved_diffusion.image_datasets import auto_num_workers
 
     assert auto_num_workers("cpu") == 0
-    assert auto_num_workers("cuda", cpu_count=16, local_devices=8) == 1
-    assert auto_num_workers("cuda", cpu_count=32, local_devices=4) == 7
-    assert auto_num_workers("cuda", cpu_count=128, local_devices=2) == 8
-    assert auto_num_workers("cuda", cpu_count=2, local_devices=4) == 1
+    assert auto_num_workers("cuda", affinity=16, host_cpus=16, local_ranks=8) == 1
+    assert auto_num_workers("cuda", affinity=32, host_cpus=32, local_ranks=4) == 7
+    assert auto_num_workers("cuda", affinity=128, host_cpus=128, local_ranks=2) == 8
+    assert auto_num_workers("cuda", affinity=2, host_cpus=2, local_ranks=4) == 1
+
+
+def test_auto_num_workers_uses_the_cores_a_launcher_bound_the_rank_to(monkeypatch):
+    """srun --cpus-per-task=6 on a 48-core node with 8 GPUs: the rank's affinity (6 cores) is
+    its share already; dividing it by the GPUs again left 1 worker."""
+    from improved_diffusion.image_datasets import auto_num_workers
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(6)))
+    monkeypatch.setattr(os, "cpu_count", lambda: 48)
+    monkeypatch.setattr(th.cuda, "device_count", lambda: 8)
+    monkeypatch.setenv("SLURM_LOCALID", "3")
+    monkeypatch.setenv("SLURM_STEP_TASKS_PER_NODE", "8(x2)")
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert auto_num_workers("cuda") == 5
 
 
 def test_num_workers_below_minus_one_is_a_usage_error_naming_the_flag(tmp_path):

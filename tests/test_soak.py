@@ -16,7 +16,6 @@ test_a_long_lived_process...: one process per rank (mpiexec -n 2) builds, runs a
 TrainLoop SOAK_CYCLES times (save, resume, prune, some preemptions), reporting its open file
 descriptors and RSS; neither may grow with the number of cycles.
 """
-import hashlib
 import io
 import json
 import os
@@ -31,6 +30,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from cluster_sim import matches_manifest
 from conftest import (MPIEXEC, PY, REPO, child_env, deep_diff, process_tree, resumed_step,
                       run_module_mpi, signal_all, write_images)
 
@@ -71,7 +71,7 @@ def top_names(d):
 
 def complete(log_dir, step, deep=False):
     """Step `step` has a manifest listing model, EMA and opt, each present with its size (and
-    sha256 + a weights_only load of the right step when deep)."""
+    checksum + a weights_only load of the right step when deep)."""
     try:
         files = json.loads((Path(log_dir) / f"manifest{step:06d}.json").read_text())["files"]
     except (FileNotFoundError, ValueError, KeyError):
@@ -84,7 +84,7 @@ def complete(log_dir, step, deep=False):
             return False
         if deep:
             data = p.read_bytes()
-            if hashlib.sha256(data).hexdigest() != info["sha256"]:
+            if not matches_manifest(data, info):
                 return False
             if torch.load(io.BytesIO(data), weights_only=True)["step"] != step:
                 return False

@@ -206,3 +206,48 @@ def test_upstream_run_directory_weights_load_strictly(filename):
     ))
     state = th.load(FIXTURES / "upstream_run_small" / filename, weights_only=True)
     model.load_state_dict(state, strict=True)
+
+
+def _flash_available_here():
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q = th.randn(1, 1, 4, 8)
+    try:
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            th.nn.functional.scaled_dot_product_attention(q, q, q)
+    except RuntimeError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("new_order", [False, True])
+def test_attention_hands_sdpa_4d_inputs_with_contiguous_channels(new_order, monkeypatch):
+    """The fused kernels (flash, memory-efficient) take only [N, heads, T, C] inputs whose last
+    dimension has stride 1; anything else falls back to the T x T math kernel on a GPU."""
+    from improved_diffusion import unet
+
+    seen = []
+    real = unet.F.scaled_dot_product_attention
+
+    def recording(q, k, v, *args, **kwargs):
+        seen.append([(t.dim(), t.stride(-1), tuple(t.shape)) for t in (q, k, v)])
+        return real(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(unet.F, "scaled_dot_product_attention", recording)
+    block = AttentionBlock(64, num_heads=4, use_new_attention_order=new_order)
+    block(th.randn(2, 64, 4, 4))
+    assert seen == [[(4, 1, (2, 4, 16, 16))] * 3]
+
+
+@pytest.mark.skipif(not _flash_available_here(), reason="this torch has no CPU flash kernel")
+@pytest.mark.parametrize("new_order", [False, True])
+def test_attention_runs_with_only_the_flash_kernel_allowed(new_order):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    block = _randomise(AttentionBlock(64, num_heads=2, use_new_attention_order=new_order))
+    x = th.randn(2, 64, 4, 4, requires_grad=True)
+    reference = block(x)
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):  # "No available kernel" on 3-D inputs
+        out = block(x)
+        out.sum().backward()
+    th.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
