@@ -484,10 +484,10 @@ class _Heartbeat:
 
         return _bounded(locked, seconds, "a heartbeat store operation")
 
-    def mark(self, state):
-        """Record why this rank stops (best effort, bounded)."""
+    def mark(self, state, seconds=_STORE_CALL_S):
+        """Record why this rank stops (best effort, bounded by ``seconds``)."""
         try:
-            self.call(lambda c: c.set(f"state/{self.rank}", state))
+            self.call(lambda c: c.set(f"state/{self.rank}", state), seconds)
         except Exception:
             pass
 
@@ -618,6 +618,14 @@ def first_to_report(topic):
         return True
 
 
+def mark_ending(cause, seconds=_STORE_CALL_S):
+    """Record in this rank's heartbeat state that it ends the job (``cause``: one line), so that
+    the other ranks can name it (``diagnose_failure``: "rank R ended the job (cause)"). Best
+    effort, bounded by ``seconds``; safe from any thread. Not collective."""
+    if _heartbeat is not None:
+        _heartbeat.mark(f"ended the job ({cause})", seconds)
+
+
 def end_job_after_error(code, wait_s=10.0, *, cause=None, lost=()):
     """
     After an error on this rank: if every rank failed (errors of the resume are raised on all
@@ -633,8 +641,7 @@ def end_job_after_error(code, wait_s=10.0, *, cause=None, lost=()):
     """
     if not is_distributed():
         return
-    if _heartbeat is not None:
-        _heartbeat.mark(f"ended the job ({cause or f'exit {code}'})")
+    mark_ending(cause or f"exit {code}")
     world = get_world_size()
     expected = world - len(set(lost))
     reached = []
