@@ -20,7 +20,6 @@ import hashlib
 import json
 import os
 import random
-import signal
 import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
@@ -31,18 +30,19 @@ import torch as th
 from torch.nn.parallel.distributed import DistributedDataParallel as DDP
 from torch.optim import AdamW
 
-from . import checkpoint, dist_util, logger, model_change, optim_state, run_dir, state_fit
+from . import (checkpoint, dist_util, logger, model_change, optim_state, preemption, run_dir,
+               state_fit)
 from .async_save import BackgroundWriter, HostSnapshot, to_host
 from .errors import UsageError, UserError
 from .resample import LossAwareSampler, UniformSampler
 
 # EX_TEMPFAIL: "try again later". A job script can requeue on it.
-PREEMPTED_EXIT_CODE = 75
+PREEMPTED_EXIT_CODE = preemption.EXIT_CODE
 
 # Upstream's initial fp16 loss scale was 2**20 (INITIAL_LOG_LOSS_SCALE = 20.0).
 INITIAL_LOSS_SCALE = 2.0 ** 20
 
-PREEMPT_SIGNALS = ("SIGTERM", "SIGUSR1")
+PREEMPT_SIGNALS = preemption.SIGNALS
 
 # --nan_policy: what a step with a non-finite loss or gradient does (without a GradScaler).
 NAN_POLICIES = ("stop", "skip")
@@ -1384,26 +1384,8 @@ def set_rng_state(state):
 # ---------------------------------------------------------------------- signals
 
 
-@contextlib.contextmanager
 def _preemption_flag():
-    """Install SIGTERM/SIGUSR1 handlers that set a flag; restore the old handlers on exit."""
-    flag = {"set": False, "signal": None}
-
-    def handler(signum, frame):
-        flag["set"] = True
-        flag["signal"] = signal.Signals(signum).name
-
-    old = {}
-    for name in PREEMPT_SIGNALS:
-        sig = getattr(signal, name, None)
-        if sig is None:
-            continue
-        try:
-            old[sig] = signal.signal(sig, handler)
-        except ValueError:  # not the main thread
-            pass
-    try:
-        yield flag
-    finally:
-        for sig, h in old.items():
-            signal.signal(sig, h)
+    """The preemption flag ({"set", "signal"}) in its training phase, for a ``with`` around the
+    loop: the process-wide flag of preemption.install() when a script installed it (a signal
+    since start-up counts; later ones only set it again), else handlers for the loop alone."""
+    return preemption.training()
