@@ -2,7 +2,9 @@
 
 Three ways to start:
 
-* ``torchrun`` (env ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``): ``env://``.
+* ``torchrun`` (env ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``): the ``env://``
+  store, behind a prefix of this restart (``TORCHELASTIC_RESTART_COUNT``), so that the ranks of
+  a ``--max_restarts`` restart never read the keys of the attempt before.
 * ``mpiexec -n N`` (mpi4py): MPI is used ONLY for the rendezvous (rank 0 opens a TCP store on a
   free port, or ``MASTER_PORT`` when set, and MPI-broadcasts host and port); every collective
   afterwards is torch.distributed. On one host (one network stack: the same boot and network
@@ -134,11 +136,11 @@ def setup_dist(backend=None, *, timeout=DEFAULT_TIMEOUT_S):
     """
     Set up the process group if this process is one of several; idempotent.
 
-    torchrun env vars -> ``init_process_group("env://")``; else mpi4py under an MPI launcher with
-    size > 1 -> TCP store rendezvous (host/port broadcast over MPI, see the module docstring);
-    else nothing (single process, no process group). ``timeout`` (seconds, or a timedelta) bounds
-    the rendezvous and every later collective, so a rank that never arrives or dies fails the job
-    instead of hanging it. Raises ``RendezvousError`` (the same one line on every rank) when the
+    torchrun env vars -> the ``env://`` store with a per-restart prefix; else mpi4py under an MPI
+    launcher with size > 1 -> TCP store rendezvous (host/port broadcast over MPI, see the module
+    docstring); else nothing (single process, no process group). ``timeout`` (seconds, or a
+    timedelta) bounds the rendezvous and every later collective, so a rank that never arrives or
+    dies fails the job instead of hanging it. Raises ``RendezvousError`` (the same one line on every rank) when the
     ranks cannot meet. Starts this rank's heartbeat (see ``diagnose_failure``).
 
     Collective: call from all ranks with the same arguments.
@@ -154,7 +156,8 @@ def setup_dist(backend=None, *, timeout=DEFAULT_TIMEOUT_S):
             local_rank = int(env.get("LOCAL_RANK", 0))
             _select_device(backend, local_rank)
             _set_threads(int(env.get("LOCAL_WORLD_SIZE", world)))
-            dist.init_process_group(backend=backend, init_method="env://", timeout=timeout)
+            dist.init_process_group(backend=backend, store=_attempt_store(timeout),
+                                    rank=int(env["RANK"]), world_size=world, timeout=timeout)
             atexit.register(_cleanup_at_exit)
             _start_heartbeat(timeout)
         return
@@ -181,6 +184,19 @@ def setup_dist(backend=None, *, timeout=DEFAULT_TIMEOUT_S):
     # Registered after mpi4py's MPI_Finalize hook, so it runs first (atexit is LIFO).
     atexit.register(_cleanup_at_exit)
     _start_heartbeat(timeout)
+
+
+def _attempt_store(timeout):
+    """
+    The store of this launch under torchrun (``env://``: MASTER_ADDR/MASTER_PORT), seen through
+    a prefix of its own restart (``TORCHELASTIC_RESTART_COUNT``). torchrun's agent keeps one
+    store across the restarts of ``--max_restarts``, so without the prefix the restarted ranks
+    would read the previous attempt's keys (its ranks' addresses, its barrier counts) and gloo
+    would connect to the dead ranks ("connectFullMesh failed ... Connection refused"), or hang.
+    """
+    store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"improved_diffusion/attempt{attempt}/", store)
 
 
 # --------------------------------------------------------------------------------------------
