@@ -46,13 +46,16 @@ import uuid
 
 import blobfile as bf
 
+from . import preemption
 from .errors import UserError
 
 DEFAULT_WAIT_S = 300.0
 DEFAULT_HEARTBEAT_S = 30.0
 LOCK_FILE = ".lock"  # local flavour
 LOCK_OBJECT = "lock.json"  # remote flavour
-_JOB_SLICE_S = 5.0  # acquire_for_job: rank 0 reports to the others this often while it waits
+# acquire_for_job: rank 0 reports to the others this often while it waits, and every rank says
+# whether it got a preemption signal (a requeued job waiting for its predecessor is preemptible)
+_JOB_SLICE_S = 1.0
 JOB_ID_VARS = ("SLURM_JOB_ID", "PBS_JOBID", "LSB_JOBID", "JOB_ID")
 
 
@@ -404,7 +407,7 @@ def acquire_for_job(log_dir, wait_s=DEFAULT_WAIT_S, heartbeat_s=DEFAULT_HEARTBEA
 
     try:
         while not dist_util.run_on_rank0(take):
-            pass
+            preemption.check()  # a job waiting for its predecessor ends at once when preempted
     except BaseException:
         lock.release()
         raise

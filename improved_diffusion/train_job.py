@@ -8,12 +8,15 @@ scripts/super_res_train.py share, so that no script imports another.
 
 The story of a job: the process group (bounded by --dist_timeout), the log dir's lock (one job per
 log dir, --lock_wait), the logger, the model and data (``build``), the TrainLoop (which resumes),
-the loop, then DDP and the process group are taken down and the lock is released.
+the loop, then DDP and the process group are taken down and the lock is released. A preemption
+signal before the loop ends the job at the next of preemption.check()'s points (after the
+rendezvous, each second of the lock wait, after ``build``, after the resume) with exit 75 and
+nothing new in the log dir; in the loop, the loop saves first (preemption.py).
 """
 import os
 from typing import Any, Callable, NamedTuple
 
-from . import cli, dist_util, logger, run_lock, train_util
+from . import cli, dist_util, logger, preemption, run_lock, train_util
 from .errors import UsageError
 
 
@@ -61,6 +64,7 @@ def start_job(args):
     Collective: call from all ranks with the same arguments.
     """
     dist_util.setup_dist(timeout=args.dist_timeout)
+    preemption.check()
     lock = run_lock.acquire_for_job(args.log_dir, args.lock_wait)
     try:
         logger.configure(dir=args.log_dir, stdout_format=getattr(args, "log_format", "progress"))
@@ -111,7 +115,13 @@ def run_training(args, build: Callable[[Any], Parts]):
     lock = start_job(args)
     try:
         parts = build(args)
+        preemption.check()
         loop = make_loop(args, parts)
+        try:
+            preemption.check()
+        except BaseException:
+            loop.close(sync=False)
+            raise
         logger.start_progress(loop.step, min(
             [n for n in (args.max_steps, args.lr_anneal_steps) if n > 0], default=0))
         return run_and_close(loop)

@@ -18,6 +18,11 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+if __name__ == "__main__":  # first, before torch is imported: SIGTERM/SIGUSR1 from here on
+    from improved_diffusion import preemption  # end the job with exit 75 (preemption.py)
+
+    preemption.install()
+
 from improved_diffusion import cli, dist_util, logger, train_job, train_util  # noqa: E402
 from improved_diffusion.image_datasets import load_data, resolve_num_classes  # noqa: E402
 from improved_diffusion.resample import create_named_schedule_sampler  # noqa: E402

@@ -187,9 +187,9 @@ def wait_exit(proc, timeout):
     return time.monotonic() - t0
 
 
-def torchrun_one_node(train_args, rdzv="standalone", nproc=2, max_restarts=0):
-    """The command of a one-node ``torchrun`` job of ``nproc`` workers running train.py (through
-    the fault driver), with rendezvous ``rdzv``: "standalone" (``--standalone``), "c10d"
+def torchrun_one_node(train_args, rdzv="standalone", nproc=2, max_restarts=0, script=DRIVER):
+    """The command of a one-node ``torchrun`` job of ``nproc`` workers running ``script`` (the
+    fault driver of train.py), with rendezvous ``rdzv``: "standalone" (``--standalone``), "c10d"
     (``--rdzv_backend c10d`` at a free local port) or "static" (``--master_addr/--master_port``)."""
     cmd = [TORCHRUN, "--nnodes", "1", "--nproc_per_node", str(nproc),
            "--max_restarts", str(max_restarts), "--monitor_interval", "0.1"]
@@ -202,7 +202,7 @@ def torchrun_one_node(train_args, rdzv="standalone", nproc=2, max_restarts=0):
                 "--master_port", str(free_port())]
     else:
         raise ValueError(f"unknown rendezvous {rdzv!r}")
-    return cmd + [DRIVER, *train_args]
+    return cmd + [script, *train_args]
 
 
 def kill_workers_repeatedly(proc, log_dir, pid_dir, kills, nproc=2, timeout=120, on_kill=None):
