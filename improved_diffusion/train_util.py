@@ -47,6 +47,11 @@ PREEMPT_SIGNALS = preemption.SIGNALS
 # --nan_policy: what a step with a non-finite loss or gradient does (without a GradScaler).
 NAN_POLICIES = ("stop", "skip")
 
+# Training flags kept in the trainer state ("train_flags"); a resume logs one line for each that
+# changed (--seed, --ema_rate, the batch size and the world size have lines of their own).
+RESUME_LOGGED_FLAGS = {"lr": float, "weight_decay": float, "lr_anneal_steps": int,
+                       "microbatch": int, "fp16_scale_growth": float, "nan_policy": str}
+
 
 class ResumeError(checkpoint.CheckpointError):
     """A resume that cannot go on (one-line message naming the file or flag)."""
@@ -519,6 +524,11 @@ class TrainLoop:
         if old_rates is not None and list(old_rates) != self.ema_rate_strs:
             logger.log(f"resume: --ema_rate {','.join(old_rates)} -> "
                        f"{','.join(self.ema_rate_strs)}")
+        saved = trainer.get("train_flags")  # absent in older files
+        for name, kind in RESUME_LOGGED_FLAGS.items() if isinstance(saved, dict) else ():
+            now = kind(getattr(self, name))
+            if name in saved and saved[name] != now:
+                logger.log(f"resume: --{name} {saved[name]} -> {now}")
 
     def _restore_rng(self, rng, old_world_size):
         if rng and old_world_size == self.world_size and len(rng) == self.world_size:
@@ -1002,6 +1012,8 @@ class TrainLoop:
             "ema_rates": list(self.ema_rate_strs),
             "lr": float(self.opt.param_groups[0]["lr"]),
             "model_changes": list(self.model_changes),
+            "train_flags": {name: kind(getattr(self, name))
+                            for name, kind in RESUME_LOGGED_FLAGS.items()},
         }
 
 
