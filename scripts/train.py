@@ -57,6 +57,7 @@ def build(args):
         num_classes=args.num_classes if args.class_cond else None,
         seed=args.seed,
         num_workers=args.num_workers,
+        log=logger.warn,  # a resume's data warnings: one line, once for the job
     )
     sampler = create_named_schedule_sampler(args.schedule_sampler, diffusion)
     return train_job.Parts(model, diffusion, data, model_flags, sampler)
