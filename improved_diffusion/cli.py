@@ -64,7 +64,7 @@ def run_main(main, argv=None):
     except Exception as e:
         error, diagnosis = e, _diagnose(e)
         if _preempted_before_training(e, diagnosis):
-            return _end_job_preempted()
+            return _end_job_preempted(lost=_gone(diagnosis) if diagnosis else ())
         if diagnosis is None:
             tb = traceback.format_exc()
             traceback.print_exc()
@@ -101,9 +101,10 @@ def _preempted_before_training(e, diagnosis):
             and dist_util.looks_like_comm_failure(e))
 
 
-def _end_job_preempted():
+def _end_job_preempted(lost=()):
     """End the job after a preemption signal before training began: every rank returns exit 75,
-    the one line printed once for the job (and kept in log.txt when the logger writes one)."""
+    the one line printed once for the job (and kept in log.txt when the logger writes one).
+    ``lost``: ranks already gone (not waited for)."""
     preemption.ending()
     line = preemption.BEFORE_TRAINING
     if dist_util.first_to_report("preempted"):
@@ -111,7 +112,7 @@ def _end_job_preempted():
         sys.stderr.flush()
     logger.append_to_log_files(line)
     _record_for_torchelastic(preemption.EXIT_CODE, line, kind="preempted")
-    dist_util.end_job_after_error(preemption.EXIT_CODE, cause=line)
+    dist_util.end_job_after_error(preemption.EXIT_CODE, cause=line, lost=lost)
     return preemption.EXIT_CODE
 
 

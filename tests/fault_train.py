@@ -11,7 +11,9 @@ Usage: python tests/fault_train.py [train.py flags...]
   FAULT_LATE_S seconds before the rendezvous (under mpiexec: after MPI_Init), so the others
   wait in it. Every rank prints ``FAULT: rank R enters the rendezvous`` as it does.
 * ``FAULT_SLOW_LOAD_S``: each checkpoint load (checkpoint.load_file_collective) first prints
-  ``FAULT: loading NAME`` (rank 0) and sleeps that long on every rank, as a slow disk would.
+  ``FAULT: loading NAME`` (rank 0) and sleeps that long on every rank (on rank
+  ``FAULT_SLOW_LOAD_RANK`` alone when set: the others wait for it in a collective), as a slow
+  disk would.
 * ``FAULT_HARD_EXIT_S``: preemption.HARD_EXIT_S (how long a rank stuck before training has
   after a signal before it is ended), shorter for a test.
 
@@ -76,7 +78,9 @@ _load = checkpoint.load_file_collective
 def _slow_load(path, *args, **kwargs):
     if dist_util.get_rank() == 0:
         print(f"FAULT: loading {os.path.basename(os.fspath(path))}", flush=True)
-    time.sleep(float(os.environ["FAULT_SLOW_LOAD_S"]))
+    only = os.environ.get("FAULT_SLOW_LOAD_RANK")
+    if only is None or dist_util.get_rank() == int(only):
+        time.sleep(float(os.environ["FAULT_SLOW_LOAD_S"]))
     return _load(path, *args, **kwargs)
 
 

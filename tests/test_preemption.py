@@ -242,18 +242,21 @@ def saved_run(tmp_path_factory, images):
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("launcher,target,sig", [
-    ("mpiexec", 1, signal.SIGUSR1),
-    ("torchrun", 0, signal.SIGTERM),
-], ids=["mpiexec-sigusr1-to-rank1", "torchrun-sigterm-to-rank0"])
+@pytest.mark.parametrize("launcher,target,sig,slow", [
+    ("mpiexec", 1, signal.SIGUSR1, {"FAULT_SLOW_LOAD_S": "0.7"}),
+    # rank 1 waits for rank 0's slow read inside a collective: its watcher ends it after 1 s;
+    # torchrun then stops rank 0, whose next collective fails, and it ends with 75 as well
+    ("torchrun", 1, signal.SIGTERM, {"FAULT_SLOW_LOAD_S": "4", "FAULT_SLOW_LOAD_RANK": "0",
+                                     "FAULT_HARD_EXIT_S": "1"}),
+], ids=["mpiexec-sigusr1-to-rank1", "torchrun-rank1-stuck-in-a-collective"])
 def test_a_signal_while_the_checkpoint_loads_ends_the_job_with_75_and_changes_nothing(
-        tmp_path, images, saved_run, launcher, target, sig):
+        tmp_path, images, saved_run, launcher, target, sig, slow):
     log_dir = tmp_path / "run"
     shutil.copytree(saved_run, log_dir)
     before = snapshot(log_dir)
     job = Job(launch(launcher, DRIVER, [*TINY, "--data_dir", images, "--log_dir", log_dir,
                                         "--max_steps", 4]),
-              tmp_path / "job.out", env={"FAULT_SLOW_LOAD_S": "0.7"})
+              tmp_path / "job.out", env=slow)
     job.wait_for_text("FAULT: loading model000002.pt")
     os.kill(job.rank_pids()[target], sig)
     rc = job.end()
