@@ -12,7 +12,7 @@ $(STAMP): setup.py
 	$(PYTHON) -m venv $(VENV)
 	# torch first: the pinned CPU build. A bare `torch` requirement would pull the CUDA build.
 	$(PY) -m pip install torch==2.13.0
-	$(PY) -m pip install -e '.[mpi,test,demo]'
+	$(PY) -m pip install -e '.[mpi,test,demo,tensorboard]'
 	touch $(STAMP)
 
 install: $(STAMP)

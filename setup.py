@@ -13,5 +13,6 @@ setup(
         "test": ["pytest", "pytest-timeout"],
         "demo": ["scikit-learn"],
         "safetensors": ["safetensors"],
+        "tensorboard": ["tensorboard"],  # --tensorboard True
     },
 )

@@ -3,7 +3,7 @@
 What `--use_fp16 True` costs on a CPU, measured side by side in the same run on the demo's model
 (a class-conditional UNet, 16 px, 32 channels, batch 32): forward + backward + AdamW step, the
 median of --repeat timed steps after --warmup untimed ones, one thread. fp32 is the reference.
-It also prints what train_util._make_amp decides for this CPU. One JSON line per figure:
+It also prints what amp.make_amp decides for this CPU. One JSON line per figure:
 
     python benchmarks/amp_cpu.py [--repeat 10] [--warmup 3] [--batch_size 32]
 """
@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch as th  # noqa: E402
 
-from improved_diffusion import script_util, train_util  # noqa: E402
+from improved_diffusion import amp, script_util  # noqa: E402
 
 CMD = "python benchmarks/amp_cpu.py"
 
@@ -70,7 +70,7 @@ def main():
         print(json.dumps({"figure": f"cpu_step_s_{name}_autocast", "value": round(t, 4),
                           "unit": "s", "vs_fp32": round(t / ref, 2), "command": CMD}),
               flush=True)
-    print(json.dumps({"figure": "cpu_fast_bf16", "value": train_util.cpu_has_fast_bf16(),
+    print(json.dumps({"figure": "cpu_fast_bf16", "value": amp.cpu_has_fast_bf16(),
                       "command": CMD}), flush=True)
 
 

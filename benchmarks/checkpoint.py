@@ -26,6 +26,7 @@ One JSON line per figure, each with the command that reproduces it. Usage:
 250M needs ~10 GB of free memory and ~10 GB of disk: leave it out with --sizes 10M,60M.
 """
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -109,7 +110,8 @@ def raw_write(d, sizes, buf):
 def timed_save(loop, step, async_save):
     """Seconds TrainLoop.save() held the caller for a save of ``step``."""
     loop.step = step
-    loop.async_save = async_save
+    loop.checkpointer.config = dataclasses.replace(loop.checkpointer.config,
+                                                 async_save=async_save)
     t0 = time.perf_counter()
     loop.save()
     return time.perf_counter() - t0
@@ -152,7 +154,7 @@ def bench_save(size, d, repeat, cmd, keep_path):
         loop.run_step(*batch)  # a training step while the writer runs
         during = time.perf_counter() - t1
         loop.step = step  # run_step counted one
-        _, total, _, _ = loop._wait_for_save()  # from the save's start until the step is on disk
+        _, total, _, _ = loop.checkpointer.wait_for_save()  # from the save's start until the step is on disk
         sizes = [os.path.getsize(os.path.join(d, n)) for n in step_files(d, step)]
         drop_step(d, step)
         rows["first_pause" if r == 0 else "pause"].append(pause)

@@ -26,6 +26,7 @@ Also printed: the EMA update alone, as a share of the loop's step (the target: a
 One JSON line per figure, each with the command that reproduces it.
 """
 import argparse
+import dataclasses
 import contextlib
 import json
 import math
@@ -135,7 +136,7 @@ def child(args):
                       save_interval=0, resume_checkpoint="", log_dir=tmp, model_flags=flags,
                       max_steps=warmup, seed=0)
         loop.run_loop()
-        loop.max_steps = warmup + steps
+        loop.config = dataclasses.replace(loop.config, max_steps=warmup + steps)
         _sync(device)
         t0 = time.perf_counter()
         loop.run_loop()

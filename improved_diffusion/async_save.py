@@ -2,7 +2,7 @@
 Checkpoint saves that barely pause training: host copies of the payloads, and one background
 writer.
 
-At a save (train_util.TrainLoop.save, ``--async_save True``, the default), rank 0 copies the
+At a save (checkpointer.Checkpointer.save, ``--async_save True``, the default), rank 0 copies the
 tensors of every payload (model, EMAs, optimizer, trainer state) to host memory with
 ``HostSnapshot.copy`` -- into buffers kept from the previous save, pinned when the tensors live on
 CUDA -- and hands the copies to ``BackgroundWriter``, whose thread serialises and writes the files
@@ -11,7 +11,7 @@ writes the same payloads through ``to_host`` (no copy at all for CPU tensors) in
 thread. Both write the same bytes: a copy keeps each tensor's storage, offset, shape and strides,
 and the sharing between tensors and containers, that torch.save records.
 
-Nothing here is collective or knows about ranks: TrainLoop decides who snapshots (rank 0) and
+Nothing here is collective or knows about ranks: the checkpointer decides who snapshots (rank 0) and
 when every rank learns of a failed write.
 """
 

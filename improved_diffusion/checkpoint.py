@@ -10,7 +10,16 @@ Files of one step (``step`` = completed optimizer steps), in the log dir:
     model{step:06d}.pt         {"schema", "version", "kind": "model", "step", "state_dict", "flags"}
     ema_{rate}_{step:06d}.pt      {... "kind": "ema", "state_dict", "flags", "rate", "rate_str"}
     opt{step:06d}.pt              {... "kind": "opt", "optimizer", "trainer"}
+    phema_{std:.3f}_{step:06d}.pt  {... "kind": "phema", "state_dict", "flags", "std", "nimg",
+                                  "param_names"}: a post-hoc EMA snapshot (phema.py), kept when
+                                  its step is pruned
     manifest{step:06d}.json       written LAST: {"step", "files": {name: {"size", "sha256"}}, ...}
+
+Also read: upstream's raw files under the same names, and facebookresearch/DiT's train.py files
+``checkpoints/{step:07d}.pt`` = {"model", "ema", "opt", "args"} (a "combined" dict: weights, EMA
+weights, index-keyed AdamW state, and a pickled argparse.Namespace; see read_pickled_objects).
+A noised classifier's run (guided-diffusion's classifier_train.py) names its steps the same way in
+its own log dir; its model file has "kind": "classifier" (weights and the classifier's flags).
 
 Reading always uses ``torch.load(weights_only=True, map_location="cpu")``: a file can never run
 code. Every failure is a ``CheckpointError`` whose one-line message names the file; a read that
@@ -43,20 +52,29 @@ from .errors import UserError, typed_one_line
 
 SCHEMA = "improved_diffusion.checkpoint"
 VERSION = 1
-KINDS = ("model", "ema", "opt")
+KINDS = ("model", "ema", "opt", "phema", "classifier")
+# The kinds whose payload is one network's weights ("state_dict") and its flags.
+WEIGHT_KINDS = ("model", "ema", "phema", "classifier")
+# The slots a step's file names make (a classifier's weights are in the "model" slot).
+SLOTS = ("model", "ema", "opt", "phema")
 
 # Temporary files: "<final name>.tmp-<32 hex>" in the same directory as the final file.
 _TMP_RE = re.compile(r"^(?P<final>.+)\.tmp-[0-9a-f]{8,32}$")
 _MODEL_RE = re.compile(r"^model(\d+)\.pt$")
 _EMA_RE = re.compile(r"^ema_(.+)_(\d+)\.pt$")
 _OPT_RE = re.compile(r"^opt(\d+)\.pt$")
+_PHEMA_RE = re.compile(r"^phema_(\d+\.\d+)_(\d+)\.pt$")
 _MANIFEST_RE = re.compile(r"^manifest(\d+)\.json$")
+# DiT's train.py: checkpoints/{step:07d}.pt, a combined dict.
+_DIT_RE = re.compile(r"^(\d{7,})\.pt$")
 # Also accepted by parse_step (names a user may give to --resume_checkpoint).
 _STEP_NAME_RES = (
     _MODEL_RE,
     _OPT_RE,
     _MANIFEST_RE,
+    _DIT_RE,
     re.compile(r"^ema_.+_(\d+)\.pt$"),
+    _PHEMA_RE,
     re.compile(r"^(?:model|ema|opt|ckpt|checkpoint)[_-]?(?:step[_-]?)?(\d+)"
                r"\.(?:pt|pth|safetensors)$"),
 )
@@ -64,6 +82,8 @@ _PREFIXES = ("module.", "_orig_mod.")
 _COMBINED_MODEL_KEYS = ("model", "state_dict", "model_state_dict", "net")
 _COMBINED_EMA_KEYS = ("ema", "ema_state_dict", "model_ema", "ema_model")
 _COMBINED_OPT_KEYS = ("opt", "optimizer", "optimizer_state_dict", "optim")
+# Entries of a combined dict that must be plain tensors and optimizer state (never stand-ins).
+_COMBINED_PAYLOAD_KEYS = (*_COMBINED_MODEL_KEYS, *_COMBINED_EMA_KEYS, *_COMBINED_OPT_KEYS)
 _HEAD_BYTES = 4096
 
 
@@ -97,6 +117,21 @@ def opt_filename(step):
     return f"opt{step:06d}.pt"
 
 
+def phema_filename(std, step):
+    """A post-hoc EMA snapshot's name: ``phema_{std:.3f}_{step:06d}.pt`` (phema_0.050_012000.pt)."""
+    return f"phema_{float(std):.3f}_{step:06d}.pt"
+
+
+def posthoc_ema_filename(std, step):
+    """The name of an EMA file reconstructed post hoc: ``ema_phema0.070_012000.pt`` (an EMA
+    file whose rate string is ``phema{std:.3f}``)."""
+    return ema_filename(posthoc_rate_str(std), step)
+
+
+def posthoc_rate_str(std):
+    return f"phema{float(std):.3f}"
+
+
 def manifest_filename(step):
     return f"manifest{step:06d}.json"
 
@@ -123,11 +158,14 @@ def is_remote(path):
 
 @dataclass(frozen=True)
 class NameInfo:
-    """What a file name says: kind ("model" | "ema" | "opt" | "manifest" | "temp"), step, rate."""
+    """What a file name says: kind ("model" | "ema" | "opt" | "phema" | "manifest" | "temp" |
+    "combined": DiT's ``{step:07d}.pt``), step, rate (ema), std (phema, as the name writes it:
+    "0.050")."""
 
     kind: str
     step: Optional[int]
     rate_str: Optional[str] = None
+    std_str: Optional[str] = None
 
 
 def name_info(path):
@@ -136,7 +174,9 @@ def name_info(path):
     file-name patterns are read::
 
         name_info("runs/a/ema_0.9999_000200.pt") -> NameInfo("ema", 200, "0.9999")
+        name_info("phema_0.050_000200.pt")       -> NameInfo("phema", 200, std_str="0.050")
         name_info("model000200.pt.tmp-9f3a...")  -> NameInfo("temp", 200)
+        name_info("checkpoints/0400000.pt")      -> NameInfo("combined", 400000)  (DiT's)
         name_info("progress.csv")                -> None
     """
     name = basename(path)
@@ -144,20 +184,25 @@ def name_info(path):
     if m:
         final = name_info(m.group("final"))
         return NameInfo("temp", final.step if final else None)
-    for kind, rx in (("model", _MODEL_RE), ("opt", _OPT_RE), ("manifest", _MANIFEST_RE)):
+    for kind, rx in (("model", _MODEL_RE), ("opt", _OPT_RE), ("manifest", _MANIFEST_RE),
+                     ("combined", _DIT_RE)):
         m = rx.match(name)
         if m:
             return NameInfo(kind, int(m.group(1)))
     m = _EMA_RE.match(name)
     if m:
         return NameInfo("ema", int(m.group(2)), m.group(1))
+    m = _PHEMA_RE.match(name)
+    if m:
+        return NameInfo("phema", int(m.group(2)), std_str=m.group(1))
     return None
 
 
 def parse_step(path):
     """
     The step number carried by a checkpoint file name (``model000100.pt`` -> 100,
-    ``ema_0.9999_000100.pt`` -> 100, ``opt000100.pt``, ``manifest000100.json``).
+    ``ema_0.9999_000100.pt`` -> 100, ``opt000100.pt``, ``manifest000100.json``, DiT's
+    ``0400000.pt`` -> 400000).
 
     Raises CheckpointError naming the file when the name carries no step (never a silent 0).
     """
@@ -173,9 +218,10 @@ def parse_step(path):
 
 
 def slot_of(path):
-    """The slot a step file's name claims: "model", "ema", "opt", or None for any other name."""
+    """The slot a step file's name claims: "model", "ema", "opt", "phema", or None for any other
+    name. (A classifier's weights sit in the "model" slot: ``model{step:06d}.pt``.)"""
     info = name_info(path)
-    return info.kind if info is not None and info.kind in KINDS else None
+    return info.kind if info is not None and info.kind in SLOTS else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -189,10 +235,42 @@ def model_payload(step, state_dict, flags):
 
 
 def ema_payload(step, rate_str, state_dict, flags):
-    """The dict saved as ``ema_{rate_str}_{step:06d}.pt``."""
+    """The dict saved as ``ema_{rate_str}_{step:06d}.pt`` (``rate``: None for a rate string that
+    is not a number, as a post-hoc EMA's ``phema0.070``)."""
+    try:
+        rate = float(rate_str)
+    except ValueError:
+        rate = None
     return {"schema": SCHEMA, "version": VERSION, "kind": "ema", "step": int(step),
-            "state_dict": state_dict, "flags": dict(flags or {}), "rate": float(rate_str),
+            "state_dict": state_dict, "flags": dict(flags or {}), "rate": rate,
             "rate_str": str(rate_str)}
+
+
+def phema_payload(step, std, nimg, state_dict, flags, param_names):
+    """The dict saved as ``phema_{std:.3f}_{step:06d}.pt``: a power-function EMA of relative
+    width ``std`` after ``nimg`` images (over all ranks); ``state_dict``: the model's, with the
+    EMA in place of the parameters named in ``param_names`` (the other entries are buffers)."""
+    return {"schema": SCHEMA, "version": VERSION, "kind": "phema", "step": int(step),
+            "state_dict": state_dict, "flags": dict(flags or {}), "std": float(std),
+            "nimg": int(nimg), "param_names": [str(n) for n in param_names]}
+
+
+def posthoc_ema_payload(step, std, nimg, state_dict, flags, inputs, profile_error):
+    """An ordinary EMA file's dict (``ema_payload``, rate string ``phema{std:.3f}``) for weights
+    reconstructed post hoc, plus ``"phema"``: {"std", "nimg", "inputs": [[snapshot name,
+    coefficient]], "profile_error"} saying how they were made."""
+    payload = ema_payload(step, posthoc_rate_str(std), state_dict, flags)
+    payload["phema"] = {"std": float(std), "nimg": int(nimg),
+                        "inputs": [[str(n), float(c)] for n, c in inputs],
+                        "profile_error": float(profile_error)}
+    return payload
+
+
+def classifier_payload(step, state_dict, flags):
+    """The dict saved as a classifier run's ``model{step:06d}.pt`` (``flags``: the classifier's
+    and its diffusion's, script_util.classifier_and_diffusion_defaults() keys)."""
+    return {"schema": SCHEMA, "version": VERSION, "kind": "classifier", "step": int(step),
+            "state_dict": state_dict, "flags": dict(flags or {})}
 
 
 def opt_payload(step, optimizer, trainer):
@@ -210,7 +288,7 @@ class CkptFile:
     """A loaded checkpoint file, tagged or not, with what we could tell about it."""
 
     path: str
-    kind: str  # "model" | "ema" | "opt" | "combined" | "unknown"
+    kind: str  # "model" | "ema" | "opt" | "classifier" | "combined" | "unknown"
     tagged: bool
     step: Optional[int] = None
     rate_str: Optional[str] = None
@@ -218,6 +296,9 @@ class CkptFile:
     state_dict: Optional[dict] = None  # model weights, prefixes stripped
     optimizer: Optional[dict] = None  # raw torch or named-v1 optimizer dict
     trainer: Optional[dict] = None
+    std: Optional[float] = None  # phema snapshots: the relative width,
+    nimg: Optional[int] = None  # the images seen,
+    param_names: Optional[List[str]] = None  # and which state_dict entries are EMA'd parameters
     raw: Any = None
     notes: List[str] = field(default_factory=list)
     nbytes: int = 0
@@ -258,6 +339,16 @@ def _is_state_dict(obj):
 
 def _is_optimizer_state(obj):
     return isinstance(obj, dict) and "param_groups" in obj and "state" in obj
+
+
+def is_classifier_state(sd):
+    """True for the key layout of guided-diffusion's noised classifier (EncoderUNetModel): the
+    UNet's time embedding, input blocks and middle block and an ``out`` head, but no
+    ``output_blocks`` (every UNet has them). Keys may carry the prefixes strip_prefixes removes."""
+    keys = list(strip_prefixes(sd)[0]) if _is_state_dict(sd) else []
+    heads = ("time_embed.", "input_blocks.", "middle_block.", "out.")
+    return (bool(keys) and all(any(k.startswith(h) for k in keys) for h in heads)
+            and not any(k.startswith("output_blocks.") for k in keys))
 
 
 # Optimizer payload layouts (see optim_state): one detection, one phrase each.
@@ -317,12 +408,13 @@ def opt_layout(opt, n_params=None):
 def classify(obj):
     """
     What a loaded object is: returns (kind, notes) with kind one of "model", "ema", "opt",
-    "combined", "unknown" and notes a list of one-line diagnoses.
+    "classifier", "combined", "unknown" and notes a list of one-line diagnoses.
 
-    Recognises tagged files, upstream's raw model state dicts (str -> tensor), raw torch optimizer
-    state dicts ("state" + "param_groups", incl. the flattened fp16 layouts), name-keyed
-    (named-v1) optimizer state, combined dicts ({"model": ..., "ema": ..., "opt": ...}), and
-    ``module.`` / ``_orig_mod.`` key prefixes.
+    Recognises tagged files, upstream's raw model state dicts (str -> tensor), guided-diffusion's
+    raw classifier state dicts (is_classifier_state), raw torch optimizer state dicts ("state" +
+    "param_groups", incl. the flattened fp16 layouts), name-keyed (named-v1) optimizer state,
+    combined dicts ({"model": ..., "ema": ..., "opt": ...}), and ``module.`` / ``_orig_mod.``
+    key prefixes.
     """
     notes = []
     if not isinstance(obj, dict):
@@ -334,7 +426,7 @@ def classify(obj):
             notes.append(f"format version {version!r} (this code reads version {VERSION})")
         if kind not in KINDS:
             return "unknown", notes + [f"tagged file with unknown kind {kind!r}"]
-        if kind in ("model", "ema") and isinstance(obj.get("state_dict"), dict):
+        if kind in WEIGHT_KINDS and isinstance(obj.get("state_dict"), dict):
             notes += strip_prefixes(obj["state_dict"])[1]
         if kind == "opt" and isinstance(obj.get("optimizer"), dict):
             notes += _opt_notes(obj["optimizer"])
@@ -343,6 +435,9 @@ def classify(obj):
         return "unknown", ["empty dict"]
     if _is_optimizer_state(obj) or obj.get("format") == LAYOUT_NAMED:
         return "opt", notes + _opt_notes(obj)
+    if is_classifier_state(obj):
+        return "classifier", ["guided-diffusion's noised classifier layout (no output_blocks)"
+                              ] + strip_prefixes(obj)[1]
     if _is_state_dict(obj):
         return "model", strip_prefixes(obj)[1]
     entries = [k for k in (*_COMBINED_MODEL_KEYS, *_COMBINED_EMA_KEYS, *_COMBINED_OPT_KEYS)
@@ -367,6 +462,8 @@ KIND_PHRASES = {
     "model": "a model state dict",
     "ema": "EMA model weights",
     "opt": "optimizer state",
+    "phema": "a post-hoc EMA snapshot (power-function EMA weights)",
+    "classifier": "noised-classifier weights",
     "combined": "a combined dict",
     "unknown": "something that is not a checkpoint",
 }
@@ -393,8 +490,8 @@ def describe_object(obj):
     if obj.get("schema") == SCHEMA:
         return f"a tagged {obj.get('kind', '?')} checkpoint"
     kind, _ = classify(obj)
-    if kind == "model":
-        return f"{KIND_PHRASES['model']} ({len(obj)} tensors, e.g. {next(iter(obj))!r})"
+    if kind in ("model", "classifier"):
+        return f"{KIND_PHRASES[kind]} ({len(obj)} tensors, e.g. {next(iter(obj))!r})"
     if kind in ("opt", "combined"):
         return describe(CkptFile(path="", kind=kind, tagged=False, raw=obj))
     keys = ", ".join(repr(k) for k in list(obj)[:4]) + (", ..." if len(obj) > 4 else "")
@@ -599,7 +696,11 @@ def _torch_load(raw, nbytes, name, records=None, share=(0, 1)):
     of each record as it is read: all of them, or with ``share`` (k, n) those whose index is k
     modulo n. A failed read is CheckpointReadError; bad content (empty, truncated, not torch,
     pickled code, a damaged record) is CheckpointError; both name the file. ``records``:
-    _zip_records(raw) when known."""
+    _zip_records(raw) when known.
+
+    Returns (object, notes). A combined dict whose pickled objects all lie outside its weights and
+    optimizer entries (DiT's "args") is read with stand-ins for them (read_pickled_objects); the
+    notes say what was read as data and what was skipped."""
     if nbytes == 0:
         raise CheckpointError(
             f"{name}: empty file (0 bytes), probably an interrupted write; delete it or use an "
@@ -610,11 +711,38 @@ def _torch_load(raw, nbytes, name, records=None, share=(0, 1)):
         except OSError as e:
             raise CheckpointReadError(f"{name}: cannot read ({typed_one_line(e)}); check that it "
                                       f"is reachable and readable") from None
+    try:
+        return _checked_load(raw, name, records, share), []
+    except _Refused as refused:
+        stand_ins = _stand_ins_for(raw) if records is not None else None
+        if stand_ins:
+            try:
+                obj = _checked_load(raw, name, records, share, stand_ins)
+            except _Refused:
+                obj = None
+            notes = read_pickled_objects(obj)
+            if notes is not None:
+                return obj, notes
+        raise CheckpointError(f"{name}: {refused.reason}; replace it or resume from another "
+                              f"step") from None
+
+
+class _Refused(Exception):
+    """Internal: safe (weights_only) loading refused pickled objects; ``reason`` says which."""
+
+    def __init__(self, reason):
+        super().__init__(reason)
+        self.reason = reason
+
+
+def _checked_load(raw, name, records, share, stand_ins=()):
+    """One torch.load (weights_only; ``stand_ins``: [(class, "module.Name")] read in place of
+    those globals) through a _CheckedReader; raises _Refused when it refuses pickled objects."""
     raw.seek(0)
     k, n = share
     reader = _CheckedReader(raw, [r for r in records or () if r.index % n == k])
     try:
-        with warnings.catch_warnings():
+        with warnings.catch_warnings(), th.serialization.safe_globals(list(stand_ins)):
             warnings.simplefilter("ignore")
             obj = th.load(reader, weights_only=True, map_location="cpu")
         reader.finish()
@@ -630,12 +758,144 @@ def _torch_load(raw, nbytes, name, records=None, share=(0, 1)):
         if records is None and reason.startswith("cannot be loaded") and not _is_zip(raw):
             # no zip: a legacy pickle, whose unpickler fails on random bytes in many ways
             reason = "not a torch checkpoint (unreadable pickle data)"
+        if reason.startswith("holds pickle") and "nothing in it was executed" in reason:
+            raise _Refused(reason) from None
         raise CheckpointError(f"{name}: {reason}; replace it or resume from another step") \
             from None
     if reader.bad is not None:  # loaded, but with damaged bytes
         raise CheckpointError(f"{name}: corrupt record {reader.bad!r} (CRC mismatch: the data "
                               f"was damaged); replace it or resume from another step")
     return obj
+
+
+# ---------------------------------------------------------------------------------------------
+# pickled objects in an otherwise readable file (DiT's "args": an argparse.Namespace)
+
+
+class PickledObject:
+    """Stands in, while a file is read, for an object of a class or function that safe loading
+    does not construct (``name``, e.g. "argparse.Namespace"): it keeps the plain data the pickle
+    hands it (``args``, ``state``, each read under weights_only's rules) and runs nothing."""
+
+    name = "?"
+
+    def __new__(cls, *args, **kwargs):
+        self = super().__new__(cls)
+        self.args, self.state = args, None
+        return self
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __setstate__(self, state):
+        self.state = state
+
+
+def _stand_ins_for(raw):
+    """[(stand-in class, "module.Name")] for every global of the torch zip in ``raw`` that safe
+    loading refuses (read statically from its pickle, nothing run); None when there is none or
+    the file is not a torch zip. Modules torch blocks outright (os, sys, ...) stay refused."""
+    try:
+        raw.seek(0)
+        names = th.serialization.get_unsafe_globals_in_checkpoint(raw)
+    except Exception:  # not a readable torch zip: the refusal stands
+        return None
+    return [(type(n.rsplit(".", 1)[-1], (PickledObject,), {"name": n}), n) for n in names] or None
+
+
+def read_pickled_objects(obj):
+    """
+    Whether a file read with stand-ins (PickledObject) is usable, and what was made of them:
+    None when it is not (the file is refused as before: the stand-ins are in its weights or
+    optimizer entries, or it is not a combined dict of weights), else the notes, one per object,
+    after replacing each stand-in in place:
+
+    * an ``argparse.Namespace`` (DiT's "args") by the dict of its fields: it is an attribute bag,
+      so its fields are the data (nothing is constructed);
+    * any other object by None: skipped, and named in the notes.
+
+    Example: DiT's ``{"model", "ema", "opt", "args"}`` gives ``obj["args"] = {"model":
+    "DiT-XL/2", "image_size": 256, ...}`` and the note "args: a pickled argparse.Namespace, read
+    as its 12 fields (plain data; no object was constructed and no code run)".
+    """
+    if not isinstance(obj, dict) or obj.get("schema") == SCHEMA:
+        return None
+    if not any(_is_state_dict(obj.get(k)) for k in (*_COMBINED_MODEL_KEYS, *_COMBINED_EMA_KEYS)):
+        return None
+    if any(_holds_stand_in(obj[k]) for k in _COMBINED_PAYLOAD_KEYS if k in obj):
+        return None
+    notes = []
+    for key in list(obj):
+        obj[key] = _plain_data(obj[key], str(key), notes)
+    return notes
+
+
+def _holds_stand_in(v, depth=0):
+    if isinstance(v, PickledObject):
+        return True
+    if depth < 8 and isinstance(v, dict):
+        return any(_holds_stand_in(x, depth + 1) for x in v.values())
+    if depth < 8 and isinstance(v, (list, tuple)):
+        return any(_holds_stand_in(x, depth + 1) for x in v)
+    return False
+
+
+def _plain_data(v, where, notes, depth=0):
+    """``v`` with its stand-ins replaced (see read_pickled_objects); ``where``: its path."""
+    if isinstance(v, PickledObject):
+        if v.name == "argparse.Namespace" and isinstance(v.state, dict) and not v.args:
+            notes.append(f"{where}: a pickled argparse.Namespace, read as its {len(v.state)} "
+                         f"fields (plain data; no object was constructed and no code run)")
+            return {k: _plain_data(x, f"{where}.{k}", notes, depth + 1)
+                    for k, x in v.state.items()}
+        notes.append(f"{where}: a pickled {v.name} object, skipped (safe loading constructs no "
+                     f"objects)")
+        return None
+    if depth < 8 and isinstance(v, dict) and _holds_stand_in(v):
+        return type(v)((k, _plain_data(x, f"{where}.{k}", notes, depth + 1))
+                       for k, x in v.items())
+    if depth < 8 and isinstance(v, (list, tuple)) and _holds_stand_in(v):
+        return type(v)(_plain_data(x, f"{where}[{i}]", notes, depth + 1) for i, x in enumerate(v))
+    return v
+
+
+# DiT's train.py builds its model and diffusion from these constants and its args (--model,
+# --image-size, --num-classes): VAE latents of 4 channels, 8x smaller than the images; learned
+# sigma; label dropout 0.1 (the null label's row); 1000 linear-schedule steps. As our flags:
+DIT_TRAIN_FLAGS = dict(in_channels=4, learn_sigma=True, class_dropout_prob=0.1,
+                       diffusion_steps=1000, noise_schedule="linear", use_kl=False,
+                       predict_xstart=False, sigma_small=False, rescale_learned_sigmas=True)
+
+
+def dit_args_flags(args, state_dict=None):
+    """Our model flags for DiT's train.py args (a dict of its Namespace's fields), or None when
+    they are not DiT's (no "model" naming a DiT, or no integer "image_size")::
+
+        {"model": "DiT-XL/2", "image_size": 256, "num_classes": 1000, ...}
+        -> {"arch": "DiT-XL/2", "image_size": 32, "class_cond": True, "num_classes": 1000,
+            "in_channels": 4, "learn_sigma": True, "class_dropout_prob": 0.1, ...}
+
+    ``state_dict``: the file's weights, when at hand: input channels, learned sigma and the null
+    label's row are then read from their shapes (for a DiT built with other constants).
+    """
+    if not isinstance(args, dict):
+        return None
+    model, size = args.get("model"), args.get("image_size")
+    if not (isinstance(model, str) and model.startswith("DiT-") and isinstance(size, int)):
+        return None
+    num_classes = args.get("num_classes", 1000)
+    flags = dict(arch=model, image_size=size // 8, class_cond=bool(num_classes),
+                 num_classes=num_classes, **DIT_TRAIN_FLAGS)
+    sd = state_dict or {}
+    patch, table = sd.get("x_embedder.proj.weight"), sd.get("y_embedder.embedding_table.weight")
+    out = sd.get("final_layer.linear.bias")
+    if isinstance(patch, th.Tensor) and patch.dim() == 4:  # [D, C, p, p]
+        flags["in_channels"] = int(patch.shape[1])
+        if isinstance(out, th.Tensor):  # [p * p * C_out]
+            flags["learn_sigma"] = out.numel() == 2 * patch.shape[1] * patch[0, 0].numel()
+    if isinstance(table, th.Tensor) and isinstance(num_classes, int):
+        flags["class_dropout_prob"] = 0.1 if table.shape[0] > num_classes else 0.0
+    return flags
 
 
 def read_bytes(path):
@@ -675,14 +935,44 @@ def load_file(path_or_bytes, name=None):
     if isinstance(path_or_bytes, (bytes, bytearray, memoryview)):
         name = os.fspath(name) if name is not None else "<bytes>"
         raw = _MemoryFile(path_or_bytes)
-        obj = _torch_load(raw, raw.seek(0, 2), name)
-        return _make_ckpt(obj, name, raw.tell())
+        obj, notes = _torch_load(raw, raw.seek(0, 2), name)
+        return _make_ckpt(obj, name, raw.tell(), notes)
     name = os.fspath(path_or_bytes) if name is None else os.fspath(name)
     if is_remote(path_or_bytes):
         return load_file(read_bytes(path_or_bytes), name=name)
     with _open_local(path_or_bytes) as (raw, nbytes):
-        obj = _torch_load(raw, nbytes, name)
-    return _make_ckpt(obj, name, nbytes)
+        obj, notes = _torch_load(raw, nbytes, name)
+    return _make_ckpt(obj, name, nbytes, notes)
+
+
+def peek_file(path):
+    """
+    ``load_file``'s CkptFile of a local file without reading its tensors: they are memory-mapped
+    (``torch.load(mmap=True, weights_only=True)``), so their shapes and dtypes are known but
+    their bytes are not read (nor their CRCs checked) until touched: a first look at many files
+    (the post-hoc EMA snapshots of a run) before loading them one at a time. Drop the result
+    before loading the next. A remote path is loaded in full. CheckpointError as load_file.
+    """
+    path = os.fspath(path)
+    if is_remote(path):
+        return load_file(path)
+    with _open_local(path) as (_, nbytes):
+        if nbytes == 0:
+            raise CheckpointError(f"{path}: empty file (0 bytes), probably an interrupted write; "
+                                  f"delete it")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            obj = th.load(path, mmap=True, weights_only=True, map_location="cpu")
+    except OSError as e:
+        raise CheckpointReadError(f"{path}: cannot read ({typed_one_line(e)}); check that it is "
+                                  f"reachable and readable") from None
+    except MemoryError:
+        raise CheckpointReadError(f"{path}: out of memory while loading it; free memory or load "
+                                  f"it on a machine with more") from None
+    except Exception as e:  # torch.load's failures on bad bytes have no common type
+        raise CheckpointError(f"{path}: {_load_error_reason(e)}; replace it") from None
+    return _make_ckpt(obj, path, nbytes)
 
 
 class _open_local:
@@ -762,10 +1052,10 @@ def load_file_collective(path):
     rank = dist_util.get_rank()
     group = [r for r, st in enumerate(states) if st[1] == states[rank][1]]
     share, of = group.index(rank), len(group)
-    outcome, obj, nbytes = None, None, 0
+    outcome, obj, nbytes, notes = None, None, 0, []
     try:
         with _open_local(path) as (raw, nbytes):
-            obj = _torch_load(raw, nbytes, path, records, share=(share, of))
+            obj, notes = _torch_load(raw, nbytes, path, records, share=(share, of))
     except CheckpointError as e:
         outcome = (type(e) is CheckpointReadError, str(e))
     outcomes = dist_util.all_gather_object(outcome)
@@ -773,7 +1063,7 @@ def load_file_collective(path):
     if failed:
         read_error, message = failed[0]
         raise (CheckpointReadError if read_error else CheckpointError)(message)
-    return _make_ckpt(obj, path, nbytes)
+    return _make_ckpt(obj, path, nbytes, notes)
 
 
 def _load_broadcast(path):
@@ -787,9 +1077,10 @@ def _load_broadcast(path):
     return load_file(data, name=path)
 
 
-def _make_ckpt(obj, name, nbytes):
+def _make_ckpt(obj, name, nbytes, read_notes=()):
     kind, notes = classify(obj)
-    c = CkptFile(path=name, kind=kind, tagged=False, raw=obj, notes=notes, nbytes=nbytes)
+    c = CkptFile(path=name, kind=kind, tagged=False, raw=obj, notes=notes + list(read_notes),
+                 nbytes=nbytes)
     if isinstance(obj, dict) and obj.get("schema") == SCHEMA:
         c.tagged = True
         version = obj.get("version")
@@ -804,7 +1095,7 @@ def _make_ckpt(obj, name, nbytes):
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise CheckpointError(f"{name}: tagged checkpoint has no valid 'step'; replace it")
         c.step = step
-        if kind in ("model", "ema"):
+        if kind in WEIGHT_KINDS:
             sd = obj.get("state_dict")
             if not isinstance(sd, dict):
                 raise CheckpointError(f"{name}: tagged {kind} file has no 'state_dict'; replace it")
@@ -813,6 +1104,8 @@ def _make_ckpt(obj, name, nbytes):
             if kind == "ema":
                 c.rate_str = obj.get("rate_str") or (
                     str(obj["rate"]) if obj.get("rate") is not None else None)
+            if kind == "phema":
+                _read_phema_tags(c, obj, name)
         else:
             if not isinstance(obj.get("optimizer"), dict):
                 raise CheckpointError(f"{name}: tagged opt file has no 'optimizer'; replace it")
@@ -832,6 +1125,8 @@ def _make_ckpt(obj, name, nbytes):
         if info is not None and info.kind == "ema":
             c.kind, c.rate_str = "ema", info.rate_str
         c.state_dict, _ = strip_prefixes(obj)
+    elif kind == "classifier":
+        c.state_dict, _ = strip_prefixes(obj)
     elif kind == "opt":
         c.optimizer = obj
     elif kind == "combined":
@@ -839,7 +1134,31 @@ def _make_ckpt(obj, name, nbytes):
         c.optimizer = _combined_entry(obj, _COMBINED_OPT_KEYS, state_dict=False)
         if isinstance(obj.get("step"), int):
             c.step = obj["step"]
+        c.flags = obj.get("flags") if isinstance(obj.get("flags"), dict) else None
+        dit = dit_args_flags(obj.get("args"), c.state_dict)
+        if c.flags is None and dit is not None:
+            c.flags = dit
+            c.notes.append(
+                f"DiT train.py checkpoint: flags from its args (model={dit['arch']}, "
+                f"image_size={obj['args']['image_size']}: {dit['image_size']}x"
+                f"{dit['image_size']} latents of {dit['in_channels']} channels)")
     return c
+
+
+def _read_phema_tags(c, obj, name):
+    """A snapshot's std, images seen and parameter names into ``c``; CheckpointError naming the
+    file when one is missing or invalid."""
+    std, nimg, names = obj.get("std"), obj.get("nimg"), obj.get("param_names")
+    if not isinstance(std, float) or not 0 < std < 1:
+        raise CheckpointError(f"{name}: tagged phema file has no valid 'std'; replace it")
+    if not isinstance(nimg, int) or isinstance(nimg, bool) or nimg < 0:
+        raise CheckpointError(f"{name}: tagged phema file has no valid 'nimg' (images seen); "
+                              f"replace it")
+    if (not isinstance(names, list) or not names
+            or any(not isinstance(n, str) or n not in c.state_dict for n in names)):
+        raise CheckpointError(f"{name}: tagged phema file has no valid 'param_names' (the "
+                              f"state_dict entries that are EMA parameters); replace it")
+    c.std, c.nimg, c.param_names = std, nimg, list(names)
 
 
 def _combined_entry(obj, keys, state_dict):
@@ -857,13 +1176,14 @@ def _combined_entry(obj, keys, state_dict):
 
 def model_state_from(ckpt, want="model"):
     """
-    Model weights (prefixes stripped) of a loaded file: the file's own for model/ema files; from a
-    combined dict, the ``want`` ("model" or "ema") entry. Raises CheckpointError naming the file
-    when it holds no such weights (e.g. optimizer state).
+    Model weights (prefixes stripped) of a loaded file: the file's own for model/ema/phema/
+    classifier files (a post-hoc EMA snapshot is an EMA of its own width); from a combined
+    dict, the ``want`` ("model" or "ema") entry. Raises CheckpointError naming the file when
+    it holds no such weights (e.g. optimizer state).
     """
     if want not in ("model", "ema"):
         raise ValueError(f"want must be 'model' or 'ema', not {want!r}")
-    if ckpt.kind in ("model", "ema") and ckpt.state_dict is not None:
+    if ckpt.kind in WEIGHT_KINDS and ckpt.state_dict is not None:
         return ckpt.state_dict
     if ckpt.kind == "combined":
         keys = _COMBINED_EMA_KEYS if want == "ema" else _COMBINED_MODEL_KEYS
@@ -875,6 +1195,30 @@ def model_state_from(ckpt, want="model"):
             f"{', '.join(map(str, ckpt.raw))}); give a file that holds them")
     raise CheckpointError(
         f"{ckpt.path}: holds {describe(ckpt)}, not model weights; give a model or EMA file")
+
+
+def read_flags(path):
+    """The model flags a local tagged model/EMA file stores, read without loading its tensors
+    (torch.load with mmap), or None: an untagged, remote or unreadable file, or one without
+    flags. Not collective; never raises (for a peek before the real, checked load)."""
+    path = os.fspath(path)
+    if is_remote(path):
+        return None
+    try:
+        obj = th.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # anything: the resume's own load words the file's problem
+        return None
+    flags = obj.get("flags") if isinstance(obj, dict) and obj.get("schema") == SCHEMA else None
+    return dict(flags) if isinstance(flags, dict) else None
+
+
+def combined_ema_or_none(ckpt):
+    """The EMA weights of a combined dict ({"model", "ema", ...}, prefixes stripped), or None
+    when it holds none."""
+    try:
+        return model_state_from(ckpt, want="ema")
+    except CheckpointError:
+        return None
 
 
 # ---------------------------------------------------------------------------------------------

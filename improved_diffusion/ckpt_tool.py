@@ -1,18 +1,20 @@
 """
 The checkpoint doctor: say what a checkpoint file is, whether a run directory can be resumed, how a
-file differs from a model, and convert between our tagged files, upstream's raw state dicts and
-safetensors.
+file differs from a model, convert between our tagged files, upstream's raw state dicts and
+safetensors, and reconstruct post-hoc EMAs from a run's snapshots.
 
     python scripts/ckpt.py inspect FILE
     python scripts/ckpt.py verify DIR [--quick]
     python scripts/ckpt.py diff FILE (--flags "--image_size 32 ..." | --against FILE2) [--want ema]
     python scripts/ckpt.py convert SRC --to tagged|raw|safetensors --out DIR [--flags "..."]
-    python scripts/ckpt.py adapt SRC --flags "..." --out DIR [--seed N] [--step N]
-    python scripts/ckpt.py prune DIR --keep K
+    python scripts/ckpt.py adapt SRC --flags "..." --out DIR [--seed N] [--step N] [--data_dir D]
+    python scripts/ckpt.py prune DIR --keep K [--delete_snapshots]
+    python scripts/ckpt.py phema DIR --std 0.07 [--std 0.1 ...] [--step S] --out FILE_OR_DIR
 
 (also `python -m improved_diffusion.ckpt_tool ...`). Human-readable output by default, `--json` for
 scripts. Exit status: 0 healthy, 1 problem found, 2 bad usage. Errors are one line on stderr,
-never a traceback. Only `convert` and `adapt` (into --out) and `prune` write or delete anything;
+never a traceback. Only `convert`, `adapt` and `phema` (into --out) and `prune` write or delete
+anything;
 every file is read with `torch.load(weights_only=True)`, so a checkpoint can never run code.
 """
 
@@ -29,7 +31,7 @@ import torch as th
 from . import checkpoint as ckpt
 from .errors import UsageError, UserError
 from .script_util import FlagParser, flags_to_argv, unknown_flag_message
-from . import model_change, run_dir
+from . import model_change, phema, run_dir
 from .state_fit import fit_state_dict, shapes_of
 from .optim_state import (
     FORMAT,
@@ -43,7 +45,8 @@ from .optim_state import (
 
 EXIT_OK, EXIT_PROBLEM, EXIT_USAGE = 0, 1, 2
 
-_SLOT_PHRASE = {"model": "model", "ema": "EMA", "opt": "optimizer"}
+_SLOT_PHRASE = {"model": "model", "ema": "EMA", "opt": "optimizer",
+                "phema": "post-hoc EMA snapshot"}
 
 
 class ToolError(UserError):
@@ -186,10 +189,23 @@ def inspect_file(path):
         reason = _opt_problem(c.optimizer, path)
         if reason:
             rep["problems"].append(reason)
+    if c.kind == "phema":
+        rep["phema"] = {"std": c.std, "nimg": c.nimg, "param_tensors": len(c.param_names)}
+    if c.kind == "ema" and isinstance(c.raw.get("phema"), dict):  # reconstructed post hoc
+        made = c.raw["phema"]
+        rep["phema"] = {"std": made.get("std"), "nimg": made.get("nimg"),
+                        "inputs": len(made.get("inputs") or ()),
+                        "profile_error": made.get("profile_error")}
     if c.trainer is not None:
         rep["trainer"] = {k: c.trainer[k] for k in ("step", "world_size", "batch_size",
                                                      "global_batch", "seed", "ema_rates", "lr")
                           if k in c.trainer}
+        tracked = c.trainer.get("phema")
+        if isinstance(tracked, dict) and "stds" in tracked:  # train.py --phema_stds's tracker
+            rep["trainer"]["phema_stds"] = ",".join(phema.std_str(s) for s in tracked["stds"])
+            rep["trainer"]["phema_nimg"] = tracked.get("nimg")
+    if c.kind == "combined" and isinstance(c.raw.get("args"), dict):  # DiT's args, as data
+        rep["args"] = dict(c.raw["args"])
     changes = (c.trainer or {}).get("model_changes")
     if changes:  # resumed into (or adapted to) a changed model: model_change.ModelChange.record
         rep["model_changes"] = list(changes)
@@ -211,9 +227,10 @@ def _slot_problems(rep, c, path):
     if slot is None:
         return
     name = os.path.basename(path)
-    if slot == "opt" and kind in ("model", "ema"):
+    if slot == "opt" and kind in ckpt.WEIGHT_KINDS:
+        what = ckpt.KIND_PHRASES["classifier"] if kind == "classifier" else "a model state dict"
         rep["problems"].append(
-            f"optimizer slot holds a model state dict ({name}; as written by upstream's "
+            f"optimizer slot holds {what} ({name}; as written by upstream's "
             "multi-rank resume bug): resuming uses a fresh optimizer; replace the file or delete it"
         )
     elif slot in ("model", "ema") and kind == "opt":
@@ -221,9 +238,15 @@ def _slot_problems(rep, c, path):
             f"{_SLOT_PHRASE[slot]} slot holds optimizer state ({name}): this step cannot be "
             "resumed or sampled from; use a model file"
         )
-    elif c.tagged and slot in ("model", "ema") and kind in ("model", "ema") and slot != kind:
+    elif c.tagged and slot in ("model", "ema", "phema") and kind in ("model", "ema", "phema") \
+            and slot != kind:
         rep["problems"].append(
             f"{_SLOT_PHRASE[slot]} slot holds a tagged {kind} file ({name}); rename it"
+        )
+    elif slot == "phema" and not c.tagged:
+        rep["problems"].append(
+            f"post-hoc EMA snapshot slot holds an untagged state dict ({name}): it has no "
+            "std or images-seen count, so a reconstruction cannot use it; move it away"
         )
     elif kind == "combined":
         rep["notes"].append(
@@ -238,6 +261,11 @@ def _slot_problems(rep, c, path):
             rep["problems"].append(
                 f"file name says step {name_step} but the file holds step {c.step}; rename it"
             )
+    if slot == "phema" and kind == "phema":
+        info = ckpt.name_info(name)
+        if info.std_str != phema.std_str(c.std):
+            rep["problems"].append(
+                f"file name says std {info.std_str} but the file holds std {c.std}; rename it")
     if slot == "ema" and c.tagged and c.rate_str is not None:
         info = ckpt.name_info(name)
         if info is not None and info.rate_str != c.rate_str:
@@ -260,6 +288,15 @@ def _print_inspect(rep, out):
     w(f"  step        {rep['step'] if rep['step'] is not None else 'unknown'}\n")
     if rep.get("rate"):
         w(f"  ema rate    {rep['rate']}\n")
+    ph = rep.get("phema")
+    if ph and rep["kind"] == "phema":
+        w(f"  phema       std {ph['std']}, {ph['nimg']:,} images seen, "
+          f"{ph['param_tensors']} EMA parameter tensors\n")
+    elif ph:
+        err, nimg = ph.get("profile_error"), ph.get("nimg")
+        w(f"  phema       reconstructed post hoc: std {ph.get('std')} at "
+          f"{f'{nimg:,}' if isinstance(nimg, int) else '?'} images from {ph.get('inputs')} "
+          "snapshots" + (f" (profile error {err:.1%})" if isinstance(err, float) else "") + "\n")
     w(f"  size        {_human_size(rep['size'])} ({rep['size']} bytes)\n")
     dt = ", ".join(f"{k}: {v}" for k, v in sorted(rep["dtypes"].items())) or "none"
     w(f"  tensors     {rep['tensors']} ({dt})\n")
@@ -279,11 +316,14 @@ def _print_inspect(rep, out):
         w(f"  trainer     {tr or '(empty: no trainer state)'}\n")
     for rec in rep.get("model_changes") or ():
         w(f"  changed     model change at {model_change.record_text(rec)}\n")
-    if rep["kind"] in ("model", "ema"):
+    if rep.get("args"):
+        w("  args        " + " ".join(f"{k}={v}" for k, v in rep["args"].items()) + "\n")
+    if rep["kind"] in ckpt.WEIGHT_KINDS or rep["kind"] == "combined" and rep.get("flags"):
         if rep.get("flags"):
             w("  flags       " + flags_to_argv(rep["flags"]) + "\n")
         else:
-            w("  flags       none stored (give the model flags when sampling or resuming)\n")
+            w(f"  flags       none stored (give the {_network(rep['kind'])} flags when sampling or "
+              "resuming)\n")
     for n in rep["notes"]:
         w(f"  note        {n}\n")
     for p in rep["problems"]:
@@ -341,8 +381,25 @@ def verify_dir(log_dir, deep=True):
         if row["resumable"] and resume is None:
             resume = st.step
         rows.append(row)
-    return {"dir": os.fspath(log_dir), "steps": rows, "resume_step": resume,
-            "ok": bool(rows) and all(not r["problems"] for r in rows)}
+    snaps = _verify_snapshots(log_dir, steps, deep)
+    return {"dir": os.fspath(log_dir), "steps": rows, "resume_step": resume, "snapshots": snaps,
+            "ok": bool(rows) and all(not r["problems"] for r in rows) and not snaps["problems"]}
+
+
+def _verify_snapshots(log_dir, steps, deep):
+    """The post-hoc EMA snapshots of ``log_dir``: counts, and (deep) the problems of those that
+    no listed step holds (their steps were pruned; a complete step's were checked with it)."""
+    found = run_dir.list_snapshots(log_dir)
+    in_steps = {p for st in steps for p in st.files}
+    outside = [s for s in found if s.path not in in_steps]
+    problems = []
+    for s in outside if deep else ():
+        rep = inspect_file(s.path)
+        problems += [rep["error"]] if rep["error"] else [
+            f"{os.path.basename(s.path)}: {p}" for p in rep["problems"]]
+    steps_with = sorted({s.step for s in found})
+    return {"count": len(found), "stds": sorted({s.std_str for s in found}, key=float),
+            "steps": steps_with, "of_pruned_steps": len(outside), "problems": problems}
 
 
 def cmd_verify(args, out):
@@ -362,6 +419,13 @@ def cmd_verify(args, out):
                 w(f"  {'':>13}  problem: {p}\n")
             for n in r["notes"]:
                 w(f"  {'':>13}  note: {n}\n")
+        sn = rep["snapshots"]
+        if sn["count"]:
+            w(f"snapshots: {sn['count']} post-hoc EMA snapshot(s), stds {', '.join(sn['stds'])}, "
+              f"at {len(sn['steps'])} step(s) {sn['steps'][0]}..{sn['steps'][-1]} "
+              f"({sn['of_pruned_steps']} of pruned steps, kept for `ckpt.py phema`)\n")
+            for p in sn["problems"]:
+                w(f"  {'':>13}  problem: {p}\n")
         if rep["resume_step"] is None:
             w("resume: no resumable step (training would start from scratch)\n")
         else:
@@ -377,12 +441,28 @@ def cmd_verify(args, out):
 # diff
 
 
-def _parse_model_flags(text):
-    """(flags dict of all MODEL_FLAG_KEYS, explicitly given keys, ignored args) from a string."""
+def _network(kind):
+    """What a file of ``kind`` holds the weights of, as --flags builds it: "classifier" (the
+    noised classifier's flags) or "model" (the diffusion model's)."""
+    return "classifier" if kind == "classifier" else "model"
+
+
+def _flag_defaults(kind="model"):
+    from . import script_util as su
+
+    if _network(kind) == "classifier":
+        return su.classifier_and_diffusion_defaults()
+    return su.model_and_diffusion_defaults()
+
+
+def _parse_model_flags(text, kind="model"):
+    """(flags dict, explicitly given keys, ignored args) from a string: the model/diffusion flags
+    (MODEL_FLAG_KEYS), or for a classifier file (``kind`` "classifier") the classifier's and its
+    diffusion's (classifier_and_diffusion_defaults)."""
     from . import script_util as su
 
     parser = _Parser(prog="--flags", add_help=False)
-    defaults = su.model_and_diffusion_defaults()
+    defaults = _flag_defaults(kind)
     su.add_dict_to_argparser(parser, defaults)
     try:
         argv = shlex.split(text or "")
@@ -394,19 +474,32 @@ def _parse_model_flags(text):
     return flags, [k for k in given if k in defaults], unknown
 
 
-def _build_model(flags):
+def _build_model(flags, kind="model"):
     from . import script_util as su
 
+    create = (su.create_classifier_and_diffusion if _network(kind) == "classifier"
+              else su.create_model_and_diffusion)
     try:
-        model, _ = su.create_model_and_diffusion(**flags)
+        model, _ = create(**flags)
     except su.FlagError as e:
         raise UsageError(f"--flags: {e}") from None
     return model
 
 
+class _FlagsFor:
+    """convert's --flags, parsed for the network of each file: ``flags_for(kind)`` -> dict, or
+    None when --flags was not given."""
+
+    def __init__(self, text):
+        self.text = text
+
+    def __call__(self, kind):
+        return None if self.text is None else _parse_model_flags(self.text, kind)[0]
+
+
 def _shapes_of(c, want):
     """{name: shape list} of a loaded file's weights (or its named optimizer parameter shapes)."""
-    if c.kind in ("model", "ema", "combined"):
+    if c.kind in (*ckpt.WEIGHT_KINDS, "combined"):
         try:
             sd = ckpt.model_state_from(c, want=want)
         except ckpt.CheckpointError as e:
@@ -432,10 +525,10 @@ def cmd_diff(args, out):
     file_shapes = _shapes_of(c, args.want)
     notes = []
     if args.flags is not None:
-        flags, given, ignored = _parse_model_flags(args.flags)
+        flags, given, ignored = _parse_model_flags(args.flags, c.kind)
         if ignored:
-            notes.append("ignored non-model flags: " + " ".join(ignored))
-        model = _build_model(flags)
+            notes.append(f"ignored non-{_network(c.kind)} flags: " + " ".join(ignored))
+        model = _build_model(flags, c.kind)
         want_shapes = {k: _shape_list(v) for k, v in model.state_dict().items()}
         other = "the model built from --flags"
         want_flags = {k: flags[k] for k in given} if c.flags else None
@@ -520,11 +613,10 @@ def _step_of(c, path, step_arg):
     raise ToolError(f"{path}: the step cannot be read from the file or its name; pass --step N")
 
 
-def _param_names_for_opt(opt_path, files, flags, c_opt):
-    """[(name, shape)] in model parameter order for an index-keyed optimizer file."""
-    if flags is not None:
-        model = _build_model(flags)
-        return [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+def _param_names_for_opt(opt_path, files, flags_for, c_opt):
+    """[(name, shape)] in model parameter order for an index-keyed optimizer file: from the
+    network --flags builds (a classifier's when the step's model file holds one), else from the
+    model file of the same step."""
     beside = [p for p in files if ckpt.slot_of(p) == "model"]
     if not beside:
         d = os.path.dirname(os.path.abspath(opt_path))
@@ -532,12 +624,18 @@ def _param_names_for_opt(opt_path, files, flags, c_opt):
             cand = os.path.join(d, ckpt.model_filename(c_opt.step))
             if os.path.exists(cand):
                 beside = [cand]
-    if not beside:
+    c_model = _load(beside[0]) if beside else None
+    kind = c_model.kind if c_model is not None else "model"
+    flags = flags_for(kind)
+    if flags is not None:
+        model = _build_model(flags, kind)
+        return [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+    if c_model is None:
         raise ToolError(
             f"{opt_path}: index-keyed optimizer state needs the parameter names: put the model "
             "file of the same step beside it or pass --flags \"...\""
         )
-    sd = ckpt.model_state_from(_load(beside[0]))
+    sd = ckpt.model_state_from(c_model)
     return [(n, tuple(t.shape)) for n, t in sd.items()]
 
 
@@ -554,16 +652,16 @@ class _Payloads(dict):
 def _wrong_slot(c, path, notes):
     """True (with a note) when a file's kind contradicts its name's slot: it is not converted."""
     slot = ckpt.slot_of(path)
-    if (slot == "opt" and c.kind in ("model", "ema")) or (slot in ("model", "ema")
-                                                          and c.kind == "opt"):
+    if (slot == "opt" and c.kind in ckpt.WEIGHT_KINDS) or (slot in ("model", "ema")
+                                                           and c.kind == "opt"):
         notes.append(f"{os.path.basename(path)}: the {_SLOT_PHRASE[slot]} slot holds "
                      f"{ckpt.describe(c)}; not converted (see `ckpt.py inspect`)")
         return True
     return False
 
 
-def _tagged_payloads(group_files, flags, step_arg):
-    """{filename: payload} (tagged) for the files of one step; notes."""
+def _tagged_payloads(group_files, flags_for, step_arg):
+    """{filename: payload} (tagged) for the files of one step; notes. ``flags_for``: _FlagsFor."""
     payloads, notes = _Payloads(), []
     for path in group_files:
         c = _load(path)
@@ -576,7 +674,13 @@ def _tagged_payloads(group_files, flags, step_arg):
                 payloads[base] = f.read()
             notes.append(f"{base}: already tagged, copied unchanged")
             continue
-        if c.kind in ("model", "ema"):
+        flags = flags_for(c.kind)
+        if c.kind == "classifier":
+            if flags is not None:
+                _check_fits(c.state_dict, flags, path, c.kind)
+            payloads[ckpt.model_filename(step)] = ckpt.classifier_payload(
+                step, c.state_dict, flags)
+        elif c.kind in ("model", "ema"):
             if flags is not None:
                 _check_fits(c.state_dict, flags, path)
             if c.kind == "ema":
@@ -586,7 +690,7 @@ def _tagged_payloads(group_files, flags, step_arg):
             else:
                 payloads[ckpt.model_filename(step)] = ckpt.model_payload(step, c.state_dict, flags)
         elif c.kind == "opt":
-            names = _param_names_for_opt(path, group_files, flags, c)
+            names = _param_names_for_opt(path, group_files, flags_for, c)
             try:
                 named = convert_to_named(c.optimizer, names, source=path)
             except OptimizerStateError as e:
@@ -596,15 +700,13 @@ def _tagged_payloads(group_files, flags, step_arg):
             payloads[ckpt.opt_filename(step)] = payload
         elif c.kind == "combined":
             sd = c.state_dict
+            stored = flags if flags is not None else c.flags  # DiT's: from its args
             if sd is not None:
-                payloads[ckpt.model_filename(step)] = ckpt.model_payload(step, sd, flags)
-            try:
-                ema = ckpt.model_state_from(c, want="ema")
-            except ckpt.CheckpointError:
-                ema = None
+                payloads[ckpt.model_filename(step)] = ckpt.model_payload(step, sd, stored)
+            ema = ckpt.combined_ema_or_none(c)
             if ema is not None and ema is not sd:
                 payloads[ckpt.ema_filename("0.9999", step)] = ckpt.ema_payload(
-                    step, "0.9999", ema, flags)
+                    step, "0.9999", ema, stored)
                 notes.append(f"{base}: EMA entry written with rate 0.9999 (the file does not say)")
             if c.optimizer is not None and sd is not None:
                 named_shapes = [(n, tuple(t.shape)) for n, t in sd.items()]
@@ -618,8 +720,8 @@ def _tagged_payloads(group_files, flags, step_arg):
     return payloads, notes
 
 
-def _check_fits(sd, flags, path):
-    fit = fit_state_dict(shapes_of(_build_model(flags).state_dict()), shapes_of(sd))
+def _check_fits(sd, flags, path, kind="model"):
+    fit = fit_state_dict(shapes_of(_build_model(flags, kind).state_dict()), shapes_of(sd))
     if not fit.ok:
         raise ToolError(
             f"{path}: does not fit the model of --flags ({fit.summary()}"
@@ -635,7 +737,7 @@ def _raw_payloads(group_files, step_arg):
             continue
         step = _step_of(c, path, step_arg)
         base = os.path.basename(path)
-        if c.kind == "model":
+        if c.kind in ("model", "classifier"):
             payloads[ckpt.model_filename(step)] = dict(c.state_dict)
         elif c.kind == "ema":
             rate = c.rate_str or "0.9999"
@@ -654,11 +756,18 @@ def _raw_payloads(group_files, step_arg):
                                  "the raw file")
             else:
                 payloads[ckpt.opt_filename(step)] = c.optimizer
-        elif c.kind == "combined":
+        elif c.kind == "combined":  # e.g. DiT's {"model", "ema", "opt", "args"}
             if c.state_dict is not None:
                 payloads[ckpt.model_filename(step)] = dict(c.state_dict)
+            ema = ckpt.combined_ema_or_none(c)
+            if ema is not None and ema is not c.state_dict:
+                payloads[ckpt.ema_filename("0.9999", step)] = dict(ema)
+                notes.append(f"{base}: EMA entry written with rate 0.9999 (the file does not say)")
             if c.optimizer is not None:
                 payloads[ckpt.opt_filename(step)] = c.optimizer
+        elif c.kind == "phema":
+            notes.append(f"{base}: post-hoc EMA snapshot skipped (a raw state dict cannot carry "
+                         "its std and images seen; reconstruct with `ckpt.py phema` first)")
         else:
             raise ToolError(f"{path}: holds {ckpt.KIND_PHRASES['unknown']}; nothing to convert")
     return payloads, notes
@@ -678,7 +787,7 @@ def _safetensors_payloads(group_files, step_arg):
         base = os.path.basename(path)
         if _wrong_slot(c, path, notes):
             continue
-        if c.kind not in ("model", "ema", "combined"):
+        if c.kind not in (*ckpt.WEIGHT_KINDS, "combined"):
             notes.append(f"{base}: {c.kind} file skipped (safetensors holds model weights only)")
             continue
         step = _step_of(c, path, step_arg)
@@ -705,15 +814,15 @@ def cmd_convert(args, out):
         raise UsageError("convert: --out must be a different directory from the source")
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise ToolError(f"{args.out}: is a file; --out must be a directory")
-    flags = None
+    flags_for = _FlagsFor(args.flags)
     if args.flags is not None:
-        flags, _, _ = _parse_model_flags(args.flags)
+        flags_for("model")  # a malformed --flags is a usage error before anything is read
     groups = _source_files(args.src, args.step)
     written, notes = [], []
     plans = []
     for step, files, status in groups:
         if args.to == "tagged":
-            payloads, n = _tagged_payloads(files, flags, args.step)
+            payloads, n = _tagged_payloads(files, flags_for, args.step)
         elif args.to == "raw":
             payloads, n = _raw_payloads(files, args.step)
         else:
@@ -749,7 +858,7 @@ def cmd_convert(args, out):
         written += [os.path.join(out_dir, n) for n in payloads]
     rep = {"src": args.src, "to": args.to, "out": args.out, "written": sorted(written),
            "notes": notes}
-    if flags is None and args.to == "tagged":
+    if args.flags is None and args.to == "tagged":
         rep["notes"].append("no --flags given: the tagged model files store no flags")
     if args.json:
         _dump(rep, out)
@@ -765,9 +874,27 @@ def cmd_convert(args, out):
 # adapt
 
 
+def _adapt_num_classes(args, c, flags):
+    """--num_classes of a class-conditional adapt that did not give it: --data_dir's class count
+    (as train.py counts it), else a class-conditional file's own count."""
+    if args.data_dir:
+        from .image_datasets import folder_class_names
+
+        names = folder_class_names(args.data_dir)
+        if not names:
+            raise ToolError(f"--data_dir {args.data_dir}: no images with class names; give the "
+                            f"training folder, or --num_classes N in --flags")
+        return len(names)
+    if (c.flags or {}).get("class_cond") and isinstance(c.flags.get("num_classes"), int):
+        return c.flags["num_classes"]
+    raise ToolError("--flags makes the model class-conditional: pass --data_dir (the training "
+                    "folder, whose classes are counted as train.py counts them) or --num_classes "
+                    "N in --flags")
+
+
 def cmd_adapt(args, out):
     """A complete tagged step in a new --out, adapted to the model of --flags (model_change.py)."""
-    from .train_util import seed_rngs  # the seeding of train.py's build(): the same fresh init
+    from .rng import seed_rngs  # the seeding of train.py's build(): the same fresh init
 
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         raise ToolError(f"{args.out}: is a file; --out must be a directory")
@@ -799,6 +926,8 @@ def cmd_adapt(args, out):
     for k, v in (c.flags or {}).items():  # flags not given keep the file's values
         if k in flags and k not in given:
             flags[k] = v
+    if flags.get("class_cond") and "num_classes" not in given:
+        flags["num_classes"] = _adapt_num_classes(args, c, flags)
     seed = args.seed if args.seed is not None else int(trainer.get("seed") or 0)
     seed_rngs(seed, 0, 0)
     model = _build_model(flags)
@@ -815,7 +944,7 @@ def cmd_adapt(args, out):
     files = {ckpt.model_filename(step): ckpt.model_payload(step, adapted(sd), flags)}
     emas = {rate: ckpt.model_state_from(_load(p), want="ema") for rate, p in beside["ema"].items()}
     if not emas and c.kind == "combined":
-        ema = _combined_ema_or_none(c)
+        ema = ckpt.combined_ema_or_none(c)
         if ema is not None:
             emas["0.9999"] = ema
             notes.append(f"{os.path.basename(plan.model)}: EMA entry written with rate 0.9999 "
@@ -861,13 +990,6 @@ def cmd_adapt(args, out):
     return EXIT_OK
 
 
-def _combined_ema_or_none(c):
-    try:
-        return ckpt.model_state_from(c, want="ema")
-    except ckpt.CheckpointError:
-        return None
-
-
 # ---------------------------------------------------------------------------------------------
 # prune
 
@@ -879,9 +1001,11 @@ def cmd_prune(args, out):
     steps = run_dir.list_steps(args.dir)
     if not any(s.complete for s in steps):
         raise ToolError(f"{args.dir}: no complete step; nothing pruned (see `ckpt.py verify`)")
-    deleted = run_dir.prune(args.dir, args.keep)
+    deleted = run_dir.prune(args.dir, args.keep, snapshots=args.delete_snapshots)
     kept = sorted({s.step for s in run_dir.list_steps(args.dir)}, reverse=True)
-    rep = {"dir": args.dir, "keep": args.keep, "deleted": deleted, "remaining_steps": kept}
+    snaps = run_dir.list_snapshots(args.dir)
+    rep = {"dir": args.dir, "keep": args.keep, "deleted": deleted, "remaining_steps": kept,
+           "snapshots_left": len(snaps)}
     if args.json:
         _dump(rep, out)
     else:
@@ -889,7 +1013,66 @@ def cmd_prune(args, out):
             out.write(f"deleted {p}\n")
         out.write(f"{len(deleted)} file(s) deleted; steps left: "
                   f"{', '.join(map(str, kept)) or 'none'}\n")
+        if snaps and not args.delete_snapshots:
+            out.write(f"{len(snaps)} post-hoc EMA snapshot(s) kept (the history `ckpt.py phema` "
+                      "reconstructs from; --delete_snapshots deletes those of pruned steps)\n")
     return EXIT_OK
+
+
+# ---------------------------------------------------------------------------------------------
+# phema
+
+
+def cmd_phema(args, out):
+    _require_dir(args.dir, "DIR")
+    stds = phema.parse_stds(args.std, "--std")
+    if args.batch < 1:
+        raise UsageError(f"--batch {args.batch}: must be at least 1")
+    if not args.max_profile_error > 0:
+        raise UsageError(f"--max_profile_error {args.max_profile_error}: must be positive")
+    targets = _phema_targets(args, stds)
+    plan = phema.plan_reconstruction(args.dir, stds, step=args.step,
+                                     max_error=args.max_profile_error)
+    paths = {std: targets(std, plan.step) for std in stds}
+    for p in paths.values():
+        if os.path.lexists(p):
+            raise ToolError(f"{p}: already exists; refusing to overwrite (choose another --out)")
+    os.makedirs(os.path.dirname(next(iter(paths.values()))) or ".", exist_ok=True)
+    written = []
+    for std, payload in phema.reconstruct(plan, batch=args.batch):
+        ckpt.atomic_write(paths[std], payload)
+        del payload
+        written.append({"std": std, "path": paths[std],
+                        "profile_error": float(plan.errors[plan.stds.index(std)])})
+    rep = {"dir": args.dir, "step": plan.step, "nimg": plan.nimg,
+           "inputs": [os.path.basename(s.path) for s in plan.inputs], "written": written}
+    if args.json:
+        _dump(rep, out)
+    else:
+        for w in written:
+            out.write(f"wrote {w['path']}: std {phema.std_str(w['std'])} at step {plan.step} "
+                      f"({plan.nimg:,} images) from {len(plan.inputs)} snapshots (profile error "
+                      f"{w['profile_error']:.1%})\n")
+    return EXIT_OK
+
+
+def _phema_targets(args, stds):
+    """(std, step) -> output path for --out: a .pt file (one --std), else a directory (made when
+    missing) holding ckpt.posthoc_ema_filename(std, step) per std; never the run dir itself."""
+    target = args.out
+    as_file = target.endswith(".pt") and not os.path.isdir(target)
+    if as_file and len(stds) > 1:
+        raise UsageError(f"--out {target}: {len(stds)} --std values need a directory (one file "
+                         "each); give a directory")
+    if os.path.exists(target) and not os.path.isdir(target) and not as_file:
+        raise ToolError(f"--out {target}: is a file; give a directory or a new .pt file")
+    where = os.path.dirname(os.path.abspath(target)) if as_file else target
+    if os.path.realpath(where) == os.path.realpath(args.dir):
+        raise UsageError(f"--out {target}: inside the run directory the files would join its "
+                         "steps; write them elsewhere (a subdirectory is fine)")
+    if as_file:
+        return lambda std, step: target
+    return lambda std, step: os.path.join(target, ckpt.posthoc_ema_filename(std, step))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -920,7 +1103,8 @@ def build_parser():
                     help="only names, sizes and manifests; do not load files or check sha256")
     sp = sub.add_parser("diff", help="missing / unexpected / reshaped keys vs flags or a file")
     sp.add_argument("file", metavar="FILE")
-    sp.add_argument("--flags", default=None, help='model flags, e.g. "--image_size 32 ..."')
+    sp.add_argument("--flags", default=None, help='model flags, e.g. "--image_size 32 ..." (a '
+                    'classifier file: the classifier flags, "--classifier_width 128 ...")')
     sp.add_argument("--against", default=None, metavar="FILE2")
     sp.add_argument("--want", choices=("model", "ema"), default="model",
                     help="which weights of a combined file")
@@ -928,7 +1112,8 @@ def build_parser():
     sp.add_argument("src", metavar="SRC", help="a checkpoint file or a run directory")
     sp.add_argument("--to", choices=("tagged", "raw", "safetensors"), required=True)
     sp.add_argument("--out", required=True, metavar="DIR", help="output directory (new files)")
-    sp.add_argument("--flags", default=None, help="model flags to store in tagged files")
+    sp.add_argument("--flags", default=None, help="model flags to store in tagged files (a "
+                    "classifier's: the classifier flags)")
     sp.add_argument("--step", type=int, default=None,
                     help="only this step of a run dir (or the step of a file without one)")
     sp = sub.add_parser("adapt", help="a complete step adapted to other model flags: matching "
@@ -945,14 +1130,35 @@ def build_parser():
                     "the run's --seed from the opt file, else 0)")
     sp.add_argument("--step", type=int, default=None,
                     help="this step of a run dir (or the step of a file without one)")
-    sp = sub.add_parser("prune", help="delete old steps, keeping the newest K complete ones")
+    sp.add_argument("--data_dir", default="",
+                    help="the training folder: a class-conditional model gets its class count "
+                    "(as train.py counts it) unless --flags gives --num_classes")
+    sp = sub.add_parser("prune", help="delete old steps, keeping the newest K complete ones "
+                        "(and every post-hoc EMA snapshot)")
     sp.add_argument("dir", metavar="DIR")
     sp.add_argument("--keep", type=int, required=True, metavar="K")
+    sp.add_argument("--delete_snapshots", action="store_true",
+                    help="also delete the post-hoc EMA snapshots (phema_*.pt) of the pruned steps")
+    sp = sub.add_parser("phema", help="reconstruct EMAs of any width from a run's post-hoc EMA "
+                        "snapshots (EDM2), as ordinary EMA files")
+    sp.add_argument("dir", metavar="DIR", help="the run directory (its phema_STD_STEP.pt files)")
+    sp.add_argument("--std", action="append", required=True, metavar="STD",
+                    help="relative width to reconstruct, e.g. 0.07 (repeat it or give 0.05,0.1)")
+    sp.add_argument("--step", type=int, default=None, metavar="S",
+                    help="the step to reconstruct at, one with snapshots (default: the newest)")
+    sp.add_argument("--out", required=True, metavar="FILE_OR_DIR",
+                    help="a .pt file (one --std) or a directory: ema_phemaSTD_STEP.pt per std")
+    sp.add_argument("--batch", type=int, default=1, metavar="B",
+                    help="stds reconstructed per pass over the snapshots (memory: B + 1 models)")
+    sp.add_argument("--max_profile_error", type=float, default=phema.MAX_PROFILE_ERROR,
+                    metavar="E", help="refuse a std whose reconstructed profile is further than "
+                    "this (relative L2) from its target")
     return p
 
 
 _COMMANDS = {"inspect": cmd_inspect, "verify": cmd_verify, "diff": cmd_diff,
-             "convert": cmd_convert, "adapt": cmd_adapt, "prune": cmd_prune}
+             "convert": cmd_convert, "adapt": cmd_adapt, "prune": cmd_prune,
+             "phema": cmd_phema}
 
 
 def main(argv=None, out=None, err=None):
@@ -969,8 +1175,8 @@ def main(argv=None, out=None, err=None):
         except SystemExit as e:  # --help
             return int(e.code or 0)
         if not args.command:
-            raise UsageError("ckpt.py: give a command: inspect, verify, diff, convert, adapt or "
-                             "prune")
+            raise UsageError("ckpt.py: give a command: inspect, verify, diff, convert, adapt, "
+                             "prune or phema")
         args.json = as_json
         args.err = err
         return _COMMANDS[args.command](args, out)

@@ -67,6 +67,8 @@ _MPI_LAUNCHER_VARS = (
 
 # Bound of the rendezvous and of every collective, in seconds (scripts: --dist_timeout).
 DEFAULT_TIMEOUT_S = 600.0
+# The bound setup_dist gave the process group (timeout_s()).
+_timeout_s = None
 
 
 class DistMismatchError(UserError):
@@ -145,9 +147,11 @@ def setup_dist(backend=None, *, timeout=DEFAULT_TIMEOUT_S):
 
     Collective: call from all ranks with the same arguments.
     """
+    global _timeout_s
     if dist.is_available() and dist.is_initialized():
         return
     timeout = as_timedelta(timeout)
+    _timeout_s = timeout.total_seconds()
     backend = backend or _default_backend()
     env = os.environ
     if all(k in env for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")):
@@ -715,6 +719,15 @@ def _abort(code):
 def is_distributed():
     """True when a torch.distributed process group is initialised."""
     return dist.is_available() and dist.is_initialized()
+
+
+def timeout_s():
+    """Seconds that bound every collective of the process group (``--dist_timeout``): how long a
+    rank may wait for the others. None without a process group; DEFAULT_TIMEOUT_S for a group
+    that setup_dist did not make."""
+    if not is_distributed():
+        return None
+    return _timeout_s if _timeout_s is not None else DEFAULT_TIMEOUT_S
 
 
 def get_rank():

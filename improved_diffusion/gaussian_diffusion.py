@@ -13,6 +13,13 @@ Sampling functions take `randn_like`: a callable `randn_like(x) -> tensor shaped
 which ALL noise drawn by the sampler goes (initial noise and per-step noise); None means
 `th.randn_like`. A per-sample-seeded `randn_like` makes each sample independent of the batch it
 is drawn in.
+
+Guidance (guided-diffusion's API, commit 22e0df8): the samplers take `cond_fn(x, t, **model_kwargs)
+-> [N, C, ...]`, the gradient of a log-probability log p(y | x_t) with respect to x_t (already
+multiplied by its scale), called with the timesteps as the model sees them. Ancestral steps shift
+the mean by it (`condition_mean`), DDIM steps the score (`condition_score`). `cond_fn` comes after
+`model_kwargs` in the signatures (improved-diffusion's positions stay; pass it by keyword, as
+guided's scripts do).
 """
 import enum
 import math
@@ -344,11 +351,59 @@ class GaussianDiffusion:
             return t.float() * (1000.0 / self.num_timesteps)
         return t
 
+    def original_timesteps(self, model_t):
+        """
+        What the model (and cond_fn) is given -> the timestep indices [N] of the original
+        process (long), the timesteps guided-diffusion's classifiers are trained on: undoes the
+        rescaling to 0..1000 (and, in SpacedDiffusion, nothing else: the wrapped model already
+        sees original indices). The identity without rescale_timesteps.
+        """
+        if not self.rescale_timesteps:
+            return model_t
+        steps = getattr(self, "original_num_steps", self.num_timesteps)
+        return th.round(model_t.double() * (steps / 1000.0)).long()
+
+    # ----------------------------------------------------------------------------------------
+    # Guidance by the gradient of a log-probability (guided-diffusion's conditioning).
+
+    def condition_mean(self, cond_fn, p_mean_var, x, t, model_kwargs=None):
+        """
+        The mean of p(x_{t-1} | x_t) shifted towards a condition (Sohl-Dickstein et al. 2015):
+        mean + variance * cond_fn(x, t), where cond_fn gives grad_x log p(y | x).
+
+        :param cond_fn: callable (x [N, C, ...], model timesteps [N], **model_kwargs) ->
+            [N, C, ...] gradient (already times its scale).
+        :param p_mean_var: p_mean_variance's output for x and t.
+        :param x: [N, C, ...] x_t; t: [N] timesteps.
+        :param model_kwargs: passed to cond_fn (e.g. {"y": labels [N]}).
+        :return: [N, C, ...] the new mean (float32).
+        """
+        gradient = cond_fn(x, self._scale_timesteps(t), **(model_kwargs or {}))
+        return p_mean_var["mean"].float() + p_mean_var["variance"] * gradient.float()
+
+    def condition_score(self, cond_fn, p_mean_var, x, t, model_kwargs=None):
+        """
+        What p_mean_variance would have returned had the model's score been conditioned by
+        cond_fn (Song et al. 2020): eps' = eps - sqrt(1 - alpha_bar_t) * cond_fn(x, t), and the
+        x_0 prediction and mean that follow from eps' (the x_0 prediction is not clipped again).
+
+        Arguments as condition_mean.
+        :return: a copy of p_mean_var with "pred_xstart" and "mean" replaced, [N, C, ...] each.
+        """
+        alpha_bar = _extract_into_tensor(self.alphas_cumprod, t, x.shape)
+        eps = self._predict_eps_from_xstart(x, t, p_mean_var["pred_xstart"])
+        eps = eps - (1 - alpha_bar).sqrt() * cond_fn(
+            x, self._scale_timesteps(t), **(model_kwargs or {}))
+        out = p_mean_var.copy()
+        out["pred_xstart"] = self._predict_xstart_from_eps(x, t, eps)
+        out["mean"], _, _ = self.q_posterior_mean_variance(x_start=out["pred_xstart"], x_t=x, t=t)
+        return out
+
     # ----------------------------------------------------------------------------------------
     # Ancestral sampling.
 
     def p_sample(self, model, x, t, clip_denoised=True, denoised_fn=None, model_kwargs=None,
-                 randn_like=None):
+                 cond_fn=None, randn_like=None):
         """
         Sample x_{t-1} from the model at the given timestep.
 
@@ -357,7 +412,8 @@ class GaussianDiffusion:
         :param t: [N] timesteps.
         :param clip_denoised: if True, clip the x_0 prediction to [-1, 1].
         :param denoised_fn: optional function applied to the x_0 prediction.
-        :param model_kwargs: extra keyword arguments for the model.
+        :param model_kwargs: extra keyword arguments for the model (and cond_fn).
+        :param cond_fn: optional gradient of log p(y | x_t) (see condition_mean): shifts the mean.
         :param randn_like: callable x -> noise shaped like x (default th.randn_like).
         :return: dict with "sample" [N, C, ...] and "pred_xstart" [N, C, ...].
         """
@@ -367,11 +423,14 @@ class GaussianDiffusion:
             model_kwargs=model_kwargs,
         )
         noise = randn_like(x)
+        if cond_fn is not None:
+            out["mean"] = self.condition_mean(cond_fn, out, x, t, model_kwargs=model_kwargs)
         sample = out["mean"] + _nonzero_mask(t, x) * th.exp(0.5 * out["log_variance"]) * noise
         return {"sample": sample, "pred_xstart": out["pred_xstart"]}
 
     def p_sample_loop(self, model, shape, noise=None, clip_denoised=True, denoised_fn=None,
-                      model_kwargs=None, device=None, progress=False, randn_like=None):
+                      model_kwargs=None, device=None, progress=False, randn_like=None,
+                      cond_fn=None):
         """
         Generate samples from the model.
 
@@ -380,23 +439,25 @@ class GaussianDiffusion:
         :param noise: optional [N, C, ...] initial x_T (default: randn_like of zeros(shape)).
         :param clip_denoised: if True, clip x_0 predictions to [-1, 1].
         :param denoised_fn: optional function applied to x_0 predictions.
-        :param model_kwargs: extra keyword arguments for the model.
+        :param model_kwargs: extra keyword arguments for the model (and cond_fn).
         :param device: device of the samples (default: the model's parameters' device).
         :param progress: if True, show a tqdm progress bar over timesteps.
         :param randn_like: callable x -> noise shaped like x; all noise goes through it.
+        :param cond_fn: optional classifier guidance for every step (see p_sample).
         :return: [N, C, ...] samples.
         """
         final = None
         for sample in self.p_sample_loop_progressive(
             model, shape, noise=noise, clip_denoised=clip_denoised, denoised_fn=denoised_fn,
             model_kwargs=model_kwargs, device=device, progress=progress, randn_like=randn_like,
+            cond_fn=cond_fn,
         ):
             final = sample
         return final["sample"]
 
     def p_sample_loop_progressive(self, model, shape, noise=None, clip_denoised=True,
                                   denoised_fn=None, model_kwargs=None, device=None,
-                                  progress=False, randn_like=None):
+                                  progress=False, randn_like=None, cond_fn=None):
         """
         Generate samples, yielding the output of every p_sample step (t = T-1 down to 0).
 
@@ -410,7 +471,7 @@ class GaussianDiffusion:
             with th.no_grad():
                 out = self.p_sample(
                     model, img, t, clip_denoised=clip_denoised, denoised_fn=denoised_fn,
-                    model_kwargs=model_kwargs, randn_like=randn_like,
+                    model_kwargs=model_kwargs, cond_fn=cond_fn, randn_like=randn_like,
                 )
                 yield out
                 img = out["sample"]
@@ -430,12 +491,13 @@ class GaussianDiffusion:
     # DDIM sampling.
 
     def ddim_sample(self, model, x, t, clip_denoised=True, denoised_fn=None, model_kwargs=None,
-                    eta=0.0, randn_like=None):
+                    eta=0.0, randn_like=None, cond_fn=None):
         """
         Sample x_{t-1} from the model using DDIM.
 
         Arguments as p_sample, plus `eta` (0 = deterministic DDIM, 1 = DDPM-like noise). Noise
-        is drawn (through randn_like) even when eta == 0, as upstream.
+        is drawn (through randn_like) even when eta == 0, as upstream. With `cond_fn` the score
+        is conditioned (condition_score) before the step.
 
         :return: dict with "sample" [N, C, ...] and "pred_xstart" [N, C, ...].
         """
@@ -444,6 +506,8 @@ class GaussianDiffusion:
             model, x, t, clip_denoised=clip_denoised, denoised_fn=denoised_fn,
             model_kwargs=model_kwargs,
         )
+        if cond_fn is not None:
+            out = self.condition_score(cond_fn, out, x, t, model_kwargs=model_kwargs)
         # Usually our model outputs epsilon, but we re-derive it in case we used x_start or
         # x_prev prediction.
         eps = self._predict_eps_from_xstart(x, t, out["pred_xstart"])
@@ -492,7 +556,7 @@ class GaussianDiffusion:
 
     def ddim_sample_loop(self, model, shape, noise=None, clip_denoised=True, denoised_fn=None,
                          model_kwargs=None, device=None, progress=False, eta=0.0,
-                         randn_like=None):
+                         randn_like=None, cond_fn=None):
         """
         Generate samples from the model using DDIM.
 
@@ -504,14 +568,14 @@ class GaussianDiffusion:
         for sample in self.ddim_sample_loop_progressive(
             model, shape, noise=noise, clip_denoised=clip_denoised, denoised_fn=denoised_fn,
             model_kwargs=model_kwargs, device=device, progress=progress, eta=eta,
-            randn_like=randn_like,
+            randn_like=randn_like, cond_fn=cond_fn,
         ):
             final = sample
         return final["sample"]
 
     def ddim_sample_loop_progressive(self, model, shape, noise=None, clip_denoised=True,
                                      denoised_fn=None, model_kwargs=None, device=None,
-                                     progress=False, eta=0.0, randn_like=None):
+                                     progress=False, eta=0.0, randn_like=None, cond_fn=None):
         """
         Use DDIM to sample from the model, yielding the output of every step (t = T-1 .. 0).
 
@@ -525,7 +589,7 @@ class GaussianDiffusion:
             with th.no_grad():
                 out = self.ddim_sample(
                     model, img, t, clip_denoised=clip_denoised, denoised_fn=denoised_fn,
-                    model_kwargs=model_kwargs, eta=eta, randn_like=randn_like,
+                    model_kwargs=model_kwargs, eta=eta, randn_like=randn_like, cond_fn=cond_fn,
                 )
                 yield out
                 img = out["sample"]

@@ -1,4 +1,8 @@
-"""Image-folder dataset and a resumable, rank-sharded sample order.
+"""Image-folder (and latent-folder) datasets and a resumable, rank-sharded sample order.
+
+A --data_dir holds images (.png, .jpg, .jpeg, .gif) or precomputed latents (.npy / .npz, one
+float array [C, H, W] per image, e.g. VAE latents for DiT; datasets/README.md says how to make
+them), never both; the class of a file is its name before the first "_" in either case.
 
 The order in which samples are visited is a pure function of (seed, epoch, global index): the
 global position p (samples consumed by all ranks together since the start of the run) lies in
@@ -9,8 +13,10 @@ number of ranks resumes on any other and continues at the same place: within an 
 is visited twice or skipped.
 """
 import hashlib
+import io
 import os
 import warnings
+import zipfile
 
 import blobfile as bf
 import numpy as np
@@ -22,28 +28,45 @@ from . import dist_util
 from .errors import UserError
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "gif")
+LATENT_EXTENSIONS = ("npy", "npz")
 
 
 class DataError(UserError):
     """The data directory is missing, empty, or holds unusable files (one-line message)."""
 
 
-def list_image_files(data_dir):
+def list_image_files(data_dir, extensions=IMAGE_EXTENSIONS):
     """
     All image files under `data_dir`, recursively, sorted.
 
     :param data_dir: a local or blobfile path.
+    :param extensions: the file extensions to list (any case); LATENT_EXTENSIONS lists latents.
     :return: a sorted list of paths with extension jpg, jpeg, png or gif (any case).
     """
     results = []
     for entry in sorted(bf.listdir(data_dir)):
         full_path = bf.join(data_dir, entry)
         ext = entry.split(".")[-1]
-        if "." in entry and ext.lower() in IMAGE_EXTENSIONS:
+        if "." in entry and ext.lower() in extensions:
             results.append(full_path)
         elif bf.isdir(full_path):
-            results.extend(list_image_files(full_path))
+            results.extend(list_image_files(full_path, extensions))
     return sorted(results)
+
+
+def list_data_files(data_dir):
+    """(kind, paths) of a data folder: ("images", image files) or ("latents", .npy/.npz files),
+    sorted, recursively; ("images", []) when it holds neither.
+
+    :raises DataError: when the folder holds both images and latents.
+    """
+    images = list_image_files(data_dir)
+    latents = list_image_files(data_dir, LATENT_EXTENSIONS)
+    if images and latents:
+        raise DataError(
+            f"--data_dir {data_dir} holds both images ({len(images)}, e.g. {images[0]}) and "
+            f"latents ({len(latents)}, e.g. {latents[0]}); give a folder of one kind")
+    return ("latents", latents) if latents else ("images", images)
 
 
 def class_names_from_paths(paths):
@@ -62,7 +85,7 @@ def folder_class_names(data_dir):
     [] for a missing or empty folder (load_data says what is wrong with it)."""
     if not data_dir or not bf.exists(data_dir) or not bf.isdir(data_dir):
         return []
-    return sorted(class_names_from_paths(list_image_files(data_dir))[1])
+    return sorted(class_names_from_paths(list_data_files(data_dir)[1])[1])
 
 
 def resolve_num_classes(data_dir, num_classes, log=print):
@@ -87,13 +110,9 @@ def resolve_num_classes(data_dir, num_classes, log=print):
     return len(names)
 
 
-class ImageDataset(Dataset):
-    """
-    Images from a list of files, preprocessed as upstream improved-diffusion.
-
-    Each image is repeatedly halved with a box filter while its short side is at least twice the
-    resolution, resized with bicubic so that the short side equals the resolution, converted to
-    RGB and center-cropped. Nothing is random, so loading is deterministic (also in workers).
+class _FileDataset(Dataset):
+    """A dataset of one file per sample (images or latents), with optional class labels and a
+    cheap content fingerprint. Subclasses load one file in ``__getitem__``.
 
     :param resolution: output side length H = W.
     :param image_paths: list of file paths.
@@ -136,6 +155,23 @@ class ImageDataset(Dataset):
     def __len__(self):
         return len(self.local_images)
 
+    def _cond(self, idx):
+        """{"y": np.int64 scalar} for a labelled dataset, else {}."""
+        if self.local_classes is None:
+            return {}
+        return {"y": np.array(self.local_classes[idx], dtype=np.int64)}
+
+
+class ImageDataset(_FileDataset):
+    """
+    Images from a list of files, preprocessed as upstream improved-diffusion.
+
+    Each image is repeatedly halved with a box filter while its short side is at least twice the
+    resolution, resized with bicubic so that the short side equals the resolution, converted to
+    RGB and center-cropped. Nothing is random, so loading is deterministic (also in workers).
+    Arguments: see _FileDataset.
+    """
+
     def __getitem__(self, idx):
         """
         :return: (arr: np.float32 [3, H, W] in [-1, 1], cond: {"y": np.int64 scalar} or {}).
@@ -152,10 +188,57 @@ class ImageDataset(Dataset):
             pil_image = pil_image.convert("RGB")
         arr = center_crop_arr(pil_image, self.resolution)
         arr = arr.astype(np.float32) / 127.5 - 1
-        out_dict = {}
-        if self.local_classes is not None:
-            out_dict["y"] = np.array(self.local_classes[idx], dtype=np.int64)
-        return np.transpose(arr, [2, 0, 1]), out_dict
+        return np.transpose(arr, [2, 0, 1]), self._cond(idx)
+
+
+class LatentDataset(_FileDataset):
+    """
+    Precomputed latents, one file per image: ``.npy`` holding one float array, or ``.npz`` holding
+    exactly one, of shape [C, H, W] or [1, C, H, W] (fast-DiT's extract_features saves a batch of
+    one). Taken as they are (no scaling, no clipping), as float32; H = W = ``resolution``.
+    Files are read with ``allow_pickle=False``: a file can never run code. Arguments: see
+    _FileDataset.
+    """
+
+    def __getitem__(self, idx):
+        """:return: (arr: np.float32 [C, H, W], cond: {"y": np.int64 scalar} or {})."""
+        path = self.local_images[idx]
+        arr = read_latent(path)
+        if arr.shape[1:] != (self.resolution, self.resolution):
+            raise DataError(
+                f"latent {path} has shape {list(arr.shape)}; this model takes "
+                f"[C, {self.resolution}, {self.resolution}] (--image_size is the latent side); "
+                f"give latents of one size")
+        return arr, self._cond(idx)
+
+
+def read_latent(path):
+    """The array of one latent file as np.float32 [C, H, W] (see LatentDataset).
+
+    :raises DataError: naming the file when it cannot be read or holds something else.
+    """
+    try:
+        with bf.BlobFile(path, "rb") as f:
+            loaded = np.load(io.BytesIO(f.read()), allow_pickle=False)
+        if isinstance(loaded, np.lib.npyio.NpzFile):
+            with loaded:
+                names = list(loaded.files)
+                if len(names) != 1:
+                    raise DataError(f"latent {path} holds {len(names)} arrays ({', '.join(names)})"
+                                    f"; give one array per file")
+                arr = loaded[names[0]]
+        else:
+            arr = loaded
+    except DataError:
+        raise
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
+        raise DataError(f"cannot read latent {path}: {e}; remove or replace the file") from e
+    if arr.ndim == 4 and arr.shape[0] == 1:
+        arr = arr[0]
+    if arr.ndim != 3 or not np.issubdtype(arr.dtype, np.floating):
+        raise DataError(f"latent {path} holds a {arr.dtype} array of shape {list(arr.shape)}; "
+                        f"expected a float array [C, H, W]")
+    return np.ascontiguousarray(arr, dtype=np.float32)
 
 
 def _relative(path, root):
@@ -481,10 +564,12 @@ def load_data(
     world_size=None,
     num_workers=0,
     num_classes=None,
+    in_channels=None,
     log=None,
 ):
     """
-    A ResumableLoader over the images in `data_dir` (upstream's load_data, resumable).
+    A ResumableLoader over the images (or latents) in `data_dir` (upstream's load_data,
+    resumable).
 
     :param class_cond: if True, cond holds "y": th.int64 [B], the class from each file name
         (the part before the first "_").
@@ -494,8 +579,11 @@ def load_data(
         auto_num_workers() for this device. The output never depends on it.
     :param num_classes: with class_cond, the model's number of classes: a folder with more
         class names raises DataError (instead of an IndexError inside the model).
+    :param in_channels: the model's input channels, when known: a folder whose files have
+        another count raises DataError (images have 3; latents the C of their first file).
     :param log: where a resume's warnings go (ResumableLoader's ``log``).
-    :return: ResumableLoader yielding (th.float32 [B, 3, image_size, image_size], cond).
+    :return: ResumableLoader yielding (th.float32 [B, C, image_size, image_size], cond): images
+        in [-1, 1] (C = 3), or latents as stored.
     """
     if not data_dir:
         raise DataError("unspecified data directory; pass --data_dir DIR (an image folder)")
@@ -504,12 +592,18 @@ def load_data(
             f"--data_dir {data_dir} does not exist or is not a directory; "
             f"pass an image folder (e.g. make one with datasets/digits.py)"
         )
-    all_files = list_image_files(data_dir)
+    kind, all_files = list_data_files(data_dir)
     if not all_files:
         raise DataError(
-            f"--data_dir {data_dir} holds no images ({', '.join(IMAGE_EXTENSIONS)}); "
-            f"pass a folder of images"
+            f"--data_dir {data_dir} holds no images ({', '.join(IMAGE_EXTENSIONS)}) or latents "
+            f"({', '.join(LATENT_EXTENSIONS)}); pass a folder of images or latents"
         )
+    channels = read_latent(all_files[0]).shape[0] if kind == "latents" else 3
+    if in_channels is not None and channels != in_channels:
+        what = (f"latents with {channels} channels (e.g. {all_files[0]})" if kind == "latents"
+                else "RGB images (3 channels)")
+        raise DataError(f"--data_dir {data_dir} holds {what} but the model has --in_channels "
+                        f"{in_channels}; pass --in_channels {channels} or another folder")
     classes = None
     if class_cond:
         names, mapping = class_names_from_paths(all_files)
@@ -524,7 +618,8 @@ def load_data(
         r, w = _default_rank_world()
         rank = r if rank is None else rank
         world_size = w if world_size is None else world_size
-    dataset = ImageDataset(image_size, all_files, classes=classes, root=data_dir)
+    make = LatentDataset if kind == "latents" else ImageDataset
+    dataset = make(image_size, all_files, classes=classes, root=data_dir)
     if num_workers is None or int(num_workers) < 0:
         num_workers = auto_num_workers()
     return ResumableLoader(

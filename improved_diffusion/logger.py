@@ -3,7 +3,8 @@ Key/value logging with upstream's API (from OpenAI baselines via improved-diffus
 
 Formats: stdout (upstream's key/value table), progress (one line per dump on stdout: step, loss,
 grad norm, steps/s, samples/s, elapsed, ETA), log (log.txt, the table), csv (progress.csv), json
-(progress.json), tensorboard (when torch.utils.tensorboard is importable). Rank 0 logs
+(progress.json), tensorboard (when torch.utils.tensorboard is importable; ``add_tensorboard``
+adds it to a configured logger, with images through ``write_image``). Rank 0 logs
 "stdout,log,csv" by default (``configure(stdout_format="progress")``: "progress,log,csv", what
 train.py does); other ranks log nothing unless asked. ``Progress`` reports a long loop: a bar on
 a terminal, plain lines otherwise. Files in an existing log directory are APPENDED to, never
@@ -144,14 +145,13 @@ class ProgressOutputFormat(KVWriter, SeqWriter):
 
     def __init__(self, file):
         self.file = file
+        self.rates = _Rates()
         self.start(None)
 
     def start(self, step, total_steps=0):
         """Time from now: ``step`` is where this job starts (resumed step), ``total_steps`` the
         step it stops at (0: unknown, no ETA)."""
-        now = time.time()
-        self.t0, self.step0, self.total = now, step, int(total_steps or 0)
-        self.last = (now, step, None)
+        self.t0, self.step0, self.total = self.rates.start(step), step, int(total_steps or 0)
 
     def writekvs(self, kvs):
         now = time.time()
@@ -166,21 +166,15 @@ class ProgressOutputFormat(KVWriter, SeqWriter):
                 parts.append("steps skipped (NaN/Inf)")
             if kvs.get("fp16_skipped"):
                 parts.append("steps skipped (fp16 overflow)")
-            t_last, step_last, samples_last = self.last
-            if step_last is not None and step > step_last and now > t_last:
-                dt = now - t_last
-                parts.append(f"{(step - step_last) / dt:.3g} steps/s")
-                samples = _as_number(kvs.get("samples"))
-                if samples is not None and samples_last is not None and samples > samples_last:
-                    parts.append(f"{(samples - samples_last) / dt:.3g} samples/s")
-                elif kvs.get("global_batch"):
-                    parts.append(f"{(step - step_last) * float(kvs['global_batch']) / dt:.3g} "
-                                 "samples/s")
+            rates = self.rates.update(kvs, now)
+            if "steps_per_s" in rates:
+                parts.append(f"{rates['steps_per_s']:.3g} steps/s")
+            if "samples_per_s" in rates:
+                parts.append(f"{rates['samples_per_s']:.3g} samples/s")
             parts.append(f"elapsed {format_duration(now - self.t0)}")
             if self.total and self.step0 is not None and step > self.step0:
                 rate = (step - self.step0) / max(now - self.t0, 1e-9)
                 parts.append(f"ETA {format_duration(max(0, self.total - step) / rate)}")
-            self.last = (now, step, _as_number(kvs.get("samples")))
         self.file.write("  ".join(parts) + "\n" if step is not None else line + "\n")
         self.file.flush()
 
@@ -190,6 +184,38 @@ class ProgressOutputFormat(KVWriter, SeqWriter):
 
     def close(self):
         pass
+
+
+class _Rates:
+    """steps/s and samples/s between two dumps that carry a "step" (samples from the "samples"
+    key, else the steps times "global_batch"), timed by the wall clock."""
+
+    def __init__(self):
+        self.start(None)
+
+    def start(self, step):
+        """Time from now, from ``step`` (None: from the first dump). Returns now."""
+        now = time.time()
+        self.last = (now, step, None)
+        return now
+
+    def update(self, kvs, now=None):
+        """{"steps_per_s": x, "samples_per_s": y} since the last dump (or start), either absent
+        when unknown, for a dump of ``kvs`` with a "step" at ``now``; then times from it."""
+        now = time.time() if now is None else now
+        step = int(kvs["step"])
+        out = {}
+        t_last, step_last, samples_last = self.last
+        if step_last is not None and step > step_last and now > t_last:
+            dt = now - t_last
+            out["steps_per_s"] = (step - step_last) / dt
+            samples = _as_number(kvs.get("samples"))
+            if samples is not None and samples_last is not None and samples > samples_last:
+                out["samples_per_s"] = (samples - samples_last) / dt
+            elif kvs.get("global_batch"):
+                out["samples_per_s"] = (step - step_last) * float(kvs["global_batch"]) / dt
+        self.last = (now, step, _as_number(kvs.get("samples")))
+        return out
 
 
 class JSONOutputFormat(KVWriter):
@@ -267,23 +293,47 @@ class CSVOutputFormat(KVWriter):
 
 
 class TensorBoardOutputFormat(KVWriter):
-    """Scalars to TensorBoard event files in `dir` (needs the tensorboard package)."""
+    """
+    Scalars (every numeric key/value of a dump, at its "step"; with one, also steps_per_s and
+    samples_per_s since the last dump) and images (``write_image``) to TensorBoard event files in
+    `dir` (needs the tensorboard package), flushed at every dump.
 
-    def __init__(self, dir):
+    ``purge_step``: the first step this writer will log (a resumed run's step + 1). Events of
+    earlier writers in `dir` at this step or later (logged by a run killed after its last saved
+    step, whose steps are trained again) are hidden from TensorBoard's readers, so every step
+    appears once.
+    """
+
+    def __init__(self, dir, purge_step=None):
         from torch.utils.tensorboard import SummaryWriter  # noqa: optional dependency
 
         os.makedirs(dir, exist_ok=True)
         self.dir = dir
         self.step = 1
-        self.writer = SummaryWriter(log_dir=dir)
+        self.rates = _Rates()
+        if purge_step is not None:
+            self.rates.start(purge_step - 1)
+        self.writer = SummaryWriter(log_dir=dir, purge_step=purge_step)
+
+    def start(self, step, total_steps=0):
+        """The rates time from now, from ``step`` (logger.start_progress)."""
+        self.rates.start(step)
 
     def writekvs(self, kvs):
         step = kvs.get("step", self.step)
         for k, v in kvs.items():
             if hasattr(v, "__float__"):
                 self.writer.add_scalar(k, float(v), int(step))
+        if "step" in kvs:
+            for k, v in self.rates.update(kvs).items():
+                self.writer.add_scalar(k, v, int(step))
         self.writer.flush()
         self.step += 1
+
+    def write_image(self, tag, image, step):
+        """``image``: uint8 [H, W, C] numpy, at ``step``."""
+        self.writer.add_image(tag, image, int(step), dataformats="HWC")
+        self.writer.flush()
 
     def close(self):
         self.writer.close()
@@ -372,11 +422,41 @@ def getkvs():
 
 
 def start_progress(step, total_steps=0):
-    """The progress line times this job from now, starting at ``step``; ``total_steps`` (0:
-    unknown) gives it an ETA. Not collective (a no-op on ranks without a progress line)."""
+    """The progress line (and TensorBoard's rates) time this job from now, starting at ``step``;
+    ``total_steps`` (0: unknown) gives it an ETA. Not collective (a no-op on ranks without a
+    progress line)."""
     for fmt in get_current().output_formats:
-        if isinstance(fmt, ProgressOutputFormat):
+        if isinstance(fmt, (ProgressOutputFormat, TensorBoardOutputFormat)):
             fmt.start(step, total_steps)
+
+
+def add_tensorboard(dir, purge_step=None):
+    """Also write this logger's key/values, and the images of write_image(), to TensorBoard event
+    files in ``dir`` (TensorBoardOutputFormat; a writer to the same directory that the logger
+    already has, from format "tensorboard", is closed and replaced: one run, no duplicates).
+    Returns the output; remove_output() closes it. Not collective: call on the rank that logs."""
+    current = get_current()
+    for fmt in [f for f in current.output_formats if isinstance(f, TensorBoardOutputFormat)]:
+        if osp.abspath(fmt.dir) == osp.abspath(dir):
+            remove_output(fmt)
+    fmt = TensorBoardOutputFormat(dir, purge_step=purge_step)
+    current.output_formats.append(fmt)
+    return fmt
+
+
+def remove_output(fmt):
+    """Close the output ``fmt`` and take it off the current logger (if still there)."""
+    current = Logger.CURRENT
+    if current is not None and fmt in current.output_formats:
+        current.output_formats.remove(fmt)
+    fmt.close()
+
+
+def write_image(tag, image, step):
+    """Write ``image`` (uint8 [H, W, C] numpy) at ``step`` to the outputs that take images
+    (TensorBoard); a no-op without one. Not collective."""
+    get_current()._each_output(TensorBoardOutputFormat,
+                               lambda fmt: fmt.write_image(tag, image, step))
 
 
 def append_to_log_files(text):

@@ -2,7 +2,7 @@
 Timestep respacing: run a diffusion trained with T steps on a subset of its timesteps.
 
 SpacedDiffusion only remaps timesteps: it recomputes betas for the kept steps and wraps the model
-so that it still sees the original timesteps.
+(and a guidance cond_fn) so that it still sees the original timesteps.
 """
 import numpy as np
 import torch as th
@@ -79,13 +79,15 @@ class SpacedDiffusion(GaussianDiffusion):
         process to retain.
     :param kwargs: the kwargs to create the base diffusion process (betas of the ORIGINAL T).
 
-    Attributes: `timestep_map` (list: new index -> original timestep), `original_num_steps`.
+    Attributes: `timestep_map` (list: new index -> original timestep), `original_num_steps`,
+    `base_betas` (float64 [original T]: the original process's betas).
     """
 
     def __init__(self, use_timesteps, **kwargs):
         self.use_timesteps = set(use_timesteps)
         self.timestep_map = []
         self.original_num_steps = len(kwargs["betas"])
+        self.base_betas = np.array(kwargs["betas"], dtype=np.float64)
 
         base_diffusion = GaussianDiffusion(**kwargs)
         last_alpha_cumprod = 1.0
@@ -104,6 +106,13 @@ class SpacedDiffusion(GaussianDiffusion):
     def training_losses(self, model, *args, **kwargs):
         return super().training_losses(self._wrap_model(model), *args, **kwargs)
 
+    def condition_mean(self, cond_fn, *args, **kwargs):
+        # cond_fn sees the original timesteps, as the model does (guided-diffusion's wrapping).
+        return super().condition_mean(self._wrap_model(cond_fn), *args, **kwargs)
+
+    def condition_score(self, cond_fn, *args, **kwargs):
+        return super().condition_score(self._wrap_model(cond_fn), *args, **kwargs)
+
     def _wrap_model(self, model):
         if isinstance(model, _WrappedModel):
             return model
@@ -116,8 +125,29 @@ class SpacedDiffusion(GaussianDiffusion):
         return t
 
 
+def respaced(diffusion, section_counts):
+    """
+    ``diffusion`` (a GaussianDiffusion, or a SpacedDiffusion of one) on a subset of its own
+    timesteps: ``space_timesteps(diffusion.num_timesteps, section_counts)``, as a SpacedDiffusion
+    of the same original process, so the model sees the original timesteps as under
+    ``diffusion``. For an unspaced process of T steps this is the diffusion that
+    ``--timestep_respacing section_counts`` builds from the flags (the same schedules, bit for bit).
+
+    :raises ValueError: when the request is impossible (space_timesteps).
+    """
+    kept = sorted(space_timesteps(diffusion.num_timesteps, section_counts))
+    timestep_map = getattr(diffusion, "timestep_map", None)
+    if timestep_map is not None:
+        kept = [timestep_map[i] for i in kept]
+    return SpacedDiffusion(
+        kept, betas=getattr(diffusion, "base_betas", diffusion.betas),
+        model_mean_type=diffusion.model_mean_type, model_var_type=diffusion.model_var_type,
+        loss_type=diffusion.loss_type, rescale_timesteps=diffusion.rescale_timesteps)
+
+
 class _WrappedModel:
-    """Calls the model with original timesteps: [N] spaced indices -> timestep_map[t] (scaled)."""
+    """Calls the model (or a cond_fn) with original timesteps: [N] spaced indices ->
+    timestep_map[t] (scaled)."""
 
     def __init__(self, model, timestep_map, rescale_timesteps, original_num_steps):
         self.model = model

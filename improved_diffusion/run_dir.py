@@ -2,10 +2,15 @@
 A log dir of steps: which steps it holds, which one a resume uses, and what is done with the rest.
 
 One step ``S`` is the files ``model{S:06d}.pt``, ``ema_{rate}_{S:06d}.pt`` (one per rate),
-``opt{S:06d}.pt`` and ``manifest{S:06d}.json``, the manifest written last (save_step below).
+``opt{S:06d}.pt``, with post-hoc EMA ``phema_{std}_{S:06d}.pt`` (one per std, when the run
+tracks them) and ``manifest{S:06d}.json``, the manifest written last (save_step below).
+Snapshots outlive their step: pruning deletes a step's other files and keeps them (the history
+that phema.py's reconstruction needs), and a step of which only snapshots are left, older than
+the newest complete step, is not listed as a step (``list_snapshots`` lists them).
 A step is *complete* (resumable) when its manifest parses and every file it lists is present with
 the listed size; upstream's steps (untagged files, no manifest) are complete when the model and
-opt files are there and not empty. checkpoint.py knows what is in one file; this module knows what
+opt files are there and not empty, and a DiT step (``{step:07d}.pt``, one combined file) when
+its file is not empty. checkpoint.py knows what is in one file; this module knows what
 is in a directory.
 
 Cost does not grow with the run's history: listing reads names, sizes and manifests (small JSON);
@@ -74,7 +79,8 @@ class StepStatus:
 
     @property
     def model_path(self):
-        return self._find("model")
+        """The model file, or a DiT step's combined file (weights, EMA and optimizer in one)."""
+        return self._find("model") or self._find("combined")
 
     @property
     def opt_path(self):
@@ -83,6 +89,12 @@ class StepStatus:
     @property
     def manifest_path(self):
         return self._find("manifest")
+
+    @property
+    def phema_paths(self):
+        """{std_str: path} of the post-hoc EMA snapshots of this step."""
+        return dict(sorted((ckpt.name_info(p).std_str, p) for p in self.files
+                           if getattr(ckpt.name_info(p), "kind", None) == "phema"))
 
     @property
     def ema_paths(self):
@@ -135,17 +147,47 @@ def list_steps(log_dir, verify_checksums=False, names=None):
         if info is not None and info.kind != "temp":
             by_step.setdefault(info.step, []).append(ckpt.join(log_dir, name))
     out = []
+    complete_seen = False
     for step in sorted(by_step, reverse=True):
+        if complete_seen and _only_snapshots(by_step[step]):
+            continue  # a pruned step's snapshots, kept on purpose; not an interrupted save
         st = StepStatus(step=step, files=sorted(by_step[step]))
         if st.manifest_path is not None:
             st.problem = _check_manifest(st, log_dir)
         else:
             st.problem, st.legacy = _check_legacy(st)
         st.complete = st.problem is None
+        complete_seen = complete_seen or st.complete
         if st.complete and verify_checksums:
             verify_step(st, log_dir)
         out.append(st)
     return out
+
+
+def _only_snapshots(paths):
+    return all(getattr(ckpt.name_info(p), "kind", None) == "phema" for p in paths)
+
+
+@dataclass(frozen=True)
+class SnapshotName:
+    """A post-hoc EMA snapshot file found in a log dir: its step and std as the name says."""
+
+    step: int
+    std_str: str
+    path: str
+
+
+def list_snapshots(log_dir, names=None):
+    """Every post-hoc EMA snapshot (``phema_{std}_{step}.pt``) in ``log_dir``, of complete steps,
+    interrupted ones and pruned ones alike, sorted by step then std (SnapshotName). Reads names
+    only; ``names``: a listing made before. CheckpointReadError when the listing fails."""
+    log_dir = os.fspath(log_dir)
+    out = []
+    for name in listdir(log_dir) if names is None else names:
+        info = ckpt.name_info(name)
+        if info is not None and info.kind == "phema":
+            out.append(SnapshotName(info.step, info.std_str, ckpt.join(log_dir, name)))
+    return sorted(out, key=lambda s: (s.step, float(s.std_str)))
 
 
 def _read_manifest(st):
@@ -221,6 +263,8 @@ def _check_legacy(st):
         return "no manifest and no model file (interrupted save or stray files)", False
     if ckpt.is_tagged_file(model):
         return "no manifest (the save was interrupted before it completed)", False
+    if ckpt.name_info(model).kind == "combined":  # DiT's: everything in one file
+        return (None if _size_or_none(model) else f"{ckpt.basename(model)} is empty"), True
     for p in [model, st.opt_path, *st.ema_paths.values()]:
         if p is None:
             return "upstream step without an opt file (no optimizer state to resume)", True
@@ -321,6 +365,22 @@ def plan_resume(log_dir, resume_checkpoint=""):
     plan.log_steps = [(st.step, st.complete) for st in steps]
     plan.log_files = {st.step: list(st.files) for st in steps}
     return plan
+
+
+def likely_resume_model(log_dir, resume_checkpoint=""):
+    """The model file a resume would most likely load, found cheaply (names and manifests, no
+    checksums): the ``resume_checkpoint`` file itself, else the newest step with a manifest of
+    the run dir it names or of ``log_dir``; None when there is none or the listing fails. For
+    choices that must precede the model (train.py's class count); plan_resume decides for real.
+    Not collective."""
+    arg = os.fspath(resume_checkpoint or "")
+    try:
+        if arg and arg != "auto" and not _is_dir(arg):
+            return arg
+        steps = list_steps(arg if arg and arg != "auto" else os.fspath(log_dir))
+    except CheckpointError:
+        return None
+    return next((st.model_path for st in steps if st.complete and st.model_path), None)
 
 
 def _choose(plan, where, steps, announce):
@@ -550,13 +610,15 @@ def _prune_set_aside(log_dir, oldest_kept):
     return deleted
 
 
-_DELETE_ORDER = {"manifest": 0, "opt": 1, "ema": 2, "model": 3}
+_DELETE_ORDER = {"manifest": 0, "opt": 1, "ema": 2, "phema": 2, "model": 3}
 
 
-def prune(log_dir, keep, *, temp_age_s=60.0):
+def prune(log_dir, keep, *, temp_age_s=60.0, snapshots=False):
     """
     Keep the newest ``keep`` complete steps; delete every file of steps older than the oldest
-    kept one (complete or not). Never touches the newest complete step, nor any step newer than
+    kept one (complete or not) except their post-hoc EMA snapshots (``phema_*``: the history the
+    reconstruction needs), which only ``snapshots=True`` deletes (then also those left by earlier
+    prunes). Never touches the newest complete step, nor any step newer than
     the kept ones (it may be a save in progress); with no complete step it deletes nothing. Each
     step's manifest goes FIRST (then opt, EMA, model), so a half-deleted step is never "complete".
     Also removes temp files (``*.tmp-<hex>``) older than ``temp_age_s`` seconds, and the
@@ -572,15 +634,20 @@ def prune(log_dir, keep, *, temp_age_s=60.0):
         steps = list_steps(log_dir, names=names)
         kept = [s for s in steps if s.complete][:keep]
         oldest_kept = kept[-1].step if kept else None
-        for st in steps:
-            if oldest_kept is None or st.step >= oldest_kept:
-                continue
-            for p in sorted(st.files, key=lambda p: _DELETE_ORDER.get(ckpt.name_info(p).kind, 9)):
-                try:
-                    _remove(p)
-                    deleted.append(p)
-                except FileNotFoundError:
-                    pass
+        doomed = [p for st in steps if oldest_kept is not None and st.step < oldest_kept
+                  for p in sorted(st.files,
+                                  key=lambda p: _DELETE_ORDER.get(ckpt.name_info(p).kind, 9))
+                  if snapshots or ckpt.name_info(p).kind != "phema"]
+        if snapshots and oldest_kept is not None:  # kept by earlier prunes: not in any step
+            listed = set(doomed)
+            doomed += [s.path for s in list_snapshots(log_dir, names=names)
+                       if s.step < oldest_kept and s.path not in listed]
+        for p in doomed:
+            try:
+                _remove(p)
+                deleted.append(p)
+            except FileNotFoundError:
+                pass
         if oldest_kept is not None:
             deleted += _prune_set_aside(log_dir, oldest_kept)
     now = time.time()

@@ -3,13 +3,17 @@
 * `load_for_sampling`: a model file of any kind (ours, tagged with its flags; upstream's raw state
   dict; a combined dict) becomes a model and a diffusion. Flags the file carries win; a flag given
   EXPLICITLY on the command line that contradicts the file is an error naming both values.
+  `load_classifier` does the same for guided-diffusion's noised classifier (classifier_sample.py).
+* Guidance: `sampling_forward` is what the sampler calls in place of the model (classifier-free
+  guided with ``--guidance_scale``); `generate` takes a classifier guidance ``cond_fn``.
 * Per-sample randomness: sample ``i`` draws its label, its initial noise and every step's noise from
   its own ``torch.Generator`` seeded from ``(seed, i)``, so the output does not depend on the
   number of ranks or the batch size (`PerSampleRandn`, `sample_seed`).
 * `shard_batches` splits the global sample indices into batches, ``batches[rank::world_size]``
   (EDM style); `generate` runs them and gathers the results to rank 0 (collective).
 * `save_samples`: ``samples_{N}x{H}x{W}x{C}.npz`` (``arr_0`` uint8 NHWC, ``arr_1`` labels) and a
-  PNG grid beside it.
+  PNG grid beside it; for a latent model (``as_images=False``) ``samples_{N}x{C}x{H}x{W}.npz``
+  with ``arr_0`` the float32 NCHW latents, for a VAE to decode, and no grid.
 
 Errors made by the user (missing file, bad or contradicting flags) raise `SampleError` with a
 one-line message that names the flag or file; scripts print it as ``error: ...``.
@@ -144,17 +148,16 @@ def load_weights(path, want="auto"):
 
     if want not in ("auto", "ema", "model"):
         raise FlagError(f"--weights {want}: expected auto, ema or model")
-    try:
-        ckpt = checkpoint.load_file_collective(path)
-    except checkpoint.CheckpointError as e:
-        msg = str(e)
-        raise SampleError(msg if msg.startswith("--") else f"--model_path {msg}") from None
-    except (OSError, EOFError) as e:
-        raise SampleError(f"--model_path {path}: {e}") from None
+    ckpt = _read(path, "--model_path")
     if ckpt.kind == "opt":
         raise SampleError(
             f"--model_path {path} holds optimizer state, not model weights; pass a model*.pt or "
             f"ema_*.pt file"
+        )
+    if ckpt.kind == "classifier":
+        raise SampleError(
+            f"--model_path {path} holds {checkpoint.describe(ckpt)}, not a diffusion model; "
+            "guide with it through classifier_sample.py --classifier_path"
         )
     sd = None
     if ckpt.kind == "combined":
@@ -176,6 +179,20 @@ def load_weights(path, want="auto"):
             f"ema_*.pt file"
         )
     return sd, ckpt
+
+
+def _read(path, flag):
+    """checkpoint.load_file_collective, its errors one-line SampleErrors naming ``flag``.
+    Collective: call from all ranks with the same arguments."""
+    from . import checkpoint
+
+    try:
+        return checkpoint.load_file_collective(path)
+    except checkpoint.CheckpointError as e:
+        msg = str(e)
+        raise SampleError(msg if msg.startswith("--") else f"{flag} {msg}") from None
+    except (OSError, EOFError) as e:
+        raise SampleError(f"{flag} {path}: {e}") from None
 
 
 def _fit_error(path, fit, from_file):
@@ -221,6 +238,175 @@ def load_for_sampling(path, explicit, *, defaults=None, create=None, want="auto"
     model.to(device if device is not None else dist_util.dev())
     model.eval()
     return model, diffusion, flags, ckpt
+
+
+def load_model(args, explicit):
+    """The model of sample.py and classifier_sample.py: `load_for_sampling` of --model_path
+    (--weights), its torso in float16 with guided-diffusion's --use_fp16, and one log line.
+
+    Collective: call from all ranks with the same arguments.
+    :return: (model, diffusion, flags).
+    """
+    logger.log(f"loading {args.model_path} ...")
+    model, diffusion, flags, ckpt = load_for_sampling(args.model_path, explicit, want=args.weights)
+    if args.use_fp16:  # guided-diffusion's --use_fp16: the torso in float16, as its script did
+        if not hasattr(model, "convert_to_fp16"):
+            raise FlagError(f"--use_fp16 True: float16 sampling is the UNet's (guided-diffusion's "
+                            f"convert_to_fp16); --arch {flags['arch']} samples in float32")
+        model.convert_to_fp16()
+    source = "flags stored in the file" if isinstance(ckpt.flags, dict) else "command-line flags"
+    logger.log(
+        f"model: {ckpt.kind} weights"
+        + (f" at step {ckpt.step}" if ckpt.step is not None else "")
+        + f", {source}; arch={flags['arch']} image_size={flags['image_size']} "
+        f"class_cond={flags['class_cond']} "
+        f"diffusion_steps={flags['diffusion_steps']} "
+        f"timestep_respacing={flags['timestep_respacing'] or '(none)'}"
+        + (" (float16 torso: --use_fp16)" if args.use_fp16 else "")
+    )
+    return model, diffusion, flags
+
+
+def sample_to_npz(args, model, diffusion, flags, *, num_classes=None, classes=None, forward=None,
+                  cond_fn=None, guidance=""):
+    """Draw --num_samples images (`generate`) and write them into the logger's dir
+    (`write_results`): what sample.py and classifier_sample.py do once their model is loaded.
+    An existing npz is refused (before sampling) unless --overwrite True.
+
+    Collective: call from all ranks with the same arguments.
+    :param guidance: words for the log line (e.g. "classifier scale 3").
+    """
+    log_dir = logger.get_dir()
+    shape = (flags["in_channels"], flags["image_size"], flags["image_size"])
+    as_images = shape[0] == 3  # a latent model's samples: float32 [N x C x H x W], no grid
+    out_shape = ((args.num_samples, shape[1], shape[2], shape[0]) if as_images
+                 else (args.num_samples,) + shape)
+    npz_path, _ = sample_paths(log_dir, out_shape)
+    exists = dist_util.broadcast_object(
+        dist_util.get_rank() == 0 and os.path.exists(npz_path) and not args.overwrite)
+    if exists:
+        raise SampleError(f"{npz_path} already exists; pass another --log_dir or --overwrite True")
+    logger.log(
+        f"sampling {args.num_samples} images ({'DDIM' if args.use_ddim else 'ancestral'}, "
+        f"{diffusion.num_timesteps} steps{', ' + guidance if guidance else ''}) on "
+        f"{dist_util.get_world_size()} rank(s), batch size {args.batch_size}, seed {args.seed} ...")
+    images, labels = generate(
+        model, diffusion,
+        num_samples=args.num_samples, batch_size=args.batch_size, shape=shape, seed=args.seed,
+        use_ddim=args.use_ddim, clip_denoised=args.clip_denoised, num_classes=num_classes,
+        classes=classes, progress=args.progress, forward=forward, cond_fn=cond_fn,
+        as_images=as_images,
+    )
+    ncol = len(classes) if classes and len(classes) > 1 else None
+    write_results(log_dir, images, labels, ncol=ncol, grid=args.grid and as_images,
+                  overwrite=args.overwrite)
+
+
+# The classifier's diffusion flags that must be the model's: they define what a timestep means.
+NOISE_PROCESS_FLAGS = ("diffusion_steps", "noise_schedule")
+
+
+def load_classifier(path, explicit, model_flags, device=None):
+    """Build guided-diffusion's noised classifier for ``--classifier_path`` and load its weights
+    (eval mode, on ``device``).
+
+    Collective: call from all ranks with the same arguments.
+
+    The classifier's flags: those stored in the file (ours), else the classifier flags given on
+    the command line (upstream's raw files; 1000 classes unless --classifier_num_classes says
+    otherwise); its image size is the model's (guided-diffusion's one --image_size).
+
+    :param explicit: flags typed on the command line (see `explicit_args`).
+    :param model_flags: the diffusion model's flags (load_for_sampling's).
+    :return: (classifier, its flags: the CLASSIFIER_FLAG_KEYS, and diffusion_steps /
+        noise_schedule when the file stores them).
+    :raises SampleError: a missing file, one that is not a classifier, one whose weights do not
+        fit its flags, or one trained for another image size or noise process than the model.
+    """
+    from . import checkpoint, script_util
+
+    if not path:
+        raise FlagError("--classifier_path is required (a noised classifier: ours, or "
+                        "guided-diffusion's e.g. 64x64_classifier.pt)")
+    ckpt = _read(path, "--classifier_path")
+    if ckpt.kind != "classifier":
+        raise SampleError(
+            f"--classifier_path {path} holds {checkpoint.describe(ckpt)}, not a noised "
+            "classifier; pass a classifier file (guided-diffusion's *_classifier.pt, or a "
+            "model*.pt of a classifier run)"
+        )
+    defaults = script_util.classifier_and_diffusion_defaults()
+    defaults.update({k: model_flags[k] for k in defaults if k in model_flags})
+    file_flags = ckpt.flags if isinstance(ckpt.flags, dict) else None
+    keys = script_util.CLASSIFIER_FLAG_KEYS
+    flags = reconcile_flags(file_flags, {k: v for k, v in explicit.items() if k in keys},
+                            {k: defaults[k] for k in keys}, source=path)
+    for k in NOISE_PROCESS_FLAGS:
+        if file_flags is not None and k in file_flags:
+            flags[k] = file_flags[k]
+    if flags["image_size"] != model_flags["image_size"]:
+        raise SampleError(
+            f"--classifier_path {path} classifies {flags['image_size']}x{flags['image_size']} "
+            f"images, the model makes {model_flags['image_size']}x{model_flags['image_size']}; "
+            "pass a classifier trained at the model's --image_size"
+        )
+    differ = [k for k in NOISE_PROCESS_FLAGS
+              if k in flags and not same_flag_value(flags[k], model_flags[k])]
+    if differ:
+        raise SampleError(
+            f"--classifier_path {path} was trained on another noise process ("
+            + ", ".join(f"{k}={flags[k]}" for k in differ) + ") than the model ("
+            + ", ".join(f"{k}={model_flags[k]}" for k in differ) + "), so its timesteps mean "
+            "other noise levels; pass a classifier trained with the model's"
+        )
+    classifier = script_util.create_classifier(**{k: flags[k] for k in keys})
+    fit = fit_state_dict(shapes_of(classifier.state_dict()), shapes_of(ckpt.state_dict))
+    if not fit.ok:
+        hint = ("the flags stored in the file do not match its weights" if file_flags else
+                "pass the classifier flags it was trained with (--classifier_width, "
+                "--classifier_depth, --classifier_attention_resolutions, --classifier_pool, "
+                "--classifier_num_classes, ...)")
+        raise SampleError(f"--classifier_path {path} does not fit the classifier: "
+                          f"{fit.summary('classifier')}; {hint}")
+    classifier.load_state_dict(ckpt.state_dict)
+    classifier.to(device if device is not None else dist_util.dev())
+    classifier.eval()
+    return classifier, flags
+
+
+# ----------------------------------------------------------------------------------------------
+# Guidance
+
+
+def sampling_forward(model, flags, guidance_scale=1.0):
+    """What the sampler calls in place of ``model``: ``forward(x, t, y=None, **kw)``.
+
+    For a class-conditional model, classifier-free guided with ``guidance_scale`` (see
+    guidance.cfg_forward: 1 is the model itself, plain conditional sampling; 0 the null label;
+    otherwise the conditional and the null-label batch in one forward, the mean channels guided
+    and a learned variance the conditional one's). For an unconditional model, the model with
+    labels dropped (they are there for a guiding classifier, as in guided-diffusion's script).
+
+    :raises FlagError: ``--guidance_scale`` other than 1 for a model without a null label
+        (trained without ``--class_dropout_prob``).
+    """
+    from . import guidance
+
+    scale = float(guidance_scale)
+    null = flags["num_classes"] if flags.get("class_cond") and (
+        flags.get("class_dropout_prob") or 0) > 0 else None
+    if scale != 1.0 and null is None:
+        raise FlagError(
+            f"--guidance_scale {guidance_scale}: classifier-free guidance needs a model trained "
+            "with --class_dropout_prob > 0 (it has no null label); use --guidance_scale 1"
+        )
+    if not flags.get("class_cond"):
+        return lambda x, t, y=None, **kw: model(x, t, **kw)
+    if scale == 1.0:
+        return model
+    # DiT guides channels 0..2 (its forward_with_cfg; all of eps for pixels, 3 of a latent's 4)
+    mean = 3 if flags.get("arch", "unet") != "unet" else None
+    return guidance.cfg_forward(model, scale, null, mean_channels=mean)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -297,7 +483,7 @@ def to_uint8(sample):
 
 def generate(model, diffusion, *, num_samples, batch_size, shape, seed=0, use_ddim=False,
              clip_denoised=True, num_classes=None, classes=None, extra_kwargs=None,
-             progress=True, log=print):
+             progress=True, log=print, as_images=True, forward=None, cond_fn=None):
     """Generate `num_samples` samples, sharded over ranks and gathered to rank 0.
 
     Collective: call from all ranks with the same arguments.
@@ -307,40 +493,35 @@ def generate(model, diffusion, *, num_samples, batch_size, shape, seed=0, use_dd
         `classes`) per sample and passed as ``y``.
     :param extra_kwargs: optional callable ``indices -> dict of tensors [B x ...]`` merged into
         model_kwargs (e.g. ``low_res`` for super-resolution).
+    :param as_images: False for a latent model: the samples as they are, float32 [N x C x H x W]
+        (no clipping, no uint8 rounding).
+    :param forward: what the sampler calls in place of `model` (e.g. `sampling_forward`'s);
+        default `model`.
+    :param cond_fn: classifier guidance (guidance.classifier_cond_fn), given the model kwargs.
     :return: on rank 0 (images uint8 [N x H x W x C] numpy, labels int64 [N] numpy or None);
         on other ranks (None, None).
     """
     rank, world = dist_util.get_rank(), dist_util.get_world_size()
     device = next(model.parameters()).device
     batches = shard_batches(num_samples, batch_size, rank, world)
-    sample_fn = diffusion.ddim_sample_loop if use_ddim else diffusion.p_sample_loop
     # Only rank 0 holds the output array; the other ranks send it each batch (gather, not
     # all-gather), so their memory does not grow with num_samples.
     images = labels = None
+    one = (shape[1], shape[2], shape[0]) if as_images else tuple(shape)
     if rank == 0:
-        images = np.zeros((num_samples, shape[1], shape[2], shape[0]), dtype=np.uint8)
+        images = np.zeros((num_samples,) + one, dtype=np.uint8 if as_images else np.float32)
         labels = np.zeros((num_samples,), dtype=np.int64) if num_classes else None
     # A bar (and one per batch over timesteps) on a terminal, plain lines otherwise.
     bar = logger.Progress(num_samples, "samples", "img", enabled=progress and rank == 0)
     for idx in batches:
         if len(idx):
-            randn = PerSampleRandn([sample_seed(seed, i) for i in idx])
-            noise = randn(th.empty((len(idx),) + tuple(shape), device=device))
-            model_kwargs = {}
-            y = None
-            if num_classes:
-                y = sample_labels(idx, seed, num_classes, classes)
-                model_kwargs["y"] = y.to(device)
-            if extra_kwargs is not None:
-                model_kwargs.update({k: v.to(device) for k, v in extra_kwargs(idx).items()})
-            with th.no_grad():
-                out = sample_fn(model, (len(idx),) + tuple(shape), noise=noise,
-                                clip_denoised=clip_denoised, model_kwargs=model_kwargs,
-                                progress=bar.is_tty,
-                                randn_like=randn)
-            part = (idx, to_uint8(out), None if y is None else y.numpy())
+            part = (idx, *sample_indices(
+                model, diffusion, idx, shape=shape, seed=seed, use_ddim=use_ddim,
+                clip_denoised=clip_denoised, num_classes=num_classes, classes=classes,
+                extra_kwargs=extra_kwargs, device=device, progress=bar.is_tty,
+                as_images=as_images, forward=forward, cond_fn=cond_fn))
         else:
-            part = (idx, np.zeros((0, shape[1], shape[2], shape[0]), np.uint8), None)
+            part = (idx, np.zeros((0,) + one, np.uint8 if as_images else np.float32), None)
         for g_idx, g_img, g_lab in dist_util.gather_object(part, dst=0) or ():
             if len(g_idx):
                 images[g_idx] = g_img
@@ -351,6 +532,39 @@ def generate(model, diffusion, *, num_samples, batch_size, shape, seed=0, use_dd
     if rank != 0:
         return None, None
     return images, labels
+
+
+def sample_indices(model, diffusion, idx, *, shape, seed=0, use_ddim=False, clip_denoised=True,
+                   num_classes=None, classes=None, extra_kwargs=None, device=None,
+                   progress=False, as_images=True, forward=None, cond_fn=None):
+    """The samples of the global sample indices ``idx`` (int64 [n], n >= 1), in one batch, each
+    from its own seeds (`sample_seed`), so they do not depend on the batch they are drawn in. Not
+    collective.
+
+    :param model: called as ``model(x, t, **model_kwargs)``; :param device: where its inputs go
+        (default: that of its first parameter).
+    Other arguments as `generate`'s.
+    :return: (images uint8 [n x H x W x C] numpy, labels int64 [n] numpy or None); with
+        ``as_images=False`` the samples as they are, float32 [n x C x H x W].
+    """
+    if device is None:
+        device = next(model.parameters()).device
+    randn = PerSampleRandn([sample_seed(seed, i) for i in idx])
+    noise = randn(th.empty((len(idx),) + tuple(shape), device=device))
+    model_kwargs = {}
+    y = None
+    if num_classes:
+        y = sample_labels(idx, seed, num_classes, classes)
+        model_kwargs["y"] = y.to(device)
+    if extra_kwargs is not None:
+        model_kwargs.update({k: v.to(device) for k, v in extra_kwargs(idx).items()})
+    sample_fn = diffusion.ddim_sample_loop if use_ddim else diffusion.p_sample_loop
+    with th.no_grad():
+        out = sample_fn(model if forward is None else forward, (len(idx),) + tuple(shape),
+                        noise=noise, clip_denoised=clip_denoised, model_kwargs=model_kwargs,
+                        device=device, progress=progress, randn_like=randn, cond_fn=cond_fn)
+    samples = to_uint8(out) if as_images else out.float().cpu().numpy()
+    return samples, None if y is None else y.numpy()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -406,16 +620,27 @@ def save_samples(log_dir, images, labels=None, *, ncol=None, grid=True, overwrit
         os.replace(tmp, npz_path)
     if not grid:
         return npz_path, None
-    from PIL import Image
+    with bf.BlobFile(png_path, "wb") as f:
+        grid_png(images, f, ncol=ncol)
+    return npz_path, png_path
 
+
+def grid_image(images, ncol=None):
+    """The grid a PNG shows: images uint8 [N x H x W x C] -> uint8 [h x w x C], images smaller
+    than 64 pixels scaled up by an integer factor, white padding of 1/16 of a side (>= 2)."""
     h = images.shape[1]
     scale = max(1, 64 // h) if h < 64 else 1
-    g = make_grid(images, ncol=ncol, scale=scale, pad=max(2, h * scale // 16))
-    if g.shape[2] == 1:
-        g = g[:, :, 0]
-    with bf.BlobFile(png_path, "wb") as f:
-        Image.fromarray(g).save(f, format="PNG")
-    return npz_path, png_path
+    return make_grid(images, ncol=ncol, scale=scale, pad=max(2, h * scale // 16))
+
+
+def grid_png(images, f, ncol=None):
+    """Write `grid_image` of ``images`` [N x H x W x C] uint8 as a PNG to the binary file ``f``
+    (one channel: greyscale). Returns the grid [h x w x C]."""
+    from PIL import Image
+
+    g = grid_image(images, ncol)
+    Image.fromarray(g[:, :, 0] if g.shape[2] == 1 else g).save(f, format="PNG")
+    return g
 
 
 def write_results(log_dir, images, labels=None, *, ncol=None, grid=True, overwrite=False):

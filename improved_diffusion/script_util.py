@@ -2,7 +2,10 @@
 
 Flag names and defaults are upstream improved-diffusion's, plus guided-diffusion's
 ``num_head_channels``, ``resblock_updown``, ``use_new_attention_order`` and ``channel_mult``, and
-``num_classes``. The dict of these flags is what checkpoint files store as "flags".
+``num_classes``, ``class_dropout_prob`` (classifier-free guidance), and ``arch`` (the UNet, or
+one of DiT's models: dit.py) with ``in_channels`` and DiT's width overrides. The dict of these
+flags is what checkpoint files store as "flags". guided-diffusion's noised classifier has its
+own flags (``classifier_defaults()``, ``create_classifier``).
 
 ``channel_mult=""`` picks the channel multipliers from ``image_size``:
 
@@ -17,10 +20,13 @@ Flag names and defaults are upstream improved-diffusion's, plus guided-diffusion
 import argparse
 import inspect
 
-from .unet import SuperResModel, UNetModel
+from .dit import DIT_CONFIGS, DiT
+from .unet import ENCODER_POOLS, EncoderUNetModel, SuperResModel, UNetModel
 from .errors import UsageError
 
 NUM_CLASSES = 1000
+# --arch: upstream's UNet, or one of DiT's models (DiT's table: dit.DIT_CONFIGS).
+ARCHS = ("unet",) + tuple(DIT_CONFIGS)
 
 # Upstream's (and guided-diffusion's) channel multipliers for the sizes they support.
 KNOWN_CHANNEL_MULT = {
@@ -64,6 +70,15 @@ def model_and_diffusion_defaults():
         use_new_attention_order=False,
         channel_mult="",
         num_classes=NUM_CLASSES,
+        arch="unet",
+        in_channels=3,
+        # DiT only: 0 = the value of --arch's row in DiT's table.
+        dit_depth=0,
+        dit_hidden_size=0,
+        dit_num_heads=0,
+        # Classifier-free guidance: a class-conditional model gets the null label (index
+        # num_classes), which training puts in place of each label with this probability.
+        class_dropout_prob=0.0,
     )
 
 
@@ -96,6 +111,12 @@ def train_defaults():
         max_steps=0,
         seed=0,
         keep_checkpoints=0,
+        # Post-hoc EMA (EDM2; phema.py): comma-separated relative widths, e.g. "0.05,0.1"; one
+        # power-function EMA each, tracked every step, snapshots written with saves ("": off).
+        phema_stds="",
+        # Snapshots every this many steps (a multiple of save_interval); 0: at every
+        # save_interval save. The run's last step (max_steps / lr_anneal_steps) has them too.
+        phema_interval=0,
         # Write checkpoints in a background thread: a save pauses training only to copy the state
         # to host memory (False: write them before training goes on).
         async_save=True,
@@ -114,6 +135,13 @@ def train_defaults():
         # Seconds any wait between ranks may take (rendezvous, each collective): a dead rank or
         # host ends the job within about this long, naming it.
         dist_timeout=600.0,
+        # Every this many steps and at the end, rank 0 writes LOG_DIR/samples/grid_{step}.png:
+        # --sample_count EMA samples by DDIM with --sample_steps steps (0: off).
+        sample_interval=0,
+        sample_count=8,
+        sample_steps=25,
+        # Also log the progress scalars and the sample grids to TensorBoard, LOG_DIR/tb/.
+        tensorboard=False,
     )
 
 
@@ -137,6 +165,68 @@ def sample_defaults():
         # (UNetModel.convert_to_fp16) while sampling.
         use_fp16=False,
     )
+
+def guidance_defaults():
+    """The classifier-free guidance flag of the sampling scripts (sample.py, classifier_sample.py).
+    """
+    return dict(
+        # eps = uncond + S * (cond - uncond); 1: plain conditional sampling, 0: unconditional
+        # (the null label). Needs a model trained with --class_dropout_prob > 0.
+        guidance_scale=1.0,
+    )
+
+
+# The diffusion flags among model_and_diffusion_defaults(): guided-diffusion's
+# diffusion_defaults(), plus sigma_small.
+DIFFUSION_FLAG_KEYS = ("learn_sigma", "sigma_small", "diffusion_steps", "noise_schedule",
+                       "timestep_respacing", "use_kl", "predict_xstart", "rescale_timesteps",
+                       "rescale_learned_sigmas")
+
+
+def diffusion_defaults():
+    """Defaults of the diffusion flags (guided-diffusion's name; the values are this project's,
+    improved-diffusion's, as in model_and_diffusion_defaults())."""
+    defaults = model_and_diffusion_defaults()
+    return {k: defaults[k] for k in DIFFUSION_FLAG_KEYS}
+
+
+def classifier_defaults():
+    """Defaults of guided-diffusion's noised-classifier flags (its classifier_defaults(), commit
+    22e0df8), plus ours: ``classifier_channel_mult`` ('' = the UNet's choice for ``image_size``,
+    which is guided's for 64-512) and ``classifier_num_classes`` (guided's fixed 1000)."""
+    return dict(
+        image_size=64,
+        classifier_use_fp16=False,
+        classifier_width=128,
+        classifier_depth=2,
+        classifier_attention_resolutions="32,16,8",
+        classifier_use_scale_shift_norm=True,
+        classifier_resblock_updown=True,
+        classifier_pool="attention",
+        classifier_channel_mult="",
+        classifier_num_classes=NUM_CLASSES,
+    )
+
+
+CLASSIFIER_FLAG_KEYS = tuple(classifier_defaults().keys())
+
+
+def classifier_and_diffusion_defaults():
+    """The classifier's flags and the diffusion's (guided-diffusion's name): what a classifier
+    file stores as its flags."""
+    res = classifier_defaults()
+    res.update(diffusion_defaults())
+    return res
+
+
+def classifier_sample_defaults():
+    """classifier_sample.py's own flags (guided-diffusion's names and defaults)."""
+    return dict(
+        classifier_path="",
+        # The classifier's gradient is multiplied by this (guided-diffusion's classifier_scale).
+        classifier_scale=1.0,
+    )
+
 
 def nll_defaults():
     """Defaults of nll.py's own flags (bits/dim of an image folder under a model)."""
@@ -184,12 +274,13 @@ def _check_image_size(image_size, flag="--image_size"):
         raise FlagError(f"{flag} must be a positive integer, got {image_size!r}")
 
 
-def parse_channel_mult(channel_mult, image_size):
+def parse_channel_mult(channel_mult, image_size, flag="--channel_mult"):
     """Turn the ``--channel_mult`` flag into a tuple of per-level channel multipliers.
 
     :param channel_mult: "" for the default for ``image_size`` (see the module docstring), or a
         comma-separated list of positive numbers such as "1,2,2" or "0.5,1,2".
     :param image_size: the image side length in pixels.
+    :param flag: the flag's name in error messages (``--classifier_channel_mult``).
     :return: a tuple of ints (floats only where a multiplier is fractional).
     :raises FlagError: for a malformed list, or when ``image_size`` cannot be halved
         ``len(channel_mult) - 1`` times exactly.
@@ -215,26 +306,28 @@ def parse_channel_mult(channel_mult, image_size):
             value = float("nan")
         if not value > 0 or value == float("inf"):
             raise FlagError(
-                f"--channel_mult {text!r} must be a comma-separated list of positive numbers, "
-                "e.g. --channel_mult 1,2,2 (or \"\" for the default for --image_size)"
+                f"{flag} {text!r} must be a comma-separated list of positive numbers, "
+                f"e.g. {flag} 1,2,2 (or \"\" for the default for --image_size)"
             )
         mults.append(int(value) if value.is_integer() else value)
     factor = 2 ** (len(mults) - 1)
     if image_size % factor != 0:
         raise FlagError(
-            f"--channel_mult {text} has {len(mults)} levels (downsamples {factor}x), but "
+            f"{flag} {text} has {len(mults)} levels (downsamples {factor}x), but "
             f"--image_size {image_size} is not divisible by {factor}; use fewer levels in "
-            "--channel_mult or a different --image_size"
+            f"{flag} or a different --image_size"
         )
     return tuple(mults)
 
 
-def parse_attention_resolutions(attention_resolutions, image_size):
+def parse_attention_resolutions(attention_resolutions, image_size,
+                                flag="--attention_resolutions"):
     """Turn ``--attention_resolutions`` (resolutions, e.g. "16,8") into downsample rates.
 
     As upstream, each resolution ``res`` becomes the rate ``image_size // res``; rates that no
     level of the UNet has are ignored (upstream behaviour, so default flags work at any size).
 
+    :param flag: the flag's name in error messages.
     :return: a tuple of ints.
     :raises FlagError: when an entry is not a positive integer.
     """
@@ -251,11 +344,42 @@ def parse_attention_resolutions(attention_resolutions, image_size):
             res = 0
         if res <= 0:
             raise FlagError(
-                f"--attention_resolutions {attention_resolutions!r} must be a comma-separated "
+                f"{flag} {attention_resolutions!r} must be a comma-separated "
                 "list of positive integers (feature-map sizes such as 16,8), or \"\" for none"
             )
         rates.append(image_size // res)
     return tuple(rates)
+
+
+def _level_widths(num_channels, channel_mult, flag, mult_flag):
+    """The channels of each level, [int]; FlagError (naming ``flag``) unless each is a positive
+    multiple of 32 (GroupNorm uses 32 groups)."""
+    if isinstance(num_channels, bool) or not isinstance(num_channels, int) or num_channels <= 0:
+        raise FlagError(f"{flag} must be a positive integer, got {num_channels!r}")
+    widths = []
+    for mult in channel_mult:
+        width = mult * num_channels
+        if width != int(width) or int(width) % 32 != 0:
+            raise FlagError(
+                f"{flag} {num_channels} times {mult_flag} entry {mult} gives {width} "
+                "channels, which is not a multiple of 32 (GroupNorm uses 32 groups); use a "
+                f"multiple of 32 for {flag}"
+            )
+        widths.append(int(width))
+    return widths
+
+
+def _check_class_dropout(class_dropout_prob, class_cond):
+    """FlagError unless ``--class_dropout_prob`` is in [0, 1) and, when above 0, the model is
+    class-conditional."""
+    p = class_dropout_prob
+    if isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 <= p < 1:
+        raise FlagError(f"--class_dropout_prob must be in [0, 1), got {p!r}")
+    if p > 0 and not class_cond:
+        raise FlagError(
+            f"--class_dropout_prob {p} replaces class labels by the null label, but the model is "
+            "not class-conditional; add --class_cond True (or use --class_dropout_prob 0)"
+        )
 
 
 def _check_model_flags(
@@ -263,18 +387,7 @@ def _check_model_flags(
     class_cond, num_classes,
 ):
     """Raise FlagError for flag combinations the UNet cannot be built with."""
-    if isinstance(num_channels, bool) or not isinstance(num_channels, int) or num_channels <= 0:
-        raise FlagError(f"--num_channels must be a positive integer, got {num_channels!r}")
-    widths = []
-    for mult in channel_mult:
-        width = mult * num_channels
-        if width != int(width) or int(width) % 32 != 0:
-            raise FlagError(
-                f"--num_channels {num_channels} times --channel_mult entry {mult} gives {width} "
-                "channels, which is not a multiple of 32 (GroupNorm uses 32 groups); use a "
-                "multiple of 32 for --num_channels"
-            )
-        widths.append(int(width))
+    widths = _level_widths(num_channels, channel_mult, "--num_channels", "--channel_mult")
     # Attention sits at levels whose downsample rate is listed, and always in the middle block.
     att_widths = {widths[-1]} | {w for level, w in enumerate(widths) if 2**level in attention_ds}
     heads_up = num_heads if num_heads_upsample == -1 else num_heads_upsample
@@ -323,6 +436,12 @@ def create_model_and_diffusion(
     num_classes=NUM_CLASSES,
     sigma_small=False,
     use_fp16=False,
+    arch="unet",
+    in_channels=3,
+    dit_depth=0,
+    dit_hidden_size=0,
+    dit_num_heads=0,
+    class_dropout_prob=0.0,
 ):
     """Build (model, diffusion) from the flags of model_and_diffusion_defaults().
 
@@ -331,26 +450,40 @@ def create_model_and_diffusion(
     call ``model.convert_to_fp16()`` to run its torso in float16, as guided's scripts do. It is not
     a model flag of ours (checkpoints do not store it): training in mixed precision is the
     training flag ``--use_fp16`` (autocast over float32 weights).
+
+    ``arch`` "unet" builds the UNet (create_model), a DiT name the DiT (create_dit; the UNet's
+    width/attention flags are then unused). ``class_dropout_prob`` (classifier-free guidance's
+    label dropout, null label at index num_classes) is passed to the DiT; 0 when not given.
     """
-    model = create_model(
-        image_size,
-        num_channels,
-        num_res_blocks,
-        learn_sigma=learn_sigma,
-        class_cond=class_cond,
-        use_checkpoint=use_checkpoint,
-        attention_resolutions=attention_resolutions,
-        num_heads=num_heads,
-        num_heads_upsample=num_heads_upsample,
-        use_scale_shift_norm=use_scale_shift_norm,
-        dropout=dropout,
-        num_head_channels=num_head_channels,
-        resblock_updown=resblock_updown,
-        use_new_attention_order=use_new_attention_order,
-        channel_mult=channel_mult,
-        num_classes=num_classes,
-        use_fp16=use_fp16,
-    )
+    if arch != "unet":
+        model = create_dit(
+            arch, image_size, in_channels=in_channels, learn_sigma=learn_sigma,
+            class_cond=class_cond, num_classes=num_classes,
+            class_dropout_prob=class_dropout_prob, depth=dit_depth, hidden_size=dit_hidden_size,
+            num_heads=dit_num_heads,
+        )
+    else:
+        model = create_model(
+            image_size,
+            num_channels,
+            num_res_blocks,
+            learn_sigma=learn_sigma,
+            class_cond=class_cond,
+            use_checkpoint=use_checkpoint,
+            attention_resolutions=attention_resolutions,
+            num_heads=num_heads,
+            num_heads_upsample=num_heads_upsample,
+            use_scale_shift_norm=use_scale_shift_norm,
+            dropout=dropout,
+            num_head_channels=num_head_channels,
+            resblock_updown=resblock_updown,
+            use_new_attention_order=use_new_attention_order,
+            channel_mult=channel_mult,
+            num_classes=num_classes,
+            use_fp16=use_fp16,
+            in_channels=in_channels,
+            class_dropout_prob=class_dropout_prob,
+        )
     diffusion = create_gaussian_diffusion(
         steps=diffusion_steps,
         learn_sigma=learn_sigma,
@@ -383,11 +516,18 @@ def create_model(
     channel_mult="",
     num_classes=NUM_CLASSES,
     use_fp16=False,
+    in_channels=3,
+    class_dropout_prob=0.0,
 ):
-    """Build the UNet for ``image_size`` x ``image_size`` RGB images.
+    """Build the UNet for ``image_size`` x ``image_size`` inputs of ``in_channels`` channels (3:
+    RGB images, as upstream; 4: VAE latents).
 
-    Output channels are 6 (mean and variance) when ``learn_sigma``, else 3, as upstream.
+    Output channels are 2 x in_channels (mean and variance) when ``learn_sigma``, else
+    in_channels: 6 and 3 for images, as upstream.
     ``use_fp16``: guided-diffusion's flag, recorded on the model (see UNetModel).
+    ``class_dropout_prob`` > 0 (class-conditional models only) adds the null label of
+    classifier-free guidance: a label embedding row at index ``num_classes`` (UNetModel's
+    ``use_null_label``); the dropout itself happens in training (guidance.drop_labels).
     :raises FlagError: for flag values the UNet cannot be built with.
     """
     mults = parse_channel_mult(channel_mult, image_size)
@@ -396,10 +536,12 @@ def create_model(
         num_channels, mults, attention_ds, num_heads, num_head_channels, num_heads_upsample,
         class_cond, num_classes,
     )
+    _check_in_channels(in_channels)
+    _check_class_dropout(class_dropout_prob, class_cond)
     return UNetModel(
-        in_channels=3,
+        in_channels=in_channels,
         model_channels=num_channels,
-        out_channels=(3 if not learn_sigma else 6),
+        out_channels=(in_channels if not learn_sigma else 2 * in_channels),
         num_res_blocks=num_res_blocks,
         attention_resolutions=attention_ds,
         dropout=dropout,
@@ -413,7 +555,188 @@ def create_model(
         resblock_updown=resblock_updown,
         use_new_attention_order=use_new_attention_order,
         use_fp16=use_fp16,
+        use_null_label=class_dropout_prob > 0,
     )
+
+
+def _check_in_channels(in_channels):
+    if isinstance(in_channels, bool) or not isinstance(in_channels, int) or in_channels <= 0:
+        raise FlagError(f"--in_channels must be a positive integer (3 for images, 4 for VAE "
+                        f"latents), got {in_channels!r}")
+
+
+def dit_config(arch, depth=0, hidden_size=0, num_heads=0):
+    """(depth, hidden_size, patch_size, num_heads) of ``--arch`` in DiT's table, each of the
+    first, second and fourth replaced by its --dit_* override when that is not 0.
+
+    :raises FlagError: for an unknown --arch or an override that is not a positive integer (0
+        excepted).
+    """
+    if arch not in DIT_CONFIGS:
+        raise FlagError(f"--arch {arch!r} is unknown; use one of {', '.join(ARCHS)}")
+    table = DIT_CONFIGS[arch]
+    chosen = []
+    for flag, value, default in (("--dit_depth", depth, table[0]),
+                                 ("--dit_hidden_size", hidden_size, table[1]),
+                                 ("--dit_num_heads", num_heads, table[3])):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise FlagError(f"{flag} must be a positive integer, or 0 for {arch}'s {default}; "
+                            f"got {value!r}")
+        chosen.append(value or default)
+    return chosen[0], chosen[1], table[2], chosen[2]
+
+
+def create_dit(arch, image_size, *, in_channels=3, learn_sigma=False, class_cond=False,
+               num_classes=NUM_CLASSES, class_dropout_prob=0.0, depth=0, hidden_size=0,
+               num_heads=0):
+    """Build DiT ``arch`` (e.g. "DiT-S/2") for ``image_size`` x ``image_size`` inputs of
+    ``in_channels`` channels (pixels, or the latent side for VAE latents).
+
+    Without ``class_cond`` the DiT is unconditional: num_classes 0 (its label table is the one
+    null row, and the trainer calls it without y). ``depth`` / ``hidden_size`` / ``num_heads``:
+    the --dit_* overrides of DiT's table (0 = the table's).
+    :raises FlagError: for flag values DiT cannot be built with.
+    """
+    _check_image_size(image_size)
+    _check_in_channels(in_channels)
+    depth, hidden_size, patch_size, num_heads = dit_config(arch, depth, hidden_size, num_heads)
+    if image_size % patch_size:
+        raise FlagError(f"--image_size {image_size} is not a multiple of {arch}'s patch size "
+                        f"{patch_size}; use a multiple of it or another --arch")
+    if hidden_size % 4 or hidden_size % num_heads:
+        raise FlagError(f"--dit_hidden_size {hidden_size} must be a multiple of 4 and of the "
+                        f"{num_heads} heads (--dit_num_heads)")
+    if class_cond and (isinstance(num_classes, bool) or not isinstance(num_classes, int)
+                       or num_classes <= 0):
+        raise FlagError(f"--num_classes must be a positive integer, got {num_classes!r}")
+    if not 0.0 <= float(class_dropout_prob) < 1.0:
+        raise FlagError(f"--class_dropout_prob must be in [0, 1), got {class_dropout_prob!r}")
+    return DiT(
+        input_size=image_size, patch_size=patch_size, in_channels=in_channels,
+        hidden_size=hidden_size, depth=depth, num_heads=num_heads, mlp_ratio=4.0,
+        class_dropout_prob=float(class_dropout_prob) if class_cond else 0.0,
+        num_classes=num_classes if class_cond else 0, learn_sigma=learn_sigma,
+        drop_labels=False,  # the trainer drops them (guidance.drop_labels_in), as for the UNet
+    )
+
+
+# guided-diffusion's classifier has a fixed 64 channels per attention head.
+CLASSIFIER_HEAD_CHANNELS = 64
+
+
+def create_classifier(
+    image_size,
+    classifier_use_fp16,
+    classifier_width,
+    classifier_depth,
+    classifier_attention_resolutions,
+    classifier_use_scale_shift_norm,
+    classifier_resblock_updown,
+    classifier_pool,
+    classifier_channel_mult="",
+    classifier_num_classes=NUM_CLASSES,
+):
+    """Build guided-diffusion's noised image classifier (an EncoderUNetModel) from the flags of
+    classifier_defaults(); guided's keyword names, order and module layout.
+
+    Unlike guided's, any ``image_size`` works: ``classifier_channel_mult`` "" takes the UNet's
+    multipliers for the size (parse_channel_mult: guided's for 64, 128, 256 and 512; e.g.
+    (1, 2) for 8), or give them explicitly. ``classifier_num_classes``: the number of logits
+    (guided fixes 1000). Attention heads have 64 channels, as guided's.
+    ``classifier_use_fp16`` is recorded on the model; ``convert_to_fp16()`` converts.
+
+    :raises FlagError: for flag values the classifier cannot be built with.
+    """
+    mults = parse_channel_mult(classifier_channel_mult, image_size, "--classifier_channel_mult")
+    attention_ds = parse_attention_resolutions(
+        classifier_attention_resolutions, image_size, "--classifier_attention_resolutions")
+    _check_classifier_flags(image_size, classifier_width, mults, attention_ds, classifier_pool,
+                            classifier_num_classes)
+    return EncoderUNetModel(
+        image_size=image_size,
+        in_channels=3,
+        model_channels=classifier_width,
+        out_channels=classifier_num_classes,
+        num_res_blocks=classifier_depth,
+        attention_resolutions=attention_ds,
+        channel_mult=mults,
+        use_fp16=classifier_use_fp16,
+        num_head_channels=CLASSIFIER_HEAD_CHANNELS,
+        use_scale_shift_norm=classifier_use_scale_shift_norm,
+        resblock_updown=classifier_resblock_updown,
+        pool=classifier_pool,
+    )
+
+
+def _check_classifier_flags(image_size, width, mults, attention_ds, pool, num_classes):
+    """Raise FlagError for classifier flags the EncoderUNetModel cannot be built with."""
+    if pool not in ENCODER_POOLS:
+        raise FlagError(f"--classifier_pool {pool!r} is unknown; use one of "
+                        f"{', '.join(ENCODER_POOLS)}")
+    if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes <= 0:
+        raise FlagError(f"--classifier_num_classes must be a positive integer, got "
+                        f"{num_classes!r}")
+    widths = _level_widths(width, mults, "--classifier_width", "--classifier_channel_mult")
+    bottom = image_size // 2 ** (len(widths) - 1)
+    for level, w in enumerate(widths):
+        if 2 ** level in attention_ds and w % CLASSIFIER_HEAD_CHANNELS:
+            res = image_size // 2 ** level
+            raise FlagError(
+                f"--classifier_attention_resolutions has {res} ({res}x{res} features), where "
+                f"the classifier has {w} channels: not a multiple of its "
+                f"{CLASSIFIER_HEAD_CHANNELS} channels per attention head; drop {res} or use a "
+                "larger --classifier_width"
+            )
+    if widths[-1] % CLASSIFIER_HEAD_CHANNELS:
+        raise FlagError(
+            f"--classifier_width {width}: the classifier's middle block ({bottom}x{bottom}) "
+            f"has {widths[-1]} channels, not a multiple of its {CLASSIFIER_HEAD_CHANNELS} "
+            "channels per attention head; use a larger --classifier_width (or more levels in "
+            "--classifier_channel_mult)"
+        )
+
+
+def create_classifier_and_diffusion(
+    image_size,
+    classifier_use_fp16,
+    classifier_width,
+    classifier_depth,
+    classifier_attention_resolutions,
+    classifier_use_scale_shift_norm,
+    classifier_resblock_updown,
+    classifier_pool,
+    learn_sigma,
+    diffusion_steps,
+    noise_schedule,
+    timestep_respacing,
+    use_kl,
+    predict_xstart,
+    rescale_timesteps,
+    rescale_learned_sigmas,
+    classifier_channel_mult="",
+    classifier_num_classes=NUM_CLASSES,
+    sigma_small=False,
+):
+    """(classifier, diffusion) from the flags of classifier_and_diffusion_defaults()
+    (guided-diffusion's keyword names; ours have defaults)."""
+    classifier = create_classifier(
+        image_size,
+        classifier_use_fp16,
+        classifier_width,
+        classifier_depth,
+        classifier_attention_resolutions,
+        classifier_use_scale_shift_norm,
+        classifier_resblock_updown,
+        classifier_pool,
+        classifier_channel_mult=classifier_channel_mult,
+        classifier_num_classes=classifier_num_classes,
+    )
+    diffusion = diffusion_from_flags(dict(
+        diffusion_steps=diffusion_steps, learn_sigma=learn_sigma, sigma_small=sigma_small,
+        noise_schedule=noise_schedule, use_kl=use_kl, predict_xstart=predict_xstart,
+        rescale_timesteps=rescale_timesteps, rescale_learned_sigmas=rescale_learned_sigmas,
+        timestep_respacing=timestep_respacing))
+    return classifier, diffusion
 
 
 def sr_model_and_diffusion_defaults():
@@ -544,6 +867,12 @@ def sr_create_model(
     )
 
 
+def diffusion_from_flags(flags):
+    """create_gaussian_diffusion from the diffusion flags (DIFFUSION_FLAG_KEYS) of ``flags``."""
+    kwargs = {k: flags[k] for k in DIFFUSION_FLAG_KEYS if k != "diffusion_steps"}
+    return create_gaussian_diffusion(steps=flags["diffusion_steps"], **kwargs)
+
+
 def create_gaussian_diffusion(
     *,
     steps=1000,
@@ -650,13 +979,13 @@ def str2bool(v):
 # README's flag table are made from it), and the parser every script uses.
 
 # Groups in the order --help shows them.
-FLAG_GROUPS = ("model", "diffusion", "data", "training", "checkpointing", "logging",
-               "distributed", "sampling")
+FLAG_GROUPS = ("model", "classifier", "diffusion", "data", "training", "checkpointing",
+               "logging", "distributed", "sampling")
 
 # flag -> (group, one-line meaning). Defaults live in the *_defaults() functions above.
 FLAG_HELP = {
     # model
-    "image_size": ("model", "image side in pixels"),
+    "image_size": ("model", "image side in pixels (for latents: the latent side)"),
     "num_channels": ("model", "base channel count of the UNet (a multiple of 32)"),
     "num_res_blocks": ("model", "residual blocks per resolution level"),
     "num_heads": ("model", "attention heads (when --num_head_channels is -1)"),
@@ -667,7 +996,8 @@ FLAG_HELP = {
     "channel_mult": ("model", "width multiplier per level, e.g. 1,2,2; '' = upstream's choice for "
                      "--image_size"),
     "dropout": ("model", "dropout rate in the residual blocks"),
-    "learn_sigma": ("model", "the model also outputs the variance (6 output channels)"),
+    "learn_sigma": ("model", "the model also outputs the variance (2 x --in_channels output "
+                    "channels)"),
     "class_cond": ("model", "class-conditional model: the class of a file is its name before "
                    "the first '_'"),
     "num_classes": ("model", "classes of a --class_cond model; training without it counts the "
@@ -676,8 +1006,39 @@ FLAG_HELP = {
     "use_scale_shift_norm": ("model", "FiLM-style timestep conditioning in the residual blocks"),
     "resblock_updown": ("model", "residual blocks for up/downsampling (guided-diffusion)"),
     "use_new_attention_order": ("model", "split qkv before the heads (guided-diffusion)"),
+    "arch": ("model", "the network: unet, or a DiT of DiT's table: DiT-S/2 ... DiT-XL/8 "
+             "(S, B, L, XL; patch 2, 4, 8)"),
+    "in_channels": ("model", "input channels: 3 for images, 4 for VAE latents (a --data_dir of "
+                    ".npy/.npz latents)"),
+    "dit_depth": ("model", "DiT blocks; 0 = --arch's (DiT-S and -B 12, L 24, XL 28)"),
+    "dit_hidden_size": ("model", "DiT width; 0 = --arch's (DiT-S 384, B 768, L 1024, XL 1152)"),
+    "dit_num_heads": ("model", "DiT attention heads; 0 = --arch's (DiT-S 6, B 12, L and XL 16)"),
+    "class_dropout_prob": ("model", "classifier-free guidance: a --class_cond model gets a null "
+                           "label (index num_classes) that replaces each training label with "
+                           "this probability; 0 = none"),
     "large_size": ("model", "super-resolution output side in pixels"),
     "small_size": ("model", "super-resolution input side in pixels"),
+    # classifier (guided-diffusion's noised image classifier)
+    "classifier_width": ("classifier", "base channel count of the classifier (a multiple of 32)"),
+    "classifier_depth": ("classifier", "residual blocks per resolution level of the classifier"),
+    "classifier_attention_resolutions": ("classifier", "feature-map sizes with self-attention in "
+                                         "the classifier (64 channels per head)"),
+    "classifier_use_scale_shift_norm": ("classifier", "FiLM-style timestep conditioning in the "
+                                        "classifier's residual blocks"),
+    "classifier_resblock_updown": ("classifier", "residual blocks for downsampling in the "
+                                   "classifier"),
+    "classifier_pool": ("classifier", "the classifier's head: attention, adaptive, spatial or "
+                        "spatial_v2"),
+    "classifier_channel_mult": ("classifier", "classifier width multiplier per level; '' = the "
+                                "UNet's choice for --image_size (guided's for 64-512)"),
+    "classifier_num_classes": ("classifier", "classes (logits) of the classifier; a file's stored "
+                               "flags say it (upstream's: 1000)"),
+    "classifier_use_fp16": ("classifier", "run the classifier's torso in float16 "
+                            "(convert_to_fp16), as guided-diffusion"),
+    "classifier_path": ("classifier", "the noised classifier's file (ours, or guided-diffusion's "
+                        "e.g. 64x64_classifier.pt)"),
+    "classifier_scale": ("classifier", "classifier guidance: the gradient of log p(y|x_t) is "
+                         "multiplied by this"),
     # diffusion
     "diffusion_steps": ("diffusion", "timesteps of the diffusion process"),
     "noise_schedule": ("diffusion", "beta schedule: linear or cosine"),
@@ -691,7 +1052,8 @@ FLAG_HELP = {
     "rescale_learned_sigmas": ("diffusion", "weigh the learned-variance term as upstream "
                                "(RESCALED_MSE)"),
     # data
-    "data_dir": ("data", "folder of images (.png/.jpg/.jpeg/.gif, searched recursively)"),
+    "data_dir": ("data", "folder of images (.png/.jpg/.jpeg/.gif, searched recursively), or of "
+                 "latents (.npy/.npz, one [C, H, W] array each)"),
     "num_workers": ("data", "data-loading worker processes, 4 batches ahead each (output never "
                     "depends on their number); -1 = auto: 0 on the CPU, 1-8 on a GPU"),
     "base_samples": ("data", "npz of low-resolution samples to upsample (as sample.py writes)"),
@@ -724,6 +1086,11 @@ FLAG_HELP = {
     "allow_model_change": ("checkpointing", "on resume, keep the tensors whose name and shape "
                            "fit the model of the flags and start the others fresh (off: a "
                            "one-line error)"),
+    "phema_stds": ("checkpointing", "post-hoc EMA: comma-separated relative widths to track, "
+                   "e.g. 0.05,0.1 (EDM2); snapshots phema_STD_STEP.pt are written with saves "
+                   "and never pruned; `ckpt.py phema` reconstructs any width; '' = off"),
+    "phema_interval": ("checkpointing", "post-hoc EMA snapshots every this many steps (a "
+                       "multiple of --save_interval) and at the last step; 0 = every save"),
     "lock_wait": ("checkpointing", "seconds to wait for another job holding --log_dir"),
     "model_path": ("checkpointing", "model or EMA file to load (ours or upstream's)"),
     "weights": ("checkpointing", "which weights of a combined file: auto, model or ema"),
@@ -734,6 +1101,13 @@ FLAG_HELP = {
     "log_sample_indices": ("logging", "append each rank's dataset indices per step to "
                            "LOG_DIR/sample_indices/rankR.csv"),
     "progress": ("logging", "show progress (a bar on a terminal, plain lines otherwise)"),
+    "sample_interval": ("logging", "every this many steps and at the end, rank 0 writes a grid "
+                        "of EMA samples to LOG_DIR/samples/grid_STEP.png (fixed seeds and "
+                        "labels); 0 = off"),
+    "sample_count": ("logging", "images in each --sample_interval grid"),
+    "sample_steps": ("logging", "DDIM steps of the --sample_interval grids"),
+    "tensorboard": ("logging", "also log the progress scalars and the sample grids to "
+                    "TensorBoard in LOG_DIR/tb/ (needs the tensorboard package)"),
     # distributed
     "dist_timeout": ("distributed", "seconds any wait between ranks may take; a dead rank ends "
                      "the job within about this long"),
@@ -743,6 +1117,9 @@ FLAG_HELP = {
     "clip_denoised": ("sampling", "clip the predicted x0 to [-1, 1]"),
     "classes": ("sampling", "comma-separated class labels to cycle through; '' = random labels "
                 "of the trained classes"),
+    "guidance_scale": ("sampling", "classifier-free guidance: eps = uncond + S * (cond - "
+                       "uncond), with learned sigma on the mean only (the conditional variance "
+                       "is kept, as DiT); 1 = plain conditional, 0 = unconditional (null label)"),
     "grid": ("sampling", "also write a PNG grid of the samples"),
     "overwrite": ("sampling", "replace an existing samples npz"),
 }

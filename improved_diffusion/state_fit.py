@@ -23,6 +23,8 @@ from .script_util import same_flag_value
 SHAPE_FLAGS = (
     "image_size", "num_channels", "num_res_blocks", "attention_resolutions", "channel_mult",
     "learn_sigma", "class_cond", "num_classes", "use_scale_shift_norm", "resblock_updown",
+    "arch", "in_channels", "dit_depth", "dit_hidden_size",
+    "class_dropout_prob",
 )
 
 
@@ -123,7 +125,13 @@ def differing_flags(file_flags, run_flags) -> Optional[Dict[str, Tuple[Any, Any]
 
 
 def _layout_hints(have, want, other):
-    """Hints read from upstream's UNet key layout (file: `have`, model: `want`)."""
+    """Hints read from upstream's UNet key layout or DiT's (file: `have`, model: `want`)."""
+    is_dit_f, is_dit_w = "pos_embed" in have, "pos_embed" in want
+    if is_dit_f != is_dit_w:
+        arch = {True: "a DiT", False: "the UNet"}
+        return [f"--arch (file: {arch[is_dit_f]}, {other}: {arch[is_dit_w]})"]
+    if is_dit_f:
+        return _dit_hints(have, want, other)
     hints = []
     out_f, out_w = have.get("out.2.weight"), want.get("out.2.weight")
     if out_f and out_w and out_f[0] != out_w[0]:
@@ -133,8 +141,10 @@ def _layout_hints(have, want, other):
         hints.append(f"--class_cond (file: {lab_f}, {other}: {lab_w})")
     elif lab_f and have["label_emb.weight"] and want["label_emb.weight"] and \
             have["label_emb.weight"][0] != want["label_emb.weight"][0]:
-        hints.append(f"--num_classes (file: {have['label_emb.weight'][0]}, "
-                     f"{other}: {want['label_emb.weight'][0]})")
+        rows_f, rows_w = have["label_emb.weight"][0], want["label_emb.weight"][0]
+        hints.append(f"--num_classes (file: {rows_f}, {other}: {rows_w})"
+                     + (" or --class_dropout_prob (its null label is one more row)"
+                        if abs(rows_f - rows_w) == 1 else ""))
     te_f, te_w = have.get("time_embed.0.weight"), want.get("time_embed.0.weight")
     if te_f and te_w and te_f[1] != te_w[1]:
         hints.append(f"--num_channels (file: {te_f[1]}, {other}: {te_w[1]})")
@@ -164,3 +174,32 @@ def _n_blocks(shapes):
                if k.startswith(prefix) and k.split(".")[1].isdigit()]
         return max(idx) + 1 if idx else 0
     return count("input_blocks."), count("output_blocks.")
+
+
+def _dit_hints(have, want, other):
+    """Hints read from DiT's key layout (file: `have`, model: `want`)."""
+    hints = []
+    pf, pw = have.get("x_embedder.proj.weight"), want.get("x_embedder.proj.weight")  # [D, C, p, p]
+    if pf and pw and pf[1] != pw[1]:
+        hints.append(f"--in_channels (file: {pf[1]}, {other}: {pw[1]})")
+    if pf and pw and pf[2:] != pw[2:]:
+        hints.append(f"--arch (file: patch size {pf[2]}, {other}: {pw[2]})")
+    if pf and pw and pf[0] != pw[0]:
+        hints.append(f"--arch / --dit_hidden_size (file: width {pf[0]}, {other}: {pw[0]})")
+    lf, lw = have.get("final_layer.linear.weight"), want.get("final_layer.linear.weight")
+    if pf and pw and lf and lw and pf[1:] == pw[1:] and lf[0] != lw[0]:
+        hints.append(f"--learn_sigma (file has {lf[0] // (pf[2] * pf[3])} output channels, "
+                     f"{other} {lw[0] // (pw[2] * pw[3])})")
+    tf, tw = have.get("y_embedder.embedding_table.weight"), \
+        want.get("y_embedder.embedding_table.weight")
+    if tf and tw and tf[0] != tw[0]:
+        hints.append(f"--class_cond / --num_classes / --class_dropout_prob (file: {tf[0]} label "
+                     f"rows, {other}: {tw[0]}; the null label adds one)")
+    ef, ew = have.get("pos_embed"), want.get("pos_embed")  # [1, T, D]
+    if ef and ew and ef[1] != ew[1] and (not pf or pf[2:] == pw[2:]):
+        hints.append(f"--image_size (file: {ef[1]} patches, {other}: {ew[1]})")
+    depth_f = len({k.split(".")[1] for k in have if k.startswith("blocks.")})
+    depth_w = len({k.split(".")[1] for k in want if k.startswith("blocks.")})
+    if depth_f != depth_w:
+        hints.append(f"--arch / --dit_depth (file: {depth_f} blocks, {other}: {depth_w})")
+    return hints

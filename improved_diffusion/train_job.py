@@ -16,7 +16,8 @@ nothing new in the log dir; in the loop, the loop saves first (preemption.py).
 import os
 from typing import Any, Callable, NamedTuple
 
-from . import cli, dist_util, logger, preemption, run_lock, train_util
+from . import (checkpointer, cli, dist_util, image_datasets, logger, preemption, run_lock,
+               train_util)
 from .errors import UsageError
 
 
@@ -28,32 +29,51 @@ class Parts(NamedTuple):
     data: Any
     model_flags: dict
     schedule_sampler: Any = None  # None: uniform
+    # --sample_interval: indices -> the model's keyword arguments for the grid's samples (None:
+    # class labels for a class_cond model; TrainLoop's sample_kwargs)
+    sample_kwargs: Any = None
 
 
 def check_train_args(args):
-    """Resolve --log_dir and check the values argparse cannot (raises UsageError)."""
+    """Resolve --log_dir and check the values argparse cannot (raises UsageError): the job's
+    flags here, the training settings by building their TrainConfig (its one check of each)."""
     args.log_dir = args.log_dir or os.environ.get("OPENAI_LOGDIR", "")
     if not args.log_dir:
         raise UsageError("no log directory: pass --log_dir DIR (or set OPENAI_LOGDIR)")
     if not args.data_dir:
         raise UsageError("--data_dir is required: a folder of images")
-    for name in ("batch_size", "log_interval"):
-        if getattr(args, name) < 1:
-            raise UsageError(f"--{name} must be >= 1 (got {getattr(args, name)})")
-    for name in ("save_interval", "max_steps", "keep_checkpoints", "lr_anneal_steps",
-                 "lock_wait"):
-        if getattr(args, name) < 0:
-            raise UsageError(f"--{name} must be >= 0 (got {getattr(args, name)})")
+    if args.lock_wait < 0:
+        raise UsageError(f"--lock_wait must be >= 0 (got {args.lock_wait})")
     if args.num_workers < -1:
         raise UsageError(f"--num_workers must be -1 (auto) or >= 0 (got {args.num_workers})")
-    if args.nan_policy not in train_util.NAN_POLICIES:
-        raise UsageError(f"--nan_policy must be one of {', '.join(train_util.NAN_POLICIES)} "
-                         f"(got {args.nan_policy!r})")
     if getattr(args, "log_format", "progress") not in ("progress", "table"):
         raise UsageError(f"--log_format must be progress or table (got {args.log_format!r})")
     if args.microbatch == 0 or args.microbatch < -1:
         raise UsageError(f"--microbatch must be -1 (off) or >= 1 (got {args.microbatch})")
     cli.check_dist_timeout(args.dist_timeout)
+    train_util.TrainConfig.from_flags(args)
+
+
+def num_classes(args):
+    """--num_classes of the job (collective: call on all ranks): as given; for --class_cond True
+    without it, the class count of the class-conditional checkpoint the job resumes (an error
+    when --data_dir holds more classes than it was trained with), else the number of classes in
+    --data_dir (image_datasets.resolve_num_classes). Each choice is logged once."""
+    if not args.class_cond or args.num_classes is not None:
+        return args.num_classes
+    saved = checkpointer.saved_model_flags(args.log_dir, args.resume_checkpoint)
+    n = (saved or {}).get("num_classes")
+    if not (saved and saved.get("class_cond") and isinstance(n, int) and n > 0):
+        return image_datasets.resolve_num_classes(args.data_dir, None, log=logger.log)
+    names = dist_util.run_on_rank0(lambda: image_datasets.folder_class_names(args.data_dir))
+    if len(names) > n:
+        raise UsageError(
+            f"--data_dir {args.data_dir} holds {len(names)} classes, but the checkpoint to resume "
+            f"was trained with {n}: pass --num_classes {len(names)} --allow_model_change True to "
+            f"grow its label embedding, or train on its {n} classes")
+    logger.log(f"--class_cond True: num_classes={n}, the checkpoint's ({len(names)} classes in "
+               f"--data_dir {args.data_dir})")
+    return n
 
 
 def start_job(args):
@@ -76,23 +96,12 @@ def start_job(args):
 
 
 def make_loop(args, parts):
-    """The TrainLoop of ``parts`` with the training flags of ``args`` (resumes; collective)."""
+    """The TrainLoop of ``parts`` with the training settings of ``args`` (resumes; collective)."""
+    config = train_util.TrainConfig.from_flags(args)
     return train_util.TrainLoop(
         model=parts.model, diffusion=parts.diffusion, data=parts.data,
-        batch_size=args.batch_size, microbatch=args.microbatch, lr=args.lr,
-        ema_rate=args.ema_rate, log_interval=args.log_interval,
-        save_interval=args.save_interval, resume_checkpoint=args.resume_checkpoint,
-        use_fp16=args.use_fp16, fp16_scale_growth=args.fp16_scale_growth,
-        schedule_sampler=parts.schedule_sampler, weight_decay=args.weight_decay,
-        lr_anneal_steps=args.lr_anneal_steps, log_dir=args.log_dir,
-        model_flags=parts.model_flags, max_steps=args.max_steps, seed=args.seed,
-        keep_checkpoints=args.keep_checkpoints,
-        log_sample_indices=getattr(args, "log_sample_indices", False),
-        nan_policy=args.nan_policy,
-        allow_model_change=getattr(args, "allow_model_change", False),
-        async_save=getattr(args, "async_save", True),
-        compile=getattr(args, "compile", False),
-    )
+        schedule_sampler=parts.schedule_sampler, model_flags=parts.model_flags,
+        sample_kwargs=parts.sample_kwargs, **config.flags())
 
 
 def run_and_close(loop):
@@ -122,8 +131,7 @@ def run_training(args, build: Callable[[Any], Parts]):
         except BaseException:
             loop.close(sync=False)
             raise
-        logger.start_progress(loop.step, min(
-            [n for n in (args.max_steps, args.lr_anneal_steps) if n > 0], default=0))
+        logger.start_progress(loop.step, loop.config.last_step)
         return run_and_close(loop)
     finally:
         lock.release()

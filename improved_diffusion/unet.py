@@ -1,9 +1,10 @@
-"""The UNet of improved-diffusion, with guided-diffusion's additions.
+"""The UNet of improved-diffusion, with guided-diffusion's additions, and guided-diffusion's
+EncoderUNetModel (the UNet's way down and a pooling head: the noised image classifier).
 
 Module structure (and so state-dict keys and shapes) is identical to upstream
 openai/improved-diffusion (commit 1bc7bbb) and, for the options it added (``num_head_channels``,
-``resblock_updown``, ``use_new_attention_order``, fractional ``channel_mult``), to
-openai/guided-diffusion, so published checkpoints load with ``strict=True``.
+``resblock_updown``, ``use_new_attention_order``, fractional ``channel_mult``) and the classifier,
+to openai/guided-diffusion (commit 22e0df8), so published checkpoints load with ``strict=True``.
 
 Shapes: N = batch, C = channels, T = number of spatial positions (H*W).
 """
@@ -310,6 +311,71 @@ class QKVAttention(nn.Module):
         return _attention(q, k, v).reshape(bs, -1, length)
 
 
+def _block_factories(emb_channels, dropout, dims, use_checkpoint, use_scale_shift_norm,
+                     num_head_channels, use_new_attention_order):
+    """The two block makers the UNet and its encoder half share: ``res_block(ch, out_ch,
+    up=, down=)`` and ``attention(ch, heads)``."""
+
+    def res_block(ch, out_ch, **kw):
+        return ResBlock(
+            ch,
+            emb_channels,
+            dropout,
+            out_channels=out_ch,
+            dims=dims,
+            use_checkpoint=use_checkpoint,
+            use_scale_shift_norm=use_scale_shift_norm,
+            **kw,
+        )
+
+    def attention(ch, heads):
+        return AttentionBlock(
+            ch,
+            num_heads=heads,
+            num_head_channels=num_head_channels,
+            use_checkpoint=use_checkpoint,
+            use_new_attention_order=use_new_attention_order,
+        )
+
+    return res_block, attention
+
+
+def _encoder_blocks(in_channels, model_channels, num_res_blocks, attention_resolutions,
+                    channel_mult, conv_resample, dims, resblock_updown, num_heads, res_block,
+                    attention):
+    """The input blocks (the UNet's way down, upstream's module layout).
+
+    :return: (ModuleList of TimestepEmbedSequential, the channel count after each block (a list),
+        channels at the bottom, the downsample rate at the bottom).
+    """
+    ch = int(channel_mult[0] * model_channels)
+    blocks = nn.ModuleList([TimestepEmbedSequential(conv_nd(dims, in_channels, ch, 3, padding=1))])
+    chans = [ch]
+    ds = 1
+    for level, mult in enumerate(channel_mult):
+        for _ in range(num_res_blocks):
+            layers = [res_block(ch, int(mult * model_channels))]
+            ch = int(mult * model_channels)
+            if ds in attention_resolutions:
+                layers.append(attention(ch, num_heads))
+            blocks.append(TimestepEmbedSequential(*layers))
+            chans.append(ch)
+        if level != len(channel_mult) - 1:
+            if resblock_updown:
+                down = res_block(ch, ch, down=True)
+            else:
+                down = Downsample(ch, conv_resample, dims=dims, out_channels=ch)
+            blocks.append(TimestepEmbedSequential(down))
+            chans.append(ch)
+            ds *= 2
+    return blocks, chans, ch, ds
+
+
+def _middle_block(ch, num_heads, res_block, attention):
+    """ResBlock, attention, ResBlock at the bottom of the UNet (and of its encoder half)."""
+    return TimestepEmbedSequential(res_block(ch, ch), attention(ch, num_heads), res_block(ch, ch))
+
+
 class UNetModel(nn.Module):
     """The full UNet model with attention and timestep embedding.
 
@@ -325,6 +391,10 @@ class UNetModel(nn.Module):
     :param conv_resample: if True, use learned convolutions for upsampling and downsampling.
     :param dims: 1, 2 or 3 spatial dimensions.
     :param num_classes: if specified (int), the model is class-conditional with this many classes.
+    :param use_null_label: with ``num_classes``, one more label embedding row, index
+        ``num_classes``: the null label of classifier-free guidance (as DiT's), which training
+        with ``--class_dropout_prob`` puts in place of some labels (guidance.drop_labels).
+        ``self.null_label`` is that index (None without it).
     :param use_checkpoint: use gradient checkpointing to reduce memory usage.
     :param num_heads: the number of attention heads in each attention layer.
     :param num_head_channels: if not -1, a fixed channel width per attention head (overrides
@@ -360,6 +430,7 @@ class UNetModel(nn.Module):
         resblock_updown=False,
         use_new_attention_order=False,
         use_fp16=False,
+        use_null_label=False,
     ):
         super().__init__()
 
@@ -375,6 +446,7 @@ class UNetModel(nn.Module):
         self.channel_mult = channel_mult
         self.conv_resample = conv_resample
         self.num_classes = num_classes
+        self.null_label = num_classes if use_null_label and num_classes is not None else None
         self.use_checkpoint = use_checkpoint
         self.num_heads = num_heads
         self.num_head_channels = num_head_channels
@@ -389,59 +461,19 @@ class UNetModel(nn.Module):
         )
 
         if self.num_classes is not None:
-            self.label_emb = nn.Embedding(num_classes, time_embed_dim)
+            rows = num_classes + (self.null_label is not None)
+            self.label_emb = nn.Embedding(rows, time_embed_dim)
 
-        def res_block(ch, out_ch, **kw):
-            return ResBlock(
-                ch,
-                time_embed_dim,
-                dropout,
-                out_channels=out_ch,
-                dims=dims,
-                use_checkpoint=use_checkpoint,
-                use_scale_shift_norm=use_scale_shift_norm,
-                **kw,
-            )
-
-        def attention(ch, heads):
-            return AttentionBlock(
-                ch,
-                num_heads=heads,
-                num_head_channels=num_head_channels,
-                use_checkpoint=use_checkpoint,
-                use_new_attention_order=use_new_attention_order,
-            )
-
-        ch = input_ch = int(channel_mult[0] * model_channels)
-        self.input_blocks = nn.ModuleList(
-            [TimestepEmbedSequential(conv_nd(dims, in_channels, ch, 3, padding=1))]
+        res_block, attention = _block_factories(
+            time_embed_dim, dropout, dims, use_checkpoint, use_scale_shift_norm,
+            num_head_channels, use_new_attention_order,
         )
-        input_block_chans = [ch]
-        ds = 1
-        for level, mult in enumerate(channel_mult):
-            for _ in range(num_res_blocks):
-                layers = [res_block(ch, int(mult * model_channels))]
-                ch = int(mult * model_channels)
-                if ds in attention_resolutions:
-                    layers.append(attention(ch, num_heads))
-                self.input_blocks.append(TimestepEmbedSequential(*layers))
-                input_block_chans.append(ch)
-            if level != len(channel_mult) - 1:
-                out_ch = ch
-                if resblock_updown:
-                    down = res_block(ch, out_ch, down=True)
-                else:
-                    down = Downsample(ch, conv_resample, dims=dims, out_channels=out_ch)
-                self.input_blocks.append(TimestepEmbedSequential(down))
-                ch = out_ch
-                input_block_chans.append(ch)
-                ds *= 2
-
-        self.middle_block = TimestepEmbedSequential(
-            res_block(ch, ch),
-            attention(ch, num_heads),
-            res_block(ch, ch),
+        self.input_blocks, input_block_chans, ch, ds = _encoder_blocks(
+            in_channels, model_channels, num_res_blocks, attention_resolutions, channel_mult,
+            conv_resample, dims, resblock_updown, num_heads, res_block, attention,
         )
+        input_ch = input_block_chans[0]
+        self.middle_block = _middle_block(ch, num_heads, res_block, attention)
 
         self.output_blocks = nn.ModuleList([])
         for level, mult in list(enumerate(channel_mult))[::-1]:
@@ -563,3 +595,190 @@ class SuperResModel(UNetModel):
         upsampled = F.interpolate(low_res, (new_height, new_width), mode="bilinear")
         x = th.cat([x, upsampled], dim=1)
         return super().forward(x, timesteps, **kwargs)
+
+
+class AttentionPool2d(nn.Module):
+    """guided-diffusion's attention pooling (after CLIP's): the mean feature, prepended to the
+    spatial features with a learned positional embedding, attends to them all; its output is the
+    pooled vector.
+
+    :param spacial_dim: side of the (square) feature map (guided's spelling).
+    :param embed_dim: channels of the features.
+    :param num_heads_channels: channels per attention head.
+    :param output_dim: channels of the result (default ``embed_dim``).
+    """
+
+    def __init__(self, spacial_dim, embed_dim, num_heads_channels, output_dim=None):
+        super().__init__()
+        if num_heads_channels <= 0 or embed_dim % num_heads_channels != 0:
+            raise ValueError(f"attention pool channels {embed_dim} are not divisible by "
+                             f"num_heads_channels {num_heads_channels}")
+        self.positional_embedding = nn.Parameter(
+            th.randn(embed_dim, spacial_dim ** 2 + 1) / embed_dim ** 0.5
+        )
+        self.qkv_proj = conv_nd(1, embed_dim, 3 * embed_dim, 1)
+        self.c_proj = conv_nd(1, embed_dim, output_dim or embed_dim, 1)
+        self.num_heads = embed_dim // num_heads_channels
+        self.attention = QKVAttention(self.num_heads)
+
+    def forward(self, x):
+        """[N x C x H x W] (H = W = spacial_dim) -> [N x output_dim]."""
+        b, c, *_spatial = x.shape
+        x = x.reshape(b, c, -1)  # [N x C x T]
+        x = th.cat([x.mean(dim=-1, keepdim=True), x], dim=-1)  # [N x C x (T + 1)]
+        x = x + self.positional_embedding[None, :, :].to(x.dtype)
+        x = self.qkv_proj(x)
+        x = self.attention(x)
+        x = self.c_proj(x)
+        return x[:, :, 0]
+
+
+ENCODER_POOLS = ("adaptive", "attention", "spatial", "spatial_v2")
+
+
+class EncoderUNetModel(nn.Module):
+    """guided-diffusion's half UNet: the input blocks and the middle block of UNetModel, then a
+    pooling head; the noised image classifier of classifier guidance. Module structure (and so
+    state-dict keys and shapes) is guided-diffusion's (commit 22e0df8): its published
+    classifiers load with ``strict=True``.
+
+    Arguments as UNetModel's (without the class conditioning and the upsampling path), plus:
+
+    :param image_size: the input side in pixels (sizes the attention pool's embedding).
+    :param out_channels: the number of logits (classes).
+    :param pool: the head, one of ENCODER_POOLS:
+        "adaptive": GroupNorm, SiLU, global average, a zero-initialised 1x1 convolution;
+        "attention": GroupNorm, SiLU, AttentionPool2d (needs ``num_head_channels`` != -1);
+        "spatial": the spatial mean of every input block's output and of the middle block's,
+        concatenated, then Linear(2048), ReLU, Linear(out_channels);
+        "spatial_v2": as "spatial" with GroupNorm and SiLU in place of the ReLU.
+    :param use_fp16: recorded as ``self.use_fp16``; as UNetModel, ``convert_to_fp16()`` converts.
+    """
+
+    def __init__(
+        self,
+        image_size,
+        in_channels,
+        model_channels,
+        out_channels,
+        num_res_blocks,
+        attention_resolutions,
+        dropout=0,
+        channel_mult=(1, 2, 4, 8),
+        conv_resample=True,
+        dims=2,
+        use_checkpoint=False,
+        use_fp16=False,
+        num_heads=1,
+        num_head_channels=-1,
+        num_heads_upsample=-1,
+        use_scale_shift_norm=False,
+        resblock_updown=False,
+        use_new_attention_order=False,
+        pool="adaptive",
+    ):
+        super().__init__()
+        if pool not in ENCODER_POOLS:
+            raise ValueError(f"unknown pool {pool!r}; use one of {', '.join(ENCODER_POOLS)}")
+        if pool == "attention" and num_head_channels == -1:
+            raise ValueError("the attention pool needs num_head_channels (channels per head)")
+        if num_heads_upsample == -1:  # no upsampling path: kept for guided's signature
+            num_heads_upsample = num_heads
+
+        self.image_size = image_size
+        self.in_channels = in_channels
+        self.model_channels = model_channels
+        self.out_channels = out_channels
+        self.num_res_blocks = num_res_blocks
+        self.attention_resolutions = attention_resolutions
+        self.dropout = dropout
+        self.channel_mult = channel_mult
+        self.conv_resample = conv_resample
+        self.use_checkpoint = use_checkpoint
+        self.use_fp16 = use_fp16
+        self.num_heads = num_heads
+        self.num_head_channels = num_head_channels
+        self.num_heads_upsample = num_heads_upsample
+        self.pool = pool
+
+        time_embed_dim = model_channels * 4
+        self.time_embed = nn.Sequential(
+            linear(model_channels, time_embed_dim),
+            SiLU(),
+            linear(time_embed_dim, time_embed_dim),
+        )
+        res_block, attention = _block_factories(
+            time_embed_dim, dropout, dims, use_checkpoint, use_scale_shift_norm,
+            num_head_channels, use_new_attention_order,
+        )
+        self.input_blocks, chans, ch, ds = _encoder_blocks(
+            in_channels, model_channels, num_res_blocks, attention_resolutions, channel_mult,
+            conv_resample, dims, resblock_updown, num_heads, res_block, attention,
+        )
+        self.middle_block = _middle_block(ch, num_heads, res_block, attention)
+        # The spatial pools' input: every input block's channels and the middle block's.
+        self._feature_size = sum(chans) + ch
+        if pool == "adaptive":
+            self.out = nn.Sequential(
+                normalization(ch),
+                SiLU(),
+                nn.AdaptiveAvgPool2d((1, 1)),
+                zero_module(conv_nd(dims, ch, out_channels, 1)),
+                nn.Flatten(),
+            )
+        elif pool == "attention":
+            self.out = nn.Sequential(
+                normalization(ch),
+                SiLU(),
+                AttentionPool2d(image_size // ds, ch, num_head_channels, out_channels),
+            )
+        elif pool == "spatial":
+            self.out = nn.Sequential(
+                nn.Linear(self._feature_size, 2048),
+                nn.ReLU(),
+                nn.Linear(2048, out_channels),
+            )
+        else:  # spatial_v2
+            self.out = nn.Sequential(
+                nn.Linear(self._feature_size, 2048),
+                normalization(2048),
+                SiLU(),
+                nn.Linear(2048, out_channels),
+            )
+
+    def convert_to_fp16(self):
+        """The torso (input and middle blocks) to float16, as guided's; the head stays float32."""
+        for blocks in (self.input_blocks, self.middle_block):
+            blocks.apply(_convert_module_to_f16)
+
+    def convert_to_fp32(self):
+        """Undo ``convert_to_fp16()``."""
+        for blocks in (self.input_blocks, self.middle_block):
+            blocks.apply(_convert_module_to_f32)
+
+    @property
+    def dtype(self):
+        """The dtype the torso runs in: float16 after ``convert_to_fp16()``."""
+        return next(self.input_blocks.parameters()).dtype
+
+    def forward(self, x, timesteps):
+        """Apply the classifier to a batch of noised images.
+
+        :param x: an [N x C x H x W] Tensor of inputs.
+        :param timesteps: a 1-D [N] batch of timesteps (as the diffusion passes them).
+        :return: an [N x out_channels] Tensor of logits (x's dtype outside autocast).
+        """
+        emb = self.time_embed(timestep_embedding(timesteps, self.model_channels))
+        spatial = self.pool.startswith("spatial")
+        results = []
+        cast = self.dtype != x.dtype
+        h = x.type(self.dtype) if cast else x
+        for module in self.input_blocks:
+            h = module(h, emb)
+            if spatial:
+                results.append(h.type(x.dtype).mean(dim=(2, 3)))
+        h = self.middle_block(h, emb)
+        if spatial:
+            results.append(h.type(x.dtype).mean(dim=(2, 3)))
+            return self.out(th.cat(results, dim=-1))
+        return self.out(h.type(x.dtype) if cast else h)

@@ -55,7 +55,8 @@ def main(argv=None):
     loader = load_data(data_dir=args.data_dir, batch_size=max(1, args.batch_size),
                        image_size=flags["image_size"], class_cond=flags["class_cond"],
                        deterministic=True, rank=0, world_size=1,
-                       num_classes=flags["num_classes"] if flags["class_cond"] else None)
+                       num_classes=flags["num_classes"] if flags["class_cond"] else None,
+                       in_channels=flags["in_channels"])
     dataset = loader.dataset
     n = min(args.num_samples, len(dataset))
     batches = sampling.shard_batches(n, args.batch_size, rank, world)

@@ -17,11 +17,13 @@ if __name__ == "__main__":  # first, before torch is imported: SIGTERM/SIGUSR1 f
 
     preemption.install()
 
+import numpy as np  # noqa: E402
+import torch as th  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from improved_diffusion import cli, dist_util, logger, train_job, train_util  # noqa: E402
 from improved_diffusion.errors import UsageError  # noqa: E402
-from improved_diffusion.image_datasets import load_data, resolve_num_classes  # noqa: E402
+from improved_diffusion.image_datasets import load_data  # noqa: E402
 from improved_diffusion.resample import create_named_schedule_sampler  # noqa: E402
 from improved_diffusion.script_util import (  # noqa: E402
     args_to_dict,
@@ -70,6 +72,20 @@ def load_superres_data(data_dir, batch_size, large_size, small_size, class_cond=
     return SuperResLoader(data, small_size)
 
 
+def low_res_of(dataset, small_size):
+    """--sample_interval's model arguments: grid sample i upsamples image i (modulo the count) of
+    ``dataset`` in its fixed file order, at --small_size (+ its class "y" for class_cond data):
+    indices [n] -> {"low_res": [n, C, h, w], ("y": [n])}."""
+    def kwargs(indices):
+        items = [dataset[int(i) % len(dataset)] for i in indices]
+        large = th.from_numpy(np.stack([arr for arr, _ in items]))
+        out = {"low_res": F.interpolate(large, small_size, mode="area")}
+        if "y" in items[0][1]:
+            out["y"] = th.tensor([int(cond["y"]) for _, cond in items], dtype=th.long)
+        return out
+    return kwargs
+
+
 def create_argparser():
     defaults = train_defaults()
     defaults.update(sr_model_and_diffusion_defaults())
@@ -79,7 +95,7 @@ def create_argparser():
 def build(args):
     """Flags -> the super-res model, diffusion and data of a TrainLoop (collective)."""
     logger.log(f"super-res {args.small_size}->{args.large_size}")
-    args.num_classes = resolve_num_classes(args.data_dir, args.num_classes, log=logger.log)
+    args.num_classes = train_job.num_classes(args)
     model_flags = args_to_dict(args, sr_model_and_diffusion_defaults().keys())
     train_util.seed_rngs(args.seed, 0, 0)  # identical model init on every rank
     model, diffusion = sr_create_model_and_diffusion(**model_flags)
@@ -88,14 +104,15 @@ def build(args):
                               class_cond=args.class_cond, seed=args.seed,
                               num_workers=args.num_workers, num_classes=args.num_classes)
     sampler = create_named_schedule_sampler(args.schedule_sampler, diffusion)
-    return train_job.Parts(model, diffusion, data, model_flags, sampler)
+    return train_job.Parts(model, diffusion, data, model_flags, sampler,
+                           sample_kwargs=low_res_of(data.dataset, args.small_size))
 
 
 def train(argv=None):
     parser = create_argparser()
     args = parser.parse_args(argv)
     if args.class_cond and "num_classes" not in explicit_args(parser, argv):
-        args.num_classes = None  # build() counts the classes of --data_dir
+        args.num_classes = None  # build(): the resumed checkpoint's, else --data_dir's
     train_job.check_train_args(args)
     if args.small_size >= args.large_size:
         raise UsageError(

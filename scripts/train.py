@@ -24,7 +24,7 @@ if __name__ == "__main__":  # first, before torch is imported: SIGTERM/SIGUSR1 f
     preemption.install()
 
 from improved_diffusion import cli, dist_util, logger, train_job, train_util  # noqa: E402
-from improved_diffusion.image_datasets import load_data, resolve_num_classes  # noqa: E402
+from improved_diffusion.image_datasets import load_data  # noqa: E402
 from improved_diffusion.resample import create_named_schedule_sampler  # noqa: E402
 from improved_diffusion.script_util import (  # noqa: E402
     args_to_dict,
@@ -44,7 +44,7 @@ def create_argparser():
 
 def build(args):
     """Flags -> the model, diffusion and data of a TrainLoop (collective: call on all ranks)."""
-    args.num_classes = resolve_num_classes(args.data_dir, args.num_classes, log=logger.log)
+    args.num_classes = train_job.num_classes(args)
     model_flags = args_to_dict(args, model_and_diffusion_defaults().keys())
     train_util.seed_rngs(args.seed, 0, 0)  # identical model init on every rank
     model, diffusion = create_model_and_diffusion(**model_flags)
@@ -57,6 +57,7 @@ def build(args):
         num_classes=args.num_classes if args.class_cond else None,
         seed=args.seed,
         num_workers=args.num_workers,
+        in_channels=args.in_channels,
         log=logger.warn,  # a resume's data warnings: one line, once for the job
     )
     sampler = create_named_schedule_sampler(args.schedule_sampler, diffusion)
@@ -68,7 +69,7 @@ def train(argv=None):
     parser = create_argparser()
     args = parser.parse_args(argv)
     if args.class_cond and "num_classes" not in explicit_args(parser, argv):
-        args.num_classes = None  # build() counts the classes of --data_dir
+        args.num_classes = None  # build(): the resumed checkpoint's, else --data_dir's
     train_job.check_train_args(args)
     return train_job.run_training(args, build)
 

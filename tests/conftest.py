@@ -91,6 +91,20 @@ def one_torch_thread():
     torch.set_num_threads(before)
 
 
+@pytest.fixture(autouse=True)
+def restore_logger():
+    """The logger of before the test, back after it, for every test: a test that configures a
+    logger onto pytest's captured stdout would otherwise leave it to the next test, whose first
+    log line then writes to a closed file (seen in CI: test_sample_grids after a logger test)."""
+    from improved_diffusion import logger
+
+    prev = logger.Logger.CURRENT
+    yield
+    if logger.Logger.CURRENT is not prev and logger.Logger.CURRENT is not None:
+        logger.Logger.CURRENT.close()
+    logger.Logger.CURRENT = prev
+
+
 # The process-tree helpers live in cluster_sim (benchmarks use them without pytest).
 process_tree, signal_all = cluster_sim.process_tree, cluster_sim.signal_all
 
@@ -106,6 +120,19 @@ def write_images(d, n=14, size=8, seed=14):
     for i in range(n):
         Image.fromarray(rng.integers(0, 256, size=(size, size, 3), dtype=np.uint8)).save(
             d / f"img_{i:03d}.png")
+    return d
+
+
+def write_class_folder(d, classes=("cat", "dog", "owl"), per_class=4, size=8):
+    """An image folder whose file names carry class names (cat_0.png ...), returned."""
+    from PIL import Image
+
+    d.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    for c in classes:
+        for i in range(per_class):
+            Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8)).save(
+                d / f"{c}_{i}.png")
     return d
 
 

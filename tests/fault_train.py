@@ -16,20 +16,26 @@ Usage: python tests/fault_train.py [train.py flags...]
   disk would.
 * ``FAULT_HARD_EXIT_S``: preemption.HARD_EXIT_S (how long a rank stuck before training has
   after a signal before it is ended), shorter for a test.
+* ``FAULT_EIO_READ=NAME``: on every rank, reading a file called NAME fails with a real
+  ``OSError(EIO)``, as a failing disk's read does, except inside ``run_dir.plan_resume`` (rank 0's
+  plan, which verifies the step's checksums): so the fault hits when the file is loaded, after the
+  plan chose and verified it. The open succeeds; every read of the file (``open(NAME, "rb")``,
+  ``io.open``, ``io.FileIO``, which blobfile uses) fails. The first injected fault prints
+  ``fault_train: EIO reading NAME`` on stderr.
 
 Nothing else about train.py changes (same flags, output and exit codes).
 """
+import builtins
+import errno
+import io
 import os
-import runpy
 import sys
 import time
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+from train_driver import run_train_py  # tests/ (this script's folder); makes the repo importable
 
-from improved_diffusion import checkpoint, dist_util, logger, preemption, train_util  # noqa: E402
+from improved_diffusion import (checkpoint, dist_util, logger, preemption, run_dir,  # noqa: E402
+                               train_util)
 
 if os.environ.get("FAULT_HARD_EXIT_S"):
     preemption.HARD_EXIT_S = float(os.environ["FAULT_HARD_EXIT_S"])
@@ -89,7 +95,60 @@ train_util.TrainLoop.run_step = _run_step_with_fault
 if os.environ.get("FAULT_SLOW_LOAD_S"):
     checkpoint.load_file_collective = _slow_load
 
+EIO_NAME = os.environ.get("FAULT_EIO_READ")
+_in_plan = []
+_real_file_io, _real_open, _real_plan_resume = io.FileIO, builtins.open, run_dir.plan_resume
+
+
+def _faulty(path):
+    return (EIO_NAME is not None and not _in_plan and not isinstance(path, int)
+            and os.path.basename(os.fspath(path)) == EIO_NAME)
+
+
+class _FaultyFileIO(_real_file_io):
+    """A file whose reads fail with EIO while the fault is armed (outside the plan)."""
+
+    told = False  # the first fault is printed
+
+    def _fail(self):
+        if _faulty(self.name):
+            if not _FaultyFileIO.told:
+                _FaultyFileIO.told = True
+                print(f"fault_train: EIO reading {EIO_NAME}", file=sys.stderr, flush=True)
+            raise OSError(errno.EIO, os.strerror(errno.EIO), self.name)
+
+    def read(self, *args):
+        self._fail()
+        return super().read(*args)
+
+    def readall(self):
+        self._fail()
+        return super().readall()
+
+    def readinto(self, b):
+        self._fail()
+        return super().readinto(b)
+
+
+def _open(file, mode="r", buffering=-1, *args, **kwargs):
+    if not _faulty(file) or mode not in ("rb", "br"):
+        return _real_open(file, mode, buffering, *args, **kwargs)
+    raw = _FaultyFileIO(file, "r")
+    return raw if buffering == 0 else io.BufferedReader(raw)
+
+
+def _plan_resume(*args, **kwargs):
+    _in_plan.append(True)
+    try:
+        return _real_plan_resume(*args, **kwargs)
+    finally:
+        _in_plan.pop()
+
+
+if EIO_NAME:
+    io.FileIO = _FaultyFileIO
+    builtins.open = io.open = _open
+    run_dir.plan_resume = _plan_resume
+
 if __name__ == "__main__":
-    script = str(REPO / "scripts" / "train.py")
-    sys.argv = [script] + sys.argv[1:]
-    runpy.run_path(script, run_name="__main__")
+    run_train_py()

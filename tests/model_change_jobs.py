@@ -29,7 +29,7 @@ def _dump_trainer(dump_dir, name):
     def after_load(loop, rank):
         th.save({"data": loop.data.state_dict(), "rng": train_util.get_rng_state(),
                  "sampler": loop.schedule_sampler.state_dict(),
-                 "model_changes": loop.model_changes},
+                 "model_changes": loop.checkpointer.model_changes},
                 os.path.join(dump_dir, f"{name}_trainer_rank{rank}.pt"))
     return after_load
 

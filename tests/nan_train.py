@@ -7,19 +7,16 @@ Environment:
                        this rank's loss and gradients are NaN (a corrupt image does the same)
   NAN_EMA_AFTER_STEP=k after step k, the first tensor of the first EMA is set to NaN
   NAN_RANKS=1          the ranks that do either (default: every rank)
+  CPU_BF16=0|1         --use_fp16's branch on the CPU, forced (tests/amp_train.py)
 
 Nothing else about train.py changes (same flags, output and exit code).
 """
 import os
-import runpy
-import sys
-from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+import amp_train  # tests/ (this script's folder), as train_driver, which makes the repo importable
+from train_driver import run_train_py
 
 from improved_diffusion import train_util  # noqa: E402
 
@@ -47,6 +44,5 @@ def run_step(self, batch, cond):
 train_util.TrainLoop.run_step = run_step
 
 if __name__ == "__main__":
-    script = str(REPO / "scripts" / "train.py")
-    sys.argv = [script] + sys.argv[1:]
-    runpy.run_path(script, run_name="__main__")
+    amp_train.force_cpu_bf16_from_env()
+    run_train_py()

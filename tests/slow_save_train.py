@@ -10,14 +10,11 @@ Nothing else about train.py changes (same flags, output and exit code).
 """
 import io
 import os
-import runpy
-import sys
 import time
-from pathlib import Path
 
 import torch
+from train_driver import run_train_py  # tests/ (this script's folder)
 
-REPO = Path(__file__).resolve().parent.parent
 PAUSE_S = float(os.environ.get("SLOW_SAVE_S", "0.05"))
 _original_save = torch.save
 
@@ -44,8 +41,4 @@ def _slow_save(obj, f, *args, **kwargs):
 torch.save = _slow_save
 
 if __name__ == "__main__":
-    script = str(REPO / "scripts" / "train.py")
-    sys.argv = [script] + sys.argv[1:]
-    if str(REPO) not in sys.path:
-        sys.path.insert(0, str(REPO))
-    runpy.run_path(script, run_name="__main__")
+    run_train_py()

@@ -39,7 +39,7 @@ def images(tmp_path_factory):
     return write_images(tmp_path_factory.mktemp("images"), seed=11)
 
 
-def tiny_loop(log_dir, async_save, **kw):
+def tiny_loop(log_dir, async_save, ema_rate="0.9999,0.99", **kw):
     """A TrainLoop of the tiny model in this process, on fixed random batches."""
     flags = model_and_diffusion_defaults()
     flags.update(TINY_FLAGS)
@@ -49,7 +49,7 @@ def tiny_loop(log_dir, async_save, **kw):
     batches = iter(lambda: (torch.randn(2, 3, 8, 8, generator=gen), {}), None)
     return train_util.TrainLoop(
         model=model, diffusion=diffusion, data=batches, batch_size=2, microbatch=-1, lr=1e-3,
-        ema_rate="0.9999,0.99", log_interval=100, save_interval=2, resume_checkpoint="",
+        ema_rate=ema_rate, log_interval=100, save_interval=2, resume_checkpoint="",
         log_dir=str(log_dir), model_flags=flags, async_save=async_save, **kw)
 
 
@@ -69,7 +69,7 @@ def test_an_async_save_writes_the_bytes_a_synchronous_save_writes(tmp_path):
         d.mkdir()
         loop = tiny_loop(d, async_save=mode, max_steps=3)
         assert loop.run_loop() == 0
-        assert not loop._writer.busy
+        assert not loop.checkpointer._writer.busy
     a, s = tmp_path / "async_True", tmp_path / "async_False"
     assert sorted(os.listdir(a)) == sorted(os.listdir(s))
     for step in (2, 3):
@@ -115,7 +115,7 @@ def test_a_failed_background_write_is_raised_at_a_later_step_and_every_save_wait
     def failing(*args):
         raise boom
 
-    loop._write_in_background = failing
+    loop.checkpointer._write_in_background = failing
     with pytest.raises(RuntimeError, match="disk on fire"):
         loop.run_loop()
     assert loop.step in (2, 3)  # at the start of step 3 or 4: before the next save (4)
@@ -130,8 +130,7 @@ def step_bytes(tmp_path):
     d = tmp_path / "measure"
     d.mkdir()
     logger.configure(dir=str(d), format_strs=["log"])
-    loop = tiny_loop(d, async_save=False)
-    loop.ema_rate_strs, loop.ema_rate, loop.ema_params = ["0.9999"], [0.9999], loop.ema_params[:1]
+    loop = tiny_loop(d, async_save=False, ema_rate="0.9999")
     loop.run_step(*next(loop.data))  # Adam moments exist
     loop.save()
     return sum((d / n).stat().st_size for n in step_names(d, 1))

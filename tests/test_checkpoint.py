@@ -295,11 +295,109 @@ def test_unknown_objects_classify_as_unknown():
 
 
 # ------------------------------------------------------------------------------------------
+# DiT's train.py files: {step:07d}.pt = {"model", "ema", "opt", "args": argparse.Namespace}
+
+
+def _dit_args(**extra):
+    import argparse
+
+    return argparse.Namespace(data_path="/data", results_dir="results", model="DiT-XL/2",
+                              image_size=256, num_classes=1000, epochs=1400, **extra)
+
+
+def _dit_file(path, args, model=None):
+    th.save({"model": _sd(1) if model is None else model, "ema": _sd(2),
+             "opt": {"state": {}, "param_groups": [{"params": [0, 1], "lr": 1e-4}]},
+             "args": args}, path)
+    return path
+
+
+def test_dits_names_carry_the_step_and_a_dit_dir_lists_its_steps(tmp_path):
+    assert C.name_info("results/000-DiT-XL-2/checkpoints/0400000.pt") == C.NameInfo(
+        "combined", 400000)
+    assert C.parse_step("checkpoints/0400000.pt") == 400000
+    assert C.name_info("400.pt") is None  # DiT writes 7 digits at least
+    for step in (50, 100):
+        _dit_file(tmp_path / f"{step:07d}.pt", _dit_args())
+    (tmp_path / "0000150.pt").write_bytes(b"")  # an interrupted torch.save
+    steps = R.list_steps(tmp_path)
+    assert [(st.step, st.complete, st.legacy) for st in steps] == [
+        (150, False, True), (100, True, True), (50, True, True)]
+    plan = R.plan_resume(tmp_path / "log", tmp_path)
+    assert (plan.step, os.path.basename(plan.model)) == (100, "0000100.pt")
+
+
+def test_dits_args_namespace_is_read_as_data_without_constructing_it(tmp_path, monkeypatch):
+    import argparse
+
+    path = _dit_file(tmp_path / "0400000.pt", _dit_args())
+    made = []  # a real Namespace would be built through this (unpickling's BUILD): never
+    monkeypatch.setattr(argparse.Namespace, "__setstate__", made.append, raising=False)
+    for ck in (C.load_file(path), C.load_file(path.read_bytes(), name=str(path)),
+               C.load_file_collective(path)):
+        assert (ck.kind, ck.step) == ("combined", 400000)
+        assert type(ck.raw["args"]) is dict
+        assert ck.raw["args"] == {"data_path": "/data", "results_dir": "results",
+                                  "model": "DiT-XL/2", "image_size": 256, "num_classes": 1000,
+                                  "epochs": 1400}
+        assert any("args: a pickled argparse.Namespace, read as its 6 fields" in n
+                   for n in ck.notes)
+        assert th.equal(C.model_state_from(ck, "ema")["a.weight"], _sd(2)["a.weight"])
+        assert ck.optimizer["param_groups"][0]["params"] == [0, 1]
+        assert (ck.flags["arch"], ck.flags["image_size"], ck.flags["in_channels"]) == (
+            "DiT-XL/2", 32, 4)  # DiT trains on 8x smaller VAE latents
+    assert made == []
+
+
+def test_code_pickled_in_dits_args_is_skipped_and_named_never_run(tmp_path):
+    marker = tmp_path / "MARKER"
+    path = _dit_file(tmp_path / "0000010.pt", _dit_args(hook=_WritesMarker(str(marker))))
+    ck = C.load_file(path)
+    assert not marker.exists(), "loading a checkpoint ran code from it"
+    assert ck.raw["args"]["hook"] is None and ck.raw["args"]["model"] == "DiT-XL/2"
+    assert "args.hook: a pickled io.open object, skipped (safe loading constructs no objects)" \
+        in ck.notes
+
+
+@pytest.mark.parametrize("where", ["model", "opt", "top"])
+def test_pickled_objects_in_the_weights_or_outside_a_combined_dict_are_refused(tmp_path, where):
+    marker = tmp_path / "MARKER"
+    hook = _WritesMarker(str(marker))
+    path = tmp_path / "0000010.pt"
+    if where == "model":
+        _dit_file(path, _dit_args(), model={"a.weight": th.zeros(1), "b": hook})
+    elif where == "opt":
+        th.save({"model": _sd(1), "opt": {"state": {0: {"x": hook}}, "param_groups": []}}, path)
+    else:
+        th.save(_dit_args(), path)
+    with pytest.raises(C.CheckpointError, match=r"0000010.pt: holds pickled code/objects \("
+                                                r"(io.open|argparse.Namespace)\) .*nothing in it "
+                                                r"was executed"):
+        C.load_file(path)
+    assert not marker.exists()
+
+
+# ------------------------------------------------------------------------------------------
 # save, discover
 
 
-def test_save_step_writes_files_then_a_manifest_with_sizes_and_checksums(tmp_path):
+def _recording(real, placed):
+    """os.link/os.replace/os.rename that also appends (source name, target name) to ``placed``."""
+    def op(src, dst, *args, **kwargs):
+        result = real(src, dst, *args, **kwargs)
+        placed.append((os.path.basename(src), os.path.basename(dst)))
+        return result
+    return op
+
+
+def test_save_step_writes_files_then_a_manifest_with_sizes_and_checksums(tmp_path, monkeypatch):
+    placed = []  # what each file was renamed (or hard-linked) from and to, in order
+    for name in ("link", "replace", "rename"):
+        monkeypatch.setattr(os, name, _recording(getattr(os, name), placed))
     _save_steps(tmp_path, [1, 2])
+    assert [dst for _, dst in placed] == [*_step_files(1), "manifest000001.json",
+                                          *_step_files(2), "manifest000002.json"]
+    assert all(src.startswith(dst + ".tmp-") for src, dst in placed)  # never written in place
     man = json.loads((tmp_path / "manifest000002.json").read_text())
     assert man["step"] == 2 and man["version"] == C.VERSION
     assert set(man["files"]) == {"model000002.pt", "opt000002.pt", "ema_0.9999_000002.pt"}

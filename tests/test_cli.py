@@ -12,15 +12,16 @@ import pytest
 import torch as th
 
 from improved_diffusion import checkpoint as ckpt
-from improved_diffusion import logger, progress_plot, script_util, train_util
+from improved_diffusion import amp, logger, progress_plot, script_util
 from improved_diffusion.ckpt_tool import build_parser as ckpt_parser
 from improved_diffusion.ckpt_tool import main as ckpt_main
 from improved_diffusion.errors import UsageError
 
-from conftest import REPO, run_mpi, run_script
+from conftest import PY, REPO, _run, run_mpi, run_script, write_class_folder
 
 # The scripts whose flags the README's table lists (upstream's image_*.py reuse their parsers).
-TABLE_SCRIPTS = ("train.py", "super_res_train.py", "sample.py", "super_res_sample.py", "nll.py")
+TABLE_SCRIPTS = ("train.py", "super_res_train.py", "sample.py", "super_res_sample.py", "nll.py",
+                 "classifier_sample.py")
 # Flags of launchers and installers the README shows (not ours).
 LAUNCHER_FLAGS = {"--nproc_per_node", "--nnodes", "--standalone", "--rdzv_endpoint",
                   "--master_addr", "--no-print-directory",
@@ -65,19 +66,6 @@ def all_known_flags():
     for bench in (REPO / "benchmarks").glob("*.py"):  # the benchmarks' own flags
         known |= set(re.findall(r"add_argument\(\s*\"(--\w+)\"", bench.read_text()))
     return known
-
-
-def write_class_folder(d, classes=("cat", "dog", "owl"), per_class=4, size=8):
-    """An image folder whose file names carry 3 class names (cat_0.png ...)."""
-    from PIL import Image
-
-    d.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(0)
-    for c in classes:
-        for i in range(per_class):
-            Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8)).save(
-                d / f"{c}_{i}.png")
-    return d
 
 
 # ------------------------------------------------------------------------------ parsers
@@ -232,17 +220,17 @@ def test_cpu_bf16_units_are_read_from_cpuinfo(tmp_path):
     with_bf16, without = tmp_path / "a", tmp_path / "b"
     with_bf16.write_text("flags\t: fpu avx2 avx512f avx512_bf16 amx_tile\n")
     without.write_text("flags\t: fpu avx2 avx512f\n")
-    assert train_util.cpu_has_fast_bf16(str(with_bf16)) is True
-    assert train_util.cpu_has_fast_bf16(str(without)) is False
+    assert amp.cpu_has_fast_bf16(str(with_bf16)) is True
+    assert amp.cpu_has_fast_bf16(str(without)) is False
 
 
 def test_fp16_on_a_cpu_without_bf16_units_warns_in_one_line_and_keeps_fp16(monkeypatch, tmp_path,
                                                                             capsys):
-    monkeypatch.setattr(train_util, "cpu_has_fast_bf16", lambda: False)
+    monkeypatch.setattr(amp, "cpu_has_fast_bf16", lambda: False)
     logger.configure(dir=str(tmp_path), format_strs=["stdout"], rank=0)
-    dtype, scaler = train_util._make_amp(th.device("cpu"), True, 1e-3)
-    monkeypatch.setattr(train_util, "cpu_has_fast_bf16", lambda: True)
-    dtype_bf16, scaler_bf16 = train_util._make_amp(th.device("cpu"), True, 1e-3)
+    dtype, scaler = amp.make_amp(th.device("cpu"), True, 1e-3)
+    monkeypatch.setattr(amp, "cpu_has_fast_bf16", lambda: True)
+    dtype_bf16, scaler_bf16 = amp.make_amp(th.device("cpu"), True, 1e-3)
     warning = [line for line in capsys.readouterr().out.splitlines() if "warning" in line]
     assert len(warning) == 1 and "slower than fp32" in warning[0]
     assert dtype in (th.float16, th.bfloat16)
@@ -409,13 +397,17 @@ def test_torchrun_summary_shows_the_one_line_and_the_usage_exit_code(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(200)
-def test_fp16_on_this_cpu_trains_reports_skipped_steps_and_warns_once(tmp_path):
+@pytest.mark.parametrize("bf16_units", [False, True], ids=["cpu-without-bf16", "cpu-with-bf16"])
+def test_fp16_on_a_cpu_trains_reports_skipped_steps_and_warns_once(tmp_path, bf16_units):
+    # Either CPU, on any CPU: tests/amp_train.py answers cpu_has_fast_bf16() as asked.
     data = write_class_folder(tmp_path / "data")
-    proc = run_script("train.py", "--data_dir", data, "--log_dir", tmp_path / "run", *TINY,
-                      "--use_fp16", "True", "--batch_size", "2", "--max_steps", "3",
-                      "--log_interval", "1", timeout=180)
-    if train_util.cpu_has_fast_bf16():
+    proc = _run([PY, REPO / "tests" / "amp_train.py", "--data_dir", data, "--log_dir",
+                 tmp_path / "run", *TINY, "--use_fp16", "True", "--batch_size", "2",
+                 "--max_steps", "3", "--log_interval", "1"], timeout=180,
+                env={"CPU_BF16": str(int(bf16_units))})
+    if bf16_units:
         assert "--use_fp16: bfloat16 autocast" in proc.stdout
+        assert "slower than fp32" not in proc.stdout and "loss_scale" not in proc.stdout
     else:
         assert proc.stdout.count("slower than fp32") == 1
         skipped = [line for line in proc.stdout.splitlines() if " skipped: NaN/inf" in line]

@@ -8,14 +8,7 @@ from improved_diffusion import logger
 from conftest import run_module_mpi
 from test_disk_faults import can_mount, mounts  # noqa: F401 (fixtures)
 
-
-@pytest.fixture(autouse=True)
-def restore_logger():
-    prev = logger.Logger.CURRENT
-    yield
-    if logger.Logger.CURRENT is not prev and logger.Logger.CURRENT is not None:
-        logger.Logger.CURRENT.close()
-    logger.Logger.CURRENT = prev
+pytestmark = pytest.mark.usefixtures("restore_logger")
 
 
 def read_csv(path):
@@ -164,3 +157,26 @@ def test_a_full_disk_under_the_log_dir_is_one_line_naming_the_file_and_keeps_wha
         logger.dumpkvs()
     assert isinstance(info.value, UserError) and "\n" not in str(info.value)
     assert read_csv(run / "progress.csv")[0]["step"] == "1"  # the row written before is kept
+
+
+def test_the_tensorboard_format_and_add_tensorboard_share_one_run_without_duplicates(tmp_path):
+    """Upstream's "tensorboard" format writes LOG_DIR/tb; --tensorboard's writer to the same
+    directory replaces it, so each step is there once; once removed, nothing more is written."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    logger.configure(dir=str(tmp_path), format_strs="log,tensorboard", rank=0)
+    dumps = [{"step": s, "loss": 1 / s, "global_batch": 4} for s in (1, 2, 4, 8)]
+    logger.logkvs(dumps[0])
+    logger.dumpkvs()
+    fmt = logger.add_tensorboard(str(tmp_path / "tb"))
+    for d in dumps[1:3]:
+        logger.logkvs(d)
+        logger.dumpkvs()
+    logger.remove_output(fmt)
+    logger.logkvs(dumps[3])
+    logger.dumpkvs()
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("loss")] == [(1, 1), (2, 0.5), (4, 0.25)]
+    assert [e.step for e in events.Scalars("samples_per_s")] == [4]  # the new writer's second

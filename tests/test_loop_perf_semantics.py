@@ -111,16 +111,49 @@ class _Data:
         return th.rand(2, 3, 8, 8, generator=self.g) * 2 - 1, {}
 
 
-def _loop(log_dir, data, cls=train_util.TrainLoop, max_steps=6):
+def _loop(log_dir, data, cls=train_util.TrainLoop, max_steps=6, ema_rate="0.9"):
     train_util.seed_rngs(0, 0, 0)
     model, diffusion = create_model_and_diffusion(**FLAGS)
     return cls(model=model, diffusion=diffusion, data=data, batch_size=2, microbatch=-1, lr=1e-3,
-               ema_rate="0.9", log_interval=1, save_interval=1000, resume_checkpoint="",
+               ema_rate=ema_rate, log_interval=1, save_interval=1000, resume_checkpoint="",
                log_dir=str(log_dir), model_flags=FLAGS, max_steps=max_steps, seed=0)
 
 
 def _saved_steps(log_dir):
     return sorted(int(p.name[8:14]) for p in log_dir.glob("manifest*.json"))
+
+
+@pytest.mark.timeout(120)
+def test_the_loops_emas_are_upstreams_formula_at_their_own_rates_applied_after_every_step(
+        tmp_path):
+    """Each EMA after 4 steps, in memory and in its file, equals upstream's update
+    (ema = rate * ema + (1 - rate) * param) applied by this test to the parameters recorded
+    after each step, from the initial weights: bit for bit, so the loop's rate (not 1 - rate,
+    not another EMA's) and its place in the step are pinned."""
+    log = tmp_path / "log"
+
+    class Recording(train_util.TrainLoop):
+        after = []
+
+        def log_step(self):  # upstream's hook, called once per step after the optimizer step
+            self.after.append([p.detach().clone() for p in self.model.parameters()])
+            super().log_step()
+
+    with logger.scoped_configure(dir=str(log), format_strs=["csv"], rank=0):
+        loop = _loop(log, _Data(), cls=Recording, max_steps=4, ema_rate="0.9,0.5")
+        start = [p.detach().clone() for p in loop.model.parameters()]
+        assert loop.run_loop() == 0
+    assert len(Recording.after) == 4
+    names = [n for n, _ in loop.model.named_parameters()]
+    for i, (rate_str, rate) in enumerate((("0.9", 0.9), ("0.5", 0.5))):
+        want = [t.clone() for t in start]
+        for params in Recording.after:
+            for targ, src in zip(want, params):  # upstream's update_ema, one tensor at a time
+                targ.mul_(rate).add_(src, alpha=1 - rate)
+        assert any(not th.equal(w, s) for w, s in zip(want, start))
+        assert all(th.equal(a, b) for a, b in zip(loop.ema_params[i], want)), rate_str
+        saved = th.load(log / f"ema_{rate_str}_000004.pt", weights_only=True)["state_dict"]
+        assert all(th.equal(saved[n], w) for n, w in zip(names, want)), rate_str
 
 
 @pytest.mark.timeout(120)
@@ -143,14 +176,16 @@ def test_a_failed_background_save_on_a_rank_stops_the_loop_at_that_step_with_not
         tmp_path):
     log = tmp_path / "log"
 
-    class FailsAtStep2(train_util.TrainLoop):
-        def _local_save_failed(self):  # what the async save reports once its thread failed
-            if self.step == 2 and self._save_failure is None:
-                self._save_failure = UserError("step 2: disk on fire")
-            return self._save_failure is not None
-
     with logger.scoped_configure(dir=str(log), format_strs=["csv"], rank=0):
-        loop = _loop(log, _Data(), cls=FailsAtStep2)
+        loop = _loop(log, _Data())
+        ckpt = loop.checkpointer
+
+        def failed_at_step_2():  # what the async save reports once its thread failed
+            if loop.step == 2 and ckpt._save_failure is None:
+                ckpt._save_failure = UserError("step 2: disk on fire")
+            return ckpt._save_failure is not None
+
+        ckpt._local_save_failed = failed_at_step_2
         with pytest.raises(UserError, match="step 2: disk on fire"):
             loop.run_loop()
     assert loop.step == 3

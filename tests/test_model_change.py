@@ -16,7 +16,7 @@ import re
 import pytest
 import torch as th
 
-from conftest import deep_diff, run_mpi, write_images
+from conftest import deep_diff, run_mpi, run_script, write_class_folder, write_images
 from improved_diffusion import ckpt_tool, logger, optim_state, train_util
 from improved_diffusion.script_util import create_model_and_diffusion
 
@@ -287,6 +287,40 @@ def test_adapt_of_a_combined_dict_gives_the_tensors_train_py_would_with_the_same
     assert not deep_diff(load(out / "opt000001.pt")["optimizer"]["state"],
                          got["optimizer"]["state"])
     assert (out / "manifest000001.json").exists()
+
+
+@pytest.mark.timeout(200)
+def test_the_readmes_adapt_flow_counts_the_classes_and_the_resume_takes_the_checkpoints_count(
+        tmp_path):
+    """README: `ckpt.py adapt runs/uncond --flags "--class_cond True" --data_dir D --out DIR`,
+    then `train.py --class_cond True --resume_checkpoint DIR` (no --num_classes) resumes."""
+    data = write_class_folder(tmp_path / "data", classes=("a", "b", "c", "d"), per_class=2)
+    tiny = [a for a in BASE if a not in ("--schedule_sampler", "loss-second-moment")]
+    run_script("train.py", *tiny, "--data_dir", data, "--log_dir", tmp_path / "uncond",
+               "--max_steps", 1)
+    flags = "--class_cond True"
+    err = io.StringIO()
+    assert ckpt_tool.main(["adapt", str(tmp_path / "uncond"), "--flags", flags, "--out",
+                           str(tmp_path / "nowhere")], out=io.StringIO(), err=err) == 1
+    assert "pass --data_dir" in err.getvalue() and not (tmp_path / "nowhere").exists()
+    out = io.StringIO()
+    assert ckpt_tool.main(["adapt", str(tmp_path / "uncond"), "--flags", flags, "--data_dir",
+                           str(data), "--out", str(tmp_path / "start")], out=out) == 0, out
+    assert load(tmp_path / "start" / "model000001.pt")["flags"]["num_classes"] == 4
+    fewer = write_class_folder(tmp_path / "fewer", classes=("a", "b"), per_class=3)
+    proc = run_script("train.py", *tiny, "--data_dir", fewer, "--class_cond", "True",
+                      "--resume_checkpoint", tmp_path / "start", "--log_dir", tmp_path / "cond",
+                      "--max_steps", 2)
+    assert "num_classes=4, the checkpoint's (2 classes in --data_dir" in proc.stdout
+    assert "resumed at step 1" in proc.stdout
+    assert load(tmp_path / "cond" / "model000002.pt")["flags"]["num_classes"] == 4
+    more = write_class_folder(tmp_path / "more", classes=tuple("abcdef"), per_class=1)
+    proc = run_script("train.py", *tiny, "--data_dir", more, "--class_cond", "True",
+                      "--log_dir", tmp_path / "cond", "--max_steps", 3, check=False)
+    assert proc.returncode == 2, proc.stdout[-2000:]
+    assert ("--data_dir " + str(more) + " holds 6 classes, but the checkpoint to resume was "
+            "trained with 4") in proc.stdout
+    assert not (tmp_path / "cond" / "model000003.pt").exists()
 
 
 # ------------------------------------------------------------------ optimizer groups; subclass

@@ -149,15 +149,35 @@ def test_a_checkpoint_whose_ema_went_nan_on_one_rank_is_never_written(tmp_path):
 
 @pytest.mark.timeout(120)
 def test_with_fp16_the_grad_scaler_skips_a_nan_step_and_the_policy_stays_out_of_it(tmp_path):
+    # float16 autocast + GradScaler: forced on any CPU (on one with bfloat16 units, --use_fp16
+    # would be bf16 without a scaler: the next test).
     proc, log = train(tmp_path, 1, "--use_fp16", "True", "--max_steps", "4",
-                      env={"NAN_LOSS_STEPS": "2"})
+                      env={"NAN_LOSS_STEPS": "2", "CPU_BF16": "0"})
     if "float16 autocast unsupported" in proc.stdout:
         pytest.skip("this torch has no float16 autocast with a GradScaler on CPU")
     assert proc.returncode == 0, proc.stdout
-    assert re.search(r"step \d+ skipped: NaN/inf float16 gradients", proc.stdout), proc.stdout
+    assert "bfloat16 autocast" not in proc.stdout and "loss_scale" in proc.stdout, proc.stdout
+    assert re.search(r"step 2 skipped: NaN/inf float16 gradients", proc.stdout), proc.stdout
     assert "--nan_policy" not in proc.stdout
     assert sorted(steps_on_disk(log)) == [4]
     assert_all_finite(load(log / "model000004.pt")["state_dict"], "model")
+    assert load(log / "opt000004.pt")["trainer"]["grad_scaler"]["scale"] < 2.0 ** 20
+
+
+@pytest.mark.timeout(120)
+def test_with_bf16_autocast_there_is_no_grad_scaler_and_the_nan_policy_stops_the_run(tmp_path):
+    # As on a CPU with bfloat16 units (forced on any CPU): no loss scaling, so a NaN step is
+    # --nan_policy's to handle, as without --use_fp16.
+    proc, log = train(tmp_path, 1, "--use_fp16", "True", "--max_steps", "4",
+                      env={"NAN_LOSS_STEPS": "2", "CPU_BF16": "1"})
+    assert "--use_fp16: bfloat16 autocast" in proc.stdout, proc.stdout
+    assert proc.returncode == 1, proc.stdout
+    errors = error_lines(proc.stdout)
+    assert len(errors) == 1, proc.stdout
+    assert errors[0].startswith("error: step 2: the loss or gradients are not finite")
+    assert "(--nan_policy stop)" in errors[0] and "none saved" in errors[0]
+    assert "skipped: NaN/inf float16" not in proc.stdout
+    assert not log.exists() or steps_on_disk(log) == {}
 
 
 @pytest.mark.timeout(120)

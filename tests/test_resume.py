@@ -22,10 +22,11 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import (MPIEXEC, PY, REPO, child_env, deep_diff, resumed_step, run_mpi,
+from conftest import (MPIEXEC, PY, REPO, _run, child_env, deep_diff, resumed_step, run_mpi,
                       run_script)
 
 SLOW_SAVE_TRAIN = REPO / "tests" / "slow_save_train.py"
+AMP_TRAIN = REPO / "tests" / "amp_train.py"
 TRAIN = REPO / "scripts" / "train.py"
 
 TINY = [
@@ -36,7 +37,8 @@ TINY = [
 TWO_EMAS = "0.9999,0.99"
 # Everything that can break an exact resume at once: resampler history, dropout RNG, gradient
 # accumulation, autocast with a GradScaler whose scale moves every 2 good steps (and backs off,
-# skipping the step, on overflow), and two EMA rates.
+# skipping the step, on overflow), and two EMA rates. Which autocast --use_fp16 gives on a CPU
+# depends on its bfloat16 units; the tests force each branch (train(..., cpu_bf16=)).
 HARD = ["--schedule_sampler", "loss-second-moment", "--dropout", "0.1", "--microbatch", "1",
         "--use_fp16", "True", "--fp16_scale_growth", "0.5", "--ema_rate", TWO_EMAS]
 
@@ -71,9 +73,16 @@ def train_args(data_dir, log_dir, *extra):
     return [*TINY, "--data_dir", str(data_dir), "--log_dir", str(log_dir), *map(str, extra)]
 
 
-def train(ranks, data_dir, log_dir, *extra, timeout=150, check=True):
-    """Run train.py on `ranks` ranks; returns the CompletedProcess (stdout+stderr as text)."""
+def train(ranks, data_dir, log_dir, *extra, timeout=150, check=True, cpu_bf16=None):
+    """Run train.py on `ranks` ranks; returns the CompletedProcess (stdout+stderr as text).
+
+    ``cpu_bf16``: None (this CPU decides what --use_fp16 is), False (float16 autocast with a
+    GradScaler) or True (bfloat16 autocast, no scaler), forced by tests/amp_train.py."""
     args = train_args(data_dir, log_dir, *extra)
+    if cpu_bf16 is not None:
+        launcher = [] if ranks == 1 else [MPIEXEC, "-n", str(ranks)]
+        return _run([*launcher, PY, AMP_TRAIN, *args], timeout, check=check,
+                    env={"CPU_BF16": str(int(cpu_bf16))})
     if ranks == 1:
         return run_script("train.py", *args, timeout=timeout, check=check)
     return run_mpi(ranks, "train.py", *args, timeout=timeout, check=check)
@@ -182,25 +191,26 @@ def read_sample_indices(log_dir):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize(
-    "ranks,config",
-    [(1, "workers"), (1, "hard"), (2, "hard")],
-    ids=["1rank-plain-2workers", "1rank-lsm-dropout-micro-fp16-2ema",
-         "2ranks-lsm-dropout-micro-fp16-2ema"],
+    "ranks,config,cpu_bf16",
+    [(1, "workers", None), (1, "hard", False), (2, "hard", False), (1, "hard", True)],
+    ids=["1rank-plain-2workers", "1rank-lsm-dropout-micro-fp16scaler-2ema",
+         "2ranks-lsm-dropout-micro-fp16scaler-2ema", "1rank-lsm-dropout-micro-bf16-2ema"],
 )
 def test_a_run_resumed_at_step_5_ends_bitwise_identical_to_a_straight_run_to_10(
-        tmp_path, images, ranks, config):
+        tmp_path, images, ranks, config, cpu_bf16):
     data = images(14)  # 14 images: the epoch boundary falls inside both halves of the run
     # "workers": default flags, data loaded by 2 worker processes (whose start must not touch
-    # the training RNG streams).
+    # the training RNG streams). "hard" with float16 + GradScaler (whose state must be restored)
+    # or bfloat16 autocast without a scaler, whichever this CPU would choose.
     cfg = (HARD if config == "hard" else ["--num_workers", "2"]) + ["--save_interval", "1000"]
     rates = TWO_EMAS if config == "hard" else "0.9999"
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
 
-    train(ranks, data, straight, *cfg, "--max_steps", 10)
-    train(ranks, data, resumed, *cfg, "--max_steps", 5)
+    train(ranks, data, straight, *cfg, "--max_steps", 10, cpu_bf16=cpu_bf16)
+    train(ranks, data, resumed, *cfg, "--max_steps", 5, cpu_bf16=cpu_bf16)
     # One rank: the default (auto-resume from the log dir); two ranks: upstream's explicit path.
     how = [] if ranks == 1 else ["--resume_checkpoint", resumed / "model000005.pt"]
-    out = train(ranks, data, resumed, *cfg, "--max_steps", 10, *how).stdout
+    out = train(ranks, data, resumed, *cfg, "--max_steps", 10, *how, cpu_bf16=cpu_bf16).stdout
     assert resumed_step(out) == 5, out[-3000:]
 
     for d in (straight, resumed):
@@ -210,6 +220,13 @@ def test_a_run_resumed_at_step_5_ends_bitwise_identical_to_a_straight_run_to_10(
         pair = load_pt(straight / name), load_pt(resumed / name)
         diffs += [f"{name}{p}" for p in deep_diff(*pair)]
     assert not diffs, "step-10 files differ (straight vs resumed):\n" + "\n".join(diffs[:40])
+    scaler = [load_pt(d / f"opt{s:06d}.pt")["trainer"]["grad_scaler"]
+              for d, s in ((resumed, 5), (straight, 10))]
+    if cpu_bf16 is False:  # the branch asked for, with a scale that moved after step 5
+        assert "bfloat16 autocast" not in out and None not in scaler, out[-3000:]
+        assert scaler[0]["scale"] != scaler[1]["scale"], scaler
+    elif cpu_bf16:
+        assert "--use_fp16: bfloat16 autocast" in out and scaler == [None, None], out[-3000:]
 
     a, b = progress_rows(straight), progress_rows(resumed)
     assert sorted(a) == list(range(1, 11)), f"straight run logged steps {sorted(a)}"
@@ -538,6 +555,45 @@ def test_keep_checkpoints_2_never_leaves_fewer_than_one_complete_step_on_disk(tm
     assert complete_steps(log_dir, deep=True) == [11, 12]
     leftover = sorted(n for n in top_level_names(log_dir) if step_of(n) not in (None, 11, 12))
     assert not leftover, f"files of pruned steps remain: {leftover}"
+
+
+@pytest.mark.timeout(150)
+def test_keep_checkpoints_1_and_a_kill_9_inside_the_next_save_leave_the_kept_step_resumable(
+        tmp_path, images):
+    """With one step kept, the save of the next step must not remove it before the new step is
+    complete: the job is killed (kill -9) while the new step's last data file is being written
+    (slowly: tests/slow_save_train.py), its other two in place, and the kept step must still
+    verify and resume.
+    (test_save_order checks the order of every removal against the manifests, sync and async.)"""
+    log_dir = tmp_path / "run"
+    cmd = [PY, SLOW_SAVE_TRAIN, *train_args(images(14), log_dir, "--max_steps", KILL_MAX_STEPS,
+                                            "--save_interval", 1, "--keep_checkpoints", 1)]
+    log_path = tmp_path / "train.log"
+    with open(log_path, "w") as log_f:
+        proc = subprocess.Popen([str(c) for c in cmd], cwd=REPO,
+                                env=child_env({"SLOW_SAVE_S": "0.15"}), stdout=log_f,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    try:
+        def writing_the_last_file_of_step_3():  # 2 of its 3 files in place, no manifest yet
+            names = top_level_names(log_dir)
+            return ("manifest000003.json" not in names
+                    and len(names & step_names(3, "0.9999")) == 2)
+        hit = _poll(writing_the_last_file_of_step_3, proc, timeout=90)
+        proc.send_signal(signal.SIGKILL)
+        rc = proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    out = log_path.read_text()
+    assert hit and rc == -signal.SIGKILL, f"exit {rc}:\n{out[-3000:]}"
+    assert complete_steps(log_dir, deep=True) == [2], sorted(top_level_names(log_dir))
+    assert "pruned" in out, out[-3000:]  # step 1 went once step 2 was complete
+
+    out = train(1, images(14), log_dir, "--max_steps", 3, "--save_interval", 1,
+                "--keep_checkpoints", 1).stdout
+    assert resumed_step(out) == 2, out[-3000:]
+    assert complete_steps(log_dir, deep=True) == [3], sorted(top_level_names(log_dir))
 
 
 # ----------------------------------------------------------------------- never overwrite

@@ -253,7 +253,9 @@ def test_an_explicit_file_plans_its_neighbours_from_one_listing(tmp_path, monkey
 def test_an_opt_file_that_cannot_be_read_stops_the_resume_instead_of_a_fresh_optimizer(
         tmp_path, ranks):
     """The optimizer slot falls back only on content; an I/O error must not cost exact resume,
-    and nothing is moved because of it (not even a newer interrupted save)."""
+    and nothing is moved because of it (not even a newer interrupted save). The fault is a real
+    OSError(EIO) from every read of opt000002.pt on every rank once the resume plan has verified
+    the step (tests/fault_train.py): it hits the optimizer's load, not the plan's checksums."""
     run = tmp_path / "run"
     flags = ["--image_size", "8", "--num_channels", "32", "--num_res_blocks", "1",
              "--attention_resolutions", "", "--diffusion_steps", "20", "--noise_schedule",
@@ -265,21 +267,17 @@ def test_an_opt_file_that_cannot_be_read_stops_the_resume_instead_of_a_fresh_opt
     before = _snapshot(run)
     launcher = [] if ranks == 1 else [MPIEXEC, "-n", str(ranks)]
     proc = subprocess.run(
-        [*launcher, sys.executable, "-c", (
-            "import errno, os, sys; sys.path.insert(0, 'scripts');"
-            "import blobfile as bf; real = bf.BlobFile\n"
-            "def blob_file(p, *a, **k):\n"
-            "    if os.path.basename(str(p)) == 'opt000002.pt':\n"
-            "        raise OSError(errno.EIO, 'Input/output error')\n"
-            "    return real(p, *a, **k)\n"
-            "bf.BlobFile = blob_file\n"
-            "import train; sys.exit(train.main(sys.argv[1:]))"),
-         *flags, "--data_dir", str(images), "--log_dir", str(run), "--max_steps", "4"],
-        cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=180)
+        [*launcher, sys.executable, REPO / "tests" / "fault_train.py", *flags,
+         "--data_dir", str(images), "--log_dir", str(run), "--max_steps", "4"],
+        cwd=REPO, env=child_env({"FAULT_EIO_READ": "opt000002.pt"}), capture_output=True,
+        text=True, timeout=180)
     out = proc.stdout + proc.stderr
+    assert "auto-resume: newest complete step in" in out, out  # the plan chose step 2 ...
+    assert "fault_train: EIO reading opt000002.pt" in out, out  # ... then its load failed
     assert proc.returncode == 1, out
     errors = [ln for ln in out.splitlines() if ln.startswith("error:")]
-    assert len(errors) == 1 and "opt000002.pt" in errors[0] and "Errno 5" in errors[0], out
+    assert len(errors) == 1, out
+    assert "opt000002.pt: cannot read" in errors[0] and "Errno 5" in errors[0], out
     assert "fresh optimizer" not in out and "Traceback" not in out, out
     after = _snapshot(run)
     assert {k: v for k, v in after.items() if k not in ("log.txt", "progress.csv")} == \

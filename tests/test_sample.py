@@ -2,6 +2,7 @@
 import numpy as np
 import pytest
 import torch as th
+from PIL import Image
 
 from conftest import FIXTURES, run_mpi, run_script
 from improved_diffusion import sampling
@@ -163,7 +164,11 @@ def test_super_res_trains_and_upsamples_base_samples(tiny_run, tmp_path):
                "--large_size", "8", "--small_size", "4", "--num_channels", "32",
                "--num_res_blocks", "1", "--channel_mult", "1,2", "--attention_resolutions", "",
                "--diffusion_steps", "10", "--noise_schedule", "cosine", "--batch_size", "2",
-               "--max_steps", "1", timeout=90)
+               "--max_steps", "1", "--sample_interval", "5", "--sample_steps", "2",
+               "--sample_count", "3", timeout=90)
+    # the end's grid: upsampled from the first 3 images of --data_dir at --small_size
+    with Image.open(tmp_path / "sr" / "samples" / "grid_000001.png") as grid:
+        assert grid.size == (3 * 64 + 4 * 4, 64 + 2 * 4)  # 8 pixels scaled up 8 times, padded
     base = tmp_path / "base.npz"
     np.savez(base, np.zeros((3, 4, 4, 3), np.uint8))
     run_script("super_res_sample.py", "--model_path", tmp_path / "sr" / "model000001.pt",

@@ -28,7 +28,8 @@ UPSTREAM_DEFAULTS = dict(
 )
 NEW_DEFAULTS = dict(
     num_head_channels=-1, resblock_updown=False, use_new_attention_order=False, channel_mult="",
-    num_classes=1000,
+    num_classes=1000, class_dropout_prob=0.0, arch="unet", in_channels=3, dit_depth=0,
+    dit_hidden_size=0, dit_num_heads=0,
 )
 TINY = dict(image_size=8, num_channels=32, num_res_blocks=1, attention_resolutions="4",
             diffusion_steps=100)

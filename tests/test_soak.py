@@ -290,7 +290,7 @@ def test_cycles_of_random_kills_and_preemptions_keep_disk_bounded_and_end_like_a
 
 
 FD_RSS_CODE = textwrap.dedent("""
-    import json, os, runpy, signal, sys
+    import dataclasses, json, os, runpy, signal, sys
     train = runpy.run_path({train!r})
     from improved_diffusion import train_job  # (train.py put the repo on sys.path)
     cycles, argv = {cycles}, {argv!r}
@@ -315,7 +315,7 @@ FD_RSS_CODE = textwrap.dedent("""
         train_job.check_train_args(args)
         lock = train_job.start_job(args)
         loop = train_job.make_loop(args, train["build"](args))
-        loop.max_steps = loop.resume_step + 2
+        loop.config = dataclasses.replace(loop.config, max_steps=loop.resume_step + 2)
         if cycle % 3 == 2 and loop.rank == 1:  # a preemption signal on one rank, mid-run
             run_step = loop.run_step
 

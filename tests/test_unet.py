@@ -192,6 +192,7 @@ def test_unet_model_signature_keeps_the_shared_contract():
         "attention_resolutions", "dropout", "channel_mult", "conv_resample", "dims",
         "num_classes", "use_checkpoint", "num_heads", "num_head_channels", "num_heads_upsample",
         "use_scale_shift_norm", "resblock_updown", "use_new_attention_order", "use_fp16",
+        "use_null_label",  # ours, last (classifier-free guidance)
     ]
     assert script_util.NUM_CLASSES == 1000
 

@@ -3,6 +3,7 @@
 scripts image_train.py / image_sample.py / image_nll.py with upstream's flags and OPENAI_LOGDIR;
 guided's create_model_and_diffusion(use_fp16=...) and UNetModel.convert_to_fp16/convert_to_fp32.
 """
+import dataclasses
 import inspect
 
 import numpy as np
@@ -43,10 +44,18 @@ def test_trainloop_takes_upstreams_keyword_arguments_and_needs_no_others():
     params = inspect.signature(train_util.TrainLoop.__init__).parameters
     names = [n for n in params if n != "self"]
     assert names[:len(UPSTREAM_TRAINLOOP_KWARGS)] == UPSTREAM_TRAINLOOP_KWARGS
-    ours = names[len(UPSTREAM_TRAINLOOP_KWARGS):]
-    assert {"log_dir", "model_flags", "max_steps", "seed"} <= set(ours)
+    ours = [n for n in names[len(UPSTREAM_TRAINLOOP_KWARGS):]
+            if params[n].kind is not inspect.Parameter.VAR_KEYWORD]
+    assert {"log_dir", "model_flags"} <= set(ours)
     assert all(params[n].default is not inspect.Parameter.empty for n in ours), (
         "an argument of ours without a default breaks upstream-style calls")
+    # Every other setting of ours is a TrainConfig field, taken by name; a misspelt one fails.
+    fields = {f.name for f in dataclasses.fields(train_util.TrainConfig)}
+    assert {"max_steps", "seed", "nan_policy"} <= fields
+    with pytest.raises(TypeError, match="max_stpes"):
+        train_util.TrainLoop(model=None, diffusion=None, data=None, batch_size=1, microbatch=-1,
+                             lr=1e-4, ema_rate="0.9999", log_interval=1, save_interval=1,
+                             resume_checkpoint="", max_stpes=3)
 
 
 class CountingLoop(train_util.TrainLoop):
@@ -79,7 +88,7 @@ def test_an_upstream_style_trainloop_saves_into_the_logger_dir_and_resumes_from_
             resume_checkpoint="", use_fp16=False, fp16_scale_growth=1e-3,
             schedule_sampler=None, weight_decay=0.0, lr_anneal_steps=2,
         )
-        assert loop.log_dir == str(log)
+        assert loop.config.checkpoint.log_dir == str(log)
         start = [p.detach().clone() for p in model.parameters()]
         assert loop.run_loop() == 0
         assert CountingLoop.calls == ["optimize_normal", "log_step"] * 2

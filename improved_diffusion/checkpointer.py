@@ -1,0 +1,882 @@
+"""
+The one owner of a run's checkpoint state: the resume and the save, for any loop and any model.
+
+A training loop hands the checkpointer what it trains and calls it a few times; it holds no
+checkpoint code of its own::
+
+    with Checkpointer(CheckpointConfig.from_flags(args), model=model, optimizer=opt,
+                      emas={"0.9999": ema_params}, data=loader, batch_size=args.batch_size,
+                      seed=args.seed, states={"schedule_sampler": sampler}) as ckpt:
+        step = ckpt.resume()                   # 0 on a fresh start
+        with ckpt.watch_signals():             # SIGTERM/SIGUSR1 on any rank: save, then stop
+            while step < max_steps:
+                ckpt.step_begins()
+                ...one optimizer step...
+                step += 1
+                if ckpt.step_ends(step):       # saves every save_interval; True: preempted
+                    return PREEMPTED_EXIT_CODE #   and saved: requeue the job on exit 75
+        ckpt.save(step, wait=True)             # the final step, complete on disk
+                                               # leaving the block waits for the last save
+
+Every method that takes part in it is collective: call it from all ranks, in the same order, with
+the same arguments (docs/ARCHITECTURE.md, "Distributed rules"). What it knows nothing of: the loss,
+the model's kind, diffusion. What it is given:
+
+- ``model``: the bare module (no DDP or torch.compile wrapper). Its whole state dict is saved
+  (parameters and buffers: BatchNorm statistics, frozen parameters such as DiT's pos_embed) as on
+  rank 0; DDP broadcasts rank 0's buffers at every forward, so rank 0's are the run's.
+- ``optimizer``: any torch optimizer over the model's parameters. Its state is saved keyed by
+  parameter name (optim_state.py) and follows each name into whatever param group it sits in on
+  resume; the groups' hyperparameters are the run's (built from its flags), not the file's.
+- ``emas``: {rate string: [tensor, ...] in ``model.parameters()`` order} (optional). The EMA files
+  keep upstream's rule: the EMA of the parameters, the buffers of the live model. On resume the
+  tensors are overwritten in place, so the loop's references stay valid.
+- ``data``: the loader (optional). With state_dict()/load_state_dict() (image_datasets's
+  ResumableLoader) its position is restored exactly; a plain iterator (upstream's load_data) is
+  recorded as not restorable and a resume reseeds the RNGs from (seed, step, rank).
+- ``states``: {name: object with state_dict()/load_state_dict(), or None} for anything else the
+  loop wants back exactly (the timestep sampler, the GradScaler, a user's own counters). A state
+  whose saved dict carries a "name" that differs from the run's (a changed --schedule_sampler) is
+  not restored, with one log line; None means "this run has none" (a GradScaler without
+  --use_fp16). Such an object may also define (each optional):
+  ``save_files(step)`` -> {file name: payload}: files that join the save of ``step`` (called on
+  rank 0; names of a checkpoint kind, checkpoint.name_info; written with the step's other files,
+  listed in its manifest, host-copied for async saves like them); ``finite_tensors()`` ->
+  {label: [tensor]}: checked on every rank before every save with the weights (a NaN/Inf refuses
+  the save, naming the label); ``resume_without_state(step)``: called instead of starting it
+  fresh when the resumed step holds no state for it (raise a UserError to refuse the resume).
+  train_util's post-hoc EMA (phema.RunTracker) is such a state.
+- ``run_flags``: {flag: value} of the settings the training math depends on (--lr, ...). They are
+  recorded, and a resume with other values logs one line for each (``resume: --lr A -> B``).
+- ``model_flags``: the model's flags, stored in every weights file (sampling needs no flags).
+
+What a step S on disk is (docs/checkpoints.md): ``model{S}.pt``, ``ema_{rate}_{S}.pt`` for each
+rate and ``opt{S}.pt`` (the optimizer, plus the trainer state: step, world size, batch sizes,
+seed, the data position, every rank's RNG, each state, the run's training flags, the model
+changes so far), the files the states add (save_files: train.py's post-hoc EMA snapshots),
+then ``manifest{S}.json`` last; a step counts only with its manifest. Rank 0
+alone writes. With ``async_save`` rank 0 copies everything to host memory and a background thread
+writes while training goes on; the files are byte for byte those of a synchronous save.
+
+The resume, in order (``resume()``, or the same in steps through ``begin_resume()`` for a loop
+with upstream's hook names, train_util.TrainLoop):
+
+1. rank 0 lists the log dir once and decides (run_dir.plan_resume): which model file, the EMA and
+   opt files beside it, the steps of --log_dir, leftovers of interrupted saves; every rank gets
+   the same plan;
+2. every rank loads the model file (each reads a local file itself; checkpoint.load_file_collective)
+   and learns its step; a file or run from elsewhere is refused when --log_dir holds a newer
+   complete step;
+3. the EMA and opt files named by the plan; a failed read stops the run on every rank; an opt
+   file whose content is not this optimizer's state (a model state dict in the opt slot, as in
+   the bug this project exists for) falls back to a fresh optimizer with one log line;
+4. the trainer state (data position, RNG, states), then rank 0 moves newer (incomplete) steps to
+   incomplete/ and removes temp files, once every file of the step was read.
+
+A model file that does not fit the model is a one-line error naming the likely flag, unless
+``allow_model_change``: then the model, every EMA and the Adam moments take the tensors whose name
+and shape match (model_change.py), the log shows one summary block, and the next save records
+the change.
+"""
+import contextlib
+import dataclasses
+import os
+import signal
+import time
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
+
+import torch as th
+
+from . import checkpoint, dist_util, logger, model_change, optim_state, rng, run_dir, state_fit
+from .async_save import BackgroundWriter, HostSnapshot, to_host
+from .config_check import by_rank
+from .errors import UsageError, UserError
+from .script_util import same_flag_value
+
+# EX_TEMPFAIL: "try again later". A job script can requeue on it.
+PREEMPTED_EXIT_CODE = 75
+
+PREEMPT_SIGNALS = ("SIGTERM", "SIGUSR1")
+
+# Trainer-state keys of the checkpointer's own; a loop's ``states`` may not use them.
+TRAINER_KEYS = ("step", "world_size", "batch_size", "global_batch", "seed", "data", "rng",
+                "ema_rates", "lr", "flags", "model_changes")
+
+
+class ResumeError(checkpoint.CheckpointError):
+    """A resume that cannot go on (one-line message naming the file or flag)."""
+
+
+class NonFiniteError(UserError):
+    """A NaN/Inf loss, gradient or weight stopped the run (one line naming the step)."""
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """What the checkpointer does, one field per flag (``--name`` of the same name; defaults are
+    script_util.train_defaults()'s, the one home of defaults: see ``from_flags``).
+
+    log_dir: where steps are written and auto-resumed from (a local path or a blobfile URL).
+    resume_checkpoint: "" or "auto" (the newest complete step of log_dir, if any), a model file
+        (modelNNNNNN.pt, an upstream file, a combined dict), or a run directory (its newest
+        complete step).
+    save_interval: save every this many steps (0: only the final and the preemption save).
+    keep_checkpoints: keep the newest N complete steps, deleting older ones after each save
+        (0: keep all).
+    async_save: write in a background thread; training pauses only for the host copy.
+    allow_model_change: a checkpoint that does not fit the model keeps the tensors whose name
+        and shape match and starts the others fresh (else a one-line error).
+    """
+
+    log_dir: str
+    resume_checkpoint: str
+    save_interval: int
+    keep_checkpoints: int
+    async_save: bool
+    allow_model_change: bool
+
+    def __post_init__(self):
+        if not str(self.log_dir or ""):
+            raise UsageError("no log directory: pass --log_dir DIR (or set OPENAI_LOGDIR)")
+        for name in ("save_interval", "keep_checkpoints"):
+            if getattr(self, name) < 0:
+                raise UsageError(f"--{name} must be >= 0 (got {getattr(self, name)})")
+
+    @classmethod
+    def from_flags(cls, flags, **overrides):
+        """The config of ``flags`` (an argparse Namespace or a dict; missing names take
+        script_util.train_defaults()'s values), with ``overrides`` applied."""
+        return _from_flags(cls, flags, overrides)
+
+
+def _from_flags(cls, flags, overrides):
+    from .script_util import train_defaults
+
+    given = dict(vars(flags) if not isinstance(flags, dict) else flags)
+    defaults = train_defaults()
+    values = {}
+    for f in dataclasses.fields(cls):
+        if f.name in overrides:
+            values[f.name] = overrides[f.name]
+        elif f.name in given:
+            values[f.name] = given[f.name]
+        elif f.name in defaults:
+            values[f.name] = defaults[f.name]
+    return cls(**values)
+
+
+class Checkpointer:
+    """The resume and the save of one run (see the module docstring). Collective: construct it
+    on every rank with the same arguments (it does no communication itself)."""
+
+    def __init__(self, config: CheckpointConfig, *, model, optimizer, emas=None, data=None,
+                 batch_size=None, seed=0, states=None, model_flags=None, run_flags=None):
+        self.config = config
+        self.model = model
+        self.optimizer = optimizer
+        self.emas = dict(emas or {})
+        self.data = data
+        self.states = dict(states or {})
+        reserved = set(self.states) & set(TRAINER_KEYS)
+        if reserved:
+            raise ValueError(f"Checkpointer: states may not be named {sorted(reserved)} (the "
+                             f"trainer state's own keys)")
+        self.model_flags = dict(model_flags or {})
+        self.run_flags = dict(run_flags or {})
+        self.seed = int(seed)
+        self.rank = dist_util.get_rank()
+        self.world_size = dist_util.get_world_size()
+        self.batch_size = batch_size
+        self.global_batch = None if batch_size is None else int(batch_size) * self.world_size
+        self.named_params = list(model.named_parameters())
+        self.resume_step = 0
+        self.last_saved_step = None
+        self.model_changes = []  # trainer["model_changes"]: the run's model changes so far
+        self._snapshot = None  # rank 0's HostSnapshot (async saves), made at the first save
+        self._writer = BackgroundWriter()
+        self._save_failure = None  # rank 0: a background save's exception, until raised
+        self._signal = {"set": False, "signal": None}
+        self._flags_pending = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        """Leaving normally waits for the last save (collective); after an error, close(sync=
+        False) (other ranks may be anywhere)."""
+        self.close(sync=exc_type is None)
+
+    # ------------------------------------------------------------------ resume
+
+    def resume(self):
+        """Resume from the plan's step (see the module docstring) or start fresh; returns the
+        step (0 on a fresh start). Collective."""
+        r = self.begin_resume()
+        if r is None:
+            return 0
+        r.load_model()
+        for rate, params in self.emas.items():
+            copy_into(params, r.load_ema(rate))
+        r.load_optimizer()
+        return r.finish()
+
+    def begin_resume(self):
+        """Step 1 of a resume: the plan. Returns a ``Resume`` whose methods do the rest in order
+        (load_model, load_ema for each rate, load_optimizer, finish), or None for a fresh start
+        (temp files of interrupted saves are removed then). Collective."""
+        plan = dist_util.run_on_rank0(
+            lambda: run_dir.plan_resume(self.config.log_dir, self.config.resume_checkpoint))
+        for w in plan.warnings:
+            logger.warn(w)
+        if plan.message:
+            logger.log(plan.message)
+        if plan.model is None:
+            self._tidy(plan, 0)
+            return None
+        return Resume(self, plan)
+
+    def _tidy(self, plan, step):
+        """Rank 0 moves steps newer than ``step`` to incomplete/ and removes temp files of
+        interrupted saves (nothing else writes to this log dir: the job holds its lock).
+        Collective."""
+        moved, removed = dist_util.run_on_rank0(lambda: run_dir.tidy_for_resume(plan, step))
+        if moved:
+            logger.warn(
+                f"warning: moved {len(moved)} file(s) of incomplete step(s) newer than {step} to "
+                f"{checkpoint.join(self.config.log_dir, run_dir.INCOMPLETE_DIR)}: "
+                f"{', '.join(moved[:4])}")
+        if removed:
+            logger.warn(f"warning: removed {len(removed)} temp file(s) of interrupted saves: "
+                        f"{', '.join(removed[:4])}")
+
+    # ------------------------------------------------------------------ the loop's step
+
+    @contextlib.contextmanager
+    def watch_signals(self):
+        """Within: SIGTERM/SIGUSR1 set this rank's preemption flag (read at step boundaries by
+        step_ends/stop_requested); the previous handlers are restored on exit."""
+        self._signal = {"set": False, "signal": None}
+
+        def handler(signum, frame):
+            self._signal["set"] = True
+            self._signal["signal"] = signal.Signals(signum).name
+
+        old = {}
+        for name in PREEMPT_SIGNALS:
+            sig = getattr(signal, name, None)
+            if sig is None:
+                continue
+            try:
+                old[sig] = signal.signal(sig, handler)
+            except ValueError:  # not the main thread
+                pass
+        try:
+            yield self._signal
+        finally:
+            for sig, h in old.items():
+                signal.signal(sig, h)
+
+    # The per-step flags: one all-reduce (MAX) of [preempted, save_failed] per step, launched
+    # at the start of the step (step_begins) and waited for at its end (stop_requested), so no
+    # rank blocks on it while the step runs. All ranks see the same pair after the same step and
+    # act on it together. A signal that arrives during step N is seen at step N+1's launch: the
+    # job saves and stops after step N+1 at the latest.
+
+    def step_begins(self):
+        """Start the exchange of this rank's [preempted, save_failed] flags. Collective."""
+        self._flags_pending = dist_util.any_rank_async(
+            [bool(self._signal["set"]), bool(self._local_save_failed())])
+
+    def stop_requested(self):
+        """Whether a rank was preempted (the same answer on every rank), after the exchange that
+        step_begins started (bounded by --dist_timeout). A failed background save is raised here,
+        on every rank, with rank 0's one line. Collective."""
+        pending, self._flags_pending = self._flags_pending, None
+        if pending is None:
+            raise RuntimeError("Checkpointer.stop_requested: step_begins() was not called")
+        preempted, save_failed = pending.wait()
+        if save_failed:
+            self._raise_save_failed()
+        return preempted
+
+    def step_ends(self, step):
+        """After optimizer step ``step``: save when ``step`` is a multiple of save_interval;
+        then, if a rank was preempted, save ``step`` completely, log it and return True (the
+        loop returns PREEMPTED_EXIT_CODE); else False. Collective."""
+        if self.config.save_interval and step % self.config.save_interval == 0:
+            self.save(step)
+        if self.stop_requested():
+            self.save_for_preemption(step)
+            return True
+        return False
+
+    def save_for_preemption(self, step):
+        """The preemption save: ``step`` complete on disk, one log line naming the signal(s).
+        Returns PREEMPTED_EXIT_CODE. Collective."""
+        names = sorted({n for n in dist_util.all_gather_object(self._signal["signal"]) if n})
+        self.save(step, wait=True)
+        logger.log(f"preempted ({'/'.join(names) or 'signal'} on some rank): saved step {step}; "
+                   f"exiting with code {PREEMPTED_EXIT_CODE}")
+        return PREEMPTED_EXIT_CODE
+
+    # ------------------------------------------------------------------ save
+
+    def save(self, step, wait=False):
+        """Write model, EMA and opt files of ``step`` (the state after that many optimizer
+        steps), manifest last. Collective.
+
+        Every rank checks the weights (a NaN/Inf model or EMA is never written: NonFiniteError)
+        and sends its RNG state to rank 0; rank 0 alone builds the payloads. With async_save,
+        rank 0 copies them to host memory (buffers reused from save to save, pinned on CUDA) and
+        a background thread writes the files and the manifest (run_dir.write_step), then prunes,
+        while training goes on; without it rank 0 writes them now. A save first waits for the
+        one before it, whose failure is raised here on every rank (between saves, the loop
+        raises it at the next step boundary: stop_requested). ``wait``: return only once this
+        save is complete on disk (the final and the preemption save). Each save logs one line:
+        its duration and, when asynchronous, the pause it caused. A step already saved is not
+        written again.
+        """
+        step = int(step)
+        if self.last_saved_step == step:
+            if wait:
+                self.wait_for_save()
+            return
+        began = time.perf_counter()
+        self._refuse_non_finite_weights(step)
+        rngs = dist_util.gather_object(rng.get_rng_state(), dst=0)
+        dist_util.run_on_rank0(lambda: self._save_on_rank0(step, rngs, began, wait))
+        self.last_saved_step = step
+
+    def _save_on_rank0(self, step, rngs, began, wait):
+        """Rank 0's part of save(): wait for the previous save (raising its failure), then write
+        this step now or hand its host copy to the background writer."""
+        self._collect_save(block=True)
+        files = self.step_files(step, rngs)
+        if not self.config.async_save:
+            run_dir.write_step(self.config.log_dir, step, to_host(files))
+            self._log_saved(step, time.perf_counter() - began, None, self._prune())
+            return
+        if self._snapshot is None:
+            self._snapshot = HostSnapshot()
+        files = self._snapshot.copy(files)
+        paused = time.perf_counter() - began
+        self._writer.start(lambda: self._write_in_background(step, files, began, paused))
+        if wait:
+            self._collect_save(block=True)
+
+    def step_files(self, step, rngs):
+        """{file name: payload} of ``step``, with the live tensors (the caller copies them).
+        ``rngs``: every rank's rng.get_rng_state(), by rank. Not collective."""
+        flags = self.model_flags
+        sd = {k: v.detach() for k, v in self.model.state_dict().items()}
+        files = {checkpoint.model_filename(step): checkpoint.model_payload(step, sd, flags)}
+        for rate, params in self.emas.items():
+            ema_sd = {k: v.detach() for k, v in self._params_to_state_dict(params).items()}
+            files[checkpoint.ema_filename(rate, step)] = checkpoint.ema_payload(
+                step, rate, ema_sd, flags)
+        named = optim_state.named_optimizer_state(self.optimizer, self.named_params, copy=False)
+        files[checkpoint.opt_filename(step)] = checkpoint.opt_payload(
+            step, named, self._trainer_state(step, rngs))
+        for name, obj in self.states.items():
+            extra = obj.save_files(step) if hasattr(obj, "save_files") else {}
+            taken = set(extra) & set(files)
+            if taken:
+                raise ValueError(f"Checkpointer: state {name!r} saves files the step already "
+                                 f"has: {sorted(taken)}")
+            files.update(extra)
+        return files
+
+    def _params_to_state_dict(self, params):
+        """The model's state dict with its parameters replaced by ``params`` (upstream's rule for
+        EMA files: EMA parameters, the live model's buffers)."""
+        sd = self.model.state_dict()
+        for (name, _), p in zip(self.named_params, params):
+            sd[name] = p
+        return sd
+
+    def _trainer_state(self, step, rngs):
+        """The "trainer" entry of opt*.pt (docs/checkpoints.md; weights_only-loadable)."""
+        state = {
+            "step": int(step),
+            "world_size": int(self.world_size),
+            "batch_size": None if self.batch_size is None else int(self.batch_size),
+            "global_batch": self.global_batch,
+            "seed": self.seed,
+            "data": _data_state(self.data),
+            "rng": list(rngs),
+            "ema_rates": list(self.emas),
+            "lr": float(self.optimizer.param_groups[0]["lr"]),
+            "flags": dict(self.run_flags),
+            "model_changes": list(self.model_changes),
+        }
+        for name, obj in self.states.items():
+            state[name] = None if obj is None else obj.state_dict()
+        return state
+
+    def _write_in_background(self, step, files, began, paused):
+        """The writer thread's job: the step's files and manifest, then the prune. Returns what
+        the main thread logs (no logging from this thread)."""
+        run_dir.write_step(self.config.log_dir, step, files)
+        return step, time.perf_counter() - began, paused, self._prune()
+
+    def _collect_save(self, block):
+        """Rank 0: log a finished background save and return (step, seconds, pause, log lines);
+        raise its failure (``block``: wait for it, else return None at once when it still
+        runs). A failure already seen by _local_save_failed is raised first. Not collective."""
+        failure, self._save_failure = self._save_failure, None
+        if failure is not None:
+            raise failure
+        outcome = self._writer.wait() if block else self._writer.poll()
+        if outcome is None:
+            return None
+        kind, value = outcome
+        if kind == "failed":
+            raise value
+        self._log_saved(*value)
+        return value
+
+    def _log_saved(self, step, took, paused, prune_lines):
+        pause = "" if paused is None else f" (training paused {paused:.2f} s)"
+        logger.log(f"saved step {step} to {self.config.log_dir} in {took:.2f} s{pause}")
+        for line in prune_lines:
+            logger.log(line)
+
+    def wait_for_save(self):
+        """Wait until the background save (if any) is complete on disk; its failure is raised on
+        every rank. Returns (step, seconds, pause, log lines) of the save that was waited for,
+        or None when none was in flight. Collective."""
+        return dist_util.run_on_rank0(lambda: self._collect_save(block=True))
+
+    def _local_save_failed(self):
+        """This rank's bit for the per-step flags: True on rank 0 once its background write has
+        failed (a finished one is logged here); False on the other ranks and while a write runs.
+        Not collective and costs no wait."""
+        if self.rank != 0 or self._save_failure is not None:
+            return self._save_failure is not None
+        outcome = self._writer.poll()
+        if outcome is not None and outcome[0] == "failed":
+            self._save_failure = outcome[1]  # raised on every rank by _raise_save_failed
+        elif outcome is not None:
+            self._log_saved(*outcome[1])
+        return self._save_failure is not None
+
+    def _raise_save_failed(self):
+        """Raise rank 0's background-save failure on every rank (the same one line; the last
+        complete step on disk stays valid: the failed step left no manifest and no file).
+        Collective."""
+        def rank0():
+            self._collect_save(block=True)  # raises the failure
+            raise RuntimeError("a background save failed on rank 0 (bug: no error kept)")
+        dist_util.run_on_rank0(rank0)
+
+    def close(self, sync=True):
+        """The end of the run: wait for the background save. ``sync=False`` after an error
+        elsewhere (other ranks may be anywhere): rank 0 lets its save end (its files complete or
+        removed, never half-written) and only reports a failure of it. Collective unless
+        sync=False."""
+        if sync:
+            self.wait_for_save()
+            return
+        if self.rank != 0 or not self._writer.busy:
+            return
+        try:
+            self._collect_save(block=True)
+        except Exception as e:  # the error that ends the run is another one: only report this
+            logger.warn(f"warning: the background save also failed: {e}")
+
+    def _refuse_non_finite_weights(self, step):
+        """Raise NonFiniteError (same line on every rank) if the model, an EMA or a state's
+        finite_tensors() hold a NaN/Inf: such a checkpoint is never written. Collective (one
+        all_gather_object)."""
+        found = []
+        n = count_non_finite(self.model.state_dict().values())
+        if n:
+            found.append(f"model: {n} tensor(s)")
+        for rate, params in self.emas.items():
+            n = count_non_finite(params)
+            if n:
+                found.append(f"EMA {rate}: {n} tensor(s)")
+        for obj in self.states.values():
+            for label, tensors in (obj.finite_tensors() if hasattr(obj, "finite_tensors")
+                                   else {}).items():
+                n = count_non_finite(tensors)
+                if n:
+                    found.append(f"{label}: {n} tensor(s)")
+        gathered = dist_util.all_gather_object(", ".join(found))
+        if not any(gathered):
+            return
+        where = (gathered[0] if all(g == gathered[0] for g in gathered)
+                 else by_rank(gathered, show=lambda g: g or "finite"))
+        last = ("no step was saved before" if self.last_saved_step is None
+                else f"the last saved step is {self.last_saved_step}")
+        raise NonFiniteError(
+            f"step {step}: not saved: the weights hold non-finite values ({where}); {last}; "
+            f"resume from a saved step with a lower --lr")
+
+    def _prune(self):
+        """Rank 0, once a save is complete: apply keep_checkpoints. Returns the lines to log
+        (it may run in the writer thread, which does not log)."""
+        keep = self.config.keep_checkpoints
+        if self.rank != 0 or not keep:
+            return []
+        try:
+            deleted = run_dir.prune(self.config.log_dir, keep)
+        except (checkpoint.CheckpointError, OSError) as e:  # a failed delete must not kill a run
+            # that just saved (a bug still raises)
+            return [f"warning: --keep_checkpoints {keep}: prune failed: {e}"]
+        return [f"pruned {len(deleted)} old checkpoint file(s)"] if deleted else []
+
+
+def saved_model_flags(log_dir, resume_checkpoint=""):
+    """The model flags stored in the file a resume of ``log_dir`` (with ``resume_checkpoint``)
+    would most likely start from, read without its tensors; None for a fresh start or a file that
+    stores none (run_dir.likely_resume_model, checkpoint.read_flags). For what must be known
+    before the model is built, e.g. the class count of a class-conditional resume. Collective
+    (rank 0 reads; every rank gets the same answer)."""
+    def peek():
+        path = run_dir.likely_resume_model(log_dir, resume_checkpoint)
+        return None if path is None else checkpoint.read_flags(path)
+    return dist_util.run_on_rank0(peek)
+
+
+class Resume:
+    """A resume in progress (made by Checkpointer.begin_resume): call ``load_model()``, then
+    ``load_ema(rate)`` for each rate, ``load_optimizer()``, and ``finish()``, in this order, on
+    every rank. Each step records here what it learned for the next ones (plain attributes)."""
+
+    def __init__(self, ckpt, plan):
+        self.ckpt = ckpt
+        self.plan = plan  # run_dir.ResumePlan
+        self.model_file = None  # checkpoint.CkptFile of the model file
+        self.step: Optional[int] = None
+        self.file_shapes: Dict[str, Any] = {}  # the model file's {name: shape}
+        self.change: Optional[model_change.ModelChange] = None  # set when the model changed
+        self.ema_loaded: List[str] = []
+        self.trainer: Optional[dict] = None
+        self.opt_note = ""
+        self.opt_summary = ""
+        self.regrouped: Dict[str, Any] = {}
+
+    def load_model(self):
+        """Load the model weights of the resume step into the model; returns the step.
+        Strict: a file that does not fit is a one-line error naming the likely flag, unless
+        allow_model_change (then the tensors whose name and shape match are taken, the others
+        keep the fresh model's initialisation). A file or run from elsewhere is refused when
+        --log_dir holds a newer complete step. Collective."""
+        ckpt, path = self.ckpt, self.plan.model
+        c = checkpoint.load_file_collective(path)
+        if c.kind not in ("model", "combined"):
+            raise ResumeError(f"--resume_checkpoint {path}: holds {checkpoint.describe(c)}, not "
+                              f"model weights; pass a model file (modelNNNNNN.pt)")
+        sd = checkpoint.model_state_from(c, want="model")  # prefixes already stripped
+        if not sd:
+            raise ResumeError(f"--resume_checkpoint {path}: no model weights found in the file")
+        self.model_file = c
+        mine = ckpt.model.state_dict()
+        self.file_shapes = state_fit.shapes_of(sd)
+        fit = state_fit.fit_state_dict(state_fit.shapes_of(mine), self.file_shapes, c.flags,
+                                       ckpt.model_flags)
+        if fit.ok:
+            ckpt.model.load_state_dict(sd, strict=True)
+        elif not ckpt.config.allow_model_change:
+            raise ResumeError(misfit_message(path, fit))
+        else:
+            self.change = model_change.plan_change(
+                state_fit.shapes_of(mine), self.file_shapes, c.flags, ckpt.model_flags)
+            ckpt.model.load_state_dict(model_change.take_matching(mine, sd), strict=True)
+        self.step = c.step if c.step is not None else checkpoint.parse_step(path)
+        if self.change is not None:
+            self.change.step = self.step
+        for note in c.notes:
+            logger.log(f"note: {checkpoint.basename(path)}: {note}")
+        changed = state_fit.differing_flags(c.flags, ckpt.model_flags)
+        if changed and self.change is None:  # a model change lists them in its summary block
+            logger.log("note: flags differ from the checkpoint's: " + ", ".join(
+                f"--{k} {a} -> {b}" for k, (a, b) in changed.items()))
+        if not (self.plan.source == "auto" and self.plan.in_log_dir):  # from elsewhere
+            run_dir.refuse_overwrite(self.plan, self.step)  # never over --log_dir's history
+        return self.step
+
+    def load_ema(self, rate):
+        """The EMA parameters of ``rate`` for the resume step, a list of tensors in
+        ``model.parameters()`` order: from the EMA file beside the model file (or a combined
+        dict's EMA entry), else a copy of the (loaded) model weights with one warning.
+        Collective."""
+        rate_str = str(float(rate))
+        path = self.plan.files_of(self.step)["ema"].get(rate_str)
+        c = self.model_file
+        if path is None and c.kind == "combined":
+            sd = checkpoint.combined_ema_or_none(c)
+            if sd is not None:
+                self.ema_loaded.append(f"{checkpoint.basename(str(c.path))}[ema]")
+                return self._params_from(sd, c.path, c.flags)
+        if path is None:
+            logger.warn(f"no EMA file for rate {rate_str} beside {c.path}; EMA starts from the "
+                        f"model weights")
+            return [p.detach().clone() for _, p in self.ckpt.named_params]
+        ema = checkpoint.load_file_collective(path)
+        sd = checkpoint.model_state_from(ema, want="ema")
+        if not sd:
+            raise ResumeError(f"{path}: holds {checkpoint.describe(ema)}, not EMA weights; "
+                              f"delete it or resume from another step")
+        self.ema_loaded.append(checkpoint.basename(str(path)))
+        return self._params_from(sd, path, ema.flags)
+
+    def _params_from(self, sd, path, flags):
+        """[tensor] in parameter order from a state dict (prefixes stripped; checked like the
+        model's). With a model change, each parameter whose name and shape match is the file's,
+        the others the model's current value (the fresh initialisation of new tensors)."""
+        ckpt = self.ckpt
+        mine = dict(ckpt.named_params)
+        if self.change is not None:
+            ema_change = model_change.plan_change(
+                state_fit.shapes_of(mine), state_fit.shapes_of(sd))
+            model_params = set(mine)
+            if (set(ema_change.new), set(ema_change.reshaped)) != (
+                    set(self.change.new) & model_params,
+                    set(self.change.reshaped) & model_params):
+                self.change.notes.append(f"{checkpoint.basename(path)}: {ema_change.counts()} "
+                                         f"parameter(s), unlike the model file")
+            sd = model_change.take_matching(mine, sd)
+        else:
+            want = state_fit.shapes_of(mine)
+            have = state_fit.shapes_of({k: v for k, v in sd.items() if k in want})
+            fit = state_fit.fit_state_dict(want, have, flags, ckpt.model_flags)
+            if not fit.ok:
+                raise ResumeError(misfit_message(path, fit))
+        return [sd[n].detach().to(device=p.device, dtype=p.dtype).clone()
+                for n, p in ckpt.named_params]
+
+    def load_optimizer(self):
+        """Load the optimizer state of the resume step, validated as a whole before the
+        optimizer is touched, or leave the optimizer fresh with one warning line when the file's
+        content is not this optimizer's state. A failed read is never such a reason: it stops
+        the run. Every rank reads the same bytes, so the decision is the same everywhere
+        (checked with an all-gather). Collective."""
+        ckpt, c = self.ckpt, self.model_file
+        opt_path = self.plan.files_of(self.step)["opt"]
+        trainer, ok, why, report = None, False, None, None
+        if opt_path is None and c is not None and c.optimizer is not None:
+            opt_path = c.path  # a combined dict with an optimizer entry
+        if opt_path is None:
+            why = "no optimizer file beside the model file"
+        else:
+            try:
+                f = (c if c is not None and opt_path == c.path
+                     else checkpoint.load_file_collective(opt_path))
+                payload = f.optimizer
+                if payload is None:
+                    raise optim_state.OptimizerStateError(
+                        f"{opt_path}: holds {checkpoint.describe(f)}, not optimizer state")
+                if self.change is not None:  # upstream's index-keyed moments: by the file's names
+                    buffers = dict(ckpt.model.named_buffers())
+                    payload = model_change.optimizer_by_name(
+                        payload, [(n, s) for n, s in self.file_shapes.items() if n not in buffers],
+                        source=str(opt_path))
+                report = optim_state.load_optimizer_state(
+                    ckpt.optimizer, payload, ckpt.named_params, source=str(opt_path),
+                    hyperparams="current")
+                if self.change is None:  # else the line is part of the change's summary block
+                    logger.log(report.summary())
+                self.regrouped = report.regrouped
+                trainer, ok = f.trainer, True
+            except checkpoint.CheckpointReadError:
+                raise  # a failed read is never a reason to drop the optimizer state
+            except (optim_state.OptimizerStateError, checkpoint.CheckpointError) as e:
+                why = str(e)  # content: the explained fallback below
+        decisions = dist_util.all_gather_object(ok)
+        if len(set(decisions)) != 1:
+            raise RuntimeError(
+                f"ranks disagree on loading {opt_path} (per rank: {decisions}); this is a bug")
+        if not ok:
+            logger.warn(f"warning: {why}; continuing with a fresh optimizer")
+        self.trainer = trainer
+        self.opt_note = checkpoint.basename(str(opt_path)) if ok else "fresh optimizer"
+        self.opt_summary = (model_change.moments_text(report, self.opt_note) if ok
+                            else f"fresh optimizer ({why})")
+
+    def finish(self):
+        """Restore the trainer state (data position, RNG, states), log the model change, tidy
+        the log dir (only once every file of the step was read); returns the step. Collective."""
+        ckpt, step = self.ckpt, self.step
+        ckpt.resume_step = step
+        _restore_trainer_state(ckpt, self.trainer, step)
+        self._record_model_change()
+        ckpt._tidy(self.plan, step)
+        ckpt.last_saved_step = step if self.plan.in_log_dir else None
+        logger.log(f"resumed at step {step} from {self.plan.model} "
+                   f"(ema: {', '.join(self.ema_loaded) or 'none'}; opt: {self.opt_note})")
+        return step
+
+    def _record_model_change(self):
+        """Log the model change's summary block (or the param groups that changed alone) and
+        keep the file's change history plus this change for the next save's trainer state."""
+        history = (self.trainer or {}).get("model_changes")
+        self.ckpt.model_changes = list(history) if isinstance(history, list) else []
+        if self.change is None:
+            if self.regrouped:
+                logger.log("optimizer: " + model_change.regrouped_text(self.regrouped))
+            return
+        self.change.optimizer, self.change.regrouped = self.opt_summary, self.regrouped
+        for line in self.change.lines():
+            logger.log(line)
+        self.ckpt.model_changes.append(self.change.record())
+
+
+# ---------------------------------------------------------------------- the trainer state
+
+
+def _restore_trainer_state(ckpt, trainer, step):
+    """Data position, RNG and states from the trainer dict (or guesses when there is none).
+    Collective (the RNG notes are gathered to rank 0's log)."""
+    if not trainer or set(trainer) <= {"model_changes"}:  # e.g. `ckpt.py adapt` of upstream's
+        position = step * (ckpt.global_batch or 0)
+        _load_data_state(ckpt, _guess_data_state(ckpt.data, position), step)
+        logger.log(
+            f"no usable trainer state (an upstream file, or an opt file that fell back): data "
+            f"position set to step*global_batch = {position}, RNG reseeded from "
+            f"(seed={ckpt.seed}, step={step}, rank)")
+        rng.seed_rngs(ckpt.seed, step, ckpt.rank)
+        for obj in ckpt.states.values():  # the others keep their fresh state, as always
+            if hasattr(obj, "resume_without_state"):
+                obj.resume_without_state(step)
+        return
+    _log_changes(ckpt, trainer)
+    data_state = trainer.get("data")
+    if not isinstance(data_state, dict) or "position" not in data_state:
+        data_state = _guess_data_state(ckpt.data, step * (ckpt.global_batch or 0))
+        if _restorable(ckpt.data):
+            logger.log(f"no data position in the checkpoint: assuming {data_state['position']}")
+    reseed = not _load_data_state(ckpt, data_state, step)
+    _restore_rng(ckpt, trainer.get("rng"), trainer.get("world_size"), step)
+    for name, obj in ckpt.states.items():
+        _restore_state(name, obj, trainer.get(name), step)
+    if reseed:
+        rng.seed_rngs(ckpt.seed, step, ckpt.rank)
+
+
+def _load_data_state(ckpt, state, step):
+    """Restore the data position; returns False for data without load_state_dict (a plain
+    iterator, which cannot be put back: noted once, and the caller reseeds the RNGs)."""
+    if ckpt.data is None:
+        return True
+    if _restorable(ckpt.data):
+        ckpt.data.load_state_dict(state)
+        return True
+    logger.log(
+        f"resume: the data ({type(ckpt.data).__name__}, no load_state_dict) cannot be put back at "
+        f"its saved position exactly; it goes on from where the iterator is, with the RNGs "
+        f"reseeded from (seed={ckpt.seed}, step={step}, rank)")
+    return False
+
+
+def _log_changes(ckpt, trainer):
+    """One log line for each setting that differs from the checkpoint's: world size and batch,
+    --seed, --ema_rate, and each of the run_flags that the file recorded (trainer["flags"])."""
+    old_ws, old_gb = trainer.get("world_size"), trainer.get("global_batch")
+    if old_ws != ckpt.world_size or old_gb != ckpt.global_batch:
+        logger.log(
+            f"resume: world size {old_ws} -> {ckpt.world_size}, global batch size "
+            f"{old_gb} -> {ckpt.global_batch} (per-rank batch {trainer.get('batch_size')} -> "
+            f"{ckpt.batch_size}); the data position is global and continues")
+    if trainer.get("seed") is not None and trainer.get("seed") != ckpt.seed:
+        logger.log(f"resume: --seed {trainer.get('seed')} -> {ckpt.seed}")
+    old_rates = trainer.get("ema_rates")
+    if old_rates is not None and list(old_rates) != list(ckpt.emas):
+        logger.log(f"resume: --ema_rate {','.join(old_rates)} -> {','.join(ckpt.emas)}")
+    old_flags = trainer.get("flags") if isinstance(trainer.get("flags"), dict) else {}
+    for k, v in ckpt.run_flags.items():
+        if k in old_flags and not same_flag_value(old_flags[k], v):
+            logger.log(f"resume: --{k} {old_flags[k]} -> {v}")
+
+
+def _restore_rng(ckpt, rngs, old_world_size, step):
+    """Each rank's own RNG state back, when the world size is the same; else reseed from
+    (seed, step, rank) with one line. A generator that could not be restored (the CUDA one on
+    another device layout) is logged with its rank."""
+    if rngs and old_world_size == ckpt.world_size and len(rngs) == ckpt.world_size:
+        note = rng.set_rng_state(rngs[ckpt.rank])
+    else:
+        rng.seed_rngs(ckpt.seed, step, ckpt.rank)
+        logger.log(f"resume: world size changed ({old_world_size} -> {ckpt.world_size}); RNG "
+                   f"reseeded from (seed={ckpt.seed}, step={step}, rank)")
+        note = None
+    notes = dist_util.all_gather_object(note)
+    for r, n in enumerate(notes):
+        if n:
+            logger.log(f"resume: rank {r}: {n}")
+
+
+def _restore_state(name, obj, saved, step):
+    """One of the loop's states back from its saved dict, or a log line saying why not (a state
+    with resume_without_state decides itself when the step holds none)."""
+    if obj is None:
+        if saved:
+            logger.log(f"resume: the checkpoint holds {name} state, which this run does not use")
+        return
+    if not saved:
+        if hasattr(obj, "resume_without_state"):
+            obj.resume_without_state(step)
+            return
+        logger.log(f"resume: no {name} state in the checkpoint; it starts fresh")
+        return
+    mine = obj.state_dict()
+    if (isinstance(saved, dict) and isinstance(mine, dict) and saved.get("name") is not None
+            and saved.get("name") != mine.get("name")):
+        logger.log(f"resume: {name} changed ({saved.get('name')} -> {mine.get('name')}); its "
+                   f"saved state is not used")
+        return
+    obj.load_state_dict(saved)
+
+
+def _guess_data_state(loader, position):
+    sd = dict(loader.state_dict()) if _restorable(loader) else {}
+    sd["position"] = int(position)
+    return sd
+
+
+def _restorable(data):
+    """Whether ``data`` can save and restore its position (a ResumableLoader can; upstream's
+    load_data generator, or any plain iterator, cannot)."""
+    return callable(getattr(data, "state_dict", None)) and callable(
+        getattr(data, "load_state_dict", None))
+
+
+def _data_state(data):
+    """The data's state_dict() for the trainer dict, or, for a plain iterator, a record that its
+    position cannot be restored ({"restorable": False, "iterator": type name}: no "position")."""
+    if data is None:
+        return None
+    if _restorable(data):
+        return data.state_dict()
+    return {"restorable": False, "iterator": type(data).__name__}
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def copy_into(targets, values):
+    """Copy each of ``values`` into the tensor of ``targets`` at the same index, in place."""
+    with th.no_grad():
+        for t, v in zip(targets, values):
+            t.copy_(v)
+
+
+def count_non_finite(tensors):
+    """How many floating-point tensors among ``tensors`` hold a NaN or Inf (one device sync).
+
+    A tensor's min and max are both finite exactly when all its values are (a NaN makes both
+    NaN): one pass per tensor without a temporary (isfinite().all() writes a bool tensor as large
+    as the weights, then reads it)."""
+    ends = [th.stack(th.aminmax(t.detach())).double() for t in tensors
+            if t.is_floating_point() and t.numel()]
+    return int((~th.stack(ends).isfinite().all(dim=1)).sum()) if ends else 0
+
+
+def misfit_message(path, fit):
+    """The one line of a resume whose weights do not fit the model (a state_fit.Fit)."""
+    flag = fit.likely_flags[0] if fit.likely_flags else "the model flags"
+    return (f"{path}: weights do not fit the model built from the flags ({fit.summary()}); "
+            f"check {flag}, or pass --allow_model_change True to keep the tensors that match "
+            f"and start the others fresh")
