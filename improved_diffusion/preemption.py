@@ -15,9 +15,10 @@ still ends the process as it would). The job then goes through three phases:
   waiting for a rank that does not come, a collective with a rank that left, a long read) is
   ended by a watcher thread ``HARD_EXIT_S`` seconds after the signal: the same line, exit 75, at
   once (``os._exit``: nothing is written, and the kernel drops the lock).
-* **training** (``TrainLoop.run_loop``, through ``training()``): a signal sets the flag that the
-  loop reads at a step boundary (all ranks agree, a complete save, then 75). Later signals only
-  set it again, so a second signal during the preemption save does not cut it short.
+* **training** (``Checkpointer.watch_signals``, through ``training()``): a signal sets the flag
+  that the loop reads at a step boundary (all ranks agree, a complete save, then 75). Later
+  signals only set it again, so a second signal during the preemption save does not cut it
+  short.
 * **finishing** (after the loop: closing, taking down the process group, releasing the lock):
   signals are recorded and ignored; the job ends with the loop's exit code.
 
@@ -27,8 +28,9 @@ rank, and exits with the ranks' code: 75, also when one rank exits 75 and hydra 
 worker that exits alone makes it stop the other workers (with SIGTERM) and, while
 ``--max_restarts`` allows, start them again.
 
-Without ``install()`` (a TrainLoop in a user's own process), ``training()`` installs the flag
-handlers for the loop alone and restores the previous ones after it, as before this module.
+Without ``install()`` (a user's own loop on the checkpointer, examples/own_loop.py, or a TrainLoop
+in a user's process), ``training()`` installs the flag handlers for the loop alone and restores
+the previous ones after it: such a loop is preemptible inside its ``watch_signals`` block.
 
 This module imports nothing heavy at import time (no torch), so that scripts can install it first.
 """
@@ -64,7 +66,7 @@ class Preempted(BaseException):
 
 class _State:
     def __init__(self):
-        self.flag = {"set": False, "signal": None}  # what TrainLoop reads (train_util)
+        self.flag = {"set": False, "signal": None}  # the loop reads it (Checkpointer.watch_signals)
         self.phase = STARTING
         self.installed = False
         self.deadline = None  # watcher: when to end a rank still starting, after a signal
