@@ -142,8 +142,8 @@ def setup_dist(backend=None, *, timeout=DEFAULT_TIMEOUT_S):
     launcher with size > 1 -> TCP store rendezvous (host/port broadcast over MPI, see the module
     docstring); else nothing (single process, no process group). ``timeout`` (seconds, or a
     timedelta) bounds the rendezvous and every later collective, so a rank that never arrives or
-    dies fails the job instead of hanging it. Raises ``RendezvousError`` (the same one line on every rank) when the
-    ranks cannot meet. Starts this rank's heartbeat (see ``diagnose_failure``).
+    dies fails the job instead of hanging it. Raises ``RendezvousError`` (the same one line on
+    every rank) when the ranks cannot meet. Starts this rank's heartbeat (see ``diagnose_failure``).
 
     Collective: call from all ranks with the same arguments.
     """

@@ -147,7 +147,8 @@ def assert_preempted_before_training(job, rc, launcher):
         assert rc == 75, f"exit {rc}:\n{out[-3000:]}"
     else:
         codes = worker_exit_codes(out)
-        assert rc == 1 and codes and set(codes) == {75}, f"exit {rc}, workers {codes}:\n{out[-3000:]}"
+        assert rc == 1 and codes and set(codes) == {75}, (
+            f"exit {rc}, workers {codes}:\n{out[-3000:]}")
     lines = [ln for ln in out.splitlines() if ln.strip() == BEFORE_TRAINING]
     assert len(lines) == 1, f"{len(lines)} times {BEFORE_TRAINING!r}:\n{out[-3000:]}"
     ours = [f for f in re.findall(r'File "([^"]+)"', out) if f.startswith(str(REPO))]
