@@ -14,7 +14,7 @@ still ends the process as it would). The job then goes through three phases:
   the lock is released). A rank blocked in a call that does not return meanwhile (a rendezvous
   waiting for a rank that does not come, a collective with a rank that left, a long read) is
   ended by a watcher thread ``HARD_EXIT_S`` seconds after the signal: the same line, exit 75, at
-  once (``os._exit``: nothing is written, and the kernel drops the lock).
+  once (``os._exit``: nothing is written; the log dir's lock is released first).
 * **training** (``Checkpointer.watch_signals``, through ``training()``): a signal sets the flag
   that the loop reads at a step boundary (all ranks agree, a complete save, then 75). Later
   signals only set it again, so a second signal during the preemption save does not cut it
@@ -244,9 +244,13 @@ def _watch(read_fd):
 def _hard_exit():
     """End this rank now with EXIT_CODE and the one line (once for the job where the process
     group's store still answers), recording why in its heartbeat state so that a rank whose
-    collective fails on its absence can say so. No cleanup, no log file written."""
+    collective fails on its absence can say so; the log dir's lock is released (its file removed).
+    No other cleanup, no log file written."""
     line = BEFORE_TRAINING
     try:
+        run_lock = sys.modules.get(__package__ + ".run_lock")
+        if run_lock is not None:
+            run_lock.drop_local_locks()
         dist_util = sys.modules.get(__package__ + ".dist_util")
         if dist_util is not None and dist_util.is_distributed():
             dist_util.mark_ending(line, seconds=2.0)

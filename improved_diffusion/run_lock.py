@@ -421,6 +421,20 @@ def _warn(message):
 _FORK_HOLDERS = []  # locks taken in this process: a forked child must forget them
 
 
+def drop_local_locks():
+    """For a process about to end with ``os._exit`` (preemption.py's hard exit, from its watcher
+    thread): release each local lock it holds, its ``.lock`` file removed as ``release()`` does,
+    so that the log dir is left as it was (the kernel would drop the flock, but not the file). A
+    remote lock is left to go stale (no store call on the way out). Never raises. Not
+    collective."""
+    for lock in list(_FORK_HOLDERS):
+        if lock._fd is not None:
+            try:
+                lock._release_flock()
+            except OSError:
+                pass
+
+
 def _forget_in_forked_children(lock):
     if not _FORK_HOLDERS:
         os.register_at_fork(after_in_child=lambda: [h._forget_in_child() for h in _FORK_HOLDERS])
@@ -438,8 +452,8 @@ def acquire_for_job(log_dir, wait_s=DEFAULT_WAIT_S, heartbeat_s=DEFAULT_HEARTBEA
     Take ``log_dir``'s lock on rank 0, waiting up to ``wait_s`` seconds; returns a ``LogDirLock``
     on every rank (held on rank 0 only; ``release()`` is safe everywhere). If rank 0 cannot take
     it, every rank raises the same ``LogDirLockedError`` having touched nothing. The other ranks
-    wait for rank 0 in a broadcast per slice of ``_JOB_SLICE_S`` seconds, so ``wait_s`` may exceed the
-    process group's timeout; after each slice, a preemption signal on any rank ends the wait on
+    wait for rank 0 in a broadcast per slice of ``_JOB_SLICE_S`` seconds, so ``wait_s`` may
+    exceed the process group's timeout; after each slice, a preemption signal on any rank ends the wait on
     every rank (``preemption.check``). A log dir this process cannot write raises
     ``LogDirNotWritableError`` on every rank, before anything is created.
 

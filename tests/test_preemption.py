@@ -246,7 +246,7 @@ def saved_run(tmp_path_factory, images):
 @pytest.mark.parametrize("launcher,target,sig,slow", [
     ("mpiexec", 1, signal.SIGUSR1, {"FAULT_SLOW_LOAD_S": "0.7"}),
     # rank 1 waits for rank 0's slow read inside a collective: its watcher ends it after 1 s;
-    # torchrun then stops rank 0, whose next collective fails, and it ends with 75 as well
+    # torchrun then stops rank 0 with SIGTERM, still reading: its watcher ends it with 75 too
     ("torchrun", 1, signal.SIGTERM, {"FAULT_SLOW_LOAD_S": "4", "FAULT_SLOW_LOAD_RANK": "0",
                                      "FAULT_HARD_EXIT_S": "1"}),
 ], ids=["mpiexec-sigusr1-to-rank1", "torchrun-rank1-stuck-in-a-collective"])
@@ -262,8 +262,9 @@ def test_a_signal_while_the_checkpoint_loads_ends_the_job_with_75_and_changes_no
     os.kill(job.rank_pids()[target], sig)
     rc = job.end()
     assert_preempted_before_training(job, rc, launcher)
-    assert snapshot(log_dir) == before
-    assert "preempted before training started" in (log_dir / "log.txt").read_text()
+    assert snapshot(log_dir) == before  # the lock's file removed, after a hard exit too
+    if "FAULT_HARD_EXIT_S" not in slow:  # a rank ended by its watcher writes no log file
+        assert "preempted before training started" in (log_dir / "log.txt").read_text()
 
 
 # ------------------------------------------------------------------------- the loop's save
