@@ -187,12 +187,14 @@ def wait_exit(proc, timeout):
     return time.monotonic() - t0
 
 
-def torchrun_one_node(train_args, rdzv="standalone", nproc=2, max_restarts=0, script=DRIVER):
+def torchrun_one_node(train_args, rdzv="standalone", nproc=2, max_restarts=0, script=DRIVER,
+                      launcher_flags=()):
     """The command of a one-node ``torchrun`` job of ``nproc`` workers running ``script`` (the
     fault driver of train.py), with rendezvous ``rdzv``: "standalone" (``--standalone``), "c10d"
-    (``--rdzv_backend c10d`` at a free local port) or "static" (``--master_addr/--master_port``)."""
+    (``--rdzv_backend c10d`` at a free local port) or "static" (``--master_addr/--master_port``);
+    ``launcher_flags``: more of torchrun's own flags."""
     cmd = [TORCHRUN, "--nnodes", "1", "--nproc_per_node", str(nproc),
-           "--max_restarts", str(max_restarts), "--monitor_interval", "0.1"]
+           "--max_restarts", str(max_restarts), "--monitor_interval", "0.1", *launcher_flags]
     if rdzv == "standalone":
         cmd += ["--standalone"]
     elif rdzv == "c10d":

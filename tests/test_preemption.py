@@ -119,10 +119,14 @@ def importing_torch(pid):
         return False
 
 
-def launch(launcher, script, args):
+# docs/CLUSTERS.md's torchrun flags for SLURM's --signal=USR1@...: torchrun forwards SIGUSR1
+SLURM_TORCHRUN = ("--signals_to_handle", "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1")
+
+
+def launch(launcher, script, args, launcher_flags=()):
     if launcher == "mpiexec":
         return [MPIEXEC, "-n", "2", PY, script, *args]
-    return cs.torchrun_one_node(args, "standalone", script=script)
+    return cs.torchrun_one_node(args, "standalone", script=script, launcher_flags=launcher_flags)
 
 
 def snapshot(d):
@@ -139,12 +143,16 @@ def worker_exit_codes(out):
     return [int(c) for c in re.findall(r"exitcode\s*:\s*(-?\d+)", out)]
 
 
-def assert_preempted_before_training(job, rc, launcher):
-    """Exit 75 (mpiexec) or every worker 75 (torchrun, which exits 1 itself), the one line
-    printed once, no traceback of ours, no training."""
+def assert_preempted_before_training(job, rc, launcher, to_launcher=False):
+    """Exit 75 (mpiexec) or every worker 75 (torchrun, which exits 1 itself; signalled itself
+    it lists no worker, only its own traceback), the one line printed once, no traceback of
+    ours, no training."""
     out = job.out
     if launcher == "mpiexec":
         assert rc == 75, f"exit {rc}:\n{out[-3000:]}"
+    elif to_launcher:
+        assert rc == 1 and "death signal, shutting down workers" in out, (
+            f"exit {rc}:\n{out[-3000:]}")
     else:
         codes = worker_exit_codes(out)
         assert rc == 1 and codes and set(codes) == {75}, (
@@ -164,7 +172,9 @@ def assert_preempted_before_training(job, rc, launcher):
     ("mpiexec", "launcher", signal.SIGTERM),
     ("mpiexec", 1, signal.SIGUSR1),
     ("torchrun", 1, signal.SIGTERM),
-], ids=["mpiexec-sigterm-to-mpiexec", "mpiexec-sigusr1-to-rank1", "torchrun-sigterm-to-rank1"])
+    ("torchrun", "launcher", signal.SIGUSR1),  # as SLURM's --signal=USR1@180 does
+], ids=["mpiexec-sigterm-to-mpiexec", "mpiexec-sigusr1-to-rank1", "torchrun-sigterm-to-rank1",
+        "torchrun-sigusr1-to-torchrun"])
 def test_a_requeued_job_waiting_for_its_predecessors_lock_exits_75_when_preempted(
         tmp_path, images, launcher, target, sig):
     log_dir = tmp_path / "run"
@@ -174,12 +184,14 @@ def test_a_requeued_job_waiting_for_its_predecessors_lock_exits_75_when_preempte
     try:
         holder.wait_for_text("HELD")
         before = snapshot(log_dir)
-        job = Job(launch(launcher, TRAIN, [*TINY, "--data_dir", images, "--log_dir", log_dir,
-                                           "--lock_wait", 120]), tmp_path / "job.out")
+        # the watcher out of the way (300 s): the wait's own check must end the job
+        job = Job(launch(launcher, DRIVER, [*TINY, "--data_dir", images, "--log_dir", log_dir,
+                                            "--lock_wait", 120], SLURM_TORCHRUN),
+                  tmp_path / "job.out", env={"FAULT_HARD_EXIT_S": "300"})
         job.wait_for_text(f"log dir {re.escape(str(log_dir))} is in use by pid {holder.proc.pid}")
         os.kill(job.proc.pid if target == "launcher" else job.rank_pids()[target], sig)
         rc = job.end()
-        assert_preempted_before_training(job, rc, launcher)
+        assert_preempted_before_training(job, rc, launcher, to_launcher=target == "launcher")
         assert snapshot(log_dir) == before
     finally:
         holder.kill()
