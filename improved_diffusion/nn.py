@@ -54,15 +54,22 @@ def avg_pool_nd(dims, *args, **kwargs):
 
 
 def update_ema(target_params, source_params, rate=0.99):
-    """Update target parameters to be closer to those of source parameters using an EMA.
+    """Update target parameters to be closer to those of source parameters using an EMA:
+    targ = rate * targ + (1 - rate) * src, in place. Upstream's formula and rounding (the same
+    two operations, mul then add with alpha), each applied to all tensors at once by torch's
+    foreach kernels.
 
     :param target_params: the target parameter sequence (updated in place).
     :param source_params: the source parameter sequence.
     :param rate: the EMA rate (closer to 1 means slower).
     """
+    targets = [t.detach() for t in target_params]
+    sources = [s.detach() for s in source_params]
+    if not targets:
+        return
     with th.no_grad():
-        for targ, src in zip(target_params, source_params):
-            targ.detach().mul_(rate).add_(src.detach(), alpha=1 - rate)
+        th._foreach_mul_(targets, rate)
+        th._foreach_add_(targets, sources, alpha=1 - rate)
 
 
 def zero_module(module):

@@ -347,6 +347,28 @@ def state_from_snapshots(payloads):
             "emas": [[p["state_dict"][n] for n in names] for p in payloads]}
 
 
+def check_flags(stds, interval, save_interval):
+    """--phema_stds / --phema_interval against --save_interval (UsageError naming the flag):
+    snapshots are written with a step's save, so the interval is a multiple of save_interval."""
+    if interval < 0:
+        raise UsageError(f"--phema_interval must be >= 0 (got {interval})")
+    if not str(stds).strip():
+        if interval:
+            raise UsageError(f"--phema_interval {interval}: no post-hoc EMA to snapshot; give "
+                             f"--phema_stds (e.g. 0.05,0.1) or drop --phema_interval")
+        return
+    parse_stds([stds], "--phema_stds")
+    if interval and not save_interval:
+        raise UsageError(f"--phema_interval {interval}: snapshots are written with a step's "
+                         f"save, and --save_interval 0 saves only at the end; give a "
+                         f"--save_interval that divides {interval}, or --phema_interval 0")
+    if interval % (save_interval or 1):
+        raise UsageError(f"--phema_interval {interval}: snapshots are written with a step's "
+                         f"save, so it must be a multiple of --save_interval {save_interval} "
+                         f"(e.g. {save_interval * max(1, round(interval / save_interval))}), "
+                         f"or 0 for every save")
+
+
 class RunTracker:
     """
     The post-hoc EMA of a training run, as its loop and its checkpointer use it: a
@@ -375,6 +397,16 @@ class RunTracker:
         self.tracker = PowerFunctionEMA(model.named_parameters(), stds)
         self.every, self.last_step = int(every), int(last_step)
         self.flags = flags
+
+    def check_resume(self, resuming):
+        """Refuse a resume that changed the model (``resuming``: the checkpointer's Resume):
+        snapshots of two models cannot be combined (PhemaStateError)."""
+        if resuming.change is not None:
+            raise PhemaStateError(
+                f"--allow_model_change with --phema_stds: the model changed at step "
+                f"{resuming.step}, and post-hoc EMA snapshots of two models cannot be "
+                f"combined; resume without --phema_stds (the snapshots so far stay for "
+                f"`ckpt.py phema`), or train the new model in a new --log_dir")
 
     def due(self, step):
         """Whether the save of ``step`` writes snapshots: a multiple of ``every``, or the last

@@ -2,17 +2,25 @@
 (``loss_q0`` .. ``loss_q3``, as the trainer logs them) against the step, on a log scale.
 
 Drawn with PIL alone (no plotting library). Used by ``scripts/plot_progress.py RUN_DIR`` and by
-the demo, which writes ``loss_curve.png`` beside its sample grid.
+the demo, which writes ``loss_curve.png`` beside its sample grid. The steps where the run was
+preempted or resumed (found in its ``log.txt``, ``run_events``) are marked on the curve.
 """
 import csv
 import math
 import os
+import re
 
 from .errors import UserError
 
 QUARTILE_KEYS = ("loss_q0", "loss_q1", "loss_q2", "loss_q3")
 # One colour per quartile (q0: the least noisy timesteps).
 COLOURS = ((31, 119, 180), (255, 127, 14), (44, 160, 44), (214, 39, 40))
+# The dashed vertical line at a preemption or resume step.
+MARK_COLOUR = (148, 103, 189)
+# What the checkpointer logs (checkpointer.py): "preempted (SIGTERM on some rank): saved step 21;
+# ..." and "resumed at step 21 from ...".
+_EVENTS = ((re.compile(r"^preempted \(.*\): saved step (\d+)\b"), "preempted"),
+           (re.compile(r"^resumed at step (\d+)\b"), "resumed"))
 
 
 class PlotError(UserError):
@@ -37,6 +45,23 @@ def read_progress(csv_path, keys=("step",) + QUARTILE_KEYS):
     return out
 
 
+def run_events(log_txt):
+    """[(step, "preempted" | "resumed" | "preempted, resumed")] from a run's log.txt, in step
+    order; [] when the file is missing."""
+    events = {}
+    try:
+        with open(log_txt, errors="replace") as f:
+            lines = f.read().splitlines()
+    except FileNotFoundError:
+        return []
+    for line in lines:
+        for pattern, what in _EVENTS:
+            m = pattern.match(line.strip())
+            if m and what not in events.setdefault(int(m.group(1)), []):
+                events[int(m.group(1))].append(what)
+    return [(step, ", ".join(whats)) for step, whats in sorted(events.items())]
+
+
 def _series(table, keys):
     """{key: sorted [(step, value)]} of the keys with at least one value (last row per step)."""
     series = {}
@@ -50,8 +75,11 @@ def _series(table, keys):
     return series
 
 
-def plot_loss_curve(csv_path, png_path, keys=QUARTILE_KEYS, size=(720, 440)):
+def plot_loss_curve(csv_path, png_path, keys=QUARTILE_KEYS, size=(720, 440), marks=()):
     """Draw ``keys`` of ``csv_path`` against the step (log-scale y) into ``png_path``.
+
+    ``marks``: [(step, label)] drawn as dashed vertical lines with their label and step (e.g.
+    ``run_events(LOG_DIR/log.txt)``); those outside the plotted steps are left out.
 
     :return: the number of steps plotted.
     :raises PlotError: when the file is missing or none of ``keys`` has a value.
@@ -94,6 +122,15 @@ def plot_loss_curve(csv_path, png_path, keys=QUARTILE_KEYS, size=(720, 440)):
     d.text((w // 2 - 14, h - 18), "step", fill=(0, 0, 0))
     d.text((left, 8), f"training loss by timestep quartile (log scale): {csv_path}"[:100],
            fill=(0, 0, 0))
+    for step, label in marks:
+        if not x0 <= step <= x1:
+            continue
+        x, _ = px(step, y0)
+        for y in range(top + 1, h - bottom, 8):
+            d.line([x, y, x, min(y + 4, h - bottom - 1)], fill=MARK_COLOUR, width=2)
+        text = f"{label} at step {step}"
+        tx = x + 5 if x + 5 + d.textlength(text) <= w - right else x - 5 - d.textlength(text)
+        d.text((tx, h - bottom - 16), text, fill=MARK_COLOUR)
     for i, k in enumerate(keys):
         if k not in series:
             continue

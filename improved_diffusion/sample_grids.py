@@ -134,6 +134,21 @@ class SampleGrids:
         self.written = None  # the step of this job's last grid
 
     @classmethod
+    def of_training(cls, config, model, ema_params, diffusion, model_flags, sample_kwargs=None):
+        """The grids of a TrainLoop (``config``: its TrainConfig): of the first EMA (the model's
+        parameters without --ema_rate), labelled by model_flags' classes unless
+        ``sample_kwargs`` gives the model's keyword arguments. Build on every rank."""
+        params, what = ((ema_params[0], f"EMA {config.ema_rates[0]}") if ema_params
+                        else (list(model.parameters()), "model (no --ema_rate)"))
+        return cls(
+            model=model, params=params, what=what, diffusion=diffusion,
+            log_dir=config.checkpoint.log_dir, interval=config.sample_interval,
+            count=config.sample_count, steps=config.sample_steps, seed=config.seed,
+            model_kwargs=sample_kwargs,
+            num_classes=None if sample_kwargs else label_count(model_flags),
+            budget_s=cls.budget_of_job())
+
+    @classmethod
     def budget_of_job(cls):
         """BUDGET_SHARE of the process group's --dist_timeout; None with one rank."""
         timeout = dist_util.timeout_s() if dist_util.get_world_size() > 1 else None

@@ -976,7 +976,7 @@ def str2bool(v):
 
 # ---------------------------------------------------------------------------------------------
 # The command line: one table of every flag's group and meaning (the scripts' --help and the
-# README's flag table are made from it), and the parser every script uses.
+# flag table of docs/flags.md are made from it), and the parser every script uses.
 
 # Groups in the order --help shows them.
 FLAG_GROUPS = ("model", "classifier", "diffusion", "data", "training", "checkpointing",
@@ -1126,7 +1126,7 @@ FLAG_HELP = {
 
 
 def flag_default_text(value):
-    """A default as --help and the README show it: '' for an empty string, else the value."""
+    """A default as --help and docs/flags.md show it: '' for an empty string, else the value."""
     return "''" if value == "" else str(value)
 
 
@@ -1237,7 +1237,7 @@ def explicit_args(parser, argv=None):
 
 
 def flags_markdown(script_defaults):
-    """The README's flag table, grouped as --help groups them: | flag | default | scripts |
+    """The flag table of docs/flags.md, grouped as --help groups them: | flag | default | scripts |
     meaning |. ``script_defaults``: {script name: {flag: default}} of the scripts' parsers; a
     default that differs between scripts is shown per script. Every flag of FLAG_HELP has a row
     (one no script takes yet shows "-")."""

@@ -39,9 +39,10 @@ from .checkpointer import (PREEMPTED_EXIT_CODE, CheckpointConfig, Checkpointer, 
                            ResumeError, _from_flags, copy_into)
 from .config_check import check_config_on_all_ranks, data_fingerprint, show_fingerprint
 from .errors import UsageError
+from .nn import update_ema
 from .resample import LossAwareSampler, UniformSampler
 from .rng import get_rng_state, seed_rngs, set_rng_state
-from .sample_grids import SampleGrids, label_count
+from .sample_grids import SampleGrids
 
 __all__ = ["TrainLoop", "TrainConfig", "PREEMPTED_EXIT_CODE", "NonFiniteError", "ResumeError",
            "seed_rngs", "get_rng_state", "set_rng_state", "update_ema", "parse_ema_rates",
@@ -113,10 +114,7 @@ class TrainConfig:
                 "fp16_scale_growth", "nan_policy")
 
     def __post_init__(self):
-        for name in ("batch_size", "log_interval"):
-            if getattr(self, name) < 1:
-                raise UsageError(f"--{name} must be >= 1 (got {getattr(self, name)})")
-        for name in ("sample_count", "sample_steps"):
+        for name in ("batch_size", "log_interval", "sample_count", "sample_steps"):
             if getattr(self, name) < 1:
                 raise UsageError(f"--{name} must be >= 1 (got {getattr(self, name)})")
         for name in ("max_steps", "lr_anneal_steps", "sample_interval"):
@@ -130,26 +128,7 @@ class TrainConfig:
             raise UsageError("--tensorboard True needs the tensorboard package: "
                              "pip install tensorboard (or the project's extra, "
                              "pip install -e '.[tensorboard]')")
-        self._check_phema()
-
-    def _check_phema(self):
-        every, save = self.phema_interval, self.checkpoint.save_interval
-        if every < 0:
-            raise UsageError(f"--phema_interval must be >= 0 (got {every})")
-        if not str(self.phema_stds).strip():
-            if every:
-                raise UsageError(f"--phema_interval {every}: no post-hoc EMA to snapshot; give "
-                                 f"--phema_stds (e.g. 0.05,0.1) or drop --phema_interval")
-            return
-        phema.parse_stds([self.phema_stds], "--phema_stds")
-        if every and not save:
-            raise UsageError(f"--phema_interval {every}: snapshots are written with a step's "
-                             f"save, and --save_interval 0 saves only at the end; give a "
-                             f"--save_interval that divides {every}, or --phema_interval 0")
-        if every % (save or 1):
-            raise UsageError(f"--phema_interval {every}: snapshots are written with a step's "
-                             f"save, so it must be a multiple of --save_interval {save} (e.g. "
-                             f"{save * max(1, round(every / save))}), or 0 for every save")
+        phema.check_flags(self.phema_stds, self.phema_interval, self.checkpoint.save_interval)
 
     @classmethod
     def from_flags(cls, flags, **overrides):
@@ -284,7 +263,9 @@ class TrainLoop:
             states={"schedule_sampler": self.schedule_sampler, "grad_scaler": self.grad_scaler,
                     "phema": self.phema})
         self._resume()
-        self.grids = self._make_sample_grids(sample_kwargs) if cfg.sample_interval else None
+        self.grids = (SampleGrids.of_training(cfg, self.model, self.ema_params, self.diffusion,
+                                              self.model_flags, sample_kwargs)
+                      if cfg.sample_interval else None)
         self._tensorboard = None
         if cfg.tensorboard and self.rank == 0:  # purge: steps a killed job logged past its save
             self._tensorboard = logger.add_tensorboard(
@@ -450,12 +431,8 @@ class TrainLoop:
         if self._resuming is None:
             return
         self._load_and_sync_parameters()
-        if self.phema is not None and self._resuming.change is not None:
-            raise phema.PhemaStateError(
-                f"--allow_model_change with --phema_stds: the model changed at step "
-                f"{self._resuming.step}, and post-hoc EMA snapshots of two models cannot be "
-                f"combined; resume without --phema_stds (the snapshots so far stay for "
-                f"`ckpt.py phema`), or train the new model in a new --log_dir")
+        if self.phema is not None:
+            self.phema.check_resume(self._resuming)
         self.step = self.resume_step = self._resuming.step
         for ema, rate in zip(self.ema_params, self.ema_rate):
             copy_into(ema, self._load_ema_parameters(rate))
@@ -479,19 +456,6 @@ class TrainLoop:
         self._resuming.load_optimizer()
 
     # ------------------------------------------------------------------ helpers
-
-    def _make_sample_grids(self, sample_kwargs):
-        """--sample_interval's grids (sample_grids.py) of the first EMA (the model's parameters
-        without --ema_rate), on every rank (rank 0 draws them)."""
-        cfg = self.config
-        params, what = ((self.ema_params[0], f"EMA {cfg.ema_rates[0]}") if self.ema_params
-                        else (list(self.model.parameters()), "model (no --ema_rate)"))
-        return SampleGrids(
-            model=self.model, params=params, what=what, diffusion=self.diffusion,
-            log_dir=cfg.checkpoint.log_dir, interval=cfg.sample_interval, count=cfg.sample_count,
-            steps=cfg.sample_steps, seed=cfg.seed, model_kwargs=sample_kwargs,
-            num_classes=None if sample_kwargs else label_count(self.model_flags),
-            budget_s=SampleGrids.budget_of_job())
 
     def _make_optimizer(self):
         """AdamW over the model's parameters (a subclass may build its own param groups)."""
@@ -701,17 +665,6 @@ def find_ema_checkpoint(main_checkpoint, step, rate):
     path = checkpoint.join(checkpoint.dirname(main_checkpoint),
                            checkpoint.ema_filename(rate_str, step))
     return path if checkpoint.exists(path) else None
-
-
-def update_ema(target_params, source_params, rate=0.99):
-    """targ = rate * targ + (1 - rate) * src, in place (upstream's formula and rounding: the
-    same two operations, each applied to all tensors at once by torch's foreach kernels)."""
-    targets = [t.detach() for t in target_params]
-    sources = [s.detach() for s in source_params]
-    if not targets:
-        return
-    th._foreach_mul_(targets, rate)
-    th._foreach_add_(targets, sources, alpha=1 - rate)
 
 
 def grad_norm(grads):

@@ -16,10 +16,11 @@
              mean confidence, label agreement, class histogram, Frechet distance vs real halves.
 
 Everything lands in --out (default demo_out/ in the repository): data/, run/ (checkpoints and
-logs), samples/ (npz and grid PNG), eval.json and summary.txt. An --out that holds a finished run
-is never overwritten: its summary is shown again (pass a new --out to run afresh). An --out with an
-unfinished run of the same settings is continued (training auto-resumes); different settings are
-an error. Exit code 0 on success, 1 when a stage fails, 2 for bad usage.
+logs), samples/ (npz, grid PNG and loss curve), eval.json, summary.txt and index.html (the page
+to look at: figures, grids, loss curve; improved_diffusion/demo_page.py). An --out that holds a
+finished run is never overwritten: its summary is shown again (pass a new --out to run afresh).
+An --out with an unfinished run of the same settings is continued (training auto-resumes);
+different settings are an error. Exit code 0 on success, 1 when a stage fails, 2 for bad usage.
 """
 import argparse
 import json
@@ -301,6 +302,8 @@ def train_cmd(data_dir, run_dir, s):
         "--log_interval", str(s["log_interval"]), "--save_interval", "0",
         "--keep_checkpoints", "2", "--seed", str(s["seed"]),
         "--resume_checkpoint", "auto",
+        # a grid of EMA samples four times a run (run/samples/grid_STEP.png; on the page)
+        "--sample_interval", str(max(1, s["steps"] // 4)), "--sample_steps", str(s["sample_steps"]),
     ]
 
 
@@ -395,13 +398,15 @@ def sample(run_dir, samples_dir, s):
 
 
 def plot_curve(run_dir, samples_dir):
-    """The run's loss curve (by timestep quartile), beside the sample grid. Returns its path."""
-    from improved_diffusion.progress_plot import plot_loss_curve
+    """The run's loss curve (by timestep quartile, the preemption marked), beside the sample grid.
+    Returns its path."""
+    from improved_diffusion.progress_plot import plot_loss_curve, run_events
 
     png = os.path.join(samples_dir, "loss_curve.png")
     print(f"$ python scripts/plot_progress.py {run_dir} --out {png}   (run in-process)",
           flush=True)
-    n = plot_loss_curve(os.path.join(run_dir, "progress.csv"), png)
+    n = plot_loss_curve(os.path.join(run_dir, "progress.csv"), png,
+                        marks=run_events(os.path.join(run_dir, "log.txt")))
     print(f"loss curve of {n} logged steps: {png}", flush=True)
     return png
 
@@ -509,6 +514,9 @@ def main(argv=None):
         f.write("\n".join(lines) + "\n")
     os.replace(summary_path + ".tmp", summary_path)
     print("\n".join(lines), flush=True)
+    from improved_diffusion.demo_page import write_page
+
+    print(f"page:    {write_page(out)}   (open it in a browser)", flush=True)
     return 0
 
 

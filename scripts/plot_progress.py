@@ -1,5 +1,6 @@
 r"""Draw a run's loss curve (PNG) from its progress.csv: the loss by timestep quartile
-(loss_q0..loss_q3) against the step, on a log scale.
+(loss_q0..loss_q3) against the step, on a log scale; the steps where the run was preempted or
+resumed (from RUN_DIR/log.txt) are marked with a dashed line.
 
     python scripts/plot_progress.py RUN_DIR [--out RUN_DIR/loss_curve.png]
 
@@ -12,7 +13,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from improved_diffusion import cli  # noqa: E402
-from improved_diffusion.progress_plot import plot_loss_curve  # noqa: E402
+from improved_diffusion.progress_plot import plot_loss_curve, run_events  # noqa: E402
 from improved_diffusion.script_util import FlagParser  # noqa: E402
 
 
@@ -24,7 +25,8 @@ def main(argv=None):
                    help="where to write the PNG (default RUN_DIR/loss_curve.png)")
     args = p.parse_args(argv)
     out = args.out or os.path.join(args.run_dir, "loss_curve.png")
-    n = plot_loss_curve(os.path.join(args.run_dir, "progress.csv"), out)
+    n = plot_loss_curve(os.path.join(args.run_dir, "progress.csv"), out,
+                        marks=run_events(os.path.join(args.run_dir, "log.txt")))
     print(f"loss curve of {n} logged steps: {out}")
     return 0
 

@@ -1,5 +1,5 @@
 """The command line (issue 13): no prefix matching, one-line errors with "did you mean", grouped
---help with defaults and meanings that agree with the README, the class count from the data,
+--help with defaults and meanings that agree with docs/flags.md, the class count from the data,
 pasteable flags, the progress line, errors in log.txt, fp16 on a CPU."""
 import importlib.util
 import io
@@ -19,10 +19,12 @@ from improved_diffusion.errors import UsageError
 
 from conftest import PY, REPO, _run, run_mpi, run_script, write_class_folder
 
-# The scripts whose flags the README's table lists (upstream's image_*.py reuse their parsers).
+# The pages whose commands, flags, files and links the tests check.
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+# The scripts whose flags docs/flags.md lists (upstream's image_*.py reuse their parsers).
 TABLE_SCRIPTS = ("train.py", "super_res_train.py", "sample.py", "super_res_sample.py", "nll.py",
                  "classifier_sample.py")
-# Flags of launchers and installers the README shows (not ours).
+# Flags of launchers and installers the README and docs/ show (not ours).
 LAUNCHER_FLAGS = {"--nproc_per_node", "--nnodes", "--standalone", "--rdzv_endpoint",
                   "--master_addr", "--no-print-directory",
                   # torchrun's and SLURM's (sbatch/srun) own, in docs/CLUSTERS.md
@@ -33,7 +35,7 @@ LAUNCHER_FLAGS = {"--nproc_per_node", "--nnodes", "--standalone", "--rdzv_endpoi
                   "--signals_to_handle", "--shutdown_timeout",
                   # unshare's and setpriv's, in docs/RELIABILITY.md
                   "--mount", "--bounding-set"}
-# What the README shows as mistakes (typos, a shortened flag) and the usage line's placeholder.
+# What docs/flags.md shows as mistakes (typos, a shortened flag) and the usage line's placeholder.
 EXAMPLE_MISTAKES = {"--num_chanels", "--num_channel", "--lr_anneal", "--bad_flag", "--flag"}
 TINY = ["--image_size", "8", "--num_channels", "32", "--channel_mult", "1",
         "--attention_resolutions", "", "--num_res_blocks", "1", "--diffusion_steps", "20",
@@ -126,24 +128,25 @@ def test_help_groups_flags_with_their_meaning_and_default_and_shows_the_docstrin
     assert len(text.splitlines()[0]) < 80  # one short usage line, not 30 lines of names
 
 
-# ------------------------------------------------------------------------------ README
+# ------------------------------------------------------------------------------ README, docs/
 
 
-def readme_table():
-    text = (REPO / "README.md").read_text()
+def flags_table():
+    text = (REPO / "docs" / "flags.md").read_text()
     start = text.index("| flag | default | taken by | meaning |")
     return text[start:text.index("\n\n", start) + 1]
 
 
-def test_readme_flag_table_is_the_one_made_from_the_scripts_parsers():
+def test_the_flag_table_of_docs_flags_md_is_the_one_made_from_the_scripts_parsers():
     expected = script_util.flags_markdown(
         {name: defaults_of(parser_of(name)) for name in TABLE_SCRIPTS})
-    assert readme_table() == expected, "README's flag table is stale; replace it with:\n" + expected
+    assert flags_table() == expected, ("docs/flags.md's flag table is stale; replace it with:\n"
+                                       + expected)
 
 
 def test_every_flag_the_readme_and_docs_name_exists_and_every_table_flag_is_taken():
     known = all_known_flags()
-    for doc in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+    for doc in DOCS:
         named = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9_-]*[a-z0-9]", doc.read_text()))
         unknown = named - known - LAUNCHER_FLAGS - EXAMPLE_MISTAKES
         assert not unknown, f"{doc.name} names flags no script takes: {sorted(unknown)}"
@@ -152,6 +155,35 @@ def test_every_flag_the_readme_and_docs_name_exists_and_every_table_flag_is_take
         taken |= set(defaults_of(parser_of(name)))
     untaken = {f"--{k}" for k in script_util.FLAG_HELP} - {f"--{k}" for k in taken}
     assert not untaken, f"FLAG_HELP lists flags no script takes: {untaken}"
+
+
+def heading_anchors(text):
+    """The anchors of a markdown text's headings, as GitHub makes them."""
+    text = re.sub(r"^```.*?^```", "", text, flags=re.M | re.S)  # no headings inside code blocks
+    return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+            for h in re.findall(r"^#+ (.+)$", text, re.M)}
+
+
+def test_every_file_make_target_and_link_the_readme_and_docs_name_exists():
+    targets = set(re.findall(r"^([\w-]+):", (REPO / "Makefile").read_text(), re.M))
+    for doc in DOCS:
+        text = doc.read_text()
+        named = re.findall(r"(?<![\w/.])((?:scripts|benchmarks|examples|datasets|tests|docs|"
+                           r"improved_diffusion)/[\w./-]*\.(?:py|sh|md))\b", text)
+        missing = sorted({n for n in named if not (REPO / n).is_file()})
+        assert not missing, f"{doc.name} names files that do not exist: {missing}"
+        # `make X` in a code span, or a line of a code block that starts with it
+        unknown = set(re.findall(r"(?:^|`|time )make ([a-z][\w-]*)", text, re.M)) - targets
+        assert not unknown, f"{doc.name} names make targets the Makefile lacks: {unknown}"
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if target.startswith(("http://", "https://")):
+                continue
+            path, _, anchor = target.partition("#")
+            linked = (doc.parent / path).resolve() if path else doc
+            assert linked.exists(), f"{doc.name} links to {target}: no such file"
+            if anchor and linked.suffix == ".md":
+                assert anchor in heading_anchors(linked.read_text()), (
+                    f"{doc.name} links to {target}: {linked.name} has no heading #{anchor}")
 
 
 # ------------------------------------------------------------------------------ pasteable flags
@@ -341,6 +373,36 @@ def test_plot_progress_draws_the_loss_curve_of_a_run(class_run, tmp_path, capsys
     with pytest.raises(progress_plot.PlotError, match=r"progress.csv: no such file"):
         progress_plot.plot_loss_curve(str(tmp_path / "progress.csv"), str(tmp_path / "x.png"))
     assert not (tmp_path / "x.png").exists()
+
+
+def test_the_loss_curve_marks_the_step_where_the_run_was_preempted_and_resumed(tmp_path):
+    rows = ["step,loss_q0,loss_q1"] + [f"{s},{1 / s},{2 / s}" for s in range(2, 42, 2)]
+    (tmp_path / "progress.csv").write_text("\n".join(rows) + "\n")
+    (tmp_path / "log.txt").write_text(  # the checkpointer's lines, as a preempted run logs them
+        "step 20/40  loss 0.1\npreempted (SIGTERM on some rank): saved step 21; exiting with "
+        "code 75\nauto-resume: newest complete step in L is 21\n"
+        "resumed at step 21 from L/model000021.pt (ema: ema_0.9_000021.pt; opt: opt000021.pt)\n")
+    events = progress_plot.run_events(str(tmp_path / "log.txt"))
+    assert events == [(21, "preempted, resumed")]
+    assert progress_plot.run_events(str(tmp_path / "missing.txt")) == []
+    from PIL import Image
+
+    def mark_columns(png):
+        with Image.open(png) as im:
+            rgb = im.convert("RGB")
+            return {x for x in range(rgb.width) for y in range(rgb.height)
+                    if rgb.getpixel((x, y)) == progress_plot.MARK_COLOUR}
+
+    marked, plain = tmp_path / "marked.png", tmp_path / "plain.png"
+    progress_plot.plot_loss_curve(str(tmp_path / "progress.csv"), str(marked), marks=events)
+    progress_plot.plot_loss_curve(str(tmp_path / "progress.csv"), str(plain))
+    assert not mark_columns(plain)
+    # step 21 of 2..40 on a plot area from x=70 to x=700
+    x = 70 + (21 - 2) / (40 - 2) * (720 - 70 - 20)
+    assert any(abs(c - x) <= 1.5 for c in mark_columns(marked)), sorted(mark_columns(marked))
+    # plot_progress.py finds the events in the run's own log.txt
+    assert load_script("plot_progress.py").main([str(tmp_path), "--out", str(plain)]) == 0
+    assert mark_columns(plain)
 
 
 def test_diff_against_names_only_the_flag_that_changes_shapes(tmp_path):

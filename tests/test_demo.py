@@ -2,6 +2,7 @@
 import json
 import re
 import subprocess
+from urllib.parse import unquote
 
 import numpy as np
 import pytest
@@ -50,7 +51,7 @@ def test_tiny_demo_trains_is_preempted_resumes_samples_and_prints_its_figures(ti
     assert re.search(r"^step 20/40  loss \S+  grad_norm \S+  .*steps/s.*ETA", text, re.M), text
     assert "| loss_q" not in text and "\r" not in text
     # the last lines say where the grid and the loss curve are and what the figures are
-    tail = "\n".join(text.strip().splitlines()[-9:])
+    tail = "\n".join(text.strip().splitlines()[-10:])
     assert f"grid:    {out / 'samples' / 'samples_10x8x8x3.png'}" in tail
     curve = out / "samples" / "loss_curve.png"
     assert f"loss:    {curve}" in tail
@@ -61,6 +62,16 @@ def test_tiny_demo_trains_is_preempted_resumes_samples_and_prints_its_figures(ti
         assert figure in tail
     fig = json.loads((out / "eval.json").read_text())
     assert 0.0 <= fig["mean_confidence"] <= 1.0 and sum(fig["histogram"]) == 10
+    # the page to look at: its images are files of the demo folder, by relative path
+    page = out / "index.html"
+    assert f"page:    {page}" in tail
+    srcs = [unquote(s) for s in re.findall(r'<img src="([^"]+)"', page.read_text())]
+    assert "samples/samples_10x8x8x3.png" in srcs and "samples/loss_curve.png" in srcs
+    assert all((out / s).is_file() for s in srcs), srcs
+    assert "SIGTERM at step" in page.read_text()
+    # the grids drawn while training (--sample_interval: a quarter of the steps), on the page
+    assert [s for s in srcs if s.startswith("run/samples/")] == [
+        f"run/samples/grid_{step:06d}.png" for step in (10, 20, 30, 40)]
 
 
 @pytest.mark.timeout(60)

@@ -332,7 +332,7 @@ def test_auto_resume_skips_a_step_with_a_damaged_file_and_says_so_in_one_line(
 
 # ------------------------------------------------------------------------------- kill -9
 
-KILL_TRIALS = 10
+KILL_TRIALS = 6  # two of each mode; make soak's test_soak runs 200 such cycles
 KILL_MAX_STEPS = 100000  # kill trials never finish by themselves; the last run trains 3 more steps
 
 def _poll(pred, proc, timeout, interval=0.002):
@@ -441,10 +441,11 @@ def test_kill_9_at_random_moments_always_resumes_from_a_complete_step(tmp_path, 
     print("\n".join(history))
     assert rc == 0, out[-3000:]
     assert check_step(log_dir, target, TWO_EMAS, deep=True) is None, "\n".join(history)
-    assert kills >= 10, "\n".join(history)
+    assert kills >= KILL_TRIALS, "\n".join(history)
     stale = sorted(n for n in top_level_names(log_dir) if TEMP_FILE_RE.search(n))
     assert not stale, f"temp files of killed saves left in the log dir: {stale}"
-    assert mid_save >= 3, "too few kills landed inside a save:\n" + "\n".join(history)
+    assert mid_save >= KILL_TRIALS // 2, ("too few kills landed inside a save:\n"
+                                          + "\n".join(history))
 
 
 # ------------------------------------------------------------------------------- SIGTERM

@@ -76,7 +76,7 @@ def error_lines(out):
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("ranks", [2, 3])
+@pytest.mark.parametrize("ranks", [2, pytest.param(3, marks=pytest.mark.slow)])  # 3: make soak
 def test_resume_on_n_ranks_loads_the_saved_optimizer_state_on_every_rank(tmp_path, ranks):
     """...and on 3 ranks the resumed run ends bitwise equal to a straight one."""
     data = random_images(tmp_path / "data", 12, 8)
