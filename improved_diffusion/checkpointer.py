@@ -84,23 +84,21 @@ the change.
 import contextlib
 import dataclasses
 import os
-import signal
 import time
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
 import torch as th
 
-from . import checkpoint, dist_util, logger, model_change, optim_state, rng, run_dir, state_fit
+from . import (checkpoint, dist_util, logger, model_change, optim_state, preemption, rng, run_dir,
+               state_fit)
 from .async_save import BackgroundWriter, HostSnapshot, to_host
 from .config_check import by_rank
 from .errors import UsageError, UserError
 from .script_util import same_flag_value
 
-# EX_TEMPFAIL: "try again later". A job script can requeue on it.
-PREEMPTED_EXIT_CODE = 75
-
-PREEMPT_SIGNALS = ("SIGTERM", "SIGUSR1")
+# EX_TEMPFAIL: "try again later". A job script can requeue on it (preemption.py's).
+PREEMPTED_EXIT_CODE = preemption.EXIT_CODE
 
 # model_kind -> the kinds of file (checkpoint.classify) a resume takes as its model file.
 MODEL_FILE_KINDS = {"model": ("model", "combined"), "classifier": ("classifier",)}
@@ -265,28 +263,15 @@ class Checkpointer:
 
     @contextlib.contextmanager
     def watch_signals(self):
-        """Within: SIGTERM/SIGUSR1 set this rank's preemption flag (read at step boundaries by
-        step_ends/stop_requested); the previous handlers are restored on exit."""
-        self._signal = {"set": False, "signal": None}
-
-        def handler(signum, frame):
-            self._signal["set"] = True
-            self._signal["signal"] = signal.Signals(signum).name
-
-        old = {}
-        for name in PREEMPT_SIGNALS:
-            sig = getattr(signal, name, None)
-            if sig is None:
-                continue
-            try:
-                old[sig] = signal.signal(sig, handler)
-            except ValueError:  # not the main thread
-                pass
-        try:
-            yield self._signal
-        finally:
-            for sig, h in old.items():
-                signal.signal(sig, h)
+        """Within: SIGTERM/SIGUSR1 set this rank's preemption flag, read at step boundaries by
+        step_ends/stop_requested. The flag is preemption.py's (``preemption.training()``), the
+        one owner of the two signals: in a process that called ``preemption.install()`` first (the
+        train scripts), a signal since then counts (one that came during the resume saves at the
+        first step boundary) and later ones only set it again; otherwise the handlers are
+        installed for the ``with`` alone and the previous ones restored on exit."""
+        with preemption.training() as flag:
+            self._signal = flag
+            yield flag
 
     # The per-step flags: one all-reduce (MAX) of [preempted, save_failed] per step, launched
     # at the start of the step (step_begins) and waited for at its end (stop_requested), so no

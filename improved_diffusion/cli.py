@@ -11,7 +11,7 @@ import sys
 import time
 import traceback
 
-from . import dist_util, logger
+from . import dist_util, logger, preemption
 
 from .errors import USAGE_EXIT_CODE, USER_ERROR_EXIT_CODE, UsageError, UserError, one_line
 
@@ -49,17 +49,23 @@ def run_main(main, argv=None):
     job. A KeyboardInterrupt (exit 130) or SystemExit (its code) on one rank of a process group
     ends the job on every rank, its cause printed once; in a single process they keep Python's
     own handling. After an error on some ranks only, the whole job is ended instead of left
-    hanging (``dist_util.end_job_after_error``), within a bounded wait.
+    hanging (``dist_util.end_job_after_error``), within a bounded wait. A preemption signal
+    before training began (``preemption.Preempted``, or a collective that failed because ranks
+    ended for one) ends every rank with exit 75 and its one line.
     """
     lost = ()
     error, tb = None, None
     dist_util.set_error_line_hook(_record_error_line)
     try:
         return main(argv)
+    except preemption.Preempted:
+        return _end_job_preempted()
     except UserError as e:
         error, code, message = e, e.exit_code, one_line(e)
     except Exception as e:
         error, diagnosis = e, _diagnose(e)
+        if _preempted_before_training(e, diagnosis):
+            return _end_job_preempted(lost=_gone(diagnosis) if diagnosis else ())
         if diagnosis is None:
             tb = traceback.format_exc()
             traceback.print_exc()
@@ -91,6 +97,32 @@ def _record_error_line(message):
     _record_for_torchelastic(ERROR_EXIT_CODE, message)
 
 
+def _preempted_before_training(e, diagnosis):
+    """Whether ``e`` (an Exception that is not a UserError) is how a preemption before training
+    reached this rank: a collective that failed as the other ranks ended for a signal (their
+    heartbeat says so), or failed after this rank got one itself (its peers are ending too)."""
+    if diagnosis is not None and any(preemption.BEFORE_TRAINING in s
+                                     for s in diagnosis.ended.values()):
+        return True
+    return (preemption.before_training() and preemption.signalled() is not None
+            and dist_util.looks_like_comm_failure(e))
+
+
+def _end_job_preempted(lost=()):
+    """End the job after a preemption signal before training began: every rank returns exit 75,
+    the one line printed once for the job (and kept in log.txt when the logger writes one).
+    ``lost``: ranks already gone (not waited for)."""
+    preemption.ending()
+    line = preemption.BEFORE_TRAINING
+    if dist_util.first_to_report("preempted"):
+        sys.stderr.write(f"{line}\n")
+        sys.stderr.flush()
+    logger.append_to_log_files(line)
+    _record_for_torchelastic(preemption.EXIT_CODE, line, kind="preempted")
+    dist_util.end_job_after_error(preemption.EXIT_CODE, cause=line, lost=lost)
+    return preemption.EXIT_CODE
+
+
 def _first_to_report(topic, e):
     """Whether this rank prints the line of ``e``. Before the process group exists, a bad command
     line (UsageError) is the same on every rank of the launch, so its first rank prints it."""
@@ -99,14 +131,14 @@ def _first_to_report(topic, e):
     return dist_util.first_to_report(topic)
 
 
-def _record_for_torchelastic(code, message, tb=None):
+def _record_for_torchelastic(code, message, tb=None, kind=None):
     """Under torchrun, put this rank's one line (or a bug's traceback) where the agent's failure
     summary shows it (TORCHELASTIC_ERROR_FILE) instead of its "To enable traceback" link. The
-    summary's exitcode (2 usage, 1 error) is this rank's exit code."""
+    summary's exitcode (2 usage, 1 error, 75 preempted) is this rank's exit code."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
-    kind = "usage error" if code == USAGE_EXIT_CODE else "error"
+    kind = kind or ("usage error" if code == USAGE_EXIT_CODE else "error")
     line = f"{kind} (exit {code}): {message or 'see the first rank that failed'}"
     data = {"message": {"message": line, "extraInfo": {
         "py_callstack": tb or line, "timestamp": str(int(time.time()))}}}

@@ -2,7 +2,9 @@
 
 Three ways to start:
 
-* ``torchrun`` (env ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``): ``env://``.
+* ``torchrun`` (env ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``): the ``env://``
+  store, behind a prefix of this restart (``TORCHELASTIC_RESTART_COUNT``), so that the ranks of
+  a ``--max_restarts`` restart never read the keys of the attempt before.
 * ``mpiexec -n N`` (mpi4py): MPI is used ONLY for the rendezvous (rank 0 opens a TCP store on a
   free port, or ``MASTER_PORT`` when set, and MPI-broadcasts host and port); every collective
   afterwards is torch.distributed. On one host (one network stack: the same boot and network
@@ -252,12 +254,12 @@ def setup_dist(backend=None, *, timeout=DEFAULT_TIMEOUT_S):
     """
     Set up the process group if this process is one of several; idempotent.
 
-    torchrun env vars -> ``init_process_group("env://")``; else mpi4py under an MPI launcher with
-    size > 1 -> TCP store rendezvous (host/port broadcast over MPI, see the module docstring);
-    else nothing (single process, no process group). ``timeout`` (seconds, or a timedelta) bounds
-    the rendezvous and every later collective, so a rank that never arrives or dies fails the job
-    instead of hanging it. Raises ``RendezvousError`` (the same one line on every rank) when the
-    ranks cannot meet. Starts this rank's heartbeat (see ``diagnose_failure``).
+    torchrun env vars -> the ``env://`` store with a per-restart prefix; else mpi4py under an MPI
+    launcher with size > 1 -> TCP store rendezvous (host/port broadcast over MPI, see the module
+    docstring); else nothing (single process, no process group). ``timeout`` (seconds, or a
+    timedelta) bounds the rendezvous and every later collective, so a rank that never arrives or
+    dies fails the job instead of hanging it. Raises ``RendezvousError`` (the same one line on
+    every rank) when the ranks cannot meet. Starts this rank's heartbeat (see ``diagnose_failure``).
 
     Collective: call from all ranks with the same arguments.
     """
@@ -276,7 +278,8 @@ def setup_dist(backend=None, *, timeout=DEFAULT_TIMEOUT_S):
                 local = _mpi_local_split(_mpi_comm())
             if local is not None:
                 _select_device(local[0], local[1])
-            dist.init_process_group(backend=backend, init_method="env://", timeout=timeout)
+            dist.init_process_group(backend=backend, store=_attempt_store(timeout),
+                                    rank=int(env["RANK"]), world_size=world, timeout=timeout)
             atexit.register(_cleanup_at_exit)
             if local is None:  # no launcher said it: count the ranks of this host in the store
                 local = _store_local_split(_launch_store("local"), world, timeout)
@@ -331,6 +334,18 @@ def _after_init(timeout, local_world):
         if uuid is not None:
             _check_distinct_gpus(_launch_store("gpus"), get_world_size(), get_rank(), uuid,
                                  timeout)
+
+
+def _attempt_store(timeout):
+    """
+    The store of this launch under torchrun (``env://``: MASTER_ADDR/MASTER_PORT), seen through
+    a prefix of its own restart (``TORCHELASTIC_RESTART_COUNT``). torchrun's agent keeps one
+    store across the restarts of ``--max_restarts``, so without the prefix the restarted ranks
+    would read the previous attempt's keys (its ranks' addresses, its barrier counts) and gloo
+    would connect to the dead ranks ("connectFullMesh failed ... Connection refused"), or hang.
+    """
+    store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
+    return dist.PrefixStore(_store_prefix(), store)
 
 
 # --------------------------------------------------------------------------------------------
@@ -770,10 +785,10 @@ class _Heartbeat:
 
         return _bounded(locked, seconds, "a heartbeat store operation")
 
-    def mark(self, state):
-        """Record why this rank stops (best effort, bounded)."""
+    def mark(self, state, seconds=_STORE_CALL_S):
+        """Record why this rank stops (best effort, bounded by ``seconds``)."""
         try:
-            self.call(lambda c: c.set(f"state/{self.rank}", state))
+            self.call(lambda c: c.set(f"state/{self.rank}", state), seconds)
         except Exception:
             pass
 
@@ -931,6 +946,14 @@ def first_to_report(topic):
         return True
 
 
+def mark_ending(cause, seconds=_STORE_CALL_S):
+    """Record in this rank's heartbeat state that it ends the job (``cause``: one line), so that
+    the other ranks can name it (``diagnose_failure``: "rank R ended the job (cause)"). Best
+    effort, bounded by ``seconds``; safe from any thread. Not collective."""
+    if _heartbeat is not None:
+        _heartbeat.mark(f"ended the job ({cause})", seconds)
+
+
 def end_job_after_error(code, wait_s=10.0, *, cause=None, lost=()):
     """
     After an error on this rank: if every rank failed (errors of the resume are raised on all
@@ -946,8 +969,7 @@ def end_job_after_error(code, wait_s=10.0, *, cause=None, lost=()):
     """
     if not is_distributed():
         return
-    if _heartbeat is not None:
-        _heartbeat.mark(f"ended the job ({cause or f'exit {code}'})")
+    mark_ending(cause or f"exit {code}")
     world = get_world_size()
     expected = world - len(set(lost))
     reached = []

@@ -376,6 +376,8 @@ class ResumableLoader:
     :param num_workers: DataLoader worker processes (0 = load in this process). Workers only load
         the indices they are handed, so output does not depend on their number.
     :param position: global samples consumed so far.
+    :param log: where a resume's warnings go, one line each (e.g. ``logger.warn``: printed once
+        for the job, by rank 0's logger); None: ``warnings.warn``.
 
     Attributes: `position` (global samples consumed), `last_indices` (np.int64 [B], this rank's
     dataset indices in the last batch), `global_batch`.
@@ -392,6 +394,7 @@ class ResumableLoader:
         shuffle=True,
         num_workers=0,
         position=0,
+        log=None,
     ):
         if batch_size < 1:
             raise ValueError(f"--batch_size must be at least 1, got {batch_size}")
@@ -410,6 +413,13 @@ class ResumableLoader:
         self.last_indices = None
         self._order_cache = {}
         self._stream = None  # (iterator, position of its next batch) when using workers
+        self._log = log
+
+    def _warn(self, message):
+        if self._log is None:
+            warnings.warn(message)
+        else:
+            self._log(f"warning: {message}")
 
     @property
     def global_batch(self):
@@ -500,12 +510,12 @@ class ResumableLoader:
         """
         n_saved = int(sd.get("num_samples", self.num_samples))
         if n_saved != self.num_samples:
-            warnings.warn(
+            self._warn(
                 f"the data position was saved for {n_saved} samples but the dataset now has "
                 f"{self.num_samples}; the sample order continues but is not the saved run's"
             )
         if "seed" in sd and int(sd["seed"]) != self.seed:
-            warnings.warn(
+            self._warn(
                 f"data seed {self.seed} replaced by the checkpoint's seed {int(sd['seed'])}"
             )
             self.seed = int(sd["seed"])
@@ -555,6 +565,7 @@ def load_data(
     num_workers=0,
     num_classes=None,
     in_channels=None,
+    log=None,
 ):
     """
     A ResumableLoader over the images (or latents) in `data_dir` (upstream's load_data,
@@ -570,6 +581,7 @@ def load_data(
         class names raises DataError (instead of an IndexError inside the model).
     :param in_channels: the model's input channels, when known: a folder whose files have
         another count raises DataError (images have 3; latents the C of their first file).
+    :param log: where a resume's warnings go (ResumableLoader's ``log``).
     :return: ResumableLoader yielding (th.float32 [B, C, image_size, image_size], cond): images
         in [-1, 1] (C = 3), or latents as stored.
     """
@@ -618,4 +630,5 @@ def load_data(
         world_size=world_size,
         shuffle=not deterministic,
         num_workers=num_workers,
+        log=log,
     )

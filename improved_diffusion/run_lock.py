@@ -4,7 +4,8 @@ A requeued job can start while its predecessor is still running or writing its p
 two jobs in one log dir overwrite each other's steps, logs and prunes. So a job takes this lock
 (rank 0, before anything touches the log dir) and holds it for its whole life. A job that finds it
 held waits up to ``wait_s`` seconds (``--lock_wait``), saying once whom it waits for, then fails
-on every rank naming the holder, having touched nothing.
+on every rank naming the holder, having touched nothing. A log dir that cannot be written (a
+read-only mount, no permission, a path under a regular file) fails at once, touching nothing.
 
 Two flavours, chosen by the path:
 
@@ -46,13 +47,16 @@ import uuid
 
 import blobfile as bf
 
+from . import preemption
 from .errors import UserError
 
 DEFAULT_WAIT_S = 300.0
 DEFAULT_HEARTBEAT_S = 30.0
 LOCK_FILE = ".lock"  # local flavour
 LOCK_OBJECT = "lock.json"  # remote flavour
-_JOB_SLICE_S = 5.0  # acquire_for_job: rank 0 reports to the others this often while it waits
+# acquire_for_job: rank 0 reports to the others this often while it waits, and every rank says
+# whether it got a preemption signal (a requeued job waiting for its predecessor is preemptible)
+_JOB_SLICE_S = 1.0
 JOB_ID_VARS = ("SLURM_JOB_ID", "PBS_JOBID", "LSB_JOBID", "JOB_ID")
 
 
@@ -62,6 +66,11 @@ class LockError(UserError):
 
 class LogDirLockedError(LockError):
     """Another job held the log dir for longer than we were allowed to wait."""
+
+
+class LogDirNotWritableError(LockError):
+    """The log dir cannot be written by this process (read-only mount, no permission, a path
+    under a regular file); nothing was touched."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -231,8 +240,14 @@ class LogDirLock:
 
     def _try_flock(self, log):
         """Take the flock if free (returns None), else return the holder's record ({} if none)."""
-        os.makedirs(self.log_dir, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        check_writable(self.log_dir)
+        try:
+            os.makedirs(self.log_dir, exist_ok=True)
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            if e.errno not in _UNWRITABLE:
+                raise
+            raise LogDirNotWritableError(_not_writable_message(self.log_dir, e.strerror))
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -364,12 +379,60 @@ class LogDirLock:
                   f"takes it over after {self.stale_s:.0f} s")
 
 
+# What creating the log dir or its lock file meets where the log dir cannot be written.
+_UNWRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOTDIR)
+
+
+def check_writable(log_dir):
+    """Raise LogDirNotWritableError (one line: the directory, why, what to do) unless this
+    process can create files in local directory ``log_dir``, or create it where it is missing.
+    Reads only (the nearest existing directory's permissions and mount flags). Not collective."""
+    probe = os.path.abspath(log_dir)
+    while not os.path.lexists(probe) and os.path.dirname(probe) != probe:
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        where = "is a file" if probe == os.path.abspath(log_dir) else f"is under the file {probe}"
+        raise LogDirNotWritableError(_not_writable_message(log_dir, f"it {where}"))
+    if os.access(probe, os.W_OK | os.X_OK):
+        return
+    try:
+        read_only = bool(os.statvfs(probe).f_flag & os.ST_RDONLY)
+    except OSError:
+        read_only = False
+    why = "read-only file system" if read_only else "permission denied"
+    if probe != os.path.abspath(log_dir):
+        why += f" in {probe}"
+    raise LogDirNotWritableError(_not_writable_message(log_dir, why))
+
+
+def _not_writable_message(log_dir, why):
+    hint = "pass a --log_dir that this job can write"
+    if os.path.isdir(log_dir):
+        hint += (f" (to continue the run in it from there: --resume_checkpoint {log_dir} "
+                 f"--log_dir NEW)")
+    return f"log dir {log_dir} cannot be written ({why}); nothing was changed: {hint}"
+
+
 def _warn(message):
     sys.stderr.write(f"warning: {message}\n")
     sys.stderr.flush()
 
 
 _FORK_HOLDERS = []  # locks taken in this process: a forked child must forget them
+
+
+def drop_local_locks():
+    """For a process about to end with ``os._exit`` (preemption.py's hard exit, from its watcher
+    thread): release each local lock it holds, its ``.lock`` file removed as ``release()`` does,
+    so that the log dir is left as it was (the kernel would drop the flock, but not the file). A
+    remote lock is left to go stale (no store call on the way out). Never raises. Not
+    collective."""
+    for lock in list(_FORK_HOLDERS):
+        if lock._fd is not None:
+            try:
+                lock._release_flock()
+            except OSError:
+                pass
 
 
 def _forget_in_forked_children(lock):
@@ -389,8 +452,10 @@ def acquire_for_job(log_dir, wait_s=DEFAULT_WAIT_S, heartbeat_s=DEFAULT_HEARTBEA
     Take ``log_dir``'s lock on rank 0, waiting up to ``wait_s`` seconds; returns a ``LogDirLock``
     on every rank (held on rank 0 only; ``release()`` is safe everywhere). If rank 0 cannot take
     it, every rank raises the same ``LogDirLockedError`` having touched nothing. The other ranks
-    wait for rank 0 in a broadcast per slice of ``_JOB_SLICE_S`` seconds, so ``wait_s`` may exceed the
-    process group's timeout.
+    wait for rank 0 in a broadcast per slice of ``_JOB_SLICE_S`` seconds, so ``wait_s`` may
+    exceed the process group's timeout; after each slice, a preemption signal on any rank ends the wait on
+    every rank (``preemption.check``). A log dir this process cannot write raises
+    ``LogDirNotWritableError`` on every rank, before anything is created.
 
     Collective: call from all ranks with the same arguments.
     """
@@ -404,7 +469,7 @@ def acquire_for_job(log_dir, wait_s=DEFAULT_WAIT_S, heartbeat_s=DEFAULT_HEARTBEA
 
     try:
         while not dist_util.run_on_rank0(take):
-            pass
+            preemption.check()  # a job waiting for its predecessor ends at once when preempted
     except BaseException:
         lock.release()
         raise

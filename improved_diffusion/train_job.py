@@ -8,12 +8,16 @@ scripts/super_res_train.py share, so that no script imports another.
 
 The story of a job: the process group (bounded by --dist_timeout), the log dir's lock (one job per
 log dir, --lock_wait), the logger, the model and data (``build``), the TrainLoop (which resumes),
-the loop, then DDP and the process group are taken down and the lock is released.
+the loop, then DDP and the process group are taken down and the lock is released. A preemption
+signal before the loop ends the job at the next of preemption.check()'s points (after the
+rendezvous, each second of the lock wait, after ``build``, after the resume) with exit 75 and
+nothing new in the log dir; in the loop, the loop saves first (preemption.py).
 """
 import os
 from typing import Any, Callable, NamedTuple
 
-from . import checkpointer, cli, dist_util, image_datasets, logger, run_lock, train_util
+from . import (checkpointer, cli, dist_util, image_datasets, logger, preemption, run_lock,
+               train_util)
 from .errors import UsageError
 
 
@@ -101,6 +105,7 @@ def start_job(args):
     """
     dist_util.set_deterministic(getattr(args, "deterministic", False))
     dist_util.setup_dist(timeout=args.dist_timeout)
+    preemption.check()
     lock = run_lock.acquire_for_job(args.log_dir, args.lock_wait)
     try:
         logger.configure(dir=args.log_dir, stdout_format=getattr(args, "log_format", "progress"))
@@ -140,7 +145,13 @@ def run_training(args, build: Callable[[Any], Parts]):
     lock = start_job(args)
     try:
         parts = build(args)
+        preemption.check()
         loop = make_loop(args, parts)
+        try:
+            preemption.check()
+        except BaseException:
+            loop.close(sync=False)
+            raise
         logger.start_progress(loop.step, loop.config.last_step)
         return run_and_close(loop)
     finally:

@@ -12,6 +12,11 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+if __name__ == "__main__":  # first, before torch is imported: SIGTERM/SIGUSR1 from here on
+    from improved_diffusion import preemption  # end the job with exit 75 (preemption.py)
+
+    preemption.install()
+
 import numpy as np  # noqa: E402
 import torch as th  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -62,7 +67,8 @@ def load_superres_data(data_dir, batch_size, large_size, small_size, class_cond=
     """Upstream's load_superres_data, resumable: a SuperResLoader over load_data(large_size)."""
     data = load_data(data_dir=data_dir, batch_size=batch_size, image_size=large_size,
                      class_cond=class_cond, seed=seed, num_workers=num_workers,
-                     num_classes=num_classes if class_cond else None)
+                     num_classes=num_classes if class_cond else None,
+                     log=logger.warn)  # a resume's data warnings: one line, once for the job
     return SuperResLoader(data, small_size)
 
 

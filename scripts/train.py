@@ -18,6 +18,11 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+if __name__ == "__main__":  # first, before torch is imported: SIGTERM/SIGUSR1 from here on
+    from improved_diffusion import preemption  # end the job with exit 75 (preemption.py)
+
+    preemption.install()
+
 from improved_diffusion import cli, dist_util, logger, train_job, train_util  # noqa: E402
 from improved_diffusion.image_datasets import load_data  # noqa: E402
 from improved_diffusion.resample import create_named_schedule_sampler  # noqa: E402
@@ -53,6 +58,7 @@ def build(args):
         seed=args.seed,
         num_workers=args.num_workers,
         in_channels=args.in_channels,
+        log=logger.warn,  # a resume's data warnings: one line, once for the job
     )
     sampler = create_named_schedule_sampler(args.schedule_sampler, diffusion)
     return train_job.Parts(model, diffusion, data, model_flags, sampler)

@@ -195,3 +195,55 @@ def wait_exit(proc, timeout):
         kill9(process_tree(proc.pid))
         raise TimeoutError(f"still running {timeout} s later")
     return time.monotonic() - t0
+
+
+def torchrun_one_node(train_args, rdzv="standalone", nproc=2, max_restarts=0, script=DRIVER,
+                      launcher_flags=()):
+    """The command of a one-node ``torchrun`` job of ``nproc`` workers running ``script`` (the
+    fault driver of train.py), with rendezvous ``rdzv``: "standalone" (``--standalone``), "c10d"
+    (``--rdzv_backend c10d`` at a free local port) or "static" (``--master_addr/--master_port``);
+    ``launcher_flags``: more of torchrun's own flags."""
+    cmd = [TORCHRUN, "--nnodes", "1", "--nproc_per_node", str(nproc),
+           "--max_restarts", str(max_restarts), "--monitor_interval", "0.1", *launcher_flags]
+    if rdzv == "standalone":
+        cmd += ["--standalone"]
+    elif rdzv == "c10d":
+        cmd += ["--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{free_port()}"]
+    elif rdzv == "static":
+        cmd += ["--rdzv_backend", "static", "--master_addr", "127.0.0.1",
+                "--master_port", str(free_port())]
+    else:
+        raise ValueError(f"unknown rendezvous {rdzv!r}")
+    return cmd + [script, *train_args]
+
+
+def kill_workers_repeatedly(proc, log_dir, pid_dir, kills, nproc=2, timeout=120, on_kill=None):
+    """
+    While ``proc`` (a torchrun job with ``--max_restarts >= kills``, its workers writing their pid
+    files into ``pid_dir``) runs: ``kills`` times, wait until the workers of a new attempt have
+    formed their process group and saved a step of their own, then ``kill -9`` one of them (rank
+    1, rank 0, rank 1, ...). Returns the list of (attempt, killed rank, newest complete step
+    when killed); raises (TimeoutError, RuntimeError) when an attempt makes no progress within
+    ``timeout`` seconds or the job ends first. ``on_kill(record)`` is called after each kill.
+    """
+    done, old = [], set()
+    for attempt in range(kills):
+        def formed():
+            try:
+                pids = rank_pids(pid_dir, nproc)
+            except (OSError, ValueError):
+                return False
+            return not old.intersection(pids.values()) and all(alive(p) for p in pids.values())
+        wait_until(formed, timeout, (proc,), f"attempt {attempt}'s process group")
+        pids = rank_pids(pid_dir, nproc)
+        start = (complete_steps(log_dir) or [0])[-1]
+        wait_until(lambda: (complete_steps(log_dir) or [0])[-1] > start, timeout, (proc,),
+                   f"a step saved by attempt {attempt}")
+        rank = (attempt + 1) % nproc
+        kill9([pids[rank]])
+        old |= set(pids.values())
+        record = (attempt, rank, complete_steps(log_dir)[-1])
+        done.append(record)
+        if on_kill:
+            on_kill(record)
+    return done

@@ -7,6 +7,15 @@ Usage: python tests/fault_train.py [train.py flags...]
 * ``FAULT_RANK``, ``FAULT_STEP``, ``FAULT_RAISE``: rank FAULT_RANK raises, at the start of the
   step after FAULT_STEP completed steps, ``KeyboardInterrupt`` (FAULT_RAISE=KeyboardInterrupt) or
   ``SystemExit(N)`` (FAULT_RAISE=SystemExit:N), as a Ctrl-C or a ``sys.exit`` on that rank would.
+* ``FAULT_LATE_RANK``, ``FAULT_LATE_S``: that rank (its launcher's rank variable) sleeps
+  FAULT_LATE_S seconds before the rendezvous (under mpiexec: after MPI_Init), so the others
+  wait in it. Every rank prints ``FAULT: rank R enters the rendezvous`` as it does.
+* ``FAULT_SLOW_LOAD_S``: each checkpoint load (checkpoint.load_file_collective) first prints
+  ``FAULT: loading NAME`` (rank 0) and sleeps that long on every rank (on rank
+  ``FAULT_SLOW_LOAD_RANK`` alone when set: the others wait for it in a collective), as a slow
+  disk would.
+* ``FAULT_HARD_EXIT_S``: preemption.HARD_EXIT_S (how long a rank stuck before training has
+  after a signal before it is ended), shorter for a test.
 * ``FAULT_EIO_READ=NAME``: on every rank, reading a file called NAME fails with a real
   ``OSError(EIO)``, as a failing disk's read does, except inside ``run_dir.plan_resume`` (rank 0's
   plan, which verifies the step's checksums): so the fault hits when the file is loaded, after the
@@ -21,15 +30,27 @@ import errno
 import io
 import os
 import sys
+import time
 
 from train_driver import run_train_py  # tests/ (this script's folder); makes the repo importable
 
-from improved_diffusion import dist_util, run_dir, train_util  # noqa: E402
+from improved_diffusion import (checkpoint, dist_util, logger, preemption, run_dir,  # noqa: E402
+                               train_util)
+
+if os.environ.get("FAULT_HARD_EXIT_S"):
+    preemption.HARD_EXIT_S = float(os.environ["FAULT_HARD_EXIT_S"])
 
 _setup_dist = dist_util.setup_dist
 
 
 def _setup_and_record(*args, **kwargs):
+    late = os.environ.get("FAULT_LATE_RANK")
+    rank = logger.get_rank_without_dist()
+    if late is not None and rank == int(late):
+        if "PMI_RANK" in os.environ:  # MPI_Init first (the others wait in it, holding their
+            from mpi4py import MPI  # noqa: F401  interpreter): they wait in the rendezvous
+        time.sleep(float(os.environ.get("FAULT_LATE_S", "60")))
+    print(f"FAULT: rank {rank} enters the rendezvous", flush=True)
     _setup_dist(*args, **kwargs)
     pid_dir = os.environ.get("FAULT_PID_DIR")
     if pid_dir:
@@ -57,8 +78,22 @@ def _run_step_with_fault(self, batch, cond):
     return _run_step(self, batch, cond)
 
 
+_load = checkpoint.load_file_collective
+
+
+def _slow_load(path, *args, **kwargs):
+    if dist_util.get_rank() == 0:
+        print(f"FAULT: loading {os.path.basename(os.fspath(path))}", flush=True)
+    only = os.environ.get("FAULT_SLOW_LOAD_RANK")
+    if only is None or dist_util.get_rank() == int(only):
+        time.sleep(float(os.environ["FAULT_SLOW_LOAD_S"]))
+    return _load(path, *args, **kwargs)
+
+
 dist_util.setup_dist = _setup_and_record
 train_util.TrainLoop.run_step = _run_step_with_fault
+if os.environ.get("FAULT_SLOW_LOAD_S"):
+    checkpoint.load_file_collective = _slow_load
 
 EIO_NAME = os.environ.get("FAULT_EIO_READ")
 _in_plan = []

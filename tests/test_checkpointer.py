@@ -172,3 +172,71 @@ def test_the_config_checks_its_values_and_names_the_flag(tmp_path):
         CheckpointConfig.from_flags({"log_dir": ""})
     assert config(tmp_path).save_interval == 10000  # script_util.train_defaults()'s
     assert rng is not None
+
+
+# ---------------------------------------------------------------------- preemption signals
+
+
+def test_without_preemption_install_watch_signals_owns_the_signals_for_its_block_alone(log):
+    import os
+    import signal
+
+    got = []
+    before = {s: signal.signal(s, lambda n, f: got.append(n)) for s in (signal.SIGTERM,
+                                                                         signal.SIGUSR1)}
+    try:
+        model, opt, ema = parts()
+        ckpt = make(log, model, opt, ema)
+        ckpt.resume()
+        with ckpt.watch_signals():
+            ckpt.step_begins()
+            assert not ckpt.stop_requested()
+            os.kill(os.getpid(), signal.SIGUSR1)
+            ckpt.step_begins()
+            assert ckpt.stop_requested() and got == []  # the block's handler, not the old one
+            ckpt.save_for_preemption(1)
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert got == [signal.SIGTERM]  # the previous handler is back after the block
+    finally:
+        for s, h in before.items():
+            signal.signal(s, h)
+    assert "preempted (SIGUSR1 on some rank): saved step 1; exiting with code 75" in (
+        log / "log.txt").read_text()
+    assert (log / "manifest000001.json").exists()
+
+
+# A script that installed preemption.py first (as train.py does) gets SIGTERM while it resumes,
+# before the loop watches for signals: the checkpointer's loop must see it, through the one
+# process-wide handler.
+SIGNAL_DURING_RESUME = r"""
+import os, signal, sys
+from improved_diffusion import preemption
+preemption.install()
+import test_checkpointer as T
+from improved_diffusion import logger
+logger.configure(dir=sys.argv[1], format_strs=["stdout", "log"])
+model, opt, ema = T.parts()
+ckpt = T.make(sys.argv[1], model, opt, ema)
+ckpt.resume()
+os.kill(os.getpid(), signal.SIGTERM)  # arrives during the resume
+with ckpt.watch_signals():
+    assert signal.getsignal(signal.SIGTERM) is preemption._handler, "a second owner of SIGTERM"
+    ckpt.step_begins()
+    if ckpt.stop_requested():
+        sys.exit(ckpt.save_for_preemption(1))
+print("the signal was lost")
+"""
+
+
+def test_a_signal_before_the_loop_after_preemption_install_is_saved_at_the_first_boundary(
+        tmp_path):
+    import subprocess
+
+    from conftest import PY, REPO, child_env
+
+    proc = subprocess.run([PY, "-c", SIGNAL_DURING_RESUME, str(tmp_path)], cwd=REPO / "tests",
+                          env=child_env(), capture_output=True, text=True, timeout=60)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 75, out[-3000:]
+    assert "preempted (SIGTERM on some rank): saved step 1; exiting with code 75" in out
+    assert (tmp_path / "manifest000001.json").exists()

@@ -31,7 +31,10 @@ LAUNCHER_FLAGS = {"--nproc_per_node", "--nnodes", "--standalone", "--rdzv_endpoi
                   "--local_addr", "--master_port", "--max_restarts", "--node_rank",
                   "--rdzv_backend", "--rdzv_id", "--cpus-per-task", "--gpus-per-node",
                   "--job-name", "--mpi", "--nodelist", "--nodes", "--ntasks-per-node",
-                  "--open-mode", "--output", "--requeue", "--signal", "--time", "--gpus-per-task"}
+                  "--open-mode", "--output", "--requeue", "--signal", "--time", "--gpus-per-task",
+                  "--signals_to_handle", "--shutdown_timeout",
+                  # unshare's and setpriv's, in docs/RELIABILITY.md
+                  "--mount", "--bounding-set"}
 # What docs/flags.md shows as mistakes (typos, a shortened flag) and the usage line's placeholder.
 EXAMPLE_MISTAKES = {"--num_chanels", "--num_channel", "--lr_anneal", "--bad_flag", "--flag"}
 TINY = ["--image_size", "8", "--num_channels", "32", "--channel_mult", "1",

@@ -365,3 +365,70 @@ def test_a_real_write_into_a_full_tmpfs_names_the_disk_full(tmp_path, can_mount,
     with pytest.raises(C.CheckpointError, match="no space left on device"):
         C.atomic_write(disk / "model000001.pt", big)
     assert names_in(disk) == []
+
+
+# ---------------------------------------------------------------- a log dir that cannot be written
+
+
+def _a_run(log_dir):
+    """A log dir as a run leaves it (its bytes only matter: nothing may change them)."""
+    log_dir.mkdir(parents=True)
+    for name in ("model000002.pt", "ema_0.9999_000002.pt", "opt000002.pt", "manifest000002.json",
+                 "log.txt", "progress.csv"):
+        (log_dir / name).write_bytes(f"{name} of the run".encode())
+    return log_dir
+
+
+def _tree(d):
+    """{path: bytes} of everything under ``d`` (None when it does not exist)."""
+    d = Path(d)
+    return {str(p): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()} \
+        if d.exists() else None
+
+
+READ_ONLY_MOUNT = 'mount --bind "$1" "$1" && mount -o remount,ro,bind "$1" && shift && exec "$@"'
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("how,existing", [
+    ("read-only mount", True), ("read-only mount", False), ("no permission", True),
+    ("under a file", False),
+], ids=["read-only-mount-existing-run", "read-only-mount-new-log-dir",
+        "no-permission-existing-run", "path-under-a-file"])
+def test_a_log_dir_that_cannot_be_written_is_one_line_naming_it_and_nothing_is_touched(
+        tmp_path, images, how, existing):
+    if os.geteuid() != 0:
+        pytest.skip("needs root: a private mount namespace, or dropping root's capabilities")
+    parent = tmp_path / "runs"
+    parent.mkdir()
+    log_dir = _a_run(parent / "run") if existing else parent / "new"
+    wrap = []
+    if how == "read-only mount":
+        mounted = log_dir if existing else parent
+        wrap = ["unshare", "--mount", "--propagation", "private", "sh", "-c", READ_ONLY_MOUNT,
+                "sh", mounted]
+    elif how == "no permission":
+        # The log dir belongs to another uid. The job runs as root without the capabilities
+        # that bypass permissions, so it is checked as any other uid would be (a true non-root
+        # uid cannot run this venv's interpreter, which lives under /root).
+        os.chown(log_dir, 65534, 65534)
+        wrap = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search", "--"]
+    else:
+        (parent / "notes.txt").write_text("a file")
+        log_dir = parent / "notes.txt" / "run"
+    before = _tree(parent)
+    cmd = [*wrap, *train_cmd(images, log_dir, 2)]
+    proc = subprocess.run([str(c) for c in cmd], cwd=REPO, env=child_env(),
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=90, stdin=subprocess.DEVNULL)
+    out = proc.stdout
+    errors = [ln for ln in out.splitlines() if ln.startswith("error:")]
+    assert proc.returncode == 1, f"exit {proc.returncode}:\n{out[-4000:]}"
+    assert len(errors) == 1 and f"log dir {log_dir} cannot be written (" in errors[0], out[-4000:]
+    reason = {"read-only mount": "read-only file system", "no permission": "permission denied",
+              "under a file": "under the file"}[how]
+    assert reason in errors[0], errors[0]
+    if existing:
+        assert f"--resume_checkpoint {log_dir} --log_dir NEW" in errors[0], errors[0]
+    assert "Traceback" not in out and "training on" not in out, out[-4000:]
+    assert _tree(parent) == before

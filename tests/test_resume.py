@@ -631,3 +631,26 @@ def test_a_new_run_in_a_log_dir_with_checkpoints_resumes_and_never_overwrites_a_
     if proc.returncode != 0:
         assert proc.returncode == 1 and "Traceback" not in proc.stdout, proc.stdout[-3000:]
         assert proc.stdout.strip().splitlines()[-1].startswith("error:"), proc.stdout[-3000:]
+
+
+# ---------------------------------------------------------------------- what a resume says
+
+
+@pytest.mark.timeout(150)
+def test_a_resume_with_a_changed_lr_and_an_image_fewer_says_each_once_for_the_job(
+        tmp_path, images):
+    data = Path(shutil.copytree(images(14), tmp_path / "data"))
+    log_dir = tmp_path / "run"
+    train(1, data, log_dir, "--max_steps", 2, "--lr", "1e-4", "--weight_decay", "0.0")
+    (data / "img_013.png").unlink()  # a file left the data folder
+    out = train(2, data, log_dir, "--max_steps", 3, "--lr", "2e-4", "--weight_decay", "0.01",
+                "--resume_checkpoint", log_dir / "model000002.pt").stdout
+    assert resumed_step(out) == 2, out[-3000:]
+    lines = out.splitlines()
+    flags = [ln for ln in lines if ln.startswith("resume: --")]
+    assert flags == ["resume: --lr 0.0001 -> 0.0002", "resume: --weight_decay 0.0 -> 0.01"], (
+        out[-3000:])  # one line each, and none for the flags that did not change
+    warning = ("warning: the data position was saved for 14 samples but the dataset now has "
+               "13; the sample order continues but is not the saved run's")
+    assert lines.count(warning) == 1 and "UserWarning" not in out, out[-3000:]
+    assert (log_dir / "log.txt").read_text().count("resume: --lr 0.0001 -> 0.0002") == 1
