@@ -39,7 +39,7 @@ import torch as th
 import torch.nn.functional as F
 from torch.nn.parallel.distributed import DistributedDataParallel as DDP
 
-from . import amp, cli, dist_util, logger, train_job
+from . import amp, cli, dist_util, logger, preemption, train_job
 from .checkpointer import CheckpointConfig, Checkpointer
 from .config_check import check_config_on_all_ranks, data_fingerprint, show_fingerprint
 from .errors import UsageError
@@ -100,6 +100,7 @@ def run_job(args):
     try:
         loop = ClassifierLoop(args)
         try:
+            preemption.check()  # a signal during the build or the resume: 75, nothing saved
             code = loop.run_loop()
         except BaseException:
             loop.checkpointer.close(sync=False)  # no collective: other ranks may be elsewhere

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 import cluster_sim as cs
-from conftest import MPIEXEC, PY, REPO, child_env, write_images
+from conftest import MPIEXEC, PY, REPO, child_env, write_class_folder, write_images
 
 from improved_diffusion.preemption import BEFORE_TRAINING
 
@@ -192,6 +192,32 @@ def test_a_requeued_job_waiting_for_its_predecessors_lock_exits_75_when_preempte
         os.kill(job.proc.pid if target == "launcher" else job.rank_pids()[target], sig)
         rc = job.end()
         assert_preempted_before_training(job, rc, launcher, to_launcher=target == "launcher")
+        assert snapshot(log_dir) == before
+    finally:
+        holder.kill()
+
+
+@pytest.mark.timeout(150)
+def test_the_classifier_trainer_waiting_for_a_lock_exits_75_when_preempted(tmp_path):
+    """classifier_train.py is preemptible before training too (its first lines install
+    preemption.py): SIGTERM to a rank while it waits for the lock ends the job with 75."""
+    log_dir = tmp_path / "run"
+    log_dir.mkdir()
+    (log_dir / "model000002.pt").write_bytes(b"the predecessor's step")
+    data = write_class_folder(tmp_path / "classes", per_class=2)
+    holder = Job([PY, "-c", HOLDER, log_dir], tmp_path / "holder.out")
+    try:
+        holder.wait_for_text("HELD")
+        before = snapshot(log_dir)
+        job = Job([MPIEXEC, "-n", "2", PY, REPO / "scripts" / "classifier_train.py",
+                   "--image_size", "8", "--classifier_width", "32", "--classifier_depth", "1",
+                   "--classifier_attention_resolutions", "4", "--diffusion_steps", "20",
+                   "--batch_size", "2", "--data_dir", data, "--log_dir", log_dir,
+                   "--lock_wait", 120], tmp_path / "job.out")
+        job.wait_for_text(f"log dir {re.escape(str(log_dir))} is in use by pid {holder.proc.pid}")
+        os.kill(job.rank_pids()[1], signal.SIGTERM)
+        rc = job.end()
+        assert_preempted_before_training(job, rc, "mpiexec")
         assert snapshot(log_dir) == before
     finally:
         holder.kill()
