@@ -1189,10 +1189,23 @@ def main(argv=None, out=None, err=None):
     except KeyboardInterrupt:
         _fail("interrupted", as_json, out, err)
         return EXIT_PROBLEM
+    except BrokenPipeError:  # the reader left (`ckpt.py inspect F | head`): end quietly
+        _drop_stdout(out)
+        return EXIT_PROBLEM
     except Exception:  # a bug: keep its traceback (files' faults are UserErrors above)
         traceback.print_exc(file=err)
         _fail("unexpected error (traceback above)", as_json, out, err)
         return EXIT_PROBLEM
+
+
+def _drop_stdout(out):
+    """After the reader of ``out`` closed the pipe: point stdout at /dev/null, so that the
+    interpreter's flush at exit does not print a second BrokenPipeError (Python's advice in
+    its signal module documentation)."""
+    if out is sys.stdout:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
 
 
 def _fail(message, as_json, out, err):

@@ -419,6 +419,23 @@ def test_module_entry_point_runs_the_tool():
     assert json.loads(proc.stdout[proc.stdout.index("{"):])["resume_step"] == 10
 
 
+@pytest.mark.timeout(120)
+def test_a_reader_that_left_the_pipe_ends_the_tool_quietly_without_a_traceback(tmp_path):
+    """`ckpt.py inspect F | head -1`: once head has gone, a write to the pipe fails (EPIPE)."""
+    import subprocess
+
+    from conftest import PY, REPO, child_env
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader is gone before the tool writes its first line
+    with open(tmp_path / "err", "w") as err:
+        proc = subprocess.run([PY, REPO / "scripts" / "ckpt.py", "inspect", RUN / "model000010.pt"],
+                              stdout=write_end, stderr=err, env=child_env(), timeout=60)
+    os.close(write_end)
+    text = (tmp_path / "err").read_text()
+    assert proc.returncode == 1 and "Traceback" not in text and "Error" not in text, text
+
+
 def test_convert_skips_a_model_state_dict_in_the_opt_slot_and_writes_no_manifest(tmp_path):
     model = tiny_model()
     src = tmp_path / "run"
