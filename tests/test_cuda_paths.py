@@ -49,6 +49,8 @@ def gpus(monkeypatch):
             raise _InitCalled
 
         monkeypatch.setattr(dist, "init_process_group", init)
+        # no real store: rank 1 of 8 would wait for a rank 0 at MASTER_ADDR:MASTER_PORT
+        monkeypatch.setattr(dist_util, "_attempt_store", lambda timeout: "the attempt's store")
         return record
 
     return setup
