@@ -88,7 +88,8 @@ def progress(log_dir):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("ranks", [1, 2, 3])
+@pytest.mark.parametrize("ranks", [pytest.param(1, marks=pytest.mark.slow), 2,
+                                   pytest.param(3, marks=pytest.mark.slow)])  # 1, 3: make soak
 def test_a_classifier_run_resumed_at_step_3_ends_bitwise_identical_to_a_straight_run(
         tmp_path, data, ranks):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"

@@ -245,7 +245,8 @@ def test_kill_9_of_one_mpiexec_rank_ends_the_job_and_the_last_step_resumes(tmp_p
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("fault,code,cause", [
     ("KeyboardInterrupt", 130, "interrupted (KeyboardInterrupt) on rank 1"),
-    ("SystemExit:3", 3, "exit requested (SystemExit 3) on rank 1"),
+    pytest.param("SystemExit:3", 3, "exit requested (SystemExit 3) on rank 1",
+                 marks=pytest.mark.slow),
 ])
 def test_an_interrupt_on_one_rank_ends_every_rank_with_its_cause_printed_once(
         tmp_path, fault, code, cause):

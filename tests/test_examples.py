@@ -126,7 +126,7 @@ def own_model_runs(tmp_path_factory, data):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("ranks", [1, 2, 3])
+@pytest.mark.parametrize("ranks", [pytest.param(1, marks=pytest.mark.slow), 2, 3])  # 1: soak
 def test_a_model_with_batchnorm_and_a_frozen_parameter_resumes_bitwise(
         tmp_path, data, own_model_runs, ranks):
     straight, half = own_model_runs(ranks)

@@ -83,7 +83,8 @@ def straight(tmp_path_factory, images):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("ranks", [1, 2, 3])
+@pytest.mark.parametrize("ranks", [pytest.param(1, marks=pytest.mark.slow), 2,
+                                   pytest.param(3, marks=pytest.mark.slow)])  # 1, 3: make soak
 def test_a_run_with_phema_stds_resumed_at_a_step_without_snapshots_ends_bitwise_identical(
         tmp_path, images, straight, ranks):
     done = straight(ranks)

@@ -143,6 +143,11 @@ def worker_exit_codes(out):
     return [int(c) for c in re.findall(r"exitcode\s*:\s*(-?\d+)", out)]
 
 
+# Where our code lives (a traceback through these is ours; the venv may be inside REPO too).
+OUR_CODE = tuple(str(REPO / d) + os.sep for d in
+                 ("improved_diffusion", "scripts", "tests", "examples", "benchmarks"))
+
+
 def assert_preempted_before_training(job, rc, launcher, to_launcher=False):
     """Exit 75 (mpiexec) or every worker 75 (torchrun, which exits 1 itself; signalled itself
     it lists no worker, only its own traceback), the one line printed once, no traceback of
@@ -159,7 +164,8 @@ def assert_preempted_before_training(job, rc, launcher, to_launcher=False):
             f"exit {rc}, workers {codes}:\n{out[-3000:]}")
     lines = [ln for ln in out.splitlines() if ln.strip() == BEFORE_TRAINING]
     assert len(lines) == 1, f"{len(lines)} times {BEFORE_TRAINING!r}:\n{out[-3000:]}"
-    ours = [f for f in re.findall(r'File "([^"]+)"', out) if f.startswith(str(REPO))]
+    ours = [f for f in re.findall(r'File "([^"]+)"', out)
+            if f.startswith(OUR_CODE)]  # torchrun itself may live in REPO/.venv
     assert not ours and "error:" not in out, out[-3000:]  # torchrun's own traceback aside
     assert not re.search(r"^step \d+", out, re.M), out[-3000:]
 

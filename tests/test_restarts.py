@@ -70,7 +70,8 @@ def run_with_kills(images, work, rdzv, kills, max_steps=MAX_STEPS, timeout=120):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("rdzv,kills", [("standalone", 2), ("c10d", 1)])
+@pytest.mark.parametrize("rdzv,kills", [("standalone", 2),
+                                        pytest.param("c10d", 1, marks=pytest.mark.slow)])
 def test_workers_killed_mid_run_restart_resume_and_end_bitwise_like_a_straight_run(
         tmp_path, images, straight, rdzv, kills):
     rc, records, out = run_with_kills(images, tmp_path, rdzv, kills)
