@@ -24,7 +24,7 @@ import torch as th
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
-from . import dist_util
+from . import dist_util, preemption
 from .errors import UserError
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "gif")
@@ -333,6 +333,8 @@ def collate(items):
 
 
 def _worker_init(worker_id):
+    # The main process owns SIGTERM/SIGUSR1: a worker ignores them (preemption.ignore_in_worker).
+    preemption.ignore_in_worker()
     # Loading is free of randomness; fix the generators anyway so nothing can differ per run.
     np.random.seed(worker_id)
     th.manual_seed(worker_id)
@@ -479,7 +481,8 @@ class ResumableLoader:
                 # one, since a resume creates the iterator at a different step).
                 generator=th.Generator().manual_seed(self.seed),
             )
-            self._stream = [iter(dl), self.position]
+            with preemption.starting_workers():
+                self._stream = [iter(dl), self.position]
         batch = next(self._stream[0])
         self._stream[1] += self.global_batch
         return batch

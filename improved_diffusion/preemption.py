@@ -28,6 +28,11 @@ rank, and exits with the ranks' code: 75, also when one rank exits 75 and hydra 
 worker that exits alone makes it stop the other workers (with SIGTERM) and, while
 ``--max_restarts`` allows, start them again.
 
+Data-loading worker processes (``--num_workers``) ignore both signals (``starting_workers`` and
+``ignore_in_worker``, which image_datasets' loader uses): the ranks' launchers and a cluster's
+SIGTERM to every process of a job reach them too, and a worker that died of it would end the job
+with an error before the main process saved.
+
 Without ``install()`` (a user's own loop on the checkpointer, examples/own_loop.py, or a TrainLoop
 in a user's process), ``training()`` installs the flag handlers for the loop alone and restores
 the previous ones after it: such a loop is preemptible inside its ``watch_signals`` block.
@@ -122,6 +127,50 @@ def _forget_in_child():
     try:
         signal.set_wakeup_fd(-1)
     except ValueError:  # forked from a thread other than the main one
+        pass
+
+
+# --------------------------------------------------------------------------------------------
+# data-loading worker processes
+
+
+@contextlib.contextmanager
+def starting_workers():
+    """
+    Wrap the start of worker processes (a DataLoader's ``iter()``): the preemption signals are
+    blocked in this thread meanwhile, so that each worker starts with them blocked (a fork copies
+    the thread's mask, an exec keeps it) until its init calls ``ignore_in_worker()``; no window
+    is left in which a signal ends a worker. A signal that reaches this process meanwhile is
+    pending and is handled when the block ends, as it would have been. Not collective.
+    """
+    sigs = set(_signals())
+    try:
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, sigs)
+    except (AttributeError, OSError, ValueError):  # no pthread_sigmask on this platform
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def ignore_in_worker():
+    """
+    In a data-loading worker process (its ``worker_init_fn``): ignore the preemption signals,
+    then unblock them (``starting_workers``). The main process owns them: a cluster sends
+    SIGTERM to every process of a job (SLURM), mpiexec's and torchrun's ranks pass it on to
+    their process groups, and a worker that died of it would take the job down with
+    ``DataLoader worker ... is killed by signal`` before the main process could save. A worker
+    ends when its main process closes the loader, or within seconds of that process's death
+    (the DataLoader's own watchdog). Not collective.
+    """
+    sigs = _signals()
+    for sig in sigs:
+        signal.signal(sig, signal.SIG_IGN)
+    try:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, set(sigs))
+    except (AttributeError, OSError, ValueError):
         pass
 
 

@@ -335,3 +335,75 @@ def test_signals_that_keep_coming_during_the_preemption_save_and_after_it_do_not
     saved = int(re.search(r"preempted \(SIGTERM on some rank\): saved step (\d+)", out).group(1))
     assert cs.complete_steps(log_dir) == [saved] and cs.step_problems(log_dir, saved) == []
     assert sent > 20, sent  # the signals did cover the save
+
+
+# ------------------------------------------------------------------ with loader workers
+
+
+def loader_workers(job):
+    """The pids of the job's DataLoader worker processes: forked children of a rank, with the
+    rank's own command line."""
+    def cmdline(pid):
+        try:
+            return Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            return None
+
+    def parent(pid):
+        try:
+            return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            return None
+
+    return [pid for pid in cs.process_tree(job.proc.pid)
+            if cmdline(pid) and b".py" in cmdline(pid) and cmdline(parent(pid)) == cmdline(pid)]
+
+
+CLASSIFIER_TINY = ["--image_size", "8", "--classifier_width", "32", "--classifier_depth", "1",
+                   "--classifier_attention_resolutions", "4", "--diffusion_steps", "20",
+                   "--batch_size", "2", "--log_interval", "1"]
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize("script,launcher,target", [
+    ("train.py", "mpiexec", "launcher"),
+    ("train.py", "torchrun", "launcher"),
+    ("train.py", "mpiexec", "every process"),
+    ("classifier_train.py", "torchrun", "every process"),
+], ids=["train-sigterm-to-mpiexec", "train-sigterm-to-torchrun",
+        "train-sigterm-to-every-process", "classifier-sigterm-to-every-process"])
+def test_sigterm_with_loader_workers_saves_the_step_it_reached_and_exits_75(
+        tmp_path, images, script, launcher, target):
+    """--num_workers 2 (the GPU default starts 1-8): SIGTERM as a cluster sends it, to the
+    launcher or to every process of the job (SLURM), workers included, once the loop runs. The
+    workers ignore it (the main process owns it), so the ranks save the step they reached
+    (the last interval save is step 0: none) and exit 75; before, a worker died of it and the
+    job ended with exit 1, "DataLoader worker (pid ...) is killed by signal", nothing saved."""
+    log_dir = tmp_path / "run"
+    if script == "train.py":
+        args = [*TINY, "--data_dir", images]
+    else:
+        args = [*CLASSIFIER_TINY, "--data_dir", write_class_folder(tmp_path / "classes")]
+    job = Job(launch(launcher, REPO / "scripts" / script,
+                     [*args, "--log_dir", log_dir, "--num_workers", 2, "--max_steps", 100000,
+                      "--save_interval", 100000]), tmp_path / "job.out")
+    job.wait_for_text(r"(?m)^step 3\b")
+    workers = loader_workers(job)
+    assert len(workers) == 4, f"expected 2 ranks x 2 loader workers, found {workers}"
+    if target == "launcher":
+        os.kill(job.proc.pid, signal.SIGTERM)
+    else:
+        cs.signal_all(cs.process_tree(job.proc.pid), signal.SIGTERM)
+    rc = job.end()
+    out = job.out
+    assert "killed by signal" not in out and "error:" not in out, out[-3000:]
+    if launcher == "mpiexec":
+        assert rc == 75, f"exit {rc}:\n{out[-3000:]}"
+    elif target == "launcher":  # torchrun exits 1 itself; its workers each exit 75
+        assert rc == 1 and "death signal, shutting down workers" in out, f"exit {rc}:\n{out}"
+    else:
+        codes = worker_exit_codes(out)
+        assert rc in (1, -15) and (not codes or set(codes) == {75}), f"exit {rc}:\n{out}"
+    saved = int(re.search(r"preempted \(SIGTERM on some rank\): saved step (\d+)", out).group(1))
+    assert saved >= 3, out[-3000:]
+    assert cs.complete_steps(log_dir) == [saved] and cs.step_problems(log_dir, saved) == []
