@@ -42,7 +42,7 @@ import zipfile
 import zlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 import blobfile as bf
 import torch as th
@@ -247,13 +247,18 @@ def ema_payload(step, rate_str, state_dict, flags):
             "rate_str": str(rate_str)}
 
 
-def phema_payload(step, std, nimg, state_dict, flags, param_names):
+def phema_payload(step, std, nimg, state_dict, flags, param_names, tied=None):
     """The dict saved as ``phema_{std:.3f}_{step:06d}.pt``: a power-function EMA of relative
     width ``std`` after ``nimg`` images (over all ranks); ``state_dict``: the model's, with the
-    EMA in place of the parameters named in ``param_names`` (the other entries are buffers)."""
-    return {"schema": SCHEMA, "version": VERSION, "kind": "phema", "step": int(step),
-            "state_dict": state_dict, "flags": dict(flags or {}), "std": float(std),
-            "nimg": int(nimg), "param_names": [str(n) for n in param_names]}
+    EMA in place of the parameters named in ``param_names`` (the other entries are buffers,
+    but for the names in ``tied``, {second name of a shared parameter: its name in
+    param_names}, which hold the same EMA; the key is there only when a model shares some)."""
+    payload = {"schema": SCHEMA, "version": VERSION, "kind": "phema", "step": int(step),
+               "state_dict": state_dict, "flags": dict(flags or {}), "std": float(std),
+               "nimg": int(nimg), "param_names": [str(n) for n in param_names]}
+    if tied:
+        payload["tied"] = {str(a): str(n) for a, n in tied.items()}
+    return payload
 
 
 def posthoc_ema_payload(step, std, nimg, state_dict, flags, inputs, profile_error):
@@ -300,6 +305,7 @@ class CkptFile:
     std: Optional[float] = None  # phema snapshots: the relative width,
     nimg: Optional[int] = None  # the images seen,
     param_names: Optional[List[str]] = None  # and which state_dict entries are EMA'd parameters
+    tied: Optional[Dict[str, str]] = None  # {second name of a shared parameter: its param name}
     raw: Any = None
     notes: List[str] = field(default_factory=list)
     nbytes: int = 0
@@ -1159,7 +1165,13 @@ def _read_phema_tags(c, obj, name):
             or any(not isinstance(n, str) or n not in c.state_dict for n in names)):
         raise CheckpointError(f"{name}: tagged phema file has no valid 'param_names' (the "
                               f"state_dict entries that are EMA parameters); replace it")
-    c.std, c.nimg, c.param_names = std, nimg, list(names)
+    tied = obj.get("tied", {})
+    if (not isinstance(tied, dict) or any(
+            not isinstance(a, str) or a not in c.state_dict or n not in names
+            for a, n in tied.items())):
+        raise CheckpointError(f"{name}: tagged phema file has an invalid 'tied' (the names of "
+                              f"shared parameters); replace it")
+    c.std, c.nimg, c.param_names, c.tied = std, nimg, list(names), dict(tied)
 
 
 def _combined_entry(obj, keys, state_dict):

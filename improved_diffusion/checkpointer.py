@@ -199,6 +199,7 @@ class Checkpointer:
         self.batch_size = batch_size
         self.global_batch = None if batch_size is None else int(batch_size) * self.world_size
         self.named_params = list(model.named_parameters())
+        self.tied = state_fit.tied_parameter_names(model)  # {second name of a shared parameter: first}
         self.resume_step = 0
         self.last_saved_step = None
         self.model_changes = []  # trainer["model_changes"]: the run's model changes so far
@@ -387,10 +388,13 @@ class Checkpointer:
 
     def _params_to_state_dict(self, params):
         """The model's state dict with its parameters replaced by ``params`` (upstream's rule for
-        EMA files: EMA parameters, the live model's buffers)."""
+        EMA files: EMA parameters, the live model's buffers), under every name of a parameter
+        that layers share (state_fit.tied_parameter_names)."""
         sd = self.model.state_dict()
         for (name, _), p in zip(self.named_params, params):
             sd[name] = p
+        for alias, name in self.tied.items():  # a shared parameter's every name: its EMA
+            sd[alias] = sd[name]
         return sd
 
     def _trainer_state(self, step, rngs):

@@ -1033,6 +1033,8 @@ def cmd_phema(args, out):
     targets = _phema_targets(args, stds)
     plan = phema.plan_reconstruction(args.dir, stds, step=args.step,
                                      max_error=args.max_profile_error)
+    if plan.warning:
+        args.err.write(plan.warning + "\n")
     paths = {std: targets(std, plan.step) for std in stds}
     for p in paths.values():
         if os.path.lexists(p):
@@ -1045,7 +1047,8 @@ def cmd_phema(args, out):
         written.append({"std": std, "path": paths[std],
                         "profile_error": float(plan.errors[plan.stds.index(std)])})
     rep = {"dir": args.dir, "step": plan.step, "nimg": plan.nimg,
-           "inputs": [os.path.basename(s.path) for s in plan.inputs], "written": written}
+           "inputs": [os.path.basename(s.path) for s in plan.inputs], "written": written,
+           "left_out": [{"step": step, "why": why} for step, why in plan.left_out]}
     if args.json:
         _dump(rep, out)
     else:

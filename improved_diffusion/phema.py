@@ -49,13 +49,13 @@ Reconstruction (``ckpt.py phema RUN_DIR --std 0.07 --out FILE``)::
 
 import os
 from collections import OrderedDict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import List, Optional
 
 import numpy as np
 import torch as th
 
-from . import checkpoint, run_dir as run_dir_mod
+from . import checkpoint, run_dir as run_dir_mod, state_fit
 from .errors import UsageError, UserError
 
 # stds must be below this (EDM2's reconstruct_phema.parse_std_list): exp_to_std is at most
@@ -261,7 +261,7 @@ class PowerFunctionEMA:
             th._foreach_lerp_(ema, params, 1.0 - beta)
         self.nimg = t_next
 
-    def snapshot_payloads(self, step, flags, model_state):
+    def snapshot_payloads(self, step, flags, model_state, tied=None):
         """
         {file name: payload} of this step's snapshots, one per std (``phema_0.050_012000.pt``):
         tagged ``kind: "phema"`` files (checkpoint.phema_payload) holding ``model_state`` with
@@ -270,6 +270,8 @@ class PowerFunctionEMA:
         the tracker's own tensors: copy them to the host (as a save does) before the next update.
 
         :param model_state: the bare module's state dict (no ``module.`` prefixes).
+        :param tied: {second state-dict name of a shared parameter: its tracked name}
+            (state_fit.tied_parameter_names): those names hold the same EMA.
         """
         missing = [n for n in self.names if n not in model_state]
         if missing:
@@ -279,8 +281,10 @@ class PowerFunctionEMA:
             sd = OrderedDict(model_state)
             for name, t in zip(self.names, ema):
                 sd[name] = t
+            for alias, name in (tied or {}).items():
+                sd[alias] = sd[name]
             out[checkpoint.phema_filename(std, step)] = checkpoint.phema_payload(
-                step, std, self.nimg, sd, flags, self.names)
+                step, std, self.nimg, sd, flags, self.names, tied)
         return out
 
     def state_dict(self):
@@ -395,6 +399,7 @@ class RunTracker:
     def __init__(self, model, stds, every, last_step, flags):
         self.model = model
         self.tracker = PowerFunctionEMA(model.named_parameters(), stds)
+        self.tied = state_fit.tied_parameter_names(model)
         self.every, self.last_step = int(every), int(last_step)
         self.flags = flags
 
@@ -431,7 +436,7 @@ class RunTracker:
         if not self.due(step):
             return {}
         sd = {k: v.detach() for k, v in self.model.state_dict().items()}
-        return self.tracker.snapshot_payloads(step, self.flags, sd)
+        return self.tracker.snapshot_payloads(step, self.flags, sd, self.tied)
 
     def finite_tensors(self):
         """{"post-hoc EMA 0.050": [tensor, ...], ...}: what a save requires finite."""
@@ -464,6 +469,7 @@ class Snapshot:
     flags: Optional[dict]
     param_names: List[str]
     shapes: dict  # {key: tuple} of the whole state dict
+    tied: dict  # {second name of a shared parameter: its name in param_names}
 
 
 @dataclass
@@ -478,6 +484,13 @@ class ReconstructionPlan:
     inputs: List[Snapshot]
     coefs: np.ndarray
     errors: np.ndarray  # profile_error per target, [out]
+    left_out: list = field(default_factory=list)  # [(step, why)]: snapshots not used
+
+    @property
+    def warning(self):
+        """One line naming the steps whose snapshots were left out, or None."""
+        return (f"warning: post-hoc EMA snapshots: {_left_out_line(self.left_out)}"
+                if self.left_out else None)
 
     @property
     def target(self):
@@ -486,10 +499,16 @@ class ReconstructionPlan:
 
 
 def read_snapshots(run_dir):
-    """Every snapshot in ``run_dir`` (Snapshot, sorted by step then std), from their tags: the
-    tensors are memory-mapped, not read (checkpoint.peek_file). PhemaError when there are none,
-    or when a file's name contradicts its content."""
-    found = run_dir_mod.list_snapshots(run_dir)
+    """``(snapshots, left_out)``: the usable snapshots in ``run_dir`` (Snapshot, sorted by step
+    then std; run_dir.usable_snapshots: those their step's manifest lists and verifies, and a
+    pruned step's), from their tags: the tensors are memory-mapped, not read
+    (checkpoint.peek_file); and ``[(step, why)]`` of the steps left out (an interrupted save, a
+    corrupt file). PhemaError when there are none, or when a file's name contradicts its
+    content."""
+    found, left_out = run_dir_mod.usable_snapshots(run_dir)
+    if not found and left_out:
+        raise PhemaError(f"{run_dir}: no usable post-hoc EMA snapshots: "
+                         f"{_left_out_line(left_out)}")
     if not found:
         raise PhemaError(f"{run_dir}: no post-hoc EMA snapshots (phema_STD_STEP.pt files) in "
                          f"this directory; they are written by a run trained with --phema_stds")
@@ -503,10 +522,15 @@ def read_snapshots(run_dir):
             raise PhemaError(f"{name.path}: the file holds std {std_str(c.std)} at step "
                              f"{c.step}, its name says otherwise; rename or remove it")
         out.append(Snapshot(path=name.path, step=c.step, std=c.std, nimg=c.nimg, flags=c.flags,
-                            param_names=list(c.param_names),
+                            param_names=list(c.param_names), tied=dict(c.tied or {}),
                             shapes={k: tuple(v.shape) for k, v in c.state_dict.items()}))
         del c
-    return out
+    return out, left_out
+
+
+def _left_out_line(left_out):
+    """One line for the steps whose snapshots a reconstruction leaves out."""
+    return "; ".join(f"step {step} left out: {why}" for step, why in left_out)
 
 
 def plan_reconstruction(run_dir, stds, step=None, max_error=MAX_PROFILE_ERROR):
@@ -519,11 +543,15 @@ def plan_reconstruction(run_dir, stds, step=None, max_error=MAX_PROFILE_ERROR):
     represent (its profile_error above ``max_error``).
     """
     run_dir = os.fspath(run_dir)
-    snaps = read_snapshots(run_dir)
+    snaps, left_out = read_snapshots(run_dir)
     steps = sorted({s.step for s in snaps})
     if step is None:
         step = steps[-1]
     elif step not in steps:
+        why = dict(left_out).get(step)
+        if why:
+            raise PhemaError(f"--step {step}: its snapshots in {run_dir} are left out: {why}; "
+                             f"give a step with snapshots: {_show_steps(steps)}")
         if step < steps[0]:
             raise PhemaError(f"--step {step}: before the first snapshot in {run_dir} (step "
                              f"{steps[0]}); give a step with snapshots: {_show_steps(steps)}")
@@ -558,7 +586,8 @@ def plan_reconstruction(run_dir, stds, step=None, max_error=MAX_PROFILE_ERROR):
                 f"than {max_error:.0%}); choose a std nearer to {have} (or raise "
                 f"--max_profile_error)")
     return ReconstructionPlan(run_dir=run_dir, step=step, nimg=nimg, stds=list(stds),
-                              inputs=inputs, coefs=coefs, errors=errors)
+                              inputs=inputs, coefs=coefs, errors=errors,
+                              left_out=left_out)
 
 
 def _show_steps(steps):
@@ -626,6 +655,8 @@ def reconstruct(plan, batch=1):
             acc, sums[j] = sums[j], None
             out = OrderedDict(
                 (k, acc[k].to(dtypes[k]) if k in dtypes else buffers[k]) for k in key_order)
+            for alias, name in plan.target.tied.items():  # a shared parameter's other names
+                out[alias] = out[name]
             del acc
             std = plan.stds[col]
             yield std, checkpoint.posthoc_ema_payload(

@@ -190,6 +190,50 @@ def list_snapshots(log_dir, names=None):
     return sorted(out, key=lambda s: (s.step, float(s.std_str)))
 
 
+def usable_snapshots(log_dir, names=None):
+    """
+    ``(snapshots, left_out)``: the post-hoc EMA snapshots a reconstruction may use, by the rule
+    every reader follows (a step counts once its manifest lists and verifies it), and
+    ``[(step, why)]`` for each step whose snapshots are left out. Usable: those that their
+    step's manifest lists, each matching its size and checksum (this reads them), and those of
+    pruned steps (snapshots alone, older than a complete step: ``prune`` keeps them on purpose
+    and drops the rest of the step, manifest included). Left out: the snapshots of a save that
+    was interrupted (no manifest, or a listed file missing), of a step whose manifest a snapshot
+    does not match, and ones a complete step's manifest does not list. CheckpointReadError when
+    a read fails.
+    """
+    log_dir = os.fspath(log_dir)
+    names = listdir(log_dir) if names is None else names
+    snaps = list_snapshots(log_dir, names=names)
+    steps = {st.step: st for st in list_steps(log_dir, names=names)}  # pruned steps: absent
+    usable, left_out = [], []
+    for step in sorted({s.step for s in snaps}):
+        mine = [s for s in snaps if s.step == step]
+        st = steps.get(step)
+        if st is None:
+            usable += mine
+            continue
+        if not st.complete:
+            left_out.append((step, st.problem))
+            continue
+        listed = st.manifest["files"]
+        bad = None
+        for s in mine:
+            info = listed.get(ckpt.basename(s.path))
+            if info is None:
+                bad = f"{ckpt.basename(s.path)} is not in manifest{step:06d}.json"
+                break
+            algorithm, want = ckpt.checksum_of(info)
+            if algorithm is None or ckpt.file_digest(s.path, algorithm)[algorithm] != want:
+                bad = f"{ckpt.basename(s.path)} does not match its checksum in the manifest"
+                break
+        if bad:
+            left_out.append((step, bad))
+        else:
+            usable += mine
+    return usable, left_out
+
+
 def _read_manifest(st):
     """The manifest's dict, or raise _Problem (content) / CheckpointReadError (read failure)."""
     path = st.manifest_path

@@ -123,6 +123,9 @@ def train_defaults():
         num_workers=-1,  # data-loading worker processes; -1: image_datasets.auto_num_workers()
         # torch.compile the model's forward/backward (off by default; see benchmarks/train.py).
         compile=False,
+        # DDP's find_unused_parameters: for a model that leaves some parameters out of the loss
+        # on some steps or ranks (each step then walks the autograd graph: a little slower).
+        find_unused_parameters=False,
         # Deterministic kernels (dist_util.set_deterministic): a GPU run resumed from a checkpoint
         # equals a straight one bit for bit; slower, so off by default (the CPU needs none).
         deterministic=False,
@@ -1115,6 +1118,8 @@ FLAG_HELP = {
                   "count); 0 = no limit"),
     "seed": ("training", "seeds everything (data order, noise, sampled labels)"),
     "nan_policy": ("training", "a step with a NaN/Inf loss or gradient: stop (exit 1) or skip"),
+    "find_unused_parameters": ("training", "DDP's find_unused_parameters, for a model of one's own "
+                               "that leaves parameters out of the loss on some steps (2+ ranks)"),
     "compile": ("training", "torch.compile the model's forward/backward (keys unchanged; a slower "
                 "start, then faster steps)"),
     "deterministic": ("training", "deterministic GPU kernels (cuDNN, cuBLAS, atomics), so that a "

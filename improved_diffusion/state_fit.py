@@ -68,6 +68,25 @@ def _first(keys, n=3):
     return ", ".join(keys[:n]) + more
 
 
+def tied_parameter_names(module) -> Dict[str, str]:
+    """
+    {state-dict name: name in ``module.named_parameters()``} for each second (third, ...) name
+    of a parameter that several layers share: after ``self.b.weight = self.a.weight`` the state
+    dict holds the one tensor as ``a.weight`` and ``b.weight``, named_parameters() only as
+    ``a.weight``, so this gives ``{"b.weight": "a.weight"}``. A state dict made from a list of
+    parameters (an EMA) must put the same tensor under every name of each (else
+    ``load_state_dict`` puts the later name's tensor into the shared parameter). Empty for a
+    model without shared parameters.
+    """
+    first, tied = {}, {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            tied[name] = first[id(p)]
+        else:
+            first[id(p)] = name
+    return tied
+
+
 def shapes_of(state_dict) -> Dict[str, Optional[tuple]]:
     """{key: shape tuple} of a state dict (None for a value that is not a tensor)."""
     return {k: tuple(v.shape) if isinstance(v, th.Tensor) else None

@@ -32,6 +32,9 @@ class Parts(NamedTuple):
     # --sample_interval: indices -> the model's keyword arguments for the grid's samples (None:
     # class labels for a class_cond model; TrainLoop's sample_kwargs)
     sample_kwargs: Any = None
+    # DDP's find_unused_parameters for this model (None: --find_unused_parameters decides), for
+    # a model that leaves some parameters out of the loss on some steps or ranks
+    find_unused_parameters: Any = None
 
 
 def check_train_args(args):
@@ -118,7 +121,9 @@ def start_job(args):
 
 def make_loop(args, parts):
     """The TrainLoop of ``parts`` with the training settings of ``args`` (resumes; collective)."""
-    config = train_util.TrainConfig.from_flags(args)
+    overrides = ({} if parts.find_unused_parameters is None
+                 else {"find_unused_parameters": bool(parts.find_unused_parameters)})
+    config = train_util.TrainConfig.from_flags(args, **overrides)
     return train_util.TrainLoop(
         model=parts.model, diffusion=parts.diffusion, data=parts.data,
         schedule_sampler=parts.schedule_sampler, model_flags=parts.model_flags,

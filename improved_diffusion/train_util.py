@@ -38,7 +38,7 @@ from . import amp, checkpoint, dist_util, guidance, logger, phema, run_dir
 from .checkpointer import (PREEMPTED_EXIT_CODE, CheckpointConfig, Checkpointer, NonFiniteError,
                            ResumeError, _from_flags, copy_into)
 from .config_check import check_config_on_all_ranks, data_fingerprint, show_fingerprint
-from .errors import UsageError
+from .errors import UsageError, UserError
 from .nn import update_ema
 from .resample import LossAwareSampler, UniformSampler
 from .rng import get_rng_state, seed_rngs, set_rng_state
@@ -72,6 +72,8 @@ class TrainConfig:
     log_sample_indices: append each step's dataset indices to log_dir/sample_indices/ (per rank).
     nan_policy: a step with a NaN/Inf loss or gradient, without a GradScaler: "stop" or "skip".
     compile: run the forward/backward through torch.compile.
+    find_unused_parameters: DDP's, for a model that leaves parameters out of the loss on some
+        steps or ranks (train_job.Parts can ask for it too).
     sample_interval: rank 0 writes a grid of EMA samples every this many steps and at the end
         (0: off; sample_grids.py). sample_count: images per grid. sample_steps: their DDIM steps.
     tensorboard: rank 0 also logs the scalars and the grids to log_dir/tb/ (TensorBoard).
@@ -96,6 +98,7 @@ class TrainConfig:
     log_sample_indices: bool
     nan_policy: str
     compile: bool
+    find_unused_parameters: bool
     sample_interval: int
     sample_count: int
     sample_steps: int
@@ -313,7 +316,10 @@ class TrainLoop:
 
     def run_step(self, batch, cond):
         """One optimizer step on this rank's batch [B, C, H, W]. Collective (DDP all-reduce)."""
-        self.forward_backward(batch, cond)
+        with unused_parameters_named(self.step + 1):
+            self.forward_backward(batch, cond)
+        if self.use_ddp and not self.config.find_unused_parameters:
+            check_every_parameter_used(self.named_params, self.step + 1)
         took_step = self.optimize_fp16() if self.use_fp16 else self.optimize_normal()
         self.step += 1
         if took_step is not False:  # an upstream-style override returning None took its step
@@ -462,7 +468,8 @@ class TrainLoop:
         return make_adamw(self.model.parameters(), lr=self.lr, weight_decay=self.weight_decay)
 
     def _wrap_ddp(self):
-        kwargs = dict(bucket_cap_mb=128, find_unused_parameters=False)
+        kwargs = dict(bucket_cap_mb=128,
+                      find_unused_parameters=self.config.find_unused_parameters)
         if self.device.type == "cuda":
             kwargs.update(device_ids=[self.device], output_device=self.device)
         return DDP(self.model, **kwargs)
@@ -561,6 +568,47 @@ def _settings(settings, given):
         raise TypeError(f"TrainLoop() got unexpected keyword argument(s) {', '.join(unknown)} "
                         f"(settings: {', '.join(sorted(known - {'checkpoint'}))})")
     return dict(given, **settings)
+
+
+# DDP's words, at the next forward, for a parameter that got no gradient in a step on every rank
+# (find_unused_parameters=False). Left out on some ranks only, the ranks would instead wait for
+# each other's different collectives until --dist_timeout: check_every_parameter_used() says it
+# first, on the rank itself.
+_DDP_UNUSED = "Expected to have finished reduction in the prior iteration"
+
+
+class UnusedParametersError(UserError):
+    """A parameter took no part in the loss of a step on some rank, without
+    --find_unused_parameters True (exit 1, one line naming the flag)."""
+
+    def __init__(self, step, names=()):
+        which = f" ({', '.join(names[:3])}{' ...' if len(names) > 3 else ''})" if names else ""
+        super().__init__(
+            f"a parameter of the model{which} got no gradient on some rank by step {step}, and "
+            f"DDP needs every parameter in every loss: pass --find_unused_parameters True for a "
+            f"model that leaves parameters out on some steps (or train_job.Parts("
+            f"find_unused_parameters=True) in a build() of one's own)")
+
+
+def check_every_parameter_used(named_params, step):
+    """After the backward of ``step`` under DDP without find_unused_parameters: raise
+    UnusedParametersError on this rank if a trained parameter got no gradient (before any
+    collective, which the other ranks would wait in for ever). Not collective."""
+    unused = [n for n, p in named_params if p.requires_grad and p.grad is None]
+    if unused:
+        raise UnusedParametersError(step, unused)
+
+
+@contextlib.contextmanager
+def unused_parameters_named(step):
+    """Within: training step ``step``; DDP's error at its forward for a parameter left unused in
+    the pass before (on every rank) becomes UnusedParametersError. Not collective."""
+    try:
+        yield
+    except RuntimeError as e:
+        if _DDP_UNUSED not in str(e):
+            raise
+        raise UnusedParametersError(step) from None
 
 
 @contextlib.contextmanager

@@ -443,7 +443,7 @@ def test_bad_input_is_one_line_naming_the_flag_or_file(tiny_runs, tmp_path):
     assert (tmp_path / "x.pt").read_bytes() == b"mine"
 
 
-def test_a_damaged_snapshot_is_named_and_nothing_is_written(tmp_path):
+def test_a_damaged_snapshot_leaves_its_step_out_named_in_one_warning(tmp_path):
     d = str(tmp_path / "run")
     _steps_with_snapshots(d, [1, 2, 3])
     path = os.path.join(d, "phema_0.100_000002.pt")
@@ -455,10 +455,18 @@ def test_a_damaged_snapshot_is_named_and_nothing_is_written(tmp_path):
         + int.from_bytes(raw[rec.header_offset + 28:rec.header_offset + 30], "little")
     raw[start + 5] ^= 0xFF  # a flipped bit inside the weights: the tags still read
     open(path, "wb").write(bytes(raw))
-    code, _, err = cli("phema", d, "--std", "0.07,0.08", "--out", tmp_path / "out")
-    assert code == 1 and len(err.splitlines()) == 1
-    assert f"{path}: corrupt record" in err and "CRC mismatch" in err
-    assert not os.listdir(tmp_path / "out")
+    code, out, err = cli("phema", d, "--std", "0.07,0.08", "--out", tmp_path / "out", "--json")
+    # its step's manifest no longer verifies it: the step is left out, named in one line, and
+    # the others make the reconstruction
+    assert code == 0, err
+    assert err.splitlines() == ["warning: post-hoc EMA snapshots: step 2 left out: "
+                                "phema_0.100_000002.pt does not match its checksum in the "
+                                "manifest"]
+    rep = json.loads(out)
+    assert rep["left_out"] == [{"step": 2, "why": "phema_0.100_000002.pt does not match its "
+                                                  "checksum in the manifest"}]
+    assert not any(name.endswith("000002.pt") for name in rep["inputs"]), rep["inputs"]
+    assert len(os.listdir(tmp_path / "out")) == 2
 
 
 def test_a_snapshot_of_another_model_shape_is_named(tmp_path):

@@ -256,3 +256,55 @@ def test_a_model_change_with_phema_stds_is_refused_in_one_line(log):
         "snapshots of two models cannot be combined; resume without --phema_stds (the snapshots "
         "so far stay for `ckpt.py phema`), or train the new model in a new --log_dir")
     assert sorted(os.listdir(run)) == before
+
+
+# ------------------------------------------------------------- ckpt.py phema after a crash
+
+
+@pytest.mark.timeout(200)
+def test_phema_right_after_a_kill_in_a_snapshot_write_uses_the_last_complete_step(
+        tmp_path, images):
+    """kill -9 while the second snapshot of a step is written (the first is in place, no
+    manifest): ``ckpt.py phema`` run right then, as users do after a job died, reconstructs at
+    the last complete step, from snapshots their manifests list, and names the step it left
+    out in one warning line (before: it took the lone renamed snapshot of the half-saved step
+    as its target)."""
+    import signal
+    import subprocess
+    import time
+
+    from conftest import PY, REPO, child_env
+
+    log_dir = tmp_path / "run"
+    cmd = [PY, REPO / "tests" / "slow_save_train.py", *TINY, "--data_dir", images, "--log_dir",
+           log_dir, "--phema_stds", "0.05,0.1", "--save_interval", "2", "--max_steps", "1000",
+           "--async_save", "False"]
+    proc = subprocess.Popen([str(c) for c in cmd], cwd=REPO, env=child_env({"SLOW_SAVE_S": "0.4"}),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    try:
+        first, second = log_dir / "phema_0.050_000006.pt", log_dir / "phema_0.100_000006.pt"
+        deadline = time.monotonic() + 150
+        while not first.exists():
+            assert proc.poll() is None and time.monotonic() < deadline, "no save of step 6"
+            time.sleep(0.01)
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert first.exists() and not second.exists()
+    assert not (log_dir / "manifest000006.json").exists()
+    out, err = io.StringIO(), io.StringIO()
+    code = ckpt_main(["phema", str(log_dir), "--std", "0.07", "--out", str(tmp_path / "x.pt"),
+                      "--json"], out=out, err=err)
+    assert code == 0, err.getvalue()
+    rep = json.loads(out.getvalue())
+    assert rep["step"] == 4 and all(not n.endswith("000006.pt") for n in rep["inputs"])
+    assert err.getvalue().splitlines() == [
+        "warning: post-hoc EMA snapshots: step 6 left out: no manifest (the save was "
+        "interrupted before it completed)"]
+    made = load(tmp_path / "x.pt")
+    assert made["step"] == 4 and sorted(rep["inputs"]) == [
+        f"phema_{std}_{step:06d}.pt" for std in STDS for step in (2, 4)]
