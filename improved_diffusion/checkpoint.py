@@ -1210,10 +1210,11 @@ def model_state_from(ckpt, want="model"):
         f"{ckpt.path}: holds {describe(ckpt)}, not model weights; give a model or EMA file")
 
 
-def read_flags(path):
+def read_flags(path, kinds=None):
     """The model flags a local tagged model/EMA file stores, read without loading its tensors
-    (torch.load with mmap), or None: an untagged, remote or unreadable file, or one without
-    flags. Not collective; never raises (for a peek before the real, checked load)."""
+    (torch.load with mmap), or None: an untagged, remote or unreadable file, one without
+    flags, or one whose kind is not in ``kinds`` (when given). Not collective; never raises (for
+    a peek before the real, checked load)."""
     path = os.fspath(path)
     if is_remote(path):
         return None
@@ -1222,6 +1223,8 @@ def read_flags(path):
     except Exception:  # anything: the resume's own load words the file's problem
         return None
     flags = obj.get("flags") if isinstance(obj, dict) and obj.get("schema") == SCHEMA else None
+    if kinds is not None and isinstance(obj, dict) and obj.get("kind") not in kinds:
+        return None
     return dict(flags) if isinstance(flags, dict) else None
 
 

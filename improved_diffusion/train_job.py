@@ -14,11 +14,13 @@ rendezvous, each second of the lock wait, after ``build``, after the resume) wit
 nothing new in the log dir; in the loop, the loop saves first (preemption.py).
 """
 import os
+import shlex
 from typing import Any, Callable, NamedTuple
 
-from . import (checkpointer, cli, dist_util, image_datasets, logger, preemption, run_lock,
-               train_util)
+from . import (checkpoint, checkpointer, cli, dist_util, image_datasets, logger, preemption,
+               run_dir, run_lock, train_util)
 from .errors import UsageError
+from .script_util import same_flag_value
 
 
 class Parts(NamedTuple):
@@ -98,6 +100,52 @@ def _resumed_or_data_classes(args, n, flag, who):
     return n
 
 
+def take_checkpoint_flags(args, given):
+    """
+    A resume needs no model flag retyped: each model or diffusion flag that the command line did
+    not give (not in ``given``, the names typed) takes the value the checkpoint to resume records
+    (its model file's ``flags``), logged in one line (``resume: from the checkpoint: --diffusion_steps
+    100 ...``); one given with another value than the checkpoint's is a UsageError naming both,
+    unless --allow_model_change True (then the resume's change summary follows). With
+    --class_cond and no --num_classes, num_classes() takes the checkpoint's count, checked
+    against --data_dir. Nothing happens for a fresh start or a file without flags. Changes
+    ``args`` in place. Collective: call from all ranks with the same arguments.
+    """
+    found = dist_util.run_on_rank0(lambda: _peek_resume_flags(args))
+    if found is None:
+        return
+    path, saved = found
+    taken, clash = {}, {}
+    for k, v in saved.items():
+        if not hasattr(args, k) or same_flag_value(getattr(args, k), v):
+            continue
+        if k in given:
+            clash[k] = (getattr(args, k), v)
+        else:
+            taken[k] = v
+    if clash and not args.allow_model_change:
+        shown = ", ".join(f"--{k} {shlex.quote(str(a))} (the checkpoint's: "
+                          f"{shlex.quote(str(b))})" for k, (a, b) in clash.items())
+        raise UsageError(
+            f"resume from {path}: {shown}; leave the flag out to keep the checkpoint's value (a "
+            f"resume takes its model flags from the file), or pass --allow_model_change True to "
+            f"change the model")
+    for k, v in taken.items():
+        setattr(args, k, v)
+    if args.class_cond and "num_classes" not in given:
+        args.num_classes = None  # num_classes(): the checkpoint's, checked against --data_dir
+    if taken:
+        logger.log(f"resume: from the checkpoint ({checkpoint.basename(path)}): "
+                   + " ".join(f"--{k} {shlex.quote(str(v))}" for k, v in taken.items()))
+
+
+def _peek_resume_flags(args):
+    """(model file, its flags) of the resume's likely start, or None (rank 0)."""
+    path = run_dir.likely_resume_model(args.log_dir, args.resume_checkpoint)
+    flags = None if path is None else checkpoint.read_flags(path, kinds=("model", "ema"))
+    return None if not flags else (path, flags)
+
+
 def start_job(args):
     """
     Set up the process group and take the log dir's lock (before anything touches the log dir),
@@ -142,13 +190,17 @@ def run_and_close(loop):
     return code
 
 
-def run_training(args, build: Callable[[Any], Parts]):
+def run_training(args, build: Callable[[Any], Parts], given=None):
     """The whole job (see the module docstring); returns 0, or 75 after a preemption save.
+    ``given``: the flags typed on the command line (script_util.explicit_args); then a resume
+    takes the others' values from the checkpoint first (take_checkpoint_flags).
 
     Collective: call from all ranks with the same arguments.
     """
     lock = start_job(args)
     try:
+        if given is not None:
+            take_checkpoint_flags(args, given)
         parts = build(args)
         preemption.check()
         loop = make_loop(args, parts)

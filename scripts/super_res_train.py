@@ -111,13 +111,14 @@ def build(args):
 def train(argv=None):
     parser = create_argparser()
     args = parser.parse_args(argv)
-    if args.class_cond and "num_classes" not in explicit_args(parser, argv):
+    given = explicit_args(parser, argv)  # a resume takes the others from the checkpoint
+    if args.class_cond and "num_classes" not in given:
         args.num_classes = None  # build(): the resumed checkpoint's, else --data_dir's
     train_job.check_train_args(args)
     if args.small_size >= args.large_size:
         raise UsageError(
             f"--small_size {args.small_size} must be smaller than --large_size {args.large_size}")
-    return train_job.run_training(args, build)
+    return train_job.run_training(args, build, given)
 
 
 def main(argv=None):

@@ -68,10 +68,11 @@ def train(argv=None):
     """Parse flags and run the job; returns the exit code (0 done, 75 preempted)."""
     parser = create_argparser()
     args = parser.parse_args(argv)
-    if args.class_cond and "num_classes" not in explicit_args(parser, argv):
+    given = explicit_args(parser, argv)  # a resume takes the others from the checkpoint
+    if args.class_cond and "num_classes" not in given:
         args.num_classes = None  # build(): the resumed checkpoint's, else --data_dir's
     train_job.check_train_args(args)
-    return train_job.run_training(args, build)
+    return train_job.run_training(args, build, given)
 
 
 def main(argv=None):

@@ -655,3 +655,38 @@ def test_a_resume_with_a_changed_lr_and_an_image_fewer_says_each_once_for_the_jo
                "13; the sample order continues but is not the saved run's")
     assert lines.count(warning) == 1 and "UserWarning" not in out, out[-3000:]
     assert (log_dir / "log.txt").read_text().count("resume: --lr 0.0001 -> 0.0002") == 1
+
+
+# ------------------------------------------------------------ flags from the checkpoint
+
+
+@pytest.mark.timeout(200)
+def test_a_resume_without_retyped_flags_takes_the_checkpoints_and_ends_bitwise(tmp_path, images):
+    """Issue 29, item 8: a resume with only --data_dir, --log_dir (and how long to run) takes
+    every model and diffusion flag from the checkpoint, says which in one line, and ends bitwise
+    like a straight run (before: it failed naming one of five missing flags, or, with one
+    forgotten, silently trained on another noise process); a model flag typed with another value
+    is a usage error naming both values, nothing written."""
+    data = images(14)
+    flags = [*TINY, "--dropout", "0.1", "--learn_sigma", "True"]
+    straight, half = tmp_path / "straight", tmp_path / "half"
+    run_script("train.py", *flags, "--data_dir", data, "--log_dir", straight, "--max_steps", 4)
+    run_script("train.py", *flags, "--data_dir", data, "--log_dir", half, "--max_steps", 2)
+    out = run_script("train.py", "--data_dir", data, "--log_dir", half, "--max_steps", 4,
+                     "--batch_size", 2, "--log_interval", 1).stdout
+    lines = [ln for ln in out.splitlines() if ln.startswith("resume: from the checkpoint")]
+    assert len(lines) == 1 and "--diffusion_steps 20" in lines[0], out[-3000:]
+    assert "--learn_sigma True" in lines[0] and "--dropout 0.1" in lines[0], lines
+    assert resumed_step(out) == 2
+    for name in ("model000004.pt", "ema_0.9999_000004.pt", "opt000004.pt"):
+        diffs = deep_diff(load_pt(straight / name), load_pt(half / name))
+        assert not diffs, f"{name}: {diffs[:10]}"
+
+    before = sorted(os.listdir(half))
+    proc = run_script("train.py", "--data_dir", data, "--log_dir", half, "--max_steps", 6,
+                      "--batch_size", 2, "--diffusion_steps", 100, check=False)
+    errors = [ln for ln in proc.stdout.splitlines() if ln.startswith("error:")]
+    assert proc.returncode == 2 and len(errors) == 1, proc.stdout[-3000:]
+    assert "--diffusion_steps 100 (the checkpoint's: 20)" in errors[0]
+    assert "--allow_model_change True" in errors[0]
+    assert sorted(os.listdir(half)) == before
