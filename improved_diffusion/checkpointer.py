@@ -342,7 +342,9 @@ class Checkpointer:
         began = time.perf_counter()
         self._refuse_non_finite_weights(step)
         rngs = dist_util.gather_object(rng.get_rng_state(), dst=0)
-        dist_util.run_on_rank0(lambda: self._save_on_rank0(step, rngs, began, wait))
+        # the other ranks wait as long as rank 0 lives: a save may outlast --dist_timeout
+        dist_util.run_on_rank0_unbounded(lambda: self._save_on_rank0(step, rngs, began, wait),
+                                         f"the save of step {step}")
         self.last_saved_step = step
 
     def _save_on_rank0(self, step, rngs, began, wait):
@@ -448,7 +450,8 @@ class Checkpointer:
         """Wait until the background save (if any) is complete on disk; its failure is raised on
         every rank. Returns (step, seconds, pause, log lines) of the save that was waited for,
         or None when none was in flight. Collective."""
-        return dist_util.run_on_rank0(lambda: self._collect_save(block=True))
+        return dist_util.run_on_rank0_unbounded(lambda: self._collect_save(block=True),
+                                                "the background save")
 
     def _local_save_failed(self):
         """This rank's bit for the per-step flags: True on rank 0 once its background write has
@@ -470,7 +473,7 @@ class Checkpointer:
         def rank0():
             self._collect_save(block=True)  # raises the failure
             raise RuntimeError("a background save failed on rank 0 (bug: no error kept)")
-        dist_util.run_on_rank0(rank0)
+        dist_util.run_on_rank0_unbounded(rank0, "the background save")
 
     def close(self, sync=True):
         """The end of the run: wait for the background save. ``sync=False`` after an error

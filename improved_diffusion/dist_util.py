@@ -1124,6 +1124,72 @@ def run_on_rank0(fn):
     return value
 
 
+_long_waits = 0  # run_on_rank0_unbounded calls so far (the same count on every rank)
+
+
+def run_on_rank0_unbounded(fn, what="rank 0's work"):
+    """
+    ``run_on_rank0(fn)`` for work that may take longer than ``--dist_timeout`` (a synchronous
+    save of a big model, a wait for a background write on slow storage): the other ranks first
+    wait for rank 0 through the process group's store, for as long as rank 0's heartbeat goes
+    on, then take the result by the usual broadcast. The wait stays bounded by the dead-rank
+    rule instead of the timeout: a rank 0 that died is named (RankLostError) once it has not
+    beaten for the heartbeat's window. Without a heartbeat (a process group whose store is not
+    a TCPStore) it is ``run_on_rank0``.
+
+    Collective: call from all ranks with the same arguments.
+    """
+    global _long_waits
+    hb = _heartbeat
+    if not is_distributed() or hb is None:
+        return run_on_rank0(fn)
+    _long_waits += 1
+    key = f"done/{_long_waits}"
+    result = None
+    if get_rank() == 0:
+        try:
+            result = ("ok", fn())
+        except Exception as e:  # re-raised on every rank below
+            result = ("err", _picklable(e))
+        try:
+            hb.call(lambda c: c.set(key, "1"))
+        except Exception:
+            pass  # the broadcast below reports a store or rank that is gone
+    else:
+        _wait_for_rank0(hb, key, what)
+    kind, value = broadcast_object(result)
+    if kind == "err":
+        raise value
+    return value
+
+
+def _wait_for_rank0(hb, key, what):
+    """Until rank 0 sets ``key`` in the store (run_on_rank0_unbounded); RankLostError once rank 0
+    has not beaten for the heartbeat's window. Not collective."""
+    beats, since = None, time.monotonic()
+    pause = 0.01
+    while True:
+        done, count, ended = hb.call(lambda c: (c.check([key]), c.add("beat/0", 0),
+                                                c.check(["state/0"])))
+        if done:
+            return
+        now = time.monotonic()
+        if ended:  # rank 0 stopped on purpose (an error it reports itself): the job ends
+            state = hb.call(lambda c: c.get("state/0")).decode()
+            err = RankLostError(f"rank 0 {state} during {what}")
+            err.ended = {0: state}
+            raise err
+        if count != beats:
+            beats, since = count, now
+        elif now - since > hb.window:
+            err = RankLostError(f"lost rank 0 during {what}: no heartbeat for {hb.window:.1f} s "
+                                f"(the process or its host died)")
+            err.lost = [0]
+            raise err
+        time.sleep(pause)
+        pause = min(0.2, pause * 2)
+
+
 def _picklable(e):
     try:
         pickle.loads(pickle.dumps(e))

@@ -3,6 +3,7 @@ dies (kill -9) and a KeyboardInterrupt/SystemExit on one rank, all with real lau
 import datetime
 import inspect
 import json
+import re
 import signal
 import socket
 import textwrap
@@ -265,3 +266,29 @@ def test_an_interrupt_on_one_rank_ends_every_rank_with_its_cause_printed_once(
     assert took < 120
     assert cs.complete_steps(tmp_path / "log") == [2]
     assert cs.step_problems(tmp_path / "log", 2) == []
+
+
+# ---------------------------------------------------------------- a save longer than the timeout
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("async_save", ["False", "True"])
+def test_a_save_longer_than_dist_timeout_ends_the_job_normally(tmp_path, async_save):
+    """Issue 29, item 6: --dist_timeout 3 (fast dead-rank detection) and saves of about 5 s
+    (tests/slow_save_train.py: each file written in two halves 0.6 s apart): the other rank
+    waits for rank 0's save (a synchronous one, or the background one the run's end waits for)
+    as long as rank 0's heartbeat goes on, so the job ends with exit 0 and the step complete (before: both ranks ended with gloo's "Timed out waiting
+    3000ms" tracebacks, though no rank was lost)."""
+    from conftest import MPIEXEC, PY, _run
+
+    data = random_images(tmp_path / "data", n=8, size=8)
+    log_dir = tmp_path / "run"
+    proc = _run([MPIEXEC, "-n", "2", PY, REPO / "tests" / "slow_save_train.py", *cs.TINY,
+                 "--data_dir", data, "--log_dir", log_dir, "--max_steps", 2, "--save_interval",
+                 2, "--dist_timeout", 3, "--async_save", async_save],
+                timeout=150, env={"SLOW_SAVE_S": "0.6"}, check=False)
+    out = proc.stdout
+    assert proc.returncode == 0 and "Timed out" not in out and "error:" not in out, out[-3000:]
+    assert cs.complete_steps(log_dir) == [2] and cs.step_problems(log_dir, 2) == []
+    took = [float(t) for t in re.findall(r"saved step \d+ to \S+ in ([\d.]+) s", out)]
+    assert took and max(took) > 3, out[-2000:]  # the saves did outlast the timeout
