@@ -88,8 +88,10 @@ def progress(log_dir):
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("ranks", [pytest.param(1, marks=pytest.mark.slow), 2,
-                                   pytest.param(3, marks=pytest.mark.slow)])  # 1, 3: make soak
+# 3 ranks in make test: only on 3+ does a skipped DDP priming change the last bits (issue 29,
+# item 19); 1 and 2: make soak (2 ranks resume bitwise in the other classifier tests' runs)
+@pytest.mark.parametrize("ranks", [pytest.param(1, marks=pytest.mark.slow),
+                                   pytest.param(2, marks=pytest.mark.slow), 3])
 def test_a_classifier_run_resumed_at_step_3_ends_bitwise_identical_to_a_straight_run(
         tmp_path, data, ranks):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
