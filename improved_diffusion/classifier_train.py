@@ -39,14 +39,14 @@ import torch as th
 import torch.nn.functional as F
 from torch.nn.parallel.distributed import DistributedDataParallel as DDP
 
-from . import amp, cli, dist_util, logger, preemption, train_job
+from . import amp, checkpoint, cli, dist_util, logger, preemption, run_dir, train_job
 from .checkpointer import CheckpointConfig, Checkpointer
 from .config_check import check_config_on_all_ranks, data_fingerprint, show_fingerprint
 from .errors import UsageError
 from .image_datasets import load_data
 from .resample import create_named_schedule_sampler
 from .rng import seed_rngs
-from .script_util import (args_to_dict, classifier_and_diffusion_defaults,
+from .script_util import (DIFFUSION_FLAG_KEYS, args_to_dict, classifier_and_diffusion_defaults,
                           create_classifier_and_diffusion)
 from .train_util import (NAN_POLICIES, _poison_if_not_finite, grad_norm, grads_finite,
                          keep_model_state, log_loss_dict, make_adamw, non_finite_step)
@@ -87,17 +87,62 @@ def check_args(args):
     CheckpointConfig.from_flags(args)  # --log_dir, --save_interval, --keep_checkpoints
 
 
+# What --diffusion_from takes from the model the classifier will guide.
+GUIDED_MODEL_FLAGS = ("image_size", *DIFFUSION_FLAG_KEYS)
+
+
+def take_flags(args, given):
+    """The classifier's and diffusion's flags that the command line did not give: from the
+    classifier file a resume starts from (train_job.take_checkpoint_flags), then the image size
+    and noise process of the model named by --diffusion_from (a model or EMA file, or a run
+    dir's newest complete step), so that a classifier cannot be trained on another diffusion
+    than the model it is meant to guide; a flag given or resumed with another value than that
+    model's is a FlagClashError naming both. Collective: call from all ranks with the same
+    arguments."""
+    taken = train_job.take_checkpoint_flags(args, given, kinds=("classifier",),
+                                            resolved_later=("classifier_num_classes",))
+    if not args.diffusion_from:
+        return
+    src = args.diffusion_from
+    found = dist_util.run_on_rank0(lambda: _guided_model_flags(src))
+    if found is None:
+        raise UsageError(f"--diffusion_from {src}: no model or EMA file of ours with its flags "
+                         f"there (a modelNNNNNN.pt / ema_*.pt, or a run dir with a complete "
+                         f"step); give one, or the diffusion flags themselves")
+    path, flags = found
+    saved = {k: flags[k] for k in GUIDED_MODEL_FLAGS if k in flags}
+    adopted = train_job.adopt_flags(
+        args, set(given) | set(taken or {}), saved, f"--diffusion_from {path}",
+        "the classifier must see the noise process of the model it guides")
+    logger.log(f"--diffusion_from {checkpoint.basename(path)}: {train_job.flags_text(saved)}"
+               + (f" (taken: {', '.join('--' + k for k in adopted)})" if adopted else ""))
+
+
+def _guided_model_flags(src):
+    """(file, flags) of --diffusion_from ``src`` (a file, or a run dir's newest complete
+    step's model file), or None. Not collective."""
+    path = run_dir.likely_resume_model(src, src) if os.path.isdir(src) else src
+    if path is None or not os.path.exists(path):
+        return None
+    flags = checkpoint.read_flags(path, kinds=("model", "ema"))
+    return (path, flags) if flags else None
+
+
 def last_step(args):
     """The step the run stops at: --iterations, or --max_steps when > 0 and earlier."""
     return min([n for n in (args.iterations, args.max_steps) if n > 0], default=0)
 
 
-def run_job(args):
+def run_job(args, given=None):
     """The whole job: the process group (bounded by --dist_timeout), the log dir's lock, the
     logger, the classifier and data, the resume, the loop; returns 0, or 75 after a preemption
-    save. Collective: call from all ranks with the same arguments."""
+    save. ``given``: the flags typed on the command line (script_util.explicit_args): a resume
+    then takes the others from its classifier file, and --diffusion_from the noise process of
+    the model to guide (take_flags). Collective: call from all ranks with the same arguments."""
     lock = train_job.start_job(args)
     try:
+        if given is not None:
+            take_flags(args, given)
         loop = ClassifierLoop(args)
         try:
             preemption.check()  # a signal during the build or the resume: 75, nothing saved

@@ -249,6 +249,9 @@ def classifier_train_defaults():
     res = dict(
         data_dir="",
         val_data_dir="",
+        # The diffusion model the classifier will guide (a model/EMA file or its run dir): the
+        # classifier takes its image size and noise process ("": the flags as given).
+        diffusion_from="",
         noised=True,
         iterations=150000,
         lr=3e-4,
@@ -1057,6 +1060,8 @@ FLAG_HELP = {
     "large_size": ("model", "super-resolution output side in pixels"),
     "small_size": ("model", "super-resolution input side in pixels"),
     # classifier (guided-diffusion's noised image classifier)
+    "diffusion_from": ("classifier", "the diffusion model the classifier will guide (a model or "
+                       "EMA file, or its run dir): its --image_size and noise process are taken"),
     "classifier_width": ("classifier", "base channel count of the classifier (a multiple of 32)"),
     "classifier_depth": ("classifier", "residual blocks per resolution level of the classifier"),
     "classifier_attention_resolutions": ("classifier", "feature-map sizes with self-attention in "

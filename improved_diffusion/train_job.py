@@ -19,7 +19,7 @@ from typing import Any, Callable, NamedTuple
 
 from . import (checkpoint, checkpointer, cli, dist_util, image_datasets, logger, preemption,
                run_dir, run_lock, train_util)
-from .errors import UsageError
+from .errors import UsageError, UserError
 from .script_util import same_flag_value
 
 
@@ -100,21 +100,46 @@ def _resumed_or_data_classes(args, n, flag, who):
     return n
 
 
-def take_checkpoint_flags(args, given):
+class FlagClashError(UserError):
+    """A flag typed with another value than the file it must agree with (exit 1)."""
+
+
+def take_checkpoint_flags(args, given, kinds=("model", "ema"), resolved_later=("num_classes",)):
     """
     A resume needs no model flag retyped: each model or diffusion flag that the command line did
     not give (not in ``given``, the names typed) takes the value the checkpoint to resume records
-    (its model file's ``flags``), logged in one line (``resume: from the checkpoint: --diffusion_steps
-    100 ...``); one given with another value than the checkpoint's is a UsageError naming both,
-    unless --allow_model_change True (then the resume's change summary follows). With
-    --class_cond and no --num_classes, num_classes() takes the checkpoint's count, checked
+    (the ``flags`` of its file, of one of ``kinds``), logged in one line (``resume: from the
+    checkpoint (model000100.pt): --diffusion_steps 100 ...``); one given with another value than
+    the checkpoint's is a FlagClashError naming both, unless --allow_model_change True (then the
+    resume's change summary follows). The class count (``resolved_later``, when not given) is
+    left to num_classes() / classifier_num_classes(), which take the checkpoint's and check it
     against --data_dir. Nothing happens for a fresh start or a file without flags. Changes
     ``args`` in place. Collective: call from all ranks with the same arguments.
     """
-    found = dist_util.run_on_rank0(lambda: _peek_resume_flags(args))
+    found = dist_util.run_on_rank0(
+        lambda: _peek_flags(run_dir.likely_resume_model(args.log_dir, args.resume_checkpoint),
+                            kinds))
     if found is None:
         return
     path, saved = found
+    skip = {k for k in resolved_later if k not in given}
+    taken = adopt_flags(args, given, {k: v for k, v in saved.items() if k not in skip},
+                        f"resume from {path}", "a resume takes its model flags from the file",
+                        allow=args.allow_model_change, allow_hint="--allow_model_change True to "
+                        "change the model")
+    if getattr(args, "class_cond", False) and "num_classes" not in given:
+        args.num_classes = None  # num_classes(): the checkpoint's, checked against --data_dir
+    if taken:
+        logger.log(f"resume: from the checkpoint ({checkpoint.basename(path)}): "
+                   f"{flags_text(taken)}")
+    return taken
+
+
+def adopt_flags(args, given, saved, where, why, allow=False, allow_hint=None):
+    """Give each flag of ``saved`` ({name: value}) that ``args`` has and the command line did
+    not give (``given``) the saved value; one given with another value is a
+    FlagClashError naming both (``where``: the file, ``why``: the rule), unless ``allow``. Returns the flags
+    taken ({name: value}). Not collective."""
     taken, clash = {}, {}
     for k, v in saved.items():
         if not hasattr(args, k) or same_flag_value(getattr(args, k), v):
@@ -123,26 +148,26 @@ def take_checkpoint_flags(args, given):
             clash[k] = (getattr(args, k), v)
         else:
             taken[k] = v
-    if clash and not args.allow_model_change:
-        shown = ", ".join(f"--{k} {shlex.quote(str(a))} (the checkpoint's: "
-                          f"{shlex.quote(str(b))})" for k, (a, b) in clash.items())
-        raise UsageError(
-            f"resume from {path}: {shown}; leave the flag out to keep the checkpoint's value (a "
-            f"resume takes its model flags from the file), or pass --allow_model_change True to "
-            f"change the model")
+    if clash and not allow:
+        shown = ", ".join(f"--{k} {shlex.quote(str(a))} (the file's: {shlex.quote(str(b))})"
+                          for k, (a, b) in clash.items())
+        hint = f", or pass {allow_hint}" if allow_hint else ""
+        raise FlagClashError(f"{where}: {shown}; leave the flag out to take the file's value "
+                         f"({why}){hint}")
     for k, v in taken.items():
         setattr(args, k, v)
-    if args.class_cond and "num_classes" not in given:
-        args.num_classes = None  # num_classes(): the checkpoint's, checked against --data_dir
-    if taken:
-        logger.log(f"resume: from the checkpoint ({checkpoint.basename(path)}): "
-                   + " ".join(f"--{k} {shlex.quote(str(v))}" for k, v in taken.items()))
+    return taken
 
 
-def _peek_resume_flags(args):
-    """(model file, its flags) of the resume's likely start, or None (rank 0)."""
-    path = run_dir.likely_resume_model(args.log_dir, args.resume_checkpoint)
-    flags = None if path is None else checkpoint.read_flags(path, kinds=("model", "ema"))
+def flags_text(flags):
+    """{name: value} as command-line text: ``--diffusion_steps 100 --noise_schedule cosine``."""
+    return " ".join(f"--{k} {shlex.quote(str(v))}" for k, v in flags.items())
+
+
+def _peek_flags(path, kinds):
+    """(path, the flags its file records) when it is a tagged file of one of ``kinds`` with
+    flags, else None. Not collective."""
+    flags = None if path is None else checkpoint.read_flags(path, kinds=kinds)
     return None if not flags else (path, flags)
 
 

@@ -51,10 +51,11 @@ def train(argv=None):
     """Parse flags and run the job; returns the exit code (0 done, 75 preempted)."""
     parser = create_argparser()
     args = parser.parse_args(argv)
-    if "classifier_num_classes" not in explicit_args(parser, argv):
+    given = explicit_args(parser, argv)  # the others: the resumed file's, --diffusion_from's
+    if "classifier_num_classes" not in given:
         args.classifier_num_classes = None  # the resumed file's, else --data_dir's
     classifier_train.check_args(args)
-    return classifier_train.run_job(args)
+    return classifier_train.run_job(args, given)
 
 
 def main(argv=None):

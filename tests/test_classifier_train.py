@@ -266,3 +266,45 @@ def test_nan_policy_stop_ends_the_run_naming_the_step_and_skip_goes_on_with_fini
     assert "optimizer step skipped (--nan_policy skip)" in out, out[-2000:]
     model, _ = assert_complete_classifier_step(tmp_path / "skip", 3)
     assert all(v.isfinite().all() for v in model["state_dict"].values())
+
+
+# ----------------------------------------------------------- flags from the files it meets
+
+
+@pytest.mark.timeout(240)
+def test_flags_come_from_the_model_to_guide_and_from_the_resumed_classifier(tmp_path, data):
+    """Issue 29, item 8: --diffusion_from MODEL_RUN gives the classifier the image size and
+    noise process of the diffusion model it will guide (typed ones that differ: one line naming
+    both, exit 1), and a resume needs only --data_dir and --log_dir."""
+    from conftest import run_script, write_images
+
+    model_run = tmp_path / "model_run"
+    run_script("train.py", "--image_size", "8", "--num_channels", "32", "--num_res_blocks",
+               "1", "--attention_resolutions", "", "--diffusion_steps", "30",
+               "--noise_schedule", "cosine", "--batch_size", "2", "--data_dir",
+               write_images(tmp_path / "imgs", n=4), "--log_dir", model_run, "--max_steps", 1)
+    train_dir, val_dir = data
+    base = [PY, SCRIPT, "--classifier_width", "32", "--classifier_depth", "1",
+            "--classifier_attention_resolutions", "4", "--batch_size", "4", "--data_dir",
+            train_dir, "--iterations", "4", "--diffusion_from", model_run]
+    log_dir = tmp_path / "clf"
+    proc = _run([*base, "--log_dir", log_dir, "--max_steps", "2"], 150, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("--diffusion_from"))
+    assert "--diffusion_steps 30" in line and "taken:" in line and "--image_size" in line, line
+    flags = load(log_dir / "model000002.pt")["flags"]
+    assert (flags["image_size"], flags["diffusion_steps"], flags["noise_schedule"]) == (
+        8, 30, "cosine")
+
+    proc = _run([*base, "--log_dir", tmp_path / "clf2", "--diffusion_steps", "20"], 150,
+                check=False)
+    errors = [ln for ln in proc.stdout.splitlines() if ln.startswith("error:")]
+    assert proc.returncode == 1 and len(errors) == 1, proc.stdout[-3000:]
+    assert "--diffusion_steps 20 (the file's: 30)" in errors[0]
+    assert not (tmp_path / "clf2").exists() or not list((tmp_path / "clf2").glob("*.pt"))
+
+    proc = _run([PY, SCRIPT, "--data_dir", train_dir, "--log_dir", log_dir, "--iterations",
+                 "4", "--batch_size", "4"], 150, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert "resume: from the checkpoint (model000002.pt)" in proc.stdout
+    assert load(log_dir / "model000004.pt")["flags"] == flags

@@ -666,7 +666,7 @@ def test_a_resume_without_retyped_flags_takes_the_checkpoints_and_ends_bitwise(t
     every model and diffusion flag from the checkpoint, says which in one line, and ends bitwise
     like a straight run (before: it failed naming one of five missing flags, or, with one
     forgotten, silently trained on another noise process); a model flag typed with another value
-    is a usage error naming both values, nothing written."""
+    is an error naming both values (exit 1), nothing written."""
     data = images(14)
     flags = [*TINY, "--dropout", "0.1", "--learn_sigma", "True"]
     straight, half = tmp_path / "straight", tmp_path / "half"
@@ -686,7 +686,7 @@ def test_a_resume_without_retyped_flags_takes_the_checkpoints_and_ends_bitwise(t
     proc = run_script("train.py", "--data_dir", data, "--log_dir", half, "--max_steps", 6,
                       "--batch_size", 2, "--diffusion_steps", 100, check=False)
     errors = [ln for ln in proc.stdout.splitlines() if ln.startswith("error:")]
-    assert proc.returncode == 2 and len(errors) == 1, proc.stdout[-3000:]
-    assert "--diffusion_steps 100 (the checkpoint's: 20)" in errors[0]
+    assert proc.returncode == 1 and len(errors) == 1, proc.stdout[-3000:]
+    assert "--diffusion_steps 100 (the file's: 20)" in errors[0]
     assert "--allow_model_change True" in errors[0]
     assert sorted(os.listdir(half)) == before
