@@ -61,6 +61,9 @@ def start_script(parser, argv=None):
         raise FlagError("--model_path is required (a model*.pt or ema_*.pt file)")
     if getattr(args, "seed", 0) < 0:  # per-sample seeds need seed >= 0 (np.random.SeedSequence)
         raise FlagError(f"--seed {args.seed}: must be a non-negative integer")
+    for flag in GUIDANCE_SCALE_FLAGS:
+        if hasattr(args, flag):
+            check_scale(flag, getattr(args, flag))
     timeout = getattr(args, "dist_timeout", dist_util.DEFAULT_TIMEOUT_S)
     cli.check_dist_timeout(timeout)
     dist_util.setup_dist(timeout=timeout)
@@ -76,6 +79,36 @@ def run_script(main, argv=None):
 
 # ----------------------------------------------------------------------------------------------
 # Flags
+
+# The guidance scales of the sampling scripts (1: no guidance of that kind).
+GUIDANCE_SCALE_FLAGS = ("classifier_scale", "guidance_scale")
+FLOAT32_MAX = float(np.finfo(np.float32).max)  # a larger scale is inf in the model's float32
+
+
+def check_scale(flag, value):
+    """Raise FlagError (exit 2) unless the guidance scale ``--flag value`` is a finite float32
+    number (the dtype it multiplies): an inf or nan scale makes every guided step inf/nan, whose
+    samples become pixel value 0, silently. A finite scale whose guided samples overflow is
+    refused as they do (`generate`'s ``guided_by``)."""
+    if not (math.isfinite(float(value)) and abs(float(value)) <= FLOAT32_MAX):
+        raise FlagError(f"--{flag} {value}: must be a finite number (1: no guidance; "
+                        "guided-diffusion's classifier scales are 1-10, DiT's 1.5-4)")
+
+
+def guided_by(args):
+    """The guidance flags of ``args`` set to other than 1, as they would be typed
+    (``"--classifier_scale 3.0"``), or "" when no guidance is on: `generate`'s ``guided_by``."""
+    return " ".join(f"--{k} {getattr(args, k)}" for k in GUIDANCE_SCALE_FLAGS
+                    if hasattr(args, k) and float(getattr(args, k)) != 1.0)
+
+
+class GuidanceOverflowError(FlagError):
+    """The guided samples became inf/nan: the guidance scale is too large for the model (exit 2).
+    Raised on every rank alike (`generate`)."""
+
+
+class _NonFiniteSamples(Exception):
+    """sample_indices(check_finite=True): the samples hold inf/nan (caught by `generate`)."""
 
 
 def reconcile_flags(file_flags, explicit, defaults, *, source="the model file",
@@ -296,7 +329,7 @@ def sample_to_npz(args, model, diffusion, flags, *, num_classes=None, classes=No
         num_samples=args.num_samples, batch_size=args.batch_size, shape=shape, seed=args.seed,
         use_ddim=args.use_ddim, clip_denoised=args.clip_denoised, num_classes=num_classes,
         classes=classes, progress=args.progress, forward=forward, cond_fn=cond_fn,
-        as_images=as_images,
+        as_images=as_images, guided_by=guided_by(args),
     )
     ncol = len(classes) if classes and len(classes) > 1 else None
     write_results(log_dir, images, labels, ncol=ncol, grid=args.grid and as_images,
@@ -489,7 +522,8 @@ def to_uint8(sample):
 
 def generate(model, diffusion, *, num_samples, batch_size, shape, seed=0, use_ddim=False,
              clip_denoised=True, num_classes=None, classes=None, extra_kwargs=None,
-             progress=True, log=print, as_images=True, forward=None, cond_fn=None):
+             progress=True, log=print, as_images=True, forward=None, cond_fn=None,
+             guided_by=""):
     """Generate `num_samples` samples, sharded over ranks and gathered to rank 0.
 
     Collective: call from all ranks with the same arguments.
@@ -504,6 +538,9 @@ def generate(model, diffusion, *, num_samples, batch_size, shape, seed=0, use_dd
     :param forward: what the sampler calls in place of `model` (e.g. `sampling_forward`'s);
         default `model`.
     :param cond_fn: classifier guidance (guidance.classifier_cond_fn), given the model kwargs.
+    :param guided_by: the guidance flags as typed (`guided_by`), or "": then a batch whose
+        samples overflowed to inf/nan raises GuidanceOverflowError naming them, on every rank
+        (one broadcast per batch), instead of writing images of pixel value 0.
     :return: on rank 0 (images uint8 [N x H x W x C] numpy, labels int64 [N] numpy or None);
         on other ranks (None, None).
     """
@@ -519,21 +556,40 @@ def generate(model, diffusion, *, num_samples, batch_size, shape, seed=0, use_dd
         labels = np.zeros((num_samples,), dtype=np.int64) if num_classes else None
     # A bar (and one per batch over timesteps) on a terminal, plain lines otherwise.
     bar = logger.Progress(num_samples, "samples", "img", enabled=progress and rank == 0)
+    empty = (np.zeros((0,) + one, np.uint8 if as_images else np.float32), None)
     for idx in batches:
+        overflow = None
         if len(idx):
-            part = (idx, *sample_indices(
-                model, diffusion, idx, shape=shape, seed=seed, use_ddim=use_ddim,
-                clip_denoised=clip_denoised, num_classes=num_classes, classes=classes,
-                extra_kwargs=extra_kwargs, device=device, progress=bar.is_tty,
-                as_images=as_images, forward=forward, cond_fn=cond_fn))
+            try:
+                part = (idx, *sample_indices(
+                    model, diffusion, idx, shape=shape, seed=seed, use_ddim=use_ddim,
+                    clip_denoised=clip_denoised, num_classes=num_classes, classes=classes,
+                    extra_kwargs=extra_kwargs, device=device, progress=bar.is_tty,
+                    as_images=as_images, forward=forward, cond_fn=cond_fn,
+                    check_finite=bool(guided_by)))
+            except _NonFiniteSamples:
+                overflow = int(idx[0])
+                part = (idx[:0], *empty)
         else:
-            part = (idx, np.zeros((0,) + one, np.uint8 if as_images else np.float32), None)
-        for g_idx, g_img, g_lab in dist_util.gather_object(part, dst=0) or ():
+            part = (idx, *empty)
+        first_bad = None
+        for g_idx, g_img, g_lab, *bad in dist_util.gather_object(part + (overflow,), dst=0) or ():
+            if bad[0] is not None and first_bad is None:
+                first_bad = bad[0]
             if len(g_idx):
                 images[g_idx] = g_img
                 if labels is not None and g_lab is not None:
                     labels[g_idx] = g_lab
                 bar.update(len(g_idx))
+        if guided_by:
+            first_bad = dist_util.broadcast_object(first_bad)
+        if first_bad is not None:
+            bar.close()
+            raise GuidanceOverflowError(
+                f"{guided_by}: the guided samples overflowed to inf/nan (in the batch from "
+                f"sample {first_bad}), the scale is too large for "
+                "this model; use a smaller one (guided-diffusion's classifier scales are 1-10, "
+                "DiT's 1.5-4)")
     bar.close()
     if rank != 0:
         return None, None
@@ -542,13 +598,15 @@ def generate(model, diffusion, *, num_samples, batch_size, shape, seed=0, use_dd
 
 def sample_indices(model, diffusion, idx, *, shape, seed=0, use_ddim=False, clip_denoised=True,
                    num_classes=None, classes=None, extra_kwargs=None, device=None,
-                   progress=False, as_images=True, forward=None, cond_fn=None):
+                   progress=False, as_images=True, forward=None, cond_fn=None,
+                   check_finite=False):
     """The samples of the global sample indices ``idx`` (int64 [n], n >= 1), in one batch, each
     from its own seeds (`sample_seed`), so they do not depend on the batch they are drawn in. Not
     collective.
 
     :param model: called as ``model(x, t, **model_kwargs)``; :param device: where its inputs go
         (default: that of its first parameter).
+    :param check_finite: raise _NonFiniteSamples when the samples hold inf/nan (`generate`).
     Other arguments as `generate`'s.
     :return: (images uint8 [n x H x W x C] numpy, labels int64 [n] numpy or None); with
         ``as_images=False`` the samples as they are, float32 [n x C x H x W].
@@ -569,6 +627,8 @@ def sample_indices(model, diffusion, idx, *, shape, seed=0, use_ddim=False, clip
         out = sample_fn(model if forward is None else forward, (len(idx),) + tuple(shape),
                         noise=noise, clip_denoised=clip_denoised, model_kwargs=model_kwargs,
                         device=device, progress=progress, randn_like=randn, cond_fn=cond_fn)
+    if check_finite and not bool(th.isfinite(out).all()):
+        raise _NonFiniteSamples()
     samples = to_uint8(out) if as_images else out.float().cpu().numpy()
     return samples, None if y is None else y.numpy()
 

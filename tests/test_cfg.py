@@ -262,3 +262,16 @@ def test_sample_py_refuses_a_guidance_scale_for_a_model_without_a_null_label(tmp
     assert proc.stdout.strip().splitlines()[-1].startswith(
         "error: --guidance_scale 3.0: classifier-free guidance needs a model trained with "
         "--class_dropout_prob > 0")
+
+
+@pytest.mark.parametrize("scale", ["nan", "inf", "1e39"])
+def test_sample_py_refuses_a_guidance_scale_that_is_not_a_finite_float32_as_bad_usage(
+        tmp_path, scale):
+    """An inf or nan scale made every pixel 0 with exit 0 (issue 29); 1e39 is inf in float32."""
+    proc = run_script("sample.py", "--model_path", tmp_path / "never_read.pt",
+                      "--guidance_scale", scale, "--log_dir", tmp_path / "s", check=False)
+    assert proc.returncode == 2, proc.stdout
+    assert proc.stdout.strip().splitlines() == [
+        f"error: --guidance_scale {float(scale)}: must be a finite number (1: no guidance; "
+        "guided-diffusion's classifier scales are 1-10, DiT's 1.5-4)"]
+    assert not (tmp_path / "s").exists()
