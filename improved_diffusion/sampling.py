@@ -271,6 +271,9 @@ def load_for_sampling(path, explicit, *, defaults=None, create=None, want="auto"
     model.load_state_dict(sd)
     model.to(device if device is not None else dist_util.dev())
     model.eval()
+    names = (file_flags or {}).get("class_names")
+    if isinstance(names, (list, tuple)) and all(isinstance(n, str) for n in names):
+        flags["class_names"] = list(names)  # the training folder's, in label order
     return model, diffusion, flags, ckpt
 
 
@@ -331,9 +334,21 @@ def sample_to_npz(args, model, diffusion, flags, *, num_classes=None, classes=No
         classes=classes, progress=args.progress, forward=forward, cond_fn=cond_fn,
         as_images=as_images, guided_by=guided_by(args),
     )
+    if labels is not None:
+        logger.log(label_names_line(labels, flags.get("class_names")))
     ncol = len(classes) if classes and len(classes) > 1 else None
     write_results(log_dir, images, labels, ncol=ncol, grid=args.grid and as_images,
                   overwrite=args.overwrite)
+
+
+def label_names_line(labels, names=None):
+    """One log line: how many samples of each label, with the class names the model's file
+    stores (train.py records its folder's, in label order): "labels: 0=cat x3, 1=dog x2"."""
+    counts = np.bincount(np.asarray(labels, dtype=np.int64))
+    def name(i):
+        return f"{i}={names[i]}" if names and i < len(names) else str(i)
+    shown = ", ".join(f"{name(i)} x{c}" for i, c in enumerate(counts) if c)
+    return "labels: " + shown + ("" if names else " (the file stores no class names)")
 
 
 # The classifier's diffusion flags that must be the model's: they define what a timestep means.
