@@ -12,6 +12,8 @@
   `sample_seed`).
 * `shard_batches` splits the global sample indices into batches, ``batches[rank::world_size]``
   (EDM style); `generate` runs them and gathers the results to rank 0 (collective).
+* The Python API (docs/sampling_api.md): `load_for_sampling` then `sample_images`, uint8 NHWC
+  arrays, nothing written to disk.
 * `save_samples`: ``samples_{N}x{H}x{W}x{C}.npz`` (``arr_0`` uint8 NHWC, ``arr_1`` labels) and a
   PNG grid beside it; for a latent model (``as_images=False``) ``samples_{N}x{C}x{H}x{W}.npz``
   with ``arr_0`` the float32 NCHW latents, for a VAE to decode, and no grid.
@@ -241,13 +243,15 @@ def _fit_error(path, fit, from_file):
     return SampleError(f"--model_path {path} does not fit the model: {fit.summary()}; {hint}")
 
 
-def load_for_sampling(path, explicit, *, defaults=None, create=None, want="auto",
+def load_for_sampling(path, explicit=None, *, defaults=None, create=None, want="auto",
                       device=None):
     """Build the model and diffusion for `path` and load its weights (eval mode, on `device`).
 
-    Collective: call from all ranks with the same arguments.
+    Collective: call from all ranks with the same arguments (in a plain process, just call it).
 
-    :param explicit: flags typed on the command line (dict; see `explicit_args`).
+    :param explicit: flags typed on the command line (dict; see `explicit_args`), or given by a
+        caller: sample-time ones (e.g. ``{"timestep_respacing": "ddim25"}``) apply, others must
+        agree with the file's; None: the file's flags alone.
     :param defaults: model/diffusion flag defaults (default: script_util's); the keys given to
         `create`.
     :param create: flags -> (model, diffusion) (default: script_util.create_model_and_diffusion).
@@ -259,6 +263,7 @@ def load_for_sampling(path, explicit, *, defaults=None, create=None, want="auto"
         defaults = script_util.model_and_diffusion_defaults()
     if create is None:
         create = script_util.create_model_and_diffusion
+    explicit = dict(explicit or {})
     sd, ckpt = load_weights(path, want)
     file_flags = ckpt.flags if isinstance(ckpt.flags, dict) else None
     if file_flags is None and ckpt.kind == "combined" and isinstance(ckpt.raw, dict):
@@ -456,6 +461,43 @@ def sampling_forward(model, flags, guidance_scale=1.0):
     # DiT guides channels 0..2 (its forward_with_cfg; all of eps for pixels, 3 of a latent's 4)
     mean = 3 if flags.get("arch", "unet") != "unet" else None
     return guidance.cfg_forward(model, scale, null, mean_channels=mean)
+
+
+def sample_images(model, diffusion, flags, num_samples, *, batch_size=16, seed=0,
+                  use_ddim=False, clip_denoised=True, classes=None, guidance_scale=1.0,
+                  cond_fn=None, progress=False):
+    """The Python API's one call after `load_for_sampling`: ``num_samples`` images as sample.py
+    draws them (the same seeds, so the same images), without writing anything.
+
+        model, diffusion, flags, _ = sampling.load_for_sampling(
+            "runs/x/ema_0.9999_010000.pt", {"timestep_respacing": "ddim25"}, device="cpu")
+        images, labels = sampling.sample_images(model, diffusion, flags, 16, use_ddim=True,
+                                                guidance_scale=3.0)
+
+    :param flags: load_for_sampling's.
+    :param classes: labels to cycle through (a list of ints), else each sample's label is drawn
+        from its seed (class-conditional models; ``flags["class_names"]`` names them).
+    :param guidance_scale: classifier-free guidance (a model trained with --class_dropout_prob;
+        1: none). Classifier guidance: ``cond_fn=guidance.classifier_cond_fn(classifier, s,
+        timesteps=diffusion.original_timesteps)`` with `load_classifier`'s classifier.
+    :return: (images uint8 numpy [N x H x W x C], labels int64 [N] or None); a latent model
+        (in_channels other than 3): float32 [N x C x H x W]. Under a process group (collective)
+        rank 0 gets them, the other ranks (None, None).
+    :raises FlagError: a guidance scale that is not finite, or one whose samples overflow.
+    """
+    check_scale("guidance_scale", guidance_scale)
+    num_classes = flags["num_classes"] if flags.get("class_cond") else None
+    if classes is not None and num_classes:
+        classes = parse_classes(",".join(str(int(c)) for c in classes), num_classes)
+    shape = (flags["in_channels"], flags["image_size"], flags["image_size"])
+    guided = ("" if float(guidance_scale) == 1 else f"--guidance_scale {guidance_scale}") + (
+        " (classifier guidance)" if cond_fn is not None else "")
+    return generate(
+        model, diffusion, num_samples=num_samples, batch_size=batch_size, shape=shape, seed=seed,
+        use_ddim=use_ddim, clip_denoised=clip_denoised, num_classes=num_classes,
+        classes=classes, progress=progress, as_images=shape[0] == 3,
+        forward=sampling_forward(model, flags, guidance_scale), cond_fn=cond_fn,
+        guided_by=guided.strip())
 
 
 # ----------------------------------------------------------------------------------------------
