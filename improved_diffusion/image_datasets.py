@@ -149,12 +149,13 @@ def folder_class_names(data_dir):
     return class_labels(data_dir, paths)[1] if paths else []
 
 
-def resolve_num_classes(data_dir, num_classes, log=print):
+def resolve_num_classes(data_dir, num_classes, log=print, who="--class_cond True",
+                        flag="num_classes"):
     """
     --num_classes of a class-conditional model: ``num_classes`` when given (not None), else the
-    number of class names in ``data_dir``, counted on rank 0 (``log`` says so, once) and the same
-    on every rank. A folder without images keeps upstream's default (1000) and load_data then
-    explains the folder's problem.
+    number of class names in ``data_dir``, counted on rank 0 (``log`` says so, once, as ``who``
+    sets ``flag``) and the same on every rank. A folder without images keeps upstream's default
+    (1000) and load_data then explains the folder's problem.
 
     Collective: call from all ranks with the same arguments.
     """
@@ -166,8 +167,8 @@ def resolve_num_classes(data_dir, num_classes, log=print):
     if not names:
         return NUM_CLASSES
     shown = ", ".join(names[:10]) + (", ..." if len(names) > 10 else "")
-    log(f"--class_cond True: {len(names)} classes in --data_dir {data_dir} ({shown}); "
-        f"num_classes={len(names)} (stored in the checkpoints' flags)")
+    log(f"{who}: {len(names)} classes in --data_dir {data_dir} ({shown}); "
+        f"{flag}={len(names)} (stored in the checkpoints' flags)")
     return len(names)
 
 
