@@ -500,3 +500,11 @@ def test_docs_guidance_md_shows_the_guidance_figures_of_docs_performance_md():
     assert len(shown) == 6, shown
     for way, agreement, confidence in shown:
         assert perf[way] == (agreement, confidence), way
+
+
+def test_the_readme_says_to_activate_the_venv_before_its_first_python_command():
+    """After `make demo`, the README's `python scripts/...` lines failed with
+    ModuleNotFoundError: it never said to activate .venv (issue 29)."""
+    text = (REPO / "README.md").read_text()
+    first_command = re.search(r"^(mpiexec .*|python) scripts/", text, re.M).start()
+    assert ". .venv/bin/activate" in text[:first_command]
