@@ -276,10 +276,15 @@ def load_for_sampling(path, explicit=None, *, defaults=None, create=None, want="
     model.load_state_dict(sd)
     model.to(device if device is not None else dist_util.dev())
     model.eval()
-    names = (file_flags or {}).get("class_names")
-    if isinstance(names, (list, tuple)) and all(isinstance(n, str) for n in names):
-        flags["class_names"] = list(names)  # the training folder's, in label order
     return model, diffusion, flags, ckpt
+
+
+def class_names_of(ckpt):
+    """The class names a weights file stores (train.py's ``class_names``: its --data_dir's, in
+    label order), or None (older files, upstream's, unconditional models)."""
+    names = ckpt.raw.get("class_names") if isinstance(ckpt.raw, dict) else None
+    ok = isinstance(names, (list, tuple)) and all(isinstance(n, str) for n in names)
+    return list(names) if ok else None
 
 
 def load_model(args, explicit):
@@ -287,7 +292,7 @@ def load_model(args, explicit):
     (--weights), its torso in float16 with guided-diffusion's --use_fp16, and one log line.
 
     Collective: call from all ranks with the same arguments.
-    :return: (model, diffusion, flags).
+    :return: (model, diffusion, flags, the file's class names or None).
     """
     logger.log(f"loading {args.model_path} ...")
     model, diffusion, flags, ckpt = load_for_sampling(args.model_path, explicit, want=args.weights)
@@ -306,17 +311,18 @@ def load_model(args, explicit):
         f"timestep_respacing={flags['timestep_respacing'] or '(none)'}"
         + (" (float16 torso: --use_fp16)" if args.use_fp16 else "")
     )
-    return model, diffusion, flags
+    return model, diffusion, flags, class_names_of(ckpt)
 
 
 def sample_to_npz(args, model, diffusion, flags, *, num_classes=None, classes=None, forward=None,
-                  cond_fn=None, guidance=""):
+                  cond_fn=None, guidance="", class_names=None):
     """Draw --num_samples images (`generate`) and write them into the logger's dir
     (`write_results`): what sample.py and classifier_sample.py do once their model is loaded.
     An existing npz is refused (before sampling) unless --overwrite True.
 
     Collective: call from all ranks with the same arguments.
     :param guidance: words for the log line (e.g. "classifier scale 3").
+    :param class_names: the labels' names (`class_names_of`), for the log line of the labels.
     """
     log_dir = logger.get_dir()
     shape = (flags["in_channels"], flags["image_size"], flags["image_size"])
@@ -340,7 +346,7 @@ def sample_to_npz(args, model, diffusion, flags, *, num_classes=None, classes=No
         as_images=as_images, guided_by=guided_by(args),
     )
     if labels is not None:
-        logger.log(label_names_line(labels, flags.get("class_names")))
+        logger.log(label_names_line(labels, class_names))
     ncol = len(classes) if classes and len(classes) > 1 else None
     write_results(log_dir, images, labels, ncol=ncol, grid=args.grid and as_images,
                   overwrite=args.overwrite)
@@ -476,7 +482,7 @@ def sample_images(model, diffusion, flags, num_samples, *, batch_size=16, seed=0
 
     :param flags: load_for_sampling's.
     :param classes: labels to cycle through (a list of ints), else each sample's label is drawn
-        from its seed (class-conditional models; ``flags["class_names"]`` names them).
+        from its seed (class-conditional models; `class_names_of` of the file names them).
     :param guidance_scale: classifier-free guidance (a model trained with --class_dropout_prob;
         1: none). Classifier guidance: ``cond_fn=guidance.classifier_cond_fn(classifier, s,
         timesteps=diffusion.original_timesteps)`` with `load_classifier`'s classifier.

@@ -1186,15 +1186,9 @@ def flag_to_argv(key, value):
     return f"--{key} {shlex.quote(text)}"
 
 
-# What train.py records beside the model's flags in their dict, that is no flag: the training
-# folder's class names in label order (image_datasets.class_labels), read by sampling's logs.
-RECORDED_NOT_FLAGS = ("class_names",)
-
-
 def flags_to_argv(flags):
-    """A dict of flags as one command-line string that pastes back into any script (what the
-    dict records beside its flags, RECORDED_NOT_FLAGS, left out)."""
-    return " ".join(flag_to_argv(k, v) for k, v in flags.items() if k not in RECORDED_NOT_FLAGS)
+    """A dict of flags as one command-line string that pastes back into any script."""
+    return " ".join(flag_to_argv(k, v) for k, v in flags.items())
 
 
 def _metavar(value):

@@ -60,9 +60,8 @@ def build(args):
         in_channels=args.in_channels,
         log=logger.warn,  # a resume's data warnings: one line, once for the job
     )
-    if args.class_cond:  # the labels' names travel with the model's flags, for sampling
+    if args.class_cond:  # (TrainLoop stores the names in the weights files, for sampling)
         logger.log(describe_classes(data.class_rule, data.class_names))
-        model_flags["class_names"] = list(data.class_names)
     sampler = create_named_schedule_sampler(args.schedule_sampler, diffusion)
     return train_job.Parts(model, diffusion, data, model_flags, sampler)
 

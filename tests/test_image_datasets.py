@@ -211,8 +211,10 @@ def test_train_py_reads_one_folder_per_class_logs_the_rule_and_sampling_names_th
                      "--max_steps", "1").stdout
     assert ("class labels from one folder per class (DIR/CLASS/...): 2 classes: 0=cat 1=dog"
             in out), out
-    flags = checkpoint.load_file(str(tmp_path / "run" / "model000001.pt")).flags
-    assert flags["class_names"] == ["cat", "dog"] and flags["num_classes"] == 2
+    for name in ("model000001.pt", "ema_0.9999_000001.pt"):  # beside the flags, not in them
+        f = checkpoint.load_file(str(tmp_path / "run" / name))
+        assert f.raw["class_names"] == ["cat", "dog"], name
+        assert f.flags["num_classes"] == 2 and "class_names" not in f.flags
     out = run_script("sample.py", "--model_path", tmp_path / "run" / "model000001.pt",
                      "--num_samples", "3", "--classes", "1,0", "--log_dir", tmp_path / "s",
                      "--progress", "False").stdout
