@@ -192,6 +192,7 @@ class Checkpointer:
             raise ValueError(f"Checkpointer: states may not be named {sorted(reserved)} (the "
                              f"trainer state's own keys)")
         self.model_flags = dict(model_flags or {})
+        self.file_tags = {}  # more top-level keys of the weights files (TrainLoop: class_names)
         self.run_flags = dict(run_flags or {})
         self.seed = int(seed)
         self.rank = dist_util.get_rank()
@@ -371,11 +372,11 @@ class Checkpointer:
         sd = {k: v.detach() for k, v in self.model.state_dict().items()}
         payload = (checkpoint.classifier_payload if self.model_kind == "classifier"
                    else checkpoint.model_payload)
-        files = {checkpoint.model_filename(step): payload(step, sd, flags)}
+        files = {checkpoint.model_filename(step): {**payload(step, sd, flags), **self.file_tags}}
         for rate, params in self.emas.items():
             ema_sd = {k: v.detach() for k, v in self._params_to_state_dict(params).items()}
-            files[checkpoint.ema_filename(rate, step)] = checkpoint.ema_payload(
-                step, rate, ema_sd, flags)
+            files[checkpoint.ema_filename(rate, step)] = {
+                **checkpoint.ema_payload(step, rate, ema_sd, flags), **self.file_tags}
         named = optim_state.named_optimizer_state(self.optimizer, self.named_params, copy=False)
         files[checkpoint.opt_filename(step)] = checkpoint.opt_payload(
             step, named, self._trainer_state(step, rngs))

@@ -2,7 +2,9 @@
 
 A --data_dir holds images (.png, .jpg, .jpeg, .gif) or precomputed latents (.npy / .npz, one
 float array [C, H, W] per image, e.g. VAE latents for DiT; datasets/README.md says how to make
-them), never both; the class of a file is its name before the first "_" in either case.
+them), never both. With --class_cond True a file's class is its top folder's name when every
+file lies in one of at least two subfolders (one folder per class, DIR/cat/*.png, torchvision's
+ImageFolder), else its base name before the first "_" (upstream's rule); see `class_labels`.
 
 The order in which samples are visited is a pure function of (seed, epoch, global index): the
 global position p (samples consumed by all ranks together since the start of the run) lies in
@@ -80,20 +82,80 @@ def class_names_from_paths(paths):
     return names, mapping
 
 
+# How a class-conditional folder names its classes (class_labels' rules), as the log says it.
+CLASS_RULES = {"folders": "one folder per class (DIR/CLASS/...)",
+               "prefix": "the file-name prefix before the first '_'"}
+
+
+def class_labels(data_dir, paths):
+    """
+    The classes of the files ``paths`` under ``data_dir`` (--class_cond True), by one of two
+    rules: "folders" when every file lies in a subfolder and there are at least two of them (the
+    class is the top folder's name: DIR/cat/*.png, torchvision's ImageFolder), "prefix" (the
+    base name before the first "_", upstream's rule: DIR/cat_001.png) otherwise, or when the
+    folders are one class and every file name has a prefix. Class indices follow sorted names.
+
+    :return: (rule, names: sorted class names, labels: the index of each path's class).
+    :raises DataError: as many classes as files (more than one): no rule found a class shared
+        by two files (names without "_", each its own class, were taken silently before); or
+        subfolders and file-name prefixes that name different classes (DIR/train/cat_1.png,
+        DIR/test/dog_2.png), where either reading could be meant.
+    """
+    prefixes = class_names_from_paths(paths)[0]
+    tops = [_relative(p, data_dir).split("/") for p in paths]
+    folders = [t[0] for t in tops] if all(len(t) > 1 for t in tops) else None
+    if folders is None or len(set(folders)) < 2:
+        rule, per_file = "prefix", prefixes
+    elif _same_partition(folders, prefixes) or not all(
+            "_" in bf.basename(p) for p in paths) or len(set(prefixes)) < 2:
+        rule, per_file = "folders", folders
+    else:
+        show = lambda xs: ", ".join(sorted(set(xs))[:4]) + (", ..." if len(set(xs)) > 4 else "")
+        raise DataError(
+            f"--data_dir {data_dir}: --class_cond True: its subfolders ({show(folders)}) and its "
+            f"file-name prefixes ({show(prefixes)}) name different classes; pass a --data_dir "
+            "of one folder per class, or one of CLASS_*.png files")
+    names = sorted(set(per_file))
+    if len(paths) > 1 and len(names) == len(paths):
+        raise DataError(
+            f"--data_dir {data_dir}: --class_cond True finds {len(names)} classes for "
+            f"{len(paths)} files by {CLASS_RULES[rule]}, one class per file; put each class in "
+            "its own folder (DIR/cat/*.png) or name the files CLASS_anything.png")
+    index = {x: i for i, x in enumerate(names)}
+    return rule, names, [index[x] for x in per_file]
+
+
+def _same_partition(a, b):
+    """Whether two labellings of the same files group them alike (names aside)."""
+    return len(set(a)) == len(set(b)) == len(set(zip(a, b)))
+
+
+def describe_classes(rule, names, limit=20):
+    """One log line: the rule and the class names in label order ("0=cat 1=dog ...")."""
+    shown = " ".join(f"{i}={x}" for i, x in enumerate(names[:limit]))
+    more = f" ... ({len(names)} in all)" if len(names) > limit else ""
+    return f"class labels from {CLASS_RULES[rule]}: {len(names)} classes: {shown}{more}"
+
+
 def folder_class_names(data_dir):
-    """The sorted class names of an image folder (file-name prefixes before the first "_");
-    [] for a missing or empty folder (load_data says what is wrong with it)."""
+    """The sorted class names of an image folder (`class_labels`' rules); [] for a missing or
+    empty folder (load_data says what is wrong with it).
+
+    :raises DataError: a folder whose every file is its own class (`class_labels`).
+    """
     if not data_dir or not bf.exists(data_dir) or not bf.isdir(data_dir):
         return []
-    return sorted(class_names_from_paths(list_data_files(data_dir)[1])[1])
+    paths = list_data_files(data_dir)[1]
+    return class_labels(data_dir, paths)[1] if paths else []
 
 
-def resolve_num_classes(data_dir, num_classes, log=print):
+def resolve_num_classes(data_dir, num_classes, log=print, who="--class_cond True",
+                        flag="num_classes"):
     """
     --num_classes of a class-conditional model: ``num_classes`` when given (not None), else the
-    number of class names in ``data_dir``, counted on rank 0 (``log`` says so, once) and the same
-    on every rank. A folder without images keeps upstream's default (1000) and load_data then
-    explains the folder's problem.
+    number of class names in ``data_dir``, counted on rank 0 (``log`` says so, once, as ``who``
+    sets ``flag``) and the same on every rank. A folder without images keeps upstream's default
+    (1000) and load_data then explains the folder's problem.
 
     Collective: call from all ranks with the same arguments.
     """
@@ -105,8 +167,8 @@ def resolve_num_classes(data_dir, num_classes, log=print):
     if not names:
         return NUM_CLASSES
     shown = ", ".join(names[:10]) + (", ..." if len(names) > 10 else "")
-    log(f"--class_cond True: {len(names)} classes in --data_dir {data_dir} ({shown}); "
-        f"num_classes={len(names)} (stored in the checkpoints' flags)")
+    log(f"{who}: {len(names)} classes in --data_dir {data_dir} ({shown}); "
+        f"{flag}={len(names)} (stored in the checkpoints' flags)")
     return len(names)
 
 
@@ -574,8 +636,9 @@ def load_data(
     A ResumableLoader over the images (or latents) in `data_dir` (upstream's load_data,
     resumable).
 
-    :param class_cond: if True, cond holds "y": th.int64 [B], the class from each file name
-        (the part before the first "_").
+    :param class_cond: if True, cond holds "y": th.int64 [B], the class of each file
+        (`class_labels`: its folder, or its name before the first "_"); the loader's
+        ``class_rule`` and ``class_names`` (label order) say which rule and which classes.
     :param deterministic: if True, visit samples in file order instead of a seeded shuffle.
     :param rank, world_size: default to dist_util's (0, 1 without a process group).
     :param num_workers: loader worker processes; -1 (--num_workers's default) picks
@@ -607,15 +670,14 @@ def load_data(
                 else "RGB images (3 channels)")
         raise DataError(f"--data_dir {data_dir} holds {what} but the model has --in_channels "
                         f"{in_channels}; pass --in_channels {channels} or another folder")
-    classes = None
+    classes = rule = names = None
     if class_cond:
-        names, mapping = class_names_from_paths(all_files)
-        classes = [mapping[x] for x in names]
-        if num_classes is not None and len(mapping) > num_classes:
-            shown = ", ".join(sorted(mapping)[:5]) + (", ..." if len(mapping) > 5 else "")
+        rule, names, classes = class_labels(data_dir, all_files)
+        if num_classes is not None and len(names) > num_classes:
+            shown = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
             raise DataError(
-                f"--data_dir {data_dir} holds {len(mapping)} classes (file-name prefixes before "
-                f"'_': {shown}) but the model has --num_classes {num_classes}"
+                f"--data_dir {data_dir} holds {len(names)} classes ({CLASS_RULES[rule]}: "
+                f"{shown}) but the model has --num_classes {num_classes}"
             )
     if rank is None or world_size is None:
         r, w = _default_rank_world()
@@ -625,7 +687,7 @@ def load_data(
     dataset = make(image_size, all_files, classes=classes, root=data_dir)
     if num_workers is None or int(num_workers) < 0:
         num_workers = auto_num_workers()
-    return ResumableLoader(
+    loader = ResumableLoader(
         dataset,
         batch_size,
         seed=seed,
@@ -635,3 +697,5 @@ def load_data(
         num_workers=num_workers,
         log=log,
     )
+    loader.class_rule, loader.class_names = rule, names  # None without class_cond
+    return loader

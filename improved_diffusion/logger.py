@@ -502,7 +502,12 @@ def set_level(level):
 
 
 def get_dir():
-    """The directory log files are written to (None when there is none)."""
+    """The directory log files are written to. Before any configure(), upstream's: a fresh
+    temporary directory (openai-...), made now, with log.txt and progress.csv in it."""
+    current = get_current()
+    if current is Logger.DEFAULT and current.dir is None:
+        configure()
+        Logger.DEFAULT = Logger.CURRENT
     return get_current().get_dir()
 
 
@@ -830,7 +835,13 @@ def configure(dir=None, format_strs=None, rank=None, log_suffix="", stdout_forma
 
 
 def _configure_default_logger():
-    configure()
+    """The logger of a process that never called configure(): rank 0 prints to stdout and
+    nothing is written to disk (a library call such as sampling.generate leaves no files
+    behind). Upstream's default made a fresh temporary directory with log.txt and progress.csv
+    at once; here that directory is made when something asks for it (`get_dir`)."""
+    rank = get_rank_without_dist()
+    Logger.CURRENT = Logger(dir=None, output_formats=[HumanOutputFormat(sys.stdout)]
+                            if rank == 0 else [], rank=rank)
     Logger.DEFAULT = Logger.CURRENT
 
 

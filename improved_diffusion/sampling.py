@@ -12,6 +12,8 @@
   `sample_seed`).
 * `shard_batches` splits the global sample indices into batches, ``batches[rank::world_size]``
   (EDM style); `generate` runs them and gathers the results to rank 0 (collective).
+* The Python API (docs/sampling_api.md): `load_for_sampling` then `sample_images`, uint8 NHWC
+  arrays, nothing written to disk.
 * `save_samples`: ``samples_{N}x{H}x{W}x{C}.npz`` (``arr_0`` uint8 NHWC, ``arr_1`` labels) and a
   PNG grid beside it; for a latent model (``as_images=False``) ``samples_{N}x{C}x{H}x{W}.npz``
   with ``arr_0`` the float32 NCHW latents, for a VAE to decode, and no grid.
@@ -61,6 +63,9 @@ def start_script(parser, argv=None):
         raise FlagError("--model_path is required (a model*.pt or ema_*.pt file)")
     if getattr(args, "seed", 0) < 0:  # per-sample seeds need seed >= 0 (np.random.SeedSequence)
         raise FlagError(f"--seed {args.seed}: must be a non-negative integer")
+    for flag in GUIDANCE_SCALE_FLAGS:
+        if hasattr(args, flag):
+            check_scale(flag, getattr(args, flag))
     timeout = getattr(args, "dist_timeout", dist_util.DEFAULT_TIMEOUT_S)
     cli.check_dist_timeout(timeout)
     dist_util.setup_dist(timeout=timeout)
@@ -76,6 +81,36 @@ def run_script(main, argv=None):
 
 # ----------------------------------------------------------------------------------------------
 # Flags
+
+# The guidance scales of the sampling scripts (1: no guidance of that kind).
+GUIDANCE_SCALE_FLAGS = ("classifier_scale", "guidance_scale")
+FLOAT32_MAX = float(np.finfo(np.float32).max)  # a larger scale is inf in the model's float32
+
+
+def check_scale(flag, value):
+    """Raise FlagError (exit 2) unless the guidance scale ``--flag value`` is a finite float32
+    number (the dtype it multiplies): an inf or nan scale makes every guided step inf/nan, whose
+    samples become pixel value 0, silently. A finite scale whose guided samples overflow is
+    refused as they do (`generate`'s ``guided_by``)."""
+    if not (math.isfinite(float(value)) and abs(float(value)) <= FLOAT32_MAX):
+        raise FlagError(f"--{flag} {value}: must be a finite number (1: no guidance; "
+                        "guided-diffusion's classifier scales are 1-10, DiT's 1.5-4)")
+
+
+def guided_by(args):
+    """The guidance flags of ``args`` set to other than 1, as they would be typed
+    (``"--classifier_scale 3.0"``), or "" when no guidance is on: `generate`'s ``guided_by``."""
+    return " ".join(f"--{k} {getattr(args, k)}" for k in GUIDANCE_SCALE_FLAGS
+                    if hasattr(args, k) and float(getattr(args, k)) != 1.0)
+
+
+class GuidanceOverflowError(FlagError):
+    """The guided samples became inf/nan: the guidance scale is too large for the model (exit 2).
+    Raised on every rank alike (`generate`)."""
+
+
+class _NonFiniteSamples(Exception):
+    """sample_indices(check_finite=True): the samples hold inf/nan (caught by `generate`)."""
 
 
 def reconcile_flags(file_flags, explicit, defaults, *, source="the model file",
@@ -208,13 +243,15 @@ def _fit_error(path, fit, from_file):
     return SampleError(f"--model_path {path} does not fit the model: {fit.summary()}; {hint}")
 
 
-def load_for_sampling(path, explicit, *, defaults=None, create=None, want="auto",
+def load_for_sampling(path, explicit=None, *, defaults=None, create=None, want="auto",
                       device=None):
     """Build the model and diffusion for `path` and load its weights (eval mode, on `device`).
 
-    Collective: call from all ranks with the same arguments.
+    Collective: call from all ranks with the same arguments (in a plain process, just call it).
 
-    :param explicit: flags typed on the command line (dict; see `explicit_args`).
+    :param explicit: flags typed on the command line (dict; see `explicit_args`), or given by a
+        caller: sample-time ones (e.g. ``{"timestep_respacing": "ddim25"}``) apply, others must
+        agree with the file's; None: the file's flags alone.
     :param defaults: model/diffusion flag defaults (default: script_util's); the keys given to
         `create`.
     :param create: flags -> (model, diffusion) (default: script_util.create_model_and_diffusion).
@@ -226,6 +263,7 @@ def load_for_sampling(path, explicit, *, defaults=None, create=None, want="auto"
         defaults = script_util.model_and_diffusion_defaults()
     if create is None:
         create = script_util.create_model_and_diffusion
+    explicit = dict(explicit or {})
     sd, ckpt = load_weights(path, want)
     file_flags = ckpt.flags if isinstance(ckpt.flags, dict) else None
     if file_flags is None and ckpt.kind == "combined" and isinstance(ckpt.raw, dict):
@@ -241,12 +279,20 @@ def load_for_sampling(path, explicit, *, defaults=None, create=None, want="auto"
     return model, diffusion, flags, ckpt
 
 
+def class_names_of(ckpt):
+    """The class names a weights file stores (train.py's ``class_names``: its --data_dir's, in
+    label order), or None (older files, upstream's, unconditional models)."""
+    names = ckpt.raw.get("class_names") if isinstance(ckpt.raw, dict) else None
+    ok = isinstance(names, (list, tuple)) and all(isinstance(n, str) for n in names)
+    return list(names) if ok else None
+
+
 def load_model(args, explicit):
     """The model of sample.py and classifier_sample.py: `load_for_sampling` of --model_path
     (--weights), its torso in float16 with guided-diffusion's --use_fp16, and one log line.
 
     Collective: call from all ranks with the same arguments.
-    :return: (model, diffusion, flags).
+    :return: (model, diffusion, flags, the file's class names or None).
     """
     logger.log(f"loading {args.model_path} ...")
     model, diffusion, flags, ckpt = load_for_sampling(args.model_path, explicit, want=args.weights)
@@ -265,17 +311,18 @@ def load_model(args, explicit):
         f"timestep_respacing={flags['timestep_respacing'] or '(none)'}"
         + (" (float16 torso: --use_fp16)" if args.use_fp16 else "")
     )
-    return model, diffusion, flags
+    return model, diffusion, flags, class_names_of(ckpt)
 
 
 def sample_to_npz(args, model, diffusion, flags, *, num_classes=None, classes=None, forward=None,
-                  cond_fn=None, guidance=""):
+                  cond_fn=None, guidance="", class_names=None):
     """Draw --num_samples images (`generate`) and write them into the logger's dir
     (`write_results`): what sample.py and classifier_sample.py do once their model is loaded.
     An existing npz is refused (before sampling) unless --overwrite True.
 
     Collective: call from all ranks with the same arguments.
     :param guidance: words for the log line (e.g. "classifier scale 3").
+    :param class_names: the labels' names (`class_names_of`), for the log line of the labels.
     """
     log_dir = logger.get_dir()
     shape = (flags["in_channels"], flags["image_size"], flags["image_size"])
@@ -296,11 +343,23 @@ def sample_to_npz(args, model, diffusion, flags, *, num_classes=None, classes=No
         num_samples=args.num_samples, batch_size=args.batch_size, shape=shape, seed=args.seed,
         use_ddim=args.use_ddim, clip_denoised=args.clip_denoised, num_classes=num_classes,
         classes=classes, progress=args.progress, forward=forward, cond_fn=cond_fn,
-        as_images=as_images,
+        as_images=as_images, guided_by=guided_by(args),
     )
+    if labels is not None:
+        logger.log(label_names_line(labels, class_names))
     ncol = len(classes) if classes and len(classes) > 1 else None
     write_results(log_dir, images, labels, ncol=ncol, grid=args.grid and as_images,
                   overwrite=args.overwrite)
+
+
+def label_names_line(labels, names=None):
+    """One log line: how many samples of each label, with the class names the model's file
+    stores (train.py records its folder's, in label order): "labels: 0=cat x3, 1=dog x2"."""
+    counts = np.bincount(np.asarray(labels, dtype=np.int64))
+    def name(i):
+        return f"{i}={names[i]}" if names and i < len(names) else str(i)
+    shown = ", ".join(f"{name(i)} x{c}" for i, c in enumerate(counts) if c)
+    return "labels: " + shown + ("" if names else " (the file stores no class names)")
 
 
 # The classifier's diffusion flags that must be the model's: they define what a timestep means.
@@ -410,6 +469,43 @@ def sampling_forward(model, flags, guidance_scale=1.0):
     return guidance.cfg_forward(model, scale, null, mean_channels=mean)
 
 
+def sample_images(model, diffusion, flags, num_samples, *, batch_size=16, seed=0,
+                  use_ddim=False, clip_denoised=True, classes=None, guidance_scale=1.0,
+                  cond_fn=None, progress=False):
+    """The Python API's one call after `load_for_sampling`: ``num_samples`` images as sample.py
+    draws them (the same seeds, so the same images), without writing anything.
+
+        model, diffusion, flags, _ = sampling.load_for_sampling(
+            "runs/x/ema_0.9999_010000.pt", {"timestep_respacing": "ddim25"}, device="cpu")
+        images, labels = sampling.sample_images(model, diffusion, flags, 16, use_ddim=True,
+                                                guidance_scale=3.0)
+
+    :param flags: load_for_sampling's.
+    :param classes: labels to cycle through (a list of ints), else each sample's label is drawn
+        from its seed (class-conditional models; `class_names_of` of the file names them).
+    :param guidance_scale: classifier-free guidance (a model trained with --class_dropout_prob;
+        1: none). Classifier guidance: ``cond_fn=guidance.classifier_cond_fn(classifier, s,
+        timesteps=diffusion.original_timesteps)`` with `load_classifier`'s classifier.
+    :return: (images uint8 numpy [N x H x W x C], labels int64 [N] or None); a latent model
+        (in_channels other than 3): float32 [N x C x H x W]. Under a process group (collective)
+        rank 0 gets them, the other ranks (None, None).
+    :raises FlagError: a guidance scale that is not finite, or one whose samples overflow.
+    """
+    check_scale("guidance_scale", guidance_scale)
+    num_classes = flags["num_classes"] if flags.get("class_cond") else None
+    if classes is not None and num_classes:
+        classes = parse_classes(",".join(str(int(c)) for c in classes), num_classes)
+    shape = (flags["in_channels"], flags["image_size"], flags["image_size"])
+    guided = ("" if float(guidance_scale) == 1 else f"--guidance_scale {guidance_scale}") + (
+        " (classifier guidance)" if cond_fn is not None else "")
+    return generate(
+        model, diffusion, num_samples=num_samples, batch_size=batch_size, shape=shape, seed=seed,
+        use_ddim=use_ddim, clip_denoised=clip_denoised, num_classes=num_classes,
+        classes=classes, progress=progress, as_images=shape[0] == 3,
+        forward=sampling_forward(model, flags, guidance_scale), cond_fn=cond_fn,
+        guided_by=guided.strip())
+
+
 # ----------------------------------------------------------------------------------------------
 # Per-sample randomness
 
@@ -489,7 +585,8 @@ def to_uint8(sample):
 
 def generate(model, diffusion, *, num_samples, batch_size, shape, seed=0, use_ddim=False,
              clip_denoised=True, num_classes=None, classes=None, extra_kwargs=None,
-             progress=True, log=print, as_images=True, forward=None, cond_fn=None):
+             progress=True, log=print, as_images=True, forward=None, cond_fn=None,
+             guided_by=""):
     """Generate `num_samples` samples, sharded over ranks and gathered to rank 0.
 
     Collective: call from all ranks with the same arguments.
@@ -504,6 +601,9 @@ def generate(model, diffusion, *, num_samples, batch_size, shape, seed=0, use_dd
     :param forward: what the sampler calls in place of `model` (e.g. `sampling_forward`'s);
         default `model`.
     :param cond_fn: classifier guidance (guidance.classifier_cond_fn), given the model kwargs.
+    :param guided_by: the guidance flags as typed (`guided_by`), or "": then a batch whose
+        samples overflowed to inf/nan raises GuidanceOverflowError naming them, on every rank
+        (one broadcast per batch), instead of writing images of pixel value 0.
     :return: on rank 0 (images uint8 [N x H x W x C] numpy, labels int64 [N] numpy or None);
         on other ranks (None, None).
     """
@@ -519,21 +619,40 @@ def generate(model, diffusion, *, num_samples, batch_size, shape, seed=0, use_dd
         labels = np.zeros((num_samples,), dtype=np.int64) if num_classes else None
     # A bar (and one per batch over timesteps) on a terminal, plain lines otherwise.
     bar = logger.Progress(num_samples, "samples", "img", enabled=progress and rank == 0)
+    empty = (np.zeros((0,) + one, np.uint8 if as_images else np.float32), None)
     for idx in batches:
+        overflow = None
         if len(idx):
-            part = (idx, *sample_indices(
-                model, diffusion, idx, shape=shape, seed=seed, use_ddim=use_ddim,
-                clip_denoised=clip_denoised, num_classes=num_classes, classes=classes,
-                extra_kwargs=extra_kwargs, device=device, progress=bar.is_tty,
-                as_images=as_images, forward=forward, cond_fn=cond_fn))
+            try:
+                part = (idx, *sample_indices(
+                    model, diffusion, idx, shape=shape, seed=seed, use_ddim=use_ddim,
+                    clip_denoised=clip_denoised, num_classes=num_classes, classes=classes,
+                    extra_kwargs=extra_kwargs, device=device, progress=bar.is_tty,
+                    as_images=as_images, forward=forward, cond_fn=cond_fn,
+                    check_finite=bool(guided_by)))
+            except _NonFiniteSamples:
+                overflow = int(idx[0])
+                part = (idx[:0], *empty)
         else:
-            part = (idx, np.zeros((0,) + one, np.uint8 if as_images else np.float32), None)
-        for g_idx, g_img, g_lab in dist_util.gather_object(part, dst=0) or ():
+            part = (idx, *empty)
+        first_bad = None
+        for g_idx, g_img, g_lab, *bad in dist_util.gather_object(part + (overflow,), dst=0) or ():
+            if bad[0] is not None and first_bad is None:
+                first_bad = bad[0]
             if len(g_idx):
                 images[g_idx] = g_img
                 if labels is not None and g_lab is not None:
                     labels[g_idx] = g_lab
                 bar.update(len(g_idx))
+        if guided_by:
+            first_bad = dist_util.broadcast_object(first_bad)
+        if first_bad is not None:
+            bar.close()
+            raise GuidanceOverflowError(
+                f"{guided_by}: the guided samples overflowed to inf/nan (in the batch from "
+                f"sample {first_bad}), the scale is too large for "
+                "this model; use a smaller one (guided-diffusion's classifier scales are 1-10, "
+                "DiT's 1.5-4)")
     bar.close()
     if rank != 0:
         return None, None
@@ -542,13 +661,15 @@ def generate(model, diffusion, *, num_samples, batch_size, shape, seed=0, use_dd
 
 def sample_indices(model, diffusion, idx, *, shape, seed=0, use_ddim=False, clip_denoised=True,
                    num_classes=None, classes=None, extra_kwargs=None, device=None,
-                   progress=False, as_images=True, forward=None, cond_fn=None):
+                   progress=False, as_images=True, forward=None, cond_fn=None,
+                   check_finite=False):
     """The samples of the global sample indices ``idx`` (int64 [n], n >= 1), in one batch, each
     from its own seeds (`sample_seed`), so they do not depend on the batch they are drawn in. Not
     collective.
 
     :param model: called as ``model(x, t, **model_kwargs)``; :param device: where its inputs go
         (default: that of its first parameter).
+    :param check_finite: raise _NonFiniteSamples when the samples hold inf/nan (`generate`).
     Other arguments as `generate`'s.
     :return: (images uint8 [n x H x W x C] numpy, labels int64 [n] numpy or None); with
         ``as_images=False`` the samples as they are, float32 [n x C x H x W].
@@ -569,6 +690,8 @@ def sample_indices(model, diffusion, idx, *, shape, seed=0, use_ddim=False, clip
         out = sample_fn(model if forward is None else forward, (len(idx),) + tuple(shape),
                         noise=noise, clip_denoised=clip_denoised, model_kwargs=model_kwargs,
                         device=device, progress=progress, randn_like=randn, cond_fn=cond_fn)
+    if check_finite and not bool(th.isfinite(out).all()):
+        raise _NonFiniteSamples()
     samples = to_uint8(out) if as_images else out.float().cpu().numpy()
     return samples, None if y is None else y.numpy()
 

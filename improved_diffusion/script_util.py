@@ -1130,7 +1130,8 @@ FLAG_HELP = {
     "deterministic": ("training", "deterministic GPU kernels (cuDNN, cuBLAS, atomics), so that a "
                       "resumed GPU run is bitwise a straight one; slower"),
     # checkpointing
-    "log_dir": ("checkpointing", "where checkpoints and logs go (default $OPENAI_LOGDIR)"),
+    "log_dir": ("checkpointing", "where checkpoints and logs go; '' reads $OPENAI_LOGDIR "
+                "(sampling: else a new temporary directory)"),
     "save_interval": ("checkpointing", "save a checkpoint every this many steps; 0 = only at "
                       "the end"),
     "resume_checkpoint": ("checkpointing", "auto, a model file, or a run dir (its newest complete "

@@ -88,7 +88,8 @@ def _resumed_or_data_classes(args, n, flag, who):
     --data_dir holds no more classes, else the count of --data_dir's classes; logged once.
     Collective."""
     if not (isinstance(n, int) and not isinstance(n, bool) and n > 0):
-        return image_datasets.resolve_num_classes(args.data_dir, None, log=logger.log)
+        return image_datasets.resolve_num_classes(args.data_dir, None, log=logger.log, who=who,
+                                                  flag=flag.lstrip("-"))
     names = dist_util.run_on_rank0(lambda: image_datasets.folder_class_names(args.data_dir))
     if len(names) > n:
         raise UsageError(

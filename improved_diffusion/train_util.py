@@ -265,6 +265,9 @@ class TrainLoop:
             run_flags={k: getattr(cfg, k) for k in TrainConfig.RECORDED},
             states={"schedule_sampler": self.schedule_sampler, "grad_scaler": self.grad_scaler,
                     "phema": self.phema})
+        names = getattr(data, "class_names", None)  # image_datasets.load_data's, in label order
+        if names:
+            self.checkpointer.file_tags["class_names"] = [str(n) for n in names]
         self._resume()
         self.grids = (SampleGrids.of_training(cfg, self.model, self.ema_params, self.diffusion,
                                               self.model_flags, sample_kwargs)

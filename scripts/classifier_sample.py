@@ -56,7 +56,7 @@ def create_argparser():
 
 def main(argv=None):
     args, explicit = sampling.start_script(create_argparser(), argv)
-    model, diffusion, flags = sampling.load_model(args, explicit)
+    model, diffusion, flags, names = sampling.load_model(args, explicit)
 
     logger.log(f"loading classifier {args.classifier_path} ...")
     classifier, cflags = sampling.load_classifier(args.classifier_path, explicit, flags)
@@ -79,7 +79,8 @@ def main(argv=None):
     if args.guidance_scale != 1:
         words += f", classifier-free guidance scale {args.guidance_scale}"
     sampling.sample_to_npz(args, model, diffusion, flags, num_classes=num_classes,
-                           classes=classes, forward=forward, cond_fn=cond_fn, guidance=words)
+                           classes=classes, forward=forward, cond_fn=cond_fn, guidance=words,
+                           class_names=names if flags["class_cond"] else None)
     return 0
 
 

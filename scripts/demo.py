@@ -5,28 +5,32 @@
 
 1. data      scikit-learn's bundled 8x8 digits written as an image folder at --image_size px
              (datasets/digits.py; no download).
-2. train     a small class-conditional UNet: `mpiexec -n 2 python scripts/train.py ...`.
-3. preempt   about halfway, SIGTERM goes to one rank: all ranks save a complete checkpoint and
-             exit with code 75 (what a job scheduler would requeue on).
-4. resume    the very same command again: it auto-resumes from the newest complete step and
-             trains to the end.
-5. sample    `mpiexec -n 2 python scripts/sample.py` from the EMA weights with DDIM: --num_samples
-             digits, classes 0..9 in turn (each grid column one class), npz + PNG grid.
-6. evaluate  a classifier trained on the real digits scores the samples (scripts/eval_digits.py):
+2. train     a small class-conditional UNet: `mpiexec -n 2 python scripts/train.py ...`; about
+             halfway SIGTERM goes to one rank: all ranks save a complete checkpoint and exit
+             with code 75 (what a job scheduler would requeue on); then the very same command
+             again auto-resumes from the newest complete step and trains to the end.
+3. sample    `mpiexec -n 2 python scripts/sample.py` from the EMA weights with DDIM: --num_samples
+             digits, classes 0..9 in turn (each grid column one class), npz + PNG grid; the loss
+             curve.
+4. evaluate  a classifier trained on the real digits scores the samples (scripts/eval_digits.py):
              mean confidence, label agreement, class histogram, Frechet distance vs real halves.
-7. guidance  the model above learnt the null label too (--class_dropout_prob 0.1); a small noised
+5. guidance  the model above learnt the null label too (--class_dropout_prob 0.1); a small noised
              classifier is trained with `mpiexec -n 2 python scripts/classifier_train.py`,
              preempted halfway and auto-resumed like the model; then the same seeds and labels
              are sampled with classifier guidance (classifier_sample.py --classifier_scale),
              classifier-free guidance (sample.py --guidance_scale), both, unconditionally (the
-             null label) and unconditionally with classifier guidance, each scored as in 6.
+             null label) and unconditionally with classifier guidance, each scored as in 4.
+6. summary   the figures, summary.txt and index.html.
+
+The stages print as ``=== [N/6] ...``, with these numbers.
 
 Everything lands in --out (default demo_out/ in the repository): data/, run/ (checkpoints and
 logs), samples/ (npz, grid PNG and loss curve), eval.json, classifier/ (its run), guidance/ (the
 guided samples), guidance.json (a list of rows {"way", "label_agreement", "mean_confidence",
 "command"}), summary.txt and index.html (the page to look at: figures, grids, loss curve, the
 guidance table; improved_diffusion/demo_page.py). An --out that holds a finished run is never
-overwritten: its summary is shown again (pass a new --out to run afresh). An --out with an
+overwritten: its summary is shown again (pass a new --out to run afresh; through make,
+``make demo DEMO_ARGS="--out NEW_DIR"``). An --out with an
 unfinished run of the same settings is continued (training auto-resumes); different settings are
 an error. Exit code 0 on success, 1 when a stage fails, 2 for bad usage.
 """
@@ -54,6 +58,14 @@ RUN_KEYS = ("image_size", "steps", "batch_size", "lr", "ema_rate", "num_channels
             "num_res_blocks", "channel_mult", "diffusion_steps", "noise_schedule", "predict_xstart",
             "seed", "ranks", "class_dropout_prob", "classifier_steps", "classifier_batch_size",
             "classifier_lr", "classifier_width", "classifier_scale", "guidance_scale")
+
+
+def new_out(words="a new --out"):
+    """How to pass another --out, as the user runs the demo: through make (`make demo` runs
+    this script in a recipe, which has $MAKELEVEL) it is DEMO_ARGS="--out NEW_DIR"."""
+    if os.environ.get("MAKELEVEL"):
+        return f'{words} (through make: make demo DEMO_ARGS="--out NEW_DIR")'
+    return words
 
 
 class DemoError(UserError):
@@ -606,12 +618,13 @@ def main(argv=None):
     run_settings = {k: s[k] for k in RUN_KEYS}
 
     if os.path.exists(out) and not os.path.isdir(out):
-        raise UsageError(f"--out {out} is a file; pass a new --out directory")
+        raise UsageError(f"--out {out} is a file; pass {new_out('a new --out directory')}")
     if os.path.exists(summary_path):
         print(f"{out} already holds a finished demo run; its results:\n", flush=True)
         with open(summary_path) as f:
             sys.stdout.write(f.read())
-        print("\n(nothing was changed; pass --out NEW_DIR to run the demo again)", flush=True)
+        print(f"\n(nothing was changed; pass {new_out('--out NEW_DIR')} to run the demo again)",
+              flush=True)
         return 0
     if os.path.exists(settings_path):
         try:
@@ -619,16 +632,16 @@ def main(argv=None):
                 old = json.load(f)
         except ValueError as e:
             raise UsageError(f"--out {out}: {settings_path} is not readable JSON ({e}); "
-                             "pass a new --out") from None
+                             f"pass {new_out()}") from None
         diff = [k for k in RUN_KEYS if str(old.get(k)) != str(run_settings[k])]
         if diff:
             k = diff[0]
             raise UsageError(
                 f"--out {out} holds an unfinished run with {k}={old.get(k)} (now {run_settings[k]})"
-                f"; pass the same settings to continue it, or a new --out")
+                f"; pass the same settings to continue it, or {new_out()}")
         print(f"continuing the unfinished demo run in {out}", flush=True)
     elif os.path.isdir(out) and os.listdir(out):
-        raise UsageError(f"--out {out} is not empty and holds no demo run; pass a new --out")
+        raise UsageError(f"--out {out} is not empty and holds no demo run; pass {new_out()}")
     os.makedirs(out, exist_ok=True)
     with open(settings_path, "w") as f:
         json.dump(run_settings, f, indent=1)

@@ -51,7 +51,7 @@ def create_argparser():
 
 def main(argv=None):
     args, explicit = sampling.start_script(create_argparser(), argv)
-    model, diffusion, flags = sampling.load_model(args, explicit)
+    model, diffusion, flags, names = sampling.load_model(args, explicit)
 
     num_classes = flags["num_classes"] if flags["class_cond"] else None
     if args.classes and not num_classes:
@@ -61,6 +61,7 @@ def main(argv=None):
     forward = sampling.sampling_forward(model, flags, args.guidance_scale)
     sampling.sample_to_npz(
         args, model, diffusion, flags, num_classes=num_classes, classes=classes, forward=forward,
+        class_names=names,
         guidance=(f"classifier-free guidance scale {args.guidance_scale}"
                   if args.guidance_scale != 1 else ""),
     )

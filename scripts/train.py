@@ -24,7 +24,7 @@ if __name__ == "__main__":  # first, before torch is imported: SIGTERM/SIGUSR1 f
     preemption.install()
 
 from improved_diffusion import cli, dist_util, logger, train_job, train_util  # noqa: E402
-from improved_diffusion.image_datasets import load_data  # noqa: E402
+from improved_diffusion.image_datasets import describe_classes, load_data  # noqa: E402
 from improved_diffusion.resample import create_named_schedule_sampler  # noqa: E402
 from improved_diffusion.script_util import (  # noqa: E402
     args_to_dict,
@@ -60,6 +60,8 @@ def build(args):
         in_channels=args.in_channels,
         log=logger.warn,  # a resume's data warnings: one line, once for the job
     )
+    if args.class_cond:  # (TrainLoop stores the names in the weights files, for sampling)
+        logger.log(describe_classes(data.class_rule, data.class_names))
     sampler = create_named_schedule_sampler(args.schedule_sampler, diffusion)
     return train_job.Parts(model, diffusion, data, model_flags, sampler)
 

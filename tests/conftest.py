@@ -3,6 +3,7 @@
 Every helper here runs a child under a timeout; a hang becomes a failed test with the child's
 output attached, never a blocked CI run.
 """
+import math
 import os
 import re
 import subprocess
@@ -175,3 +176,33 @@ def deep_diff(a, b, path="", out=None):
     elif type(a) is not type(b) or a != b:
         out.append(f"{path}: {a!r} != {b!r}")
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# float32 tolerances
+
+FLOAT32_EPS = float(torch.finfo(torch.float32).eps)
+
+
+def float32_atol(magnitude, terms=1, layers=1, margin=4):
+    """An absolute tolerance for two float32 evaluations of the same math that differ only in
+    rounding: the order of their sums (a batch of 6 against one of 3, another CPU's kernels -
+    oneDNN picks other blockings on CPUs with AVX-512 or bfloat16 units - or the machine that
+    made a reference). A sum of ``terms`` products of size ``magnitude`` is off by about
+    sqrt(terms) ulps of it (the roundings add as a random walk), and ``layers`` such sums in a
+    row add theirs: ``margin * sqrt(terms * layers) * eps32 * magnitude``. Derived from the
+    computation, not tuned on one CPU: a tolerance one CPU meets with little room fails on
+    another (issue 29: 1.37e-6 against 1e-6)."""
+    return margin * math.sqrt(terms * layers) * FLOAT32_EPS * float(magnitude)
+
+
+def forward_atol(module, *outputs, margin=4):
+    """`float32_atol` for outputs of ``module``'s forward: ``terms`` its widest fan-in (a
+    conv's in_channels x kernel, a linear layer's in_features), ``layers`` its count of conv
+    and linear layers, ``magnitude`` the largest |value| among ``outputs``."""
+    weights = [m.weight for m in module.modules()
+               if isinstance(m, (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d,
+                                 torch.nn.Linear))]
+    terms = max(w[0].numel() for w in weights)
+    magnitude = max(float(o.abs().max()) for o in outputs)
+    return float32_atol(magnitude, terms, len(weights), margin)

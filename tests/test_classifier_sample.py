@@ -247,3 +247,30 @@ def test_help_covers_both_kinds_of_guidance(capsys):
                 assert flag in text, flag
         else:
             assert "--classifier_path" not in text and "classifier_sample.py" in text
+
+
+@pytest.mark.timeout(150)
+def test_a_classifier_scale_not_finite_or_overflowing_the_samples_is_bad_usage_on_every_rank(
+        tmp_path, files):
+    """--classifier_scale nan was exit 0 with every pixel 0, and so was 1e38, a finite scale whose
+    guided steps overflow float32 (issue 29): both exit 2 with one line naming the flag."""
+    model, _ = tiny_model()
+    args = ["--model_path", files("run", model, TINY), "--classifier_path",
+            files("cls", tiny_classifier(), TINY_CLASSIFIER, kind="classifier"),
+            "--num_samples", "2", "--batch_size", "1", "--progress", "False"]
+    proc = run_script("classifier_sample.py", *args, "--classifier_scale", "nan",
+                      "--log_dir", tmp_path / "nan", check=False, timeout=60)
+    assert proc.returncode == 2, proc.stdout
+    assert proc.stdout.strip().splitlines() == [
+        "error: --classifier_scale nan: must be a finite number (1: no guidance; "
+        "guided-diffusion's classifier scales are 1-10, DiT's 1.5-4)"]
+    proc = run_mpi(2, "classifier_sample.py", *args, "--classifier_scale", "1e38",
+                   "--log_dir", tmp_path / "big", check=False, timeout=120)
+    assert proc.returncode == 2, proc.stdout
+    errors = [line for line in proc.stdout.splitlines() if line.startswith("error:")]
+    assert errors == [
+        "error: --classifier_scale 1e+38: the guided samples overflowed to inf/nan (in the batch "
+        "from sample 0), the scale is too large for this model; use a smaller one "
+        "(guided-diffusion's classifier scales are 1-10, DiT's 1.5-4)"], proc.stdout
+    assert "Traceback" not in proc.stdout
+    assert not list((tmp_path / "big").glob("samples_*"))

@@ -113,6 +113,11 @@ def test_a_classifier_run_resumed_at_step_3_ends_bitwise_identical_to_a_straight
 def test_the_log_has_guideds_metrics_by_timestep_quarter_and_validation_every_eval_interval(
         tmp_path, data):
     out = train(1, data, tmp_path / "run", "--iterations", 4, "--eval_interval", 2)
+    # the class count is logged with this script's flag (it said "--class_cond True ...
+    # num_classes=3", flags it does not have: issue 29)
+    assert re.search(r"^classifier_train.py: 3 classes in --data_dir \S+ \(cat, dog, owl\); "
+                     r"classifier_num_classes=3 ", out, re.M), out
+    assert "class_cond" not in out and " num_classes=" not in out
     rows = progress(tmp_path / "run")
     for q in range(4):
         assert {f"train_loss_q{q}", f"train_acc@1_q{q}", f"train_acc@5_q{q}"} <= set(rows[4])

@@ -480,3 +480,31 @@ def test_fp16_on_a_cpu_trains_reports_skipped_steps_and_warns_once(tmp_path, bf1
         assert re.search(r"^step 1/3  .*loss_scale \S+  steps skipped \(fp16 overflow\)",
                          proc.stdout, re.M), proc.stdout
     assert (tmp_path / "run" / "model000003.pt").exists()
+
+
+def test_no_flag_help_names_two_defaults():
+    """train.py --help said "--log_dir ... (default $OPENAI_LOGDIR) (default '')" (issue 29)."""
+    for name in TABLE_SCRIPTS:
+        doubled = [a.option_strings[0] for a in parser_of(name)._actions
+                   if a.help and a.help.count("(default") > 1]
+        assert not doubled, f"{name}: {doubled}"
+
+
+def test_docs_guidance_md_shows_the_guidance_figures_of_docs_performance_md():
+    """docs/guidance.md kept 0.720/0.716 of an older run where performance.md says 0.710/0.713."""
+    perf = dict((w.strip(), (a.strip(), b.strip())) for w, a, b in re.findall(
+        r"^\| ([a-z][^|]*) \| (\d\.\d{3}) \| (\d\.\d{3}) \|$",
+        (REPO / "docs" / "performance.md").read_text(), re.M))
+    shown = re.findall(r"^  ([a-z][a-z +()-]*?) {2,}(\d\.\d{3}) +(\d\.\d{3})$",
+                       (REPO / "docs" / "guidance.md").read_text(), re.M)
+    assert len(shown) == 6, shown
+    for way, agreement, confidence in shown:
+        assert perf[way] == (agreement, confidence), way
+
+
+def test_the_readme_says_to_activate_the_venv_before_its_first_python_command():
+    """After `make demo`, the README's `python scripts/...` lines failed with
+    ModuleNotFoundError: it never said to activate .venv (issue 29)."""
+    text = (REPO / "README.md").read_text()
+    first_command = re.search(r"^(mpiexec .*|python) scripts/", text, re.M).start()
+    assert ". .venv/bin/activate" in text[:first_command]

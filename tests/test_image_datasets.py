@@ -180,3 +180,55 @@ def test_missing_or_empty_data_dir_is_a_clear_error_naming_the_flag(tmp_path):
         load_data(data_dir=str(tmp_path / "empty"), batch_size=1, image_size=8)
     with pytest.raises(DataError, match="--data_dir"):
         load_data(data_dir="", batch_size=1, image_size=8)
+
+
+# ---------------------------------------------------------------------------------------------
+# class labels (issue 29): one folder per class, or the file-name prefix; refused when every
+# file would be its own class; the names travel in the checkpoint to sampling
+
+
+@pytest.mark.timeout(200)
+def test_train_py_reads_one_folder_per_class_logs_the_rule_and_sampling_names_the_labels(
+        tmp_path):
+    from PIL import Image
+
+    from conftest import run_script
+    from improved_diffusion import checkpoint
+
+    rng = np.random.default_rng(0)
+    data = tmp_path / "data"
+    for cls in ("dog", "cat"):  # files without "_": the prefix rule made each its own class
+        (data / cls).mkdir(parents=True)
+        for i in range(2):
+            Image.fromarray(rng.integers(0, 256, (8, 8, 3), dtype=np.uint8)).save(
+                data / cls / f"img{i}.png")
+    tiny = ["--image_size", "8", "--num_channels", "32", "--num_res_blocks", "1",
+            "--attention_resolutions", "", "--channel_mult", "1,2", "--diffusion_steps", "10",
+            "--noise_schedule", "cosine", "--class_cond", "True", "--batch_size", "2",
+            "--save_interval", "1000",
+            "--num_workers", "0"]
+    out = run_script("train.py", *tiny, "--data_dir", data, "--log_dir", tmp_path / "run",
+                     "--max_steps", "1").stdout
+    assert ("class labels from one folder per class (DIR/CLASS/...): 2 classes: 0=cat 1=dog"
+            in out), out
+    for name in ("model000001.pt", "ema_0.9999_000001.pt"):  # beside the flags, not in them
+        f = checkpoint.load_file(str(tmp_path / "run" / name))
+        assert f.raw["class_names"] == ["cat", "dog"], name
+        assert f.flags["num_classes"] == 2 and "class_names" not in f.flags
+    out = run_script("sample.py", "--model_path", tmp_path / "run" / "model000001.pt",
+                     "--num_samples", "3", "--classes", "1,0", "--log_dir", tmp_path / "s",
+                     "--progress", "False").stdout
+    assert "labels: 0=cat x1, 1=dog x2" in out, out
+    # a flat folder of files without "_": each its own class, refused in one line
+    flat = tmp_path / "flat"
+    flat.mkdir()
+    for name in ("a.png", "b.png", "c.png"):
+        (flat / name).write_bytes((data / "cat" / "img0.png").read_bytes())
+    proc = run_script("train.py", *tiny, "--data_dir", flat, "--log_dir", tmp_path / "run2",
+                      "--max_steps", "1", check=False)
+    assert proc.returncode == 1
+    assert proc.stdout.strip().splitlines()[-1] == (
+        f"error: --data_dir {flat}: --class_cond True finds 3 classes for 3 files by the "
+        "file-name prefix before the first '_', one class per file; put each class in its own "
+        "folder (DIR/cat/*.png) or name the files CLASS_anything.png")
+    assert not list((tmp_path / "run2").glob("*.pt"))

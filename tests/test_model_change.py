@@ -314,7 +314,8 @@ def test_the_readmes_adapt_flow_counts_the_classes_and_the_resume_takes_the_chec
     assert "num_classes=4, the checkpoint's (2 classes in --data_dir" in proc.stdout
     assert "resumed at step 1" in proc.stdout
     assert load(tmp_path / "cond" / "model000002.pt")["flags"]["num_classes"] == 4
-    more = write_class_folder(tmp_path / "more", classes=tuple("abcdef"), per_class=1)
+    # (2 files a class: a folder whose every file is its own class is refused first)
+    more = write_class_folder(tmp_path / "more", classes=tuple("abcdef"), per_class=2)
     proc = run_script("train.py", *tiny, "--data_dir", more, "--class_cond", "True",
                       "--log_dir", tmp_path / "cond", "--max_steps", 3, check=False)
     assert proc.returncode == 2, proc.stdout[-2000:]

@@ -280,9 +280,10 @@ def test_no_log_dir_is_a_usage_error(capsys, monkeypatch):
 @pytest.mark.timeout(60)
 def test_a_folder_with_more_classes_than_num_classes_is_a_one_line_error(tmp_path, capsys):
     data = tmp_path / "data"
-    for label in ("0", "1", "2"):
-        random_images(data / label, 1, 8)
-        (data / label / "img_000.png").rename(data / f"{label}_000.png")
+    for label in ("0", "1", "2"):  # 2 files a class (1 each: every file its own class, refused)
+        random_images(data / label, 2, 8)
+        for i in range(2):
+            (data / label / f"img_{i:03d}.png").rename(data / f"{label}_{i:03d}.png")
     code = train_main(*TINY, "--data_dir", data, "--log_dir", tmp_path / "log",
                       "--class_cond", "True", "--num_classes", "2", "--max_steps", "1")
     err = capsys.readouterr().err
