@@ -314,3 +314,458 @@ def compute_prec_recall(ref_acts, sample_acts, **kwargs):
     radii_2 = est.manifold_radii(sample_acts)
     pr = est.evaluate_pr(ref_acts, radii_1, sample_acts, radii_2)
     return float(pr[0][0]), float(pr[1][0])
+
+
+# ----------------------------------------------------------------------------------------------
+# Batches: arr_0 of an npz, read a slice at a time
+
+
+class Batch:
+    """``arr_0`` of an npz (uint8 [N, H, W, 3]) without loading it: memory-mapped when the member
+    is stored (``np.savez``, ADM's reference batches), else read from the zip member (a
+    ``savez_compressed`` file decompresses up to the slice asked for). ``read(start, stop)``."""
+
+    def __init__(self, path, shape, dtype, offset, member_name, stat):
+        self.path, self.shape, self.dtype = path, tuple(shape), dtype
+        self.num = self.shape[0]
+        self.stat = stat  # (size, mtime_ns): the cache key
+        self._offset, self._member_name = offset, member_name
+        self._map = self._member = self._zip = None
+        self._next = 0
+
+    def read(self, start, stop):
+        """Images ``start:stop`` as a uint8 array of their own."""
+        stop = min(stop, self.num)
+        if self._offset is not None:
+            if self._map is None:
+                self._map = np.memmap(self.path, dtype=np.uint8, mode="r", offset=self._offset,
+                                      shape=self.shape)
+            return np.array(self._map[start:stop])
+        per = int(np.prod(self.shape[1:]))
+        if self._member is None or start != self._next:
+            self.close()
+            self._zip = zipfile.ZipFile(self.path)
+            self._member = self._zip.open(self._member_name)
+            _read_npy_header(self._member)
+            self._member.seek(self._member.tell() + start * per)  # forward: decompresses
+        data = self._member.read((stop - start) * per)
+        self._next = stop
+        return np.frombuffer(data, dtype=np.uint8).reshape((stop - start,) + self.shape[1:])
+
+    def close(self):
+        if self._member is not None:
+            self._member.close()
+            self._zip.close()
+        self._member = self._zip = None
+        self._map = None
+
+
+def _read_npy_header(f):
+    version = np.lib.format.read_magic(f)
+    if version == (1, 0):
+        return np.lib.format.read_array_header_1_0(f)
+    if version == (2, 0):
+        return np.lib.format.read_array_header_2_0(f)
+    raise ValueError(f"npy format version {version} is not supported")
+
+
+def _local_header_size(path, zinfo):
+    """Bytes from a zip member's local header to its data (name and extra field included)."""
+    import struct
+
+    with open(path, "rb") as f:
+        f.seek(zinfo.header_offset)
+        head = f.read(30)
+    if len(head) != 30 or head[:4] != b"PK\x03\x04":
+        return None
+    name_len, extra_len = struct.unpack("<HH", head[26:30])
+    return 30 + name_len + extra_len
+
+
+def open_batch(path, min_images=2):
+    """
+    The ``arr_0`` of the npz at ``path`` as a Batch, checked: a readable npz holding ``arr_0``,
+    uint8 NHWC with 3 channels, at least ``min_images`` images. EvaluationError (one line
+    naming the file) otherwise. Not collective.
+    """
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise EvaluationError(f"{path}: no such file" if not os.path.isdir(path)
+                              else f"{path}: is a directory, not an npz batch")
+    try:
+        zf = zipfile.ZipFile(path)
+    except (zipfile.BadZipFile, OSError) as e:
+        raise EvaluationError(f"{path}: not a readable .npz file ({type(e).__name__}: {e})") \
+            from None
+    with zf:
+        names = zf.namelist()
+        if "arr_0.npy" not in names:
+            have = ", ".join(n[:-4] if n.endswith(".npy") else n for n in names) or "nothing"
+            raise EvaluationError(f"{path}: holds no arr_0 (has {have}); expected the images "
+                                  "as arr_0, uint8 [N, H, W, 3]")
+        zinfo = zf.getinfo("arr_0.npy")
+        try:
+            with zf.open(zinfo) as f:
+                shape, fortran, dtype = _read_npy_header(f)
+                header_len = f.tell()
+        except (ValueError, zipfile.BadZipFile, OSError, EOFError) as e:
+            raise EvaluationError(f"{path}: arr_0 is not a readable array ({e})") from None
+    desc = f"{dtype} [{', '.join(map(str, shape))}]"
+    if dtype != np.uint8 or len(shape) != 4 or shape[-1] != 3 or fortran:
+        raise EvaluationError(f"{path}: arr_0 is {desc}{' (Fortran order)' if fortran else ''}; "
+                              "expected uint8 images [N, H, W, 3] (NHWC, 3 channels)")
+    if shape[0] < min_images:
+        raise EvaluationError(f"{path}: holds {shape[0]} image{'s' if shape[0] != 1 else ''}; "
+                              f"at least {min_images} are needed")
+    offset = None
+    if zinfo.compress_type == zipfile.ZIP_STORED:
+        local = _local_header_size(path, zinfo)
+        if local is not None:
+            offset = zinfo.header_offset + local + header_len
+    st = os.stat(path)
+    return Batch(path, shape, dtype, offset, "arr_0.npy", (st.st_size, st.st_mtime_ns))
+
+
+STAT_KEYS = ("mu", "sigma", "mu_s", "sigma_s")
+
+
+def read_statistics(path, pool_dim, spatial_dim):
+    """
+    The precomputed statistics of a reference batch, as ADM's ``read_statistics`` uses them:
+    ``(FIDStatistics(mu, sigma) or None, FIDStatistics(mu_s, sigma_s) or None)``, checked against
+    the feature widths (EvaluationError naming the file otherwise). Not collective.
+    """
+    with np.load(path) as z:
+        files = set(z.files)
+        out = []
+        for (m, s), dim in ((("mu", "sigma"), pool_dim), (("mu_s", "sigma_s"), spatial_dim)):
+            if m not in files:
+                out.append(None)
+                continue
+            if s not in files:
+                raise EvaluationError(f"{path}: holds {m} but no {s}")
+            mu, sigma = z[m], z[s]
+            if mu.shape != (dim,) or sigma.shape != (dim, dim):
+                raise EvaluationError(
+                    f"{path}: precomputed statistics {m} {list(mu.shape)} / {s} "
+                    f"{list(sigma.shape)} are of another width than the features ({dim}); "
+                    "they belong to another feature network")
+            out.append(FIDStatistics(mu, sigma))
+    return tuple(out)
+
+
+# ----------------------------------------------------------------------------------------------
+# Feature networks and activations
+
+
+class InceptionFeatures:
+    """The FID Inception as a feature network: images -> (pool, spatial, logits) float32."""
+
+    name = "inception"
+    dims = (2048, 2023, 1008)
+
+    def __init__(self, net):
+        self.net = net
+        self.identity = {"features": "inception", "weights_sha256": net.sha256}
+
+    def __call__(self, images):
+        return tuple(t.numpy() for t in self.net(images))
+
+
+def _note(message):
+    from . import dist_util
+
+    if dist_util.get_rank() == 0:
+        sys.stderr.write(f"note: {message}\n")
+        sys.stderr.flush()
+
+
+def _clock(seconds):
+    seconds = int(round(seconds))
+    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+
+
+def batch_activations(batch, features, batch_size=64, progress_every=10.0, out=None):
+    """
+    The activations ``(pool, spatial, logits)`` of every image of ``batch`` (float32 [N, d] each,
+    in the batch's order) on rank 0, None on the other ranks: each rank computes a contiguous
+    share of the images, ``batch_size`` at a time, and rank 0 gathers them. Rank 0 writes a
+    progress line (images/s, ETA) to ``out`` (stderr) after the first batch, then every
+    ``progress_every`` seconds, and one when done. Non-finite activations on any rank:
+    EvaluationError on every rank.
+
+    Collective: call from all ranks with the same arguments.
+    """
+    import torch as th
+
+    from . import dist_util
+
+    out = out or sys.stderr
+    rank, world = dist_util.get_rank(), dist_util.get_world_size()
+    lo, hi = batch.num * rank // world, batch.num * (rank + 1) // world
+    parts = [[] for _ in features.dims]
+    t0 = last = time.time()
+    first, finite = True, True
+    for start in range(lo, hi, batch_size):
+        images = batch.read(start, min(start + batch_size, hi))
+        for p, a in zip(parts, features(images)):
+            p.append(np.ascontiguousarray(a, dtype=np.float32))
+            finite = finite and bool(np.isfinite(p[-1]).all())
+        if not finite:
+            break  # this rank's verdict is made: the others learn it below
+        now = time.time()
+        if rank == 0 and (first or now - last >= progress_every):
+            done = min(batch.num, (start + len(images) - lo) * world)
+            rate = done / max(now - t0, 1e-9)
+            out.write(f"activations of {batch.path}: {done}/{batch.num} images, "
+                      f"{rate:.1f} images/s, ETA {_clock((batch.num - done) / rate)}\n")
+            out.flush()
+            first, last = False, now
+    if dist_util.any_rank(not finite):
+        what = getattr(features, "weights_path", None)
+        raise EvaluationError(
+            f"{batch.path}: the {features.name} activations are not finite (NaN or inf)"
+            + (f" with the weights {what}; check that file" if what else ""))
+    local = [np.concatenate(p, axis=0) if p else np.zeros((0, d), np.float32)
+             for p, d in zip(parts, features.dims)]
+    gathered = []
+    for a, d in zip(local, features.dims):
+        pieces = dist_util.all_gather_varlen(th.from_numpy(a.reshape(-1)))
+        gathered.append(th.cat(pieces).numpy().reshape(-1, d) if rank == 0 else None)
+    if rank != 0:
+        return None
+    took = time.time() - t0
+    out.write(f"activations of {batch.path}: {batch.num} images in {took:.1f} s "
+              f"({batch.num / max(took, 1e-9):.1f} images/s)\n")
+    out.flush()
+    return tuple(gathered)
+
+
+# ----------------------------------------------------------------------------------------------
+# The activation cache: NAME.acts.npz beside NAME.npz
+
+CACHE_VERSION = 1
+_ACT_NAMES = ("pool", "spatial", "logits")
+
+
+def cache_path(batch_path, features):
+    base = batch_path[:-4] if batch_path.endswith(".npz") else batch_path
+    kind = "" if features.name == "inception" else f".{features.name}"
+    return f"{base}{kind}.acts.npz"
+
+
+def cache_key(batch, features):
+    import json
+
+    size, mtime_ns = batch.stat
+    return json.dumps({"version": CACHE_VERSION, "size": size, "mtime_ns": mtime_ns,
+                       "num": batch.num, **features.identity}, sort_keys=True)
+
+
+def read_cache(batch, features):
+    """The cached activations of ``batch`` when the cache beside it matches the batch's size,
+    mtime and the feature network (else None: it is recomputed). Not collective."""
+    path = cache_path(batch.path, features)
+    if not os.path.isfile(path):
+        return None
+    try:
+        with np.load(path) as z:
+            if "key" not in z.files or str(z["key"]) != cache_key(batch, features):
+                return None
+            acts = tuple(z[n] for n in _ACT_NAMES)
+    except (OSError, ValueError, zipfile.BadZipFile, EOFError, KeyError):
+        return None  # a damaged or foreign cache is recomputed, never trusted
+    if any(a.shape != (batch.num, d) for a, d in zip(acts, features.dims)):
+        return None
+    return acts
+
+
+def write_cache(batch, features, acts):
+    """Write the activations beside the batch, atomically (a temporary name, then a rename);
+    a folder that cannot be written only costs the cache (a note). Not collective: rank 0."""
+    path = cache_path(batch.path, features)
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            np.savez(f, key=np.array(cache_key(batch, features)),
+                     **dict(zip(_ACT_NAMES, acts)))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as e:  # the one write of the cache: not worth stopping the evaluation
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        _note(f"activation cache {path} not written ({type(e).__name__}: {e})")
+        return None
+    return path
+
+
+# ----------------------------------------------------------------------------------------------
+# The five figures
+
+
+def compute_metrics(ref_acts, sample_acts, ref_stats=(None, None), fid_method="auto",
+                    split_size=5000):
+    """
+    ADM's five figures from the activations ``(pool, spatial, logits)`` of both batches (the
+    reference's precomputed ``ref_stats`` (FID, sFID) used where given, as ADM does): a dict
+    ``inception_score`` (the samples' logits), ``fid``, ``sfid``, ``precision``, ``recall``
+    (NaN when a side has fewer than 4 images: k=3 needs 3 neighbours).
+    """
+    out = {"inception_score": compute_inception_score(sample_acts[2], split_size)}
+    for key, i in (("fid", 0), ("sfid", 1)):
+        ref = ref_stats[i] if ref_stats[i] is not None else compute_statistics(ref_acts[i])
+        out[key] = compute_statistics(sample_acts[i]).frechet_distance(ref, method=fid_method)
+    if min(len(ref_acts[0]), len(sample_acts[0])) >= 4:
+        out["precision"], out["recall"] = compute_prec_recall(ref_acts[0], sample_acts[0])
+    else:
+        out["precision"] = out["recall"] = float("nan")
+    return out
+
+
+def check_batches(ref_path, sample_path, dims):
+    """EvaluationError (naming the file) unless both batches can be evaluated with features of
+    widths ``dims`` (the reference's precomputed statistics included). Not collective."""
+    open_batch(ref_path)
+    open_batch(sample_path)
+    read_statistics(ref_path, dims[0], dims[1])
+
+
+def evaluate(ref_path, sample_path, features, batch_size=64, fid_method="auto"):
+    """
+    Score ``sample_path`` against ``ref_path`` (npz batches, arr_0 uint8 NHWC): both batches
+    checked first (nothing computed or written for a bad one), the activations of each read
+    from its cache or computed across the ranks, the caches written (rank 0, only once both
+    batches' activations are finite), the figures computed on rank 0. Returns the dict of
+    compute_metrics plus the batch sizes on every rank.
+
+    Collective: call from all ranks with the same arguments.
+    """
+    from . import dist_util
+
+    ref_path, sample_path = os.fspath(ref_path), os.fspath(sample_path)
+    pool_dim, spatial_dim = features.dims[:2]
+
+    # the same verdict on every rank
+    dist_util.run_on_rank0(lambda: check_batches(ref_path, sample_path, features.dims))
+    batches = {"ref": open_batch(ref_path), "sample": open_batch(sample_path)}
+    acts, fresh = {}, []
+    same = os.path.realpath(ref_path) == os.path.realpath(sample_path)
+    for name, batch in batches.items():
+        if name == "sample" and same:
+            acts["sample"] = acts["ref"]
+            continue
+
+        def probe(name=name, batch=batch):
+            acts[name] = read_cache(batch, features)
+            return acts[name] is not None
+
+        if dist_util.run_on_rank0(probe):
+            _note(f"activations of {batch.path} from {cache_path(batch.path, features)}")
+        else:
+            acts[name] = batch_activations(batch, features, batch_size)
+            fresh.append(name)
+
+    def finish():
+        for name in fresh:
+            write_cache(batches[name], features, acts[name])
+        stats = read_statistics(ref_path, pool_dim, spatial_dim)
+        return compute_metrics(acts["ref"], acts["sample"], stats, fid_method)
+
+    result = dist_util.run_on_rank0(finish)
+    for b in batches.values():
+        b.close()
+    result.update(num_ref=batches["ref"].num, num_samples=batches["sample"].num)
+    return result
+
+
+# ----------------------------------------------------------------------------------------------
+# The command line (scripts/evaluate.py)
+
+USAGE = """\
+Score samples against a reference batch with ADM's evaluator: Inception Score, FID, sFID,
+precision and recall, the numbers of guided-diffusion's evaluations/evaluator.py.
+
+    python scripts/evaluate.py REF_BATCH SAMPLE_BATCH [--inception_weights PATH]
+    mpiexec -n 4 python scripts/evaluate.py ...   # the activations split across ranks
+
+REF_BATCH: an ADM reference batch (VIRTUAL_imagenet64_labeled.npz, ...: arr_0 uint8 NHWC, and
+mu/sigma/mu_s/sigma_s, used instead of recomputing them) or any npz with arr_0 uint8 NHWC;
+SAMPLE_BATCH: e.g. sample.py's samples_NxHxWx3.npz. Activations are cached beside each batch
+(NAME.acts.npz). See docs/evaluation.md.
+"""
+
+
+def create_parser():
+    import argparse
+
+    from .script_util import FlagParser
+
+    p = FlagParser(prog="evaluate.py", description=USAGE,
+                   formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("ref_batch", help="reference batch (npz, arr_0 uint8 NHWC)")
+    p.add_argument("sample_batch", help="sample batch (npz, arr_0 uint8 NHWC)")
+    p.add_argument("--inception_weights", default=None,
+                   help="the FID Inception's weights (weights-inception-2015-12-05-6726825d.pth;"
+                        " default $ID_INCEPTION_WEIGHTS)")
+    p.add_argument("--features", default="inception", choices=["inception", "digits"],
+                   help="feature network: the FID Inception, or the demo's digits classifier")
+    p.add_argument("--batch_size", type=int, default=64, help="images per forward pass")
+    p.add_argument("--fid_method", default="auto", choices=["auto", "sqrtm", "eigh"],
+                   help="auto: ADM's sqrtm, or the exact low-rank trace when a batch has fewer "
+                        "images than features; eigh: faster, the same figures to ~1e-9")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead")
+    p.add_argument("--dist_timeout", type=float, default=600.0,
+                   help="seconds any rank waits for the others")
+    return p
+
+
+def main(argv=None, feature_factories=None):
+    """
+    scripts/evaluate.py: parse, set up the ranks, build the feature network, evaluate, print
+    (rank 0). ``feature_factories``: name -> callable returning a feature network (the script
+    supplies "digits" from datasets/digits.py). Returns 0.
+
+    Collective: call from all ranks with the same arguments.
+    """
+    import json
+
+    from . import cli, dist_util, inception
+
+    args = create_parser().parse_args(argv)
+    if args.batch_size < 1:
+        raise UsageError(f"--batch_size {args.batch_size}: must be at least 1")
+    cli.check_dist_timeout(args.dist_timeout)
+    if args.features == "inception":
+        inception.resolve_weights_path(args.inception_weights)  # before anything else
+    dist_util.setup_dist(timeout=args.dist_timeout)
+    dims = InceptionFeatures.dims if args.features == "inception" else None
+    if dims is not None:  # a bad batch is told before the weights are read
+        dist_util.run_on_rank0(lambda: check_batches(args.ref_batch, args.sample_batch, dims))
+    if args.features == "inception":
+        features = InceptionFeatures(inception.load_inception(args.inception_weights, log=_note))
+        features.weights_path = inception.resolve_weights_path(args.inception_weights)
+    else:
+        factory = (feature_factories or {}).get(args.features)
+        if factory is None:
+            raise UsageError(f"--features {args.features}: not available from this entry point")
+        features = factory()
+    result = evaluate(args.ref_batch, args.sample_batch, features, args.batch_size,
+                      args.fid_method)
+    if dist_util.get_rank() == 0:
+        if args.json:
+            result.update(ref_batch=args.ref_batch, sample_batch=args.sample_batch,
+                          features=args.features, **{k: v for k, v in features.identity.items()
+                                                     if k != "features"})
+            print(json.dumps({k: (None if isinstance(v, float) and v != v else v)
+                              for k, v in result.items()}, sort_keys=True))
+        else:
+            print("Inception Score:", result["inception_score"])
+            print("FID:", result["fid"])
+            print("sFID:", result["sfid"])
+            print("Precision:", result["precision"])
+            print("Recall:", result["recall"])
+        sys.stdout.flush()
+    return 0

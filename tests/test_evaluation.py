@@ -13,6 +13,8 @@ from conftest import FIXTURES, REPO, run_mpi, run_script
 
 from improved_diffusion import evaluation, inception
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # far faster on 2 loaded cores
+
 ADM = FIXTURES / "adm_evaluator_reference.npz"
 NET = FIXTURES / "fid_inception_reference.pt"
 
@@ -171,3 +173,217 @@ def test_no_weights_says_where_to_get_them(monkeypatch):
     msg = str(e.value)
     assert "--inception_weights PATH" in msg and "$ID_INCEPTION_WEIGHTS" in msg
     assert inception.WEIGHTS_URL in msg
+
+
+# ---------------------------------------------------------------- scripts/evaluate.py
+
+
+def _load_script():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("evaluate_script", REPO / "scripts" /
+                                                  "evaluate.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def evaluate_script():
+    return _load_script()
+
+
+def run_inproc(script, capsys, *args):
+    """scripts/evaluate.py in this process (one rank): (exit code, stdout, stderr)."""
+    from improved_diffusion import cli
+
+    capsys.readouterr()
+    code = cli.run_main(script.main, [str(a) for a in args])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def write_batch(path, n, size=12, seed=0, **extra):
+    rng = np.random.default_rng(seed)
+    np.savez(path, arr_0=rng.integers(0, 256, (n, size, size, 3), dtype=np.uint8), **extra)
+    return path
+
+
+def listing(d):
+    return sorted((p.name, p.stat().st_mtime_ns) for p in d.iterdir())
+
+
+FIGURES = ("inception_score", "fid", "sfid", "precision", "recall")
+
+
+def test_evaluate_one_rank_and_two_ranks_agree_and_the_cache_is_reused(
+        tmp_path, weights_file, evaluate_script, capsys):
+    one, two = tmp_path / "one", tmp_path / "two"
+    for d in (one, two):
+        d.mkdir()
+        write_batch(d / "ref.npz", 4, size=12, seed=1)
+        write_batch(d / "samples_4x16x16x3.npz", 4, size=16, seed=2, arr_1=np.arange(4))
+    code, out, err = run_inproc(evaluate_script, capsys, one / "ref.npz",
+                                one / "samples_4x16x16x3.npz", "--inception_weights",
+                                weights_file, "--json", "--batch_size", 3)
+    assert code == 0, err
+    first = json.loads(out)
+    assert "images/s" in err and "ETA" in err and weights_file.name in err
+    assert first["weights_sha256"] in err  # the weights' sha256 is logged
+    assert (one / "ref.acts.npz").exists() and (one / "samples_4x16x16x3.acts.npz").exists()
+    for k in FIGURES:
+        assert np.isfinite(first[k]), first
+
+    proc = run_mpi(2, "evaluate.py", two / "ref.npz", two / "samples_4x16x16x3.npz",
+                   "--inception_weights", weights_file, "--json", timeout=240)
+    second = json.loads(proc.stdout.strip().splitlines()[-1])
+    for k in FIGURES:
+        assert abs(second[k] - first[k]) <= 1e-6 * abs(first[k]) + 1e-12, (k, first, second)
+    assert proc.stdout.count("note: Inception weights") == 1  # rank 0 alone prints
+
+    # a rerun reads both caches (written by rank 0 of the 2-rank job): nothing recomputed
+    before = listing(two)
+    code, out, err = run_inproc(evaluate_script, capsys, two / "ref.npz",
+                                two / "samples_4x16x16x3.npz", "--inception_weights",
+                                weights_file)
+    assert code == 0, err
+    assert "images/s" not in err and err.count("from ") == 2, err
+    assert listing(two) == before
+    lines = out.strip().splitlines()
+    assert [line.split(":")[0] for line in lines] == ["Inception Score", "FID", "sFID",
+                                                       "Precision", "Recall"]
+    assert float(lines[1].split()[-1]) == second["fid"]
+
+
+
+class _FakeFeatures:
+    name = "fake"
+    dims = (3, 2, 1)
+    identity = {"features": "fake", "weights_sha256": "abc"}
+
+
+def test_the_cache_is_keyed_by_size_mtime_and_weights(tmp_path):
+    path = write_batch(tmp_path / "b.npz", 3)
+    batch = evaluation.open_batch(path)
+    acts = tuple(np.full((3, d), i, np.float32) for i, d in enumerate(_FakeFeatures.dims))
+    feats = _FakeFeatures()
+    assert evaluation.write_cache(batch, feats, acts) == str(tmp_path / "b.fake.acts.npz")
+    assert all(np.array_equal(a, b) for a, b in zip(evaluation.read_cache(batch, feats), acts))
+    other = _FakeFeatures()
+    other.identity = {"features": "fake", "weights_sha256": "def"}
+    assert evaluation.read_cache(batch, other) is None  # other weights
+    os.utime(path, ns=(batch.stat[1] + 10**9, batch.stat[1] + 10**9))
+    assert evaluation.read_cache(evaluation.open_batch(path), feats) is None  # touched since
+    write_batch(path, 3, seed=9)
+    assert evaluation.read_cache(evaluation.open_batch(path), feats) is None  # rewritten
+
+
+def test_a_compressed_batch_streams_from_the_zip_member(tmp_path):
+    images = np.random.default_rng(0).integers(0, 256, (7, 5, 4, 3), dtype=np.uint8)
+    np.savez(tmp_path / "plain.npz", arr_0=images)
+    np.savez_compressed(tmp_path / "packed.npz", arr_0=images)
+    for name in ("plain.npz", "packed.npz"):
+        batch = evaluation.open_batch(tmp_path / name)
+        assert (batch._offset is None) == (name == "packed.npz")
+        got = np.concatenate([batch.read(i, i + 3) for i in range(0, 7, 3)])
+        assert np.array_equal(got, images) and np.array_equal(batch.read(2, 4), images[2:4])
+        batch.close()
+
+
+def test_digits_features_give_the_five_figures(tmp_path, evaluate_script, capsys):
+    write_batch(tmp_path / "ref.npz", 6, size=16, seed=4)
+    write_batch(tmp_path / "samples.npz", 5, size=16, seed=5)
+    code, out, err = run_inproc(evaluate_script, capsys, tmp_path / "ref.npz",
+                                tmp_path / "samples.npz", "--features", "digits", "--json")
+    assert code == 0, err
+    r = json.loads(out)
+    assert all(np.isfinite(r[k]) for k in FIGURES) and 1.0 <= r["inception_score"] <= 10.0
+    assert (tmp_path / "samples.digits.acts.npz").exists()
+
+
+def test_no_weights_is_one_line_saying_where_to_get_them(tmp_path, evaluate_script, capsys,
+                                                          monkeypatch):
+    monkeypatch.delenv("ID_INCEPTION_WEIGHTS", raising=False)
+    write_batch(tmp_path / "ref.npz", 4)
+    write_batch(tmp_path / "samples.npz", 4)
+    before = listing(tmp_path)
+    code, out, err = run_inproc(evaluate_script, capsys, tmp_path / "ref.npz",
+                                tmp_path / "samples.npz")
+    assert code == 1 and out == ""
+    assert err.count("\n") == 1 and err.startswith("error: no Inception weights")
+    assert "--inception_weights PATH" in err and "$ID_INCEPTION_WEIGHTS" in err
+    assert inception.WEIGHTS_URL in err
+    assert listing(tmp_path) == before
+
+
+def _bad_ref(kind, d):
+    """(ref path, sample path, words the error line must hold) for one kind of bad input."""
+    ref, samples = d / "ref.npz", d / "samples.npz"
+    write_batch(ref, 4)
+    write_batch(samples, 4, seed=1)
+    if kind == "latents":
+        np.savez(samples, arr_0=np.zeros((4, 4, 8, 8), np.float32))
+        return ref, samples, [str(samples), "float32 [4, 4, 8, 8]", "uint8 images [N, H, W, 3]"]
+    if kind == "gray":
+        np.savez(samples, arr_0=np.zeros((4, 8, 8, 1), np.uint8))
+        return ref, samples, [str(samples), "uint8 [4, 8, 8, 1]", "3 channels"]
+    if kind == "no_arr_0":
+        np.savez(ref, images=np.zeros((4, 8, 8, 3), np.uint8))
+        return ref, samples, [str(ref), "no arr_0", "has images"]
+    if kind == "stats_width":
+        write_batch(ref, 4, mu=np.zeros(16), sigma=np.eye(16))
+        return ref, samples, [str(ref), "mu [16]", "another width", "2048"]
+    if kind == "one_sample":
+        write_batch(samples, 1)
+        return ref, samples, [str(samples), "holds 1 image", "at least 2"]
+    if kind == "not_npz":
+        samples.write_text("hello")
+        return ref, samples, [str(samples), "not a readable .npz"]
+    if kind == "missing":
+        samples.unlink()
+        return ref, samples, [str(samples), "no such file"]
+    raise AssertionError(kind)
+
+
+@pytest.mark.parametrize("kind", ["latents", "gray", "no_arr_0", "stats_width", "one_sample",
+                                  "not_npz", "missing"])
+def test_a_bad_batch_is_one_line_naming_the_file_and_nothing_is_written(
+        kind, tmp_path, weights_file, evaluate_script, capsys):
+    ref, samples, words = _bad_ref(kind, tmp_path)
+    before = listing(tmp_path)
+    code, out, err = run_inproc(evaluate_script, capsys, ref, samples, "--inception_weights",
+                                weights_file)
+    assert code == 1 and out == ""
+    assert err.count("\n") == 1 and err.startswith("error: "), err
+    for w in words:
+        assert w in err, (w, err)
+    assert listing(tmp_path) == before
+
+
+def test_bad_weights_and_nan_activations_are_one_line_and_nothing_is_written(
+        tmp_path, net_ref, evaluate_script, capsys):
+    write_batch(tmp_path / "ref.npz", 2)
+    write_batch(tmp_path / "samples.npz", 2, seed=1)
+    sd = dict(net_ref["state_dict"])
+    wrong = tmp_path / "wrong_weights.pt"
+    torch.save({k: v for k, v in sd.items() if not k.startswith("fc.")}, wrong)
+    nan = tmp_path / "nan_weights.pt"
+    sd["Conv2d_1a_3x3.bn.running_mean"] = torch.full_like(sd["Conv2d_1a_3x3.bn.running_mean"],
+                                                          float("nan"))
+    torch.save(sd, nan)
+    before = listing(tmp_path)
+    for weights, words in ((wrong, ["wrong_weights.pt", "missing keys", "fc.bias"]),
+                           (nan, ["ref.npz", "not finite", "nan_weights.pt"])):
+        code, out, err = run_inproc(evaluate_script, capsys, tmp_path / "ref.npz",
+                                    tmp_path / "samples.npz", "--inception_weights", weights)
+        assert code == 1 and out == ""
+        error_lines = [line for line in err.splitlines() if line.startswith("error: ")]
+        assert len(error_lines) == 1 and all(w in error_lines[0] for w in words), err
+        assert listing(tmp_path) == before
+
+
+def test_usage_errors_exit_2(tmp_path, evaluate_script, capsys):
+    code, _, err = run_inproc(evaluate_script, capsys, "a.npz", "b.npz", "--batch_size", 0)
+    assert code == 2 and err.count("\n") == 1 and "--batch_size" in err
+    code, _, err = run_inproc(evaluate_script, capsys, "a.npz", "b.npz", "--batch_sise", 4)
+    assert code == 2 and "--batch_size" in err
