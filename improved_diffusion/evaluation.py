@@ -22,9 +22,11 @@ The math (no files, no ranks):
   of samples inside some reference ball, recall the share of references inside some sample
   ball. Distances as ADM's ``DistanceBlock``: the features cast to float16, squared distances
   ``max(|u|^2 - 2 u.v + |v|^2, 0)`` rounded to float16 when the block is finite in float16, else
-  in float32. Rows and columns go in blocks (``row_batch_size`` x ``col_batch_size``) and the
-  radii keep a running k+1 smallest per row, so memory is one block whatever the set sizes
-  (ADM holds a ``row_batch_size`` x N row of distances: 2 GB for 50k).
+  in float32. Rows and columns go in blocks (``row_batch_size`` x ``col_batch_size``, 5000 x
+  5000; ADM's are 10000 x 10000, and its float16-or-float32 choice is made per block, so the
+  two differ only where some blocks overflow float16) and the radii keep a running k+1
+  smallest per row, so memory is one block whatever the set sizes (ADM holds a
+  ``row_batch_size`` x N row of distances: 2 GB for 50k).
 
 Batches and activations (what ``scripts/evaluate.py`` runs; see docs/evaluation.md):
 ``open_batch`` reads ``arr_0`` of an npz without loading it (memory-mapped when stored, as
@@ -53,10 +55,6 @@ __all__ = [
 class EvaluationError(UserError):
     """A batch, a weights file or activations that cannot be evaluated (exit 1); the message
     names the file."""
-
-
-class InvalidFIDException(Exception):
-    """ADM's name; kept for code that catches it (never raised: a bad root is an error below)."""
 
 
 # ----------------------------------------------------------------------------------------------

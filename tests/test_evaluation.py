@@ -3,13 +3,12 @@ on its reference activations, the FID Inception network against torch-fidelity's
 scripts/evaluate.py end to end with a random-weights Inception on tiny images."""
 import json
 import os
-import sys
 
 import numpy as np
 import pytest
 import torch
 
-from conftest import FIXTURES, REPO, run_mpi, run_script
+from conftest import FIXTURES, REPO, run_mpi
 
 from improved_diffusion import evaluation, inception
 
