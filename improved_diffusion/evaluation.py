@@ -224,19 +224,18 @@ class ManifoldEstimator:
         self.fp16 = fp16
 
     def _prepare(self, features):
-        """(float32 features, their squared norms, the float16-rounded features and norms or
-        None when float16 cannot hold them)."""
+        """(float32 features, their squared norms, the features rounded to float16 (kept as
+        float16: half the memory) and their norms, or None when float16 cannot hold them)."""
         import torch as th
 
         x = th.as_tensor(np.asarray(features, dtype=np.float32))
-        n = (x.double() ** 2).sum(1).float()
+        n = _squared_norms(x)
         if not self.fp16:
             return x, n, None, None
         x16 = x.half()
         if not bool(th.isfinite(x16).all()):
             return x, n, None, None
-        x16 = x16.float()
-        n16 = (x16.double() ** 2).sum(1).float()
+        n16 = _squared_norms(x16)
         if not bool(th.isfinite(n16.half()).all()):
             return x, n, None, None
         return x, n, x16, n16
@@ -246,12 +245,17 @@ class ManifoldEstimator:
         rows ``ib`` of ``b``, as ADM's DistanceBlock: float16 when finite, else float32."""
         import torch as th
 
+        def block(x, nx, y, ny):  # max(|u|^2 - 2 u.v + |v|^2, 0), in place: one block held
+            d = x[ia].float() @ y[ib].float().T
+            d.mul_(-2).add_(nx[ia, None]).add_(ny[None, ib])
+            return d.clamp_(min=0.0)
+
         if a[2] is not None and b[2] is not None:
-            d = th.clamp(a[3][ia, None] - 2 * (a[2][ia] @ b[2][ib].T) + b[3][None, ib], min=0.0)
-            d16 = d.half()
+            d16 = block(a[2], a[3], b[2], b[3]).half()
             if bool(th.isfinite(d16).all()):
                 return d16.float()
-        return th.clamp(a[1][ia, None] - 2 * (a[0][ia] @ b[0][ib].T) + b[1][None, ib], min=0.0)
+            del d16
+        return block(a[0], a[1], b[0], b[1])
 
     def manifold_radii(self, features):
         """[N, K] float32: each row's squared distance to its k-th neighbour (k per nhood)."""
@@ -270,6 +274,7 @@ class ManifoldEstimator:
             for b2 in range(0, num, self.col_batch_size):
                 e2 = min(b2 + self.col_batch_size, num)
                 d = self._distances(x, x, slice(b1, e1), slice(b2, e2))
+                d = th.topk(d, min(kmax, d.shape[1]), dim=1, largest=False).values
                 if best is not None:
                     d = th.cat([best, d], dim=1)
                 best = th.topk(d, min(kmax, d.shape[1]), dim=1, largest=False, sorted=True).values
@@ -302,6 +307,14 @@ class ManifoldEstimator:
                 for k in range(r1.shape[1]):  # batch_2_in: column inside some ball of set 1
                     status_2[b2:e2, k] |= (d <= r1[b1:e1, k][:, None]).any(dim=0)
         return (status_2.double().mean(0).numpy(), status_1.double().mean(0).numpy())
+
+
+def _squared_norms(x, chunk=4096):
+    """Row norms squared (float32 [N]), summed in float64 a chunk of rows at a time."""
+    import torch as th
+
+    return th.cat([(c.double() ** 2).sum(1).float() for c in th.split(x, chunk)]) if len(x) \
+        else th.zeros(0)
 
 
 def compute_prec_recall(ref_acts, sample_acts, **kwargs):
