@@ -182,6 +182,34 @@ def get_scorer(random_state=0):
     return DigitScorer(random_state=random_state)
 
 
+class DigitFeatures:
+    """
+    The digits classifier as a feature network for ADM's metrics (``scripts/evaluate.py
+    --features digits``): uint8 images [N, H, W, C] -> float32 ``(pool [N, 45]`` the SVM's
+    one-vs-one decision values (the space of this module's Frechet distance), ``spatial
+    [N, 64]`` the 8x8 gray image on the 0..16 scale (what sFID's spatial features are to
+    Inception), ``logits [N, 10]`` the log of the class probabilities (softmax gives them back:
+    the Inception Score of the classifier)).
+    """
+
+    name = "digits"
+    dims = (45, SOURCE_SIZE * SOURCE_SIZE, NUM_CLASSES)
+
+    def __init__(self, random_state=0):
+        import sklearn
+
+        self.scorer = get_scorer(random_state)
+        self.identity = {"features": "digits", "scorer": f"SVC rbf random_state={random_state}",
+                         "sklearn": sklearn.__version__}
+
+    def __call__(self, images):
+        X = images_to_digit_features(images)
+        proba = self.scorer.predict_proba(X)
+        logits = np.log(np.clip(proba, 1e-30, None))
+        return (self.scorer.features(X).astype(np.float32), X.astype(np.float32),
+                logits.astype(np.float32))
+
+
 def _sqrtm(m):
     from scipy import linalg
 
