@@ -64,6 +64,9 @@ def all_known_flags():
     for name in TABLE_SCRIPTS + ("demo.py",):
         known |= set(parser_of(name).known_flags())
     known |= set(ckpt_parser().known_flags()) | {"--json"}
+    from improved_diffusion import evaluation
+
+    known |= set(evaluation.create_parser().known_flags())  # scripts/evaluate.py
     known |= {"--out"}  # plot_progress.py
     for bench in (REPO / "benchmarks").glob("*.py"):  # the benchmarks' own flags
         known |= set(re.findall(r"add_argument\(\s*\"(--\w+)\"", bench.read_text()))
