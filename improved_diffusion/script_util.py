@@ -936,6 +936,10 @@ def create_gaussian_diffusion(
     if noise_schedule not in ("linear", "cosine"):
         raise FlagError(f"--noise_schedule {noise_schedule!r} is unknown; use linear or cosine")
     betas = gd.get_named_beta_schedule(noise_schedule, steps)
+    if betas.max() > 1:  # the linear schedule scales its betas by 1000 / steps
+        raise FlagError(f"--diffusion_steps {steps} with --noise_schedule linear: its last beta "
+                        f"(0.02 * 1000 / {steps} = {betas.max():g}) exceeds 1; use "
+                        f"--diffusion_steps 20 or more, or --noise_schedule cosine")
     if use_kl:
         loss_type = gd.LossType.RESCALED_KL
     elif rescale_learned_sigmas:

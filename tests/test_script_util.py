@@ -187,3 +187,18 @@ def test_super_res_size_errors_name_the_large_size_flag():
     defaults.update(large_size=12, small_size=6, channel_mult="1,2,2,2")
     with pytest.raises(FlagError, match="--large_size 12"):
         sr_create_model_and_diffusion(**defaults)
+
+
+def test_a_linear_schedule_too_short_for_its_betas_is_one_line_naming_the_flags():
+    """--diffusion_steps 4 with the linear schedule: betas up to 5 (0.02 * 1000 / 4); before, a
+    ValueError traceback ("betas must lie in (0, 1]") from inside the diffusion."""
+    import pytest as _pytest
+
+    from improved_diffusion.errors import UsageError
+    from improved_diffusion.script_util import create_gaussian_diffusion
+
+    with _pytest.raises(UsageError, match=r"--diffusion_steps 4 with --noise_schedule linear.*"
+                                          r"--diffusion_steps 20 or more"):
+        create_gaussian_diffusion(steps=4, noise_schedule="linear")
+    assert create_gaussian_diffusion(steps=4, noise_schedule="cosine").num_timesteps == 4
+    assert create_gaussian_diffusion(steps=20, noise_schedule="linear").num_timesteps == 20
