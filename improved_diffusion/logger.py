@@ -28,7 +28,7 @@ from contextlib import contextmanager
 import torch as th
 
 from . import dist_util
-from .checkpoint import write_fault_message
+from .ckpt.checkpoint import write_fault_message
 from .errors import UserError
 
 DEBUG = 10

@@ -55,7 +55,7 @@ from typing import List, Optional
 import numpy as np
 import torch as th
 
-from . import checkpoint, run_dir as run_dir_mod
+from .ckpt import checkpoint, run_dir as run_dir_mod
 from .errors import UsageError, UserError
 
 # stds must be below this (EDM2's reconstruct_phema.parse_std_list): exp_to_std is at most

@@ -16,8 +16,8 @@ nothing new in the log dir; in the loop, the loop saves first (preemption.py).
 import os
 from typing import Any, Callable, NamedTuple
 
-from . import (checkpointer, cli, dist_util, image_datasets, logger, preemption, run_lock,
-               train_util)
+from . import cli, dist_util, image_datasets, logger, train_util
+from .ckpt import checkpointer, preemption, run_lock
 from .errors import UsageError
 
 

@@ -7,7 +7,8 @@ import pytest
 import torch as th
 
 from conftest import FIXTURES, run_script
-from improved_diffusion import checkpoint, guidance, logger, sampling, train_util
+from improved_diffusion import guidance, logger, sampling, train_util
+from improved_diffusion.ckpt import checkpoint
 from improved_diffusion.script_util import (
     FlagError,
     create_model_and_diffusion,

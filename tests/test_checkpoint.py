@@ -16,8 +16,8 @@ import pytest
 import torch as th
 
 from conftest import FIXTURES, run_module_mpi
-from improved_diffusion import checkpoint as C
-from improved_diffusion import run_dir as R
+from improved_diffusion.ckpt import checkpoint as C
+from improved_diffusion.ckpt import run_dir as R
 
 UPSTREAM = FIXTURES / "upstream_run_small"
 
@@ -620,7 +620,8 @@ def test_prune_of_an_upstream_dir_keeps_its_only_step(tmp_path):
 def test_save_step_on_two_ranks_writes_once_and_errors_reach_every_rank(tmp_path):
     code = textwrap.dedent(f"""
         import json, os, sys, torch as th
-        from improved_diffusion import checkpoint as C, dist_util, run_dir as R
+        from improved_diffusion import dist_util
+        from improved_diffusion.ckpt import checkpoint as C, run_dir as R
         dist_util.setup_dist()
         rank = dist_util.get_rank()
         d = {str(tmp_path)!r}

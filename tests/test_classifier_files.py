@@ -8,10 +8,10 @@ import pytest
 import torch as th
 
 from conftest import FIXTURES
-from improved_diffusion import checkpoint as ckpt
-from improved_diffusion import run_dir
+from improved_diffusion.ckpt import checkpoint as ckpt
+from improved_diffusion.ckpt import run_dir
 from improved_diffusion import script_util as su
-from improved_diffusion.optim_state import named_optimizer_state
+from improved_diffusion.ckpt.optim_state import named_optimizer_state
 from test_ckpt_tool import cli
 
 FLAGS = dict(su.classifier_and_diffusion_defaults(), image_size=8, classifier_width=32,

@@ -10,7 +10,8 @@ import pytest
 import torch as th
 
 from conftest import FIXTURES, run_mpi, run_script
-from improved_diffusion import checkpoint, guidance, sampling
+from improved_diffusion import guidance, sampling
+from improved_diffusion.ckpt import checkpoint
 from improved_diffusion import script_util as su
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

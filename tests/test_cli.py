@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch as th
 
-from improved_diffusion import checkpoint as ckpt
+from improved_diffusion.ckpt import checkpoint as ckpt
 from improved_diffusion import amp, logger, progress_plot, script_util
-from improved_diffusion.ckpt_tool import build_parser as ckpt_parser
-from improved_diffusion.ckpt_tool import main as ckpt_main
+from improved_diffusion.ckpt.ckpt_tool import build_parser as ckpt_parser
+from improved_diffusion.ckpt.ckpt_tool import main as ckpt_main
 from improved_diffusion.errors import UsageError
 
 from conftest import PY, REPO, _run, run_mpi, run_script, write_class_folder

@@ -27,8 +27,8 @@ from conftest import (MPIEXEC, PY, REPO, child_env, process_tree, resumed_step, 
                       write_images)
 
 from cluster_sim import matches_manifest
-from improved_diffusion import checkpoint as C
-from improved_diffusion import run_dir as R
+from improved_diffusion.ckpt import checkpoint as C
+from improved_diffusion.ckpt import run_dir as R
 
 TRAIN = REPO / "scripts" / "train.py"
 TINY = [

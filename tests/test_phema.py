@@ -14,10 +14,10 @@ import pytest
 import torch as th
 
 from conftest import FIXTURES, run_script
-from improved_diffusion import checkpoint as C
+from improved_diffusion.ckpt import checkpoint as C
 from improved_diffusion import phema as P
-from improved_diffusion import run_dir as R
-from improved_diffusion.ckpt_tool import main as ckpt_main
+from improved_diffusion.ckpt import run_dir as R
+from improved_diffusion.ckpt.ckpt_tool import main as ckpt_main
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

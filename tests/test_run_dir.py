@@ -20,8 +20,8 @@ import torch as th
 from PIL import Image
 
 from conftest import MPIEXEC, REPO, child_env, run_script
-from improved_diffusion import checkpoint as C
-from improved_diffusion import run_dir as R
+from improved_diffusion.ckpt import checkpoint as C
+from improved_diffusion.ckpt import run_dir as R
 
 
 def _sd(seed=0):

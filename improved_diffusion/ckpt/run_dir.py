@@ -39,9 +39,9 @@ from typing import Dict, List, Optional
 import blobfile as bf
 
 from . import checkpoint as ckpt
-from . import dist_util
+from .. import dist_util
 from .checkpoint import CheckpointError, CheckpointReadError
-from .errors import typed_one_line
+from ..errors import typed_one_line
 
 INCOMPLETE_DIR = "incomplete"
 

@@ -47,9 +47,9 @@ from typing import Any, List, Optional
 import blobfile as bf
 import torch as th
 
-from . import dist_util
+from .. import dist_util
 
-from .errors import UserError, typed_one_line
+from ..errors import UserError, typed_one_line
 
 SCHEMA = "improved_diffusion.checkpoint"
 VERSION = 1

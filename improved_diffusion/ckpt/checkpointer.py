@@ -90,12 +90,12 @@ from typing import Any, Dict, List, Optional
 
 import torch as th
 
-from . import (checkpoint, dist_util, logger, model_change, optim_state, preemption, rng, run_dir,
-               state_fit)
+from . import checkpoint, model_change, optim_state, preemption, rng, run_dir, state_fit
+from .. import dist_util, logger
 from .async_save import BackgroundWriter, HostSnapshot, to_host
-from .config_check import by_rank
-from .errors import UsageError, UserError
-from .script_util import same_flag_value
+from ..config_check import by_rank
+from ..errors import UsageError, UserError
+from ..script_util import same_flag_value
 
 # EX_TEMPFAIL: "try again later". A job script can requeue on it (preemption.py's).
 PREEMPTED_EXIT_CODE = preemption.EXIT_CODE
@@ -155,7 +155,7 @@ class CheckpointConfig:
 
 
 def _from_flags(cls, flags, overrides):
-    from .script_util import train_defaults
+    from ..script_util import train_defaults
 
     given = dict(vars(flags) if not isinstance(flags, dict) else flags)
     defaults = train_defaults()
