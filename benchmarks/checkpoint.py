@@ -102,7 +102,7 @@ def raw_write(d, sizes, buf, writeback=False):
     (``writeback``: starting the kernel's writeback every 32 MiB, as checkpoint.write_file)."""
     from improved_diffusion.ckpt import checkpoint
 
-    start_writeback = checkpoint._sync_file_range() if writeback else None
+    start_writeback = checkpoint.sync_file_range() if writeback else None
     t0 = time.perf_counter()
     for i, n in enumerate(sizes):
         with open(os.path.join(d, f"raw{i}.bin"), "wb") as f:
@@ -334,7 +334,7 @@ def load_once(path, mode):
     elif mode == "collective":
         checkpoint.load_file_collective(path)
     elif mode == "broadcast":
-        checkpoint._load_broadcast(path)
+        checkpoint.load_file_broadcast(path)
     elif mode == "single":
         checkpoint.load_file(path)
     took = time.perf_counter() - t0

@@ -37,7 +37,7 @@ from torch.optim import AdamW
 from . import amp, dist_util, guidance, logger, phema
 from .ckpt import checkpoint, run_dir
 from .ckpt.checkpointer import (PREEMPTED_EXIT_CODE, CheckpointConfig, Checkpointer, NonFiniteError,
-                                ResumeError, _from_flags, copy_into)
+                                ResumeError, copy_into, fields_from_flags)
 from .config_check import check_config_on_all_ranks, data_fingerprint, show_fingerprint
 from .errors import UsageError
 from .nn import update_ema
@@ -136,7 +136,7 @@ class TrainConfig:
         """The config of ``flags`` (an argparse Namespace or a dict; missing names take
         script_util.train_defaults()'s values), with ``overrides`` applied."""
         ckpt = CheckpointConfig.from_flags(flags, **overrides)
-        return _from_flags(cls, flags, dict(overrides, checkpoint=ckpt))
+        return fields_from_flags(cls, flags, dict(overrides, checkpoint=ckpt))
 
     @property
     def last_step(self):

@@ -530,7 +530,7 @@ def test_the_writers_crc_is_the_files_whatever_the_write_pattern(tmp_path, piece
     read back from the file or CRC'd as it passes: the file's CRC-32 either way."""
     path = tmp_path / "f.bin"
     with open(path, "wb") as f, open(path, "rb") as back:
-        out = C._ChecksumWriter(f, reread=lambda o, n: os.pread(back.fileno(), n, o))
+        out = C.ChecksumWriter(f, reread=lambda o, n: os.pread(back.fileno(), n, o))
         for piece in pieces:
             out.write(piece)
         f.flush()
@@ -557,9 +557,9 @@ def test_a_large_file_is_handed_to_the_disk_while_it_is_written(tmp_path, monkey
     """The writer starts the kernel's writeback every WRITEBACK_BYTES (sync_file_range), so that
     the final fsync does not find the whole file still in memory."""
     started = []
-    monkeypatch.setattr(C, "_sync_file_range",
+    monkeypatch.setattr(C, "sync_file_range",
                         lambda: lambda fd, offset, n, flags: started.append((offset, n, flags)))
-    monkeypatch.setattr(C._ChecksumWriter, "WRITEBACK_BYTES", 1 << 20)
+    monkeypatch.setattr(C.ChecksumWriter, "WRITEBACK_BYTES", 1 << 20)
     sd = {f"w{i}": th.randn(300000) for i in range(4)}  # 4.8 MB
     C.write_file(str(tmp_path / "model000001.pt"), C.model_payload(1, sd, None))
     assert len(started) >= 4 and all(flags == 2 for _, _, flags in started)

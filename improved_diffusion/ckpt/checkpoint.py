@@ -1049,7 +1049,7 @@ def load_file_collective(path):
         raise CheckpointReadError(states[0][1][1])
     if any(st[0] != "ok" or st[2] is None or st[2] != states[0][2] or st[1][3] != states[0][1][3]
            for st in states):
-        return _load_broadcast(path)
+        return load_file_broadcast(path)
     rank = dist_util.get_rank()
     group = [r for r, st in enumerate(states) if st[1] == states[rank][1]]
     share, of = group.index(rank), len(group)
@@ -1067,7 +1067,7 @@ def load_file_collective(path):
     return _make_ckpt(obj, path, nbytes, notes)
 
 
-def _load_broadcast(path):
+def load_file_broadcast(path):
     """load_file_collective's fallback: rank 0 reads, broadcasts the bytes, every rank loads."""
     try:
         data = with_retry(lambda: dist_util.load_bytes(path), path, retry_on=(OSError,))
@@ -1437,7 +1437,7 @@ def write_file(path, obj):
             with buf.getbuffer() as view:  # released at once: the BytesIO may grow again
                 return bytes(view[offset:offset + n])
 
-        out = _ChecksumWriter(buf, reread)
+        out = ChecksumWriter(buf, reread)
         _save_into(obj, out)
         info = out.digest()
         with bf.BlobFile(path, "wb") as f:
@@ -1448,8 +1448,8 @@ def write_file(path, obj):
     tmp = os.path.join(d, f"{basename(path)}.tmp-{uuid.uuid4().hex}")
     try:
         with open(tmp, "wb") as f, open(tmp, "rb") as back:
-            out = _ChecksumWriter(f, reread=lambda offset, n: os.pread(back.fileno(), n, offset),
-                                  writeback=f.fileno())
+            out = ChecksumWriter(f, reread=lambda offset, n: os.pread(back.fileno(), n, offset),
+                                 writeback=f.fileno())
             _save_into(obj, out)
             f.flush()
             info = out.digest()
@@ -1485,7 +1485,7 @@ def _unlink_quietly(path):
         pass
 
 
-class _ChecksumWriter:
+class ChecksumWriter:
     """A file wrapper that computes the size and the CRC-32 (``CHECKSUM``) of the bytes as they
     are written, so that a written file is never read back for its checksum, and remembers the
     OSError of a failed write: torch.save reports one as "RuntimeError: [enforce fail at
@@ -1513,7 +1513,7 @@ class _ChecksumWriter:
     def __init__(self, f, reread, writeback=None):
         self._f = f
         self._reread = reread
-        self._writeback = writeback if _sync_file_range() is not None else None
+        self._writeback = writeback if sync_file_range() is not None else None
         self._crc = 0
         self._pending = None  # (offset, nbytes) of a large write whose CRC is not known yet
         self._data_at = None  # where the data of the record whose local header passed begins
@@ -1561,8 +1561,8 @@ class _ChecksumWriter:
     def _start_writeback(self):
         try:
             self._f.flush()
-            _sync_file_range()(self._writeback, self._started, self.size - self._started,
-                               _SYNC_FILE_RANGE_WRITE)
+            sync_file_range()(self._writeback, self._started, self.size - self._started,
+                              _SYNC_FILE_RANGE_WRITE)
         except OSError as e:
             self.error = e
             raise
@@ -1583,7 +1583,7 @@ _SYNC_FILE_RANGE_WRITE = 2  # <linux/fs.h>: start writeback of dirty pages, do n
 _SYNC_FILE_RANGE = []
 
 
-def _sync_file_range():
+def sync_file_range():
     """Linux's sync_file_range(fd, offset, nbytes, flags) through libc (raising OSError), or None
     where there is none (another OS, no libc symbol)."""
     if not _SYNC_FILE_RANGE:
@@ -1606,7 +1606,7 @@ def _sync_file_range():
 
 
 def _save_into(obj, out):
-    """Write ``obj`` (raw bytes as they are, else torch.save) into ``out`` (a _ChecksumWriter)."""
+    """Write ``obj`` (raw bytes as they are, else torch.save) into ``out`` (a ChecksumWriter)."""
     if isinstance(obj, (bytes, bytearray)):
         out.write(obj)
         return

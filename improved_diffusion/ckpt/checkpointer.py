@@ -151,10 +151,13 @@ class CheckpointConfig:
     def from_flags(cls, flags, **overrides):
         """The config of ``flags`` (an argparse Namespace or a dict; missing names take
         script_util.train_defaults()'s values), with ``overrides`` applied."""
-        return _from_flags(cls, flags, overrides)
+        return fields_from_flags(cls, flags, overrides)
 
 
-def _from_flags(cls, flags, overrides):
+def fields_from_flags(cls, flags, overrides):
+    """An instance of the dataclass ``cls``, each field from ``overrides``, else ``flags`` (a
+    Namespace or a dict), else script_util.train_defaults() (CheckpointConfig's and TrainConfig's
+    from_flags)."""
     from ..script_util import train_defaults
 
     given = dict(vars(flags) if not isinstance(flags, dict) else flags)
