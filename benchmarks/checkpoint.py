@@ -99,10 +99,10 @@ def build_loop(size, log_dir, light=False, **kwargs):
 
 def raw_write(d, sizes, buf, writeback=False):
     """Write len(sizes) new files of these sizes from ``buf`` with fsync, then fsync ``d``
-    (``writeback``: starting the kernel's writeback every 32 MiB, as checkpoint.write_file)."""
-    from improved_diffusion.ckpt import checkpoint
+    (``writeback``: starting the kernel's writeback every 32 MiB, as file_writer.write_file)."""
+    from improved_diffusion.ckpt import file_writer
 
-    start_writeback = checkpoint.sync_file_range() if writeback else None
+    start_writeback = file_writer.sync_file_range() if writeback else None
     t0 = time.perf_counter()
     for i, n in enumerate(sizes):
         with open(os.path.join(d, f"raw{i}.bin"), "wb") as f:

@@ -41,7 +41,7 @@ Reconstruction (``ckpt.py phema RUN_DIR --std 0.07 --out FILE``)::
 
     plan = plan_reconstruction(run_dir, [0.07], step=None)    # reads tags only, solves
     for std, payload in reconstruct(plan):                     # streams over the snapshots
-        checkpoint.atomic_write(out_path, payload)             # an ordinary tagged EMA file
+        file_writer.atomic_write(out_path, payload)            # an ordinary tagged EMA file
 
 ``reconstruct`` holds one snapshot and ``batch`` accumulators at a time (about two models with
 ``batch=1``) and reads the snapshots once per batch of stds.

@@ -9,8 +9,9 @@ The modules, from the file up:
 
     checkpoint    one file: names and patterns (name_info, parse_step), schema tags, payloads,
                   kinds and layouts (classify, describe, opt_layout), the validated reader
-                  (load_file, load_file_collective), the atomic writer (write_file), the wording
-                  of disk faults; docs/checkpoints.md is its reference
+                  (load_file, load_file_collective); docs/checkpoints.md is its reference
+    file_writer   writing one file: the atomic writer (write_file, atomic_write), the checksums
+                  a manifest lists (file_digest), the wording of disk faults
     optim_state   optimizer state keyed by parameter name; upstream's layouts in and out
     run_dir       a log dir of steps: write_step (files, then the manifest), listing, manifests,
                   verification of the candidate step, the resume plan (plan_resume),
@@ -66,7 +67,7 @@ What calls what on a save:
       -> dist_util.run_on_rank0: wait for the previous background save; step_files (the payloads
            of checkpoint and optim_state.named_optimizer_state)
            -> async_save.HostSnapshot + BackgroundWriter (async) or now:
-              run_dir.write_step -> checkpoint.write_file per file, then the manifest
+              run_dir.write_step -> file_writer.write_file per file, then the manifest
               -> run_dir.prune (--keep_checkpoints)
       -> step_begins / stop_requested: one all-reduce of [preempted, save failed]; the flags
            preemption.training() sets

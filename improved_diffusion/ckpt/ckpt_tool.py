@@ -31,7 +31,7 @@ import torch as th
 from . import checkpoint as ckpt
 from ..errors import UsageError, UserError
 from ..script_util import FlagParser, flags_to_argv, unknown_flag_message
-from . import model_change, run_dir
+from . import file_writer, model_change, run_dir
 from .. import phema
 from .state_fit import fit_state_dict, shapes_of
 from .optim_state import (
@@ -847,7 +847,7 @@ def cmd_convert(args, out):
                 written.append(os.path.join(out_dir, ckpt.manifest_filename(step)))
             else:
                 for name, obj in payloads.items():
-                    ckpt.atomic_write(os.path.join(out_dir, name), obj)
+                    file_writer.atomic_write(os.path.join(out_dir, name), obj)
                 if args.to == "tagged" and payloads:
                     shown = step if step is not None else ", ".join(
                         sorted({str(ckpt.name_info(n).step) for n in payloads
@@ -1041,7 +1041,7 @@ def cmd_phema(args, out):
     os.makedirs(os.path.dirname(next(iter(paths.values()))) or ".", exist_ok=True)
     written = []
     for std, payload in phema.reconstruct(plan, batch=args.batch):
-        ckpt.atomic_write(paths[std], payload)
+        file_writer.atomic_write(paths[std], payload)
         del payload
         written.append({"std": std, "path": paths[std],
                         "profile_error": float(plan.errors[plan.stds.index(std)])})
