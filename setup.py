@@ -5,7 +5,7 @@ setup(
     version="0.1.0",
     description="Diffusion-model trainer (improved-diffusion style) with checkpoint/resume that is "
     "correct on any number of ranks",
-    packages=["improved_diffusion"],
+    packages=["improved_diffusion", "improved_diffusion.ckpt"],
     python_requires=">=3.9",
     install_requires=["torch>=2.1", "numpy", "blobfile", "mpi4py", "pillow", "tqdm"],
     extras_require={

@@ -99,10 +99,10 @@ def build_loop(size, log_dir, light=False, **kwargs):
 
 def raw_write(d, sizes, buf, writeback=False):
     """Write len(sizes) new files of these sizes from ``buf`` with fsync, then fsync ``d``
-    (``writeback``: starting the kernel's writeback every 32 MiB, as checkpoint.write_file)."""
-    from improved_diffusion import checkpoint
+    (``writeback``: starting the kernel's writeback every 32 MiB, as file_writer.write_file)."""
+    from improved_diffusion.ckpt import file_writer
 
-    start_writeback = checkpoint._sync_file_range() if writeback else None
+    start_writeback = file_writer.sync_file_range() if writeback else None
     t0 = time.perf_counter()
     for i, n in enumerate(sizes):
         with open(os.path.join(d, f"raw{i}.bin"), "wb") as f:
@@ -319,7 +319,8 @@ def load_once(path, mode):
     slowest rank's time and the largest peak)."""
     import torch as th
 
-    from improved_diffusion import checkpoint, dist_util
+    from improved_diffusion import dist_util
+    from improved_diffusion.ckpt import checkpoint
 
     dist_util.setup_dist()
     with open(path, "rb") as f:  # warm page cache, as for the reference
@@ -333,7 +334,7 @@ def load_once(path, mode):
     elif mode == "collective":
         checkpoint.load_file_collective(path)
     elif mode == "broadcast":
-        checkpoint._load_broadcast(path)
+        checkpoint.load_file_broadcast(path)
     elif mode == "single":
         checkpoint.load_file(path)
     took = time.perf_counter() - t0

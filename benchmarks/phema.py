@@ -26,13 +26,14 @@ sys.path.insert(0, REPO)
 
 import torch as th  # noqa: E402
 
-from improved_diffusion import phema, run_dir  # noqa: E402
+from improved_diffusion import phema  # noqa: E402
+from improved_diffusion.ckpt import run_dir  # noqa: E402
 
 CHILD = r"""
 import io, json, os, sys, threading, time
 sys.path.insert(0, sys.argv[1])
 import torch
-from improved_diffusion import ckpt_tool
+from improved_diffusion.ckpt import ckpt_tool
 page = os.sysconf("SC_PAGE_SIZE")
 def rss():
     with open("/proc/self/statm") as f:

@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch as th  # noqa: E402
 
-from improved_diffusion import checkpoint, optim_state, run_dir  # noqa: E402
+from improved_diffusion.ckpt import checkpoint, optim_state, run_dir  # noqa: E402
 
 
 def make_model(params):

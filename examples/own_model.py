@@ -29,7 +29,7 @@ from torch import nn  # noqa: E402
 from improved_diffusion import cli, dist_util, logger, train_job  # noqa: E402
 from improved_diffusion.image_datasets import load_data, resolve_num_classes  # noqa: E402
 from improved_diffusion.resample import create_named_schedule_sampler  # noqa: E402
-from improved_diffusion.rng import seed_rngs  # noqa: E402
+from improved_diffusion.ckpt.rng import seed_rngs  # noqa: E402
 from improved_diffusion.script_util import (  # noqa: E402
     create_gaussian_diffusion, create_parser, model_and_diffusion_defaults, train_defaults)
 

@@ -39,13 +39,14 @@ import torch as th
 import torch.nn.functional as F
 from torch.nn.parallel.distributed import DistributedDataParallel as DDP
 
-from . import amp, checkpoint, cli, dist_util, logger, preemption, run_dir, train_job
-from .checkpointer import CheckpointConfig, Checkpointer
+from . import amp, cli, dist_util, logger, train_job
+from .ckpt import checkpoint, preemption, run_dir
+from .ckpt.checkpointer import CheckpointConfig, Checkpointer
 from .config_check import check_config_on_all_ranks, data_fingerprint, show_fingerprint
 from .errors import UsageError
 from .image_datasets import load_data
 from .resample import create_named_schedule_sampler
-from .rng import seed_rngs
+from .ckpt.rng import seed_rngs
 from .script_util import (DIFFUSION_FLAG_KEYS, args_to_dict, classifier_and_diffusion_defaults,
                           create_classifier_and_diffusion)
 from .train_util import (NAN_POLICIES, _poison_if_not_finite, grad_norm, grads_finite,

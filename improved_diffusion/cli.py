@@ -11,7 +11,8 @@ import sys
 import time
 import traceback
 
-from . import dist_util, logger, preemption
+from . import dist_util, logger
+from .ckpt import preemption
 
 from .errors import USAGE_EXIT_CODE, USER_ERROR_EXIT_CODE, UsageError, UserError, one_line
 

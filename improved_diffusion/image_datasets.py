@@ -26,7 +26,8 @@ import torch as th
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
-from . import dist_util, preemption
+from . import dist_util
+from .ckpt import preemption
 from .errors import UserError
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "gif")

@@ -28,7 +28,7 @@ from contextlib import contextmanager
 import torch as th
 
 from . import dist_util
-from .checkpoint import write_fault_message
+from .ckpt.file_writer import write_fault_message
 from .errors import UserError
 
 DEBUG = 10
@@ -758,7 +758,7 @@ class Logger:
 
     def _each_output(self, kind, write):
         """``write(fmt)`` for each output of ``kind``. A disk fault under the log dir (full, quota,
-        read-only, vanished directory: checkpoint.write_fault_message) becomes LogWriteError, one
+        read-only, vanished directory: file_writer.write_fault_message) becomes LogWriteError, one
         line naming the file, as a failed checkpoint write does; any other error (a bug, a closed
         stdout) is raised as it is."""
         for fmt in self.output_formats:

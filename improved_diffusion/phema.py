@@ -41,7 +41,7 @@ Reconstruction (``ckpt.py phema RUN_DIR --std 0.07 --out FILE``)::
 
     plan = plan_reconstruction(run_dir, [0.07], step=None)    # reads tags only, solves
     for std, payload in reconstruct(plan):                     # streams over the snapshots
-        checkpoint.atomic_write(out_path, payload)             # an ordinary tagged EMA file
+        file_writer.atomic_write(out_path, payload)            # an ordinary tagged EMA file
 
 ``reconstruct`` holds one snapshot and ``batch`` accumulators at a time (about two models with
 ``batch=1``) and reads the snapshots once per batch of stds.
@@ -55,7 +55,7 @@ from typing import List, Optional
 import numpy as np
 import torch as th
 
-from . import checkpoint, run_dir as run_dir_mod, state_fit
+from .ckpt import checkpoint, run_dir as run_dir_mod, state_fit
 from .errors import UsageError, UserError
 
 # stds must be below this (EDM2's reconstruct_phema.parse_std_list): exp_to_std is at most

@@ -52,7 +52,7 @@ from . import dist_util, logger, sampling
 from .errors import UsageError
 from .gaussian_diffusion import GaussianDiffusion
 from .respace import respaced
-from .rng import get_rng_state, set_rng_state
+from .ckpt.rng import get_rng_state, set_rng_state
 
 # The share of --dist_timeout a grid may take: the other ranks wait for it in a collective.
 BUDGET_SHARE = 0.5

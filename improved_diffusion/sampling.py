@@ -31,7 +31,7 @@ import torch as th
 from . import cli, dist_util, logger
 from .errors import UserError
 from .script_util import FlagError, explicit_args, same_flag_value
-from .state_fit import fit_state_dict, shapes_of
+from .ckpt.state_fit import fit_state_dict, shapes_of
 
 # Model/diffusion flags that may legitimately differ from the training run at sampling time.
 SAMPLE_TIME_FLAGS = ("timestep_respacing", "use_checkpoint", "dropout")
@@ -180,7 +180,7 @@ def load_weights(path, want="auto"):
     :return: (state_dict, ckpt) where ckpt is checkpoint.CkptFile (``.flags`` may be None).
     :raises SampleError: missing/unreadable file, or a file that holds no model weights.
     """
-    from . import checkpoint
+    from .ckpt import checkpoint
 
     if want not in ("auto", "ema", "model"):
         raise FlagError(f"--weights {want}: expected auto, ema or model")
@@ -220,7 +220,7 @@ def load_weights(path, want="auto"):
 def _read(path, flag):
     """checkpoint.load_file_collective, its errors one-line SampleErrors naming ``flag``.
     Collective: call from all ranks with the same arguments."""
-    from . import checkpoint
+    from .ckpt import checkpoint
 
     try:
         return checkpoint.load_file_collective(path)
@@ -383,7 +383,8 @@ def load_classifier(path, explicit, model_flags, device=None):
     :raises SampleError: a missing file, one that is not a classifier, one whose weights do not
         fit its flags, or one trained for another image size or noise process than the model.
     """
-    from . import checkpoint, script_util
+    from . import script_util
+    from .ckpt import checkpoint
 
     if not path:
         raise FlagError("--classifier_path is required (a noised classifier: ours, or "

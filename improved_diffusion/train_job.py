@@ -17,8 +17,8 @@ import os
 import shlex
 from typing import Any, Callable, NamedTuple
 
-from . import (checkpoint, checkpointer, cli, dist_util, image_datasets, logger, preemption,
-               run_dir, run_lock, train_util)
+from . import cli, dist_util, image_datasets, logger, train_util
+from .ckpt import checkpoint, checkpointer, preemption, run_dir, run_lock
 from .errors import UsageError, UserError
 from .script_util import same_flag_value
 

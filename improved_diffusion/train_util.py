@@ -34,14 +34,15 @@ import torch as th
 from torch.nn.parallel.distributed import DistributedDataParallel as DDP
 from torch.optim import AdamW
 
-from . import amp, checkpoint, dist_util, guidance, logger, phema, run_dir
-from .checkpointer import (PREEMPTED_EXIT_CODE, CheckpointConfig, Checkpointer, NonFiniteError,
-                           ResumeError, _from_flags, copy_into)
+from . import amp, dist_util, guidance, logger, phema
+from .ckpt import checkpoint, run_dir
+from .ckpt.checkpointer import (PREEMPTED_EXIT_CODE, CheckpointConfig, Checkpointer, NonFiniteError,
+                                ResumeError, copy_into, fields_from_flags)
 from .config_check import check_config_on_all_ranks, data_fingerprint, show_fingerprint
 from .errors import UsageError, UserError
 from .nn import update_ema
 from .resample import LossAwareSampler, UniformSampler
-from .rng import get_rng_state, seed_rngs, set_rng_state
+from .ckpt.rng import get_rng_state, seed_rngs, set_rng_state
 from .sample_grids import SampleGrids
 
 __all__ = ["TrainLoop", "TrainConfig", "PREEMPTED_EXIT_CODE", "NonFiniteError", "ResumeError",
@@ -138,7 +139,7 @@ class TrainConfig:
         """The config of ``flags`` (an argparse Namespace or a dict; missing names take
         script_util.train_defaults()'s values), with ``overrides`` applied."""
         ckpt = CheckpointConfig.from_flags(flags, **overrides)
-        return _from_flags(cls, flags, dict(overrides, checkpoint=ckpt))
+        return fields_from_flags(cls, flags, dict(overrides, checkpoint=ckpt))
 
     @property
     def last_step(self):

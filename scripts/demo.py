@@ -411,7 +411,7 @@ def train_with_preemption(data_dir, run_dir, s, preempt=True, cmd=None, script="
 def _newest_step(run_dir):
     """Newest complete step in run_dir (None when none)."""
     sys.path.insert(0, REPO)
-    from improved_diffusion import run_dir as run_dir_mod
+    from improved_diffusion.ckpt import run_dir as run_dir_mod
 
     if not os.path.isdir(run_dir):
         return None

@@ -13,7 +13,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 if __name__ == "__main__":  # first, before torch is imported: SIGTERM/SIGUSR1 from here on
-    from improved_diffusion import preemption  # end the job with exit 75 (preemption.py)
+    from improved_diffusion.ckpt import preemption  # end the job with exit 75 (preemption.py)
 
     preemption.install()
 

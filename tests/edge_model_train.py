@@ -11,7 +11,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from improved_diffusion import preemption  # noqa: E402
+from improved_diffusion.ckpt import preemption  # noqa: E402
 
 preemption.install()
 
@@ -20,7 +20,7 @@ from torch import nn  # noqa: E402
 
 from improved_diffusion import cli, dist_util, train_job  # noqa: E402
 from improved_diffusion.image_datasets import load_data  # noqa: E402
-from improved_diffusion.rng import seed_rngs  # noqa: E402
+from improved_diffusion.ckpt.rng import seed_rngs  # noqa: E402
 from improved_diffusion.script_util import (  # noqa: E402
     create_gaussian_diffusion, create_parser, model_and_diffusion_defaults, train_defaults)
 

@@ -23,7 +23,8 @@ import torch
 from conftest import (MPIEXEC, PY, REPO, child_env, resumed_step, run_module_mpi, write_images)
 from test_disk_faults import can_mount, mounts, step_problem  # noqa: F401 (fixtures)
 
-from improved_diffusion import async_save, logger, train_util
+from improved_diffusion import logger, train_util
+from improved_diffusion.ckpt import async_save
 from improved_diffusion.script_util import create_model_and_diffusion, model_and_diffusion_defaults
 
 TRAIN = REPO / "scripts" / "train.py"
@@ -235,7 +236,8 @@ def test_two_ranks_share_the_crc_checks_and_a_flipped_byte_in_any_record_fails_o
         (tmp_path / f"bad{k}.pt").write_bytes(bytes(bad))
     code = f"""
 import json, sys, torch
-from improved_diffusion import checkpoint as C, dist_util
+from improved_diffusion import dist_util
+from improved_diffusion.ckpt import checkpoint as C
 dist_util.setup_dist()
 r = dist_util.get_rank()
 out = {{}}

@@ -7,7 +7,8 @@ import pytest
 import torch as th
 
 from conftest import FIXTURES, forward_atol, run_script
-from improved_diffusion import checkpoint, guidance, logger, sampling, train_util
+from improved_diffusion import guidance, logger, sampling, train_util
+from improved_diffusion.ckpt import checkpoint, file_writer
 from improved_diffusion.script_util import (
     FlagError,
     create_model_and_diffusion,
@@ -40,7 +41,7 @@ def tagged_file(d, **kw):
     """tiny(**kw) saved as our model file, with its flags."""
     model, _ = tiny(**kw)
     path = d / "model000001.pt"
-    checkpoint.atomic_write(str(path), checkpoint.model_payload(1, model.state_dict(),
+    file_writer.atomic_write(str(path), checkpoint.model_payload(1, model.state_dict(),
                                                                 dict(TINY, **kw)))
     return path
 

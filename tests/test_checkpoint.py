@@ -16,8 +16,9 @@ import pytest
 import torch as th
 
 from conftest import FIXTURES, run_module_mpi
-from improved_diffusion import checkpoint as C
-from improved_diffusion import run_dir as R
+from improved_diffusion.ckpt import checkpoint as C
+from improved_diffusion.ckpt import file_writer as W
+from improved_diffusion.ckpt import run_dir as R
 
 UPSTREAM = FIXTURES / "upstream_run_small"
 
@@ -401,7 +402,7 @@ def test_save_step_writes_files_then_a_manifest_with_sizes_and_checksums(tmp_pat
                                           *_step_files(2), "manifest000002.json"]
     assert all(src.startswith(dst + ".tmp-") for src, dst in placed)  # never written in place
     man = json.loads((tmp_path / "manifest000002.json").read_text())
-    assert man["step"] == 2 and man["version"] == C.MANIFEST_VERSION == 2
+    assert man["step"] == 2 and man["version"] == W.MANIFEST_VERSION == 2
     assert set(man["files"]) == {"model000002.pt", "opt000002.pt", "ema_0.9999_000002.pt"}
     for name, info in man["files"].items():
         data = (tmp_path / name).read_bytes()
@@ -422,7 +423,7 @@ def test_save_step_never_overwrites_an_existing_file(tmp_path):
         _save_steps(tmp_path, [3])
     assert _snapshot(tmp_path) == before
     with pytest.raises(C.CheckpointError, match="already exists"):
-        C.atomic_write(tmp_path / "opt000003.pt", {"x": 1})
+        W.atomic_write(tmp_path / "opt000003.pt", {"x": 1})
 
 
 def test_an_empty_or_missing_dir_has_no_steps(tmp_path):
@@ -511,7 +512,7 @@ def test_crc32_combine_is_zlibs_crc_of_the_concatenation():
     rng = random.Random(0)
     for len_a, len_b in [(0, 0), (1, 0), (0, 7), (100, 1), (4096, 65536), (3, 1 << 20)]:
         a, b = rng.randbytes(len_a), rng.randbytes(len_b)
-        assert C.crc32_combine(zlib.crc32(a), zlib.crc32(b), len_b) == zlib.crc32(a + b)
+        assert W.crc32_combine(zlib.crc32(a), zlib.crc32(b), len_b) == zlib.crc32(a + b)
 
 
 HEADER = b"PK\x03\x04" + bytes(22) + (4).to_bytes(2, "little") + bytes(2)  # a 4-byte name
@@ -530,7 +531,7 @@ def test_the_writers_crc_is_the_files_whatever_the_write_pattern(tmp_path, piece
     read back from the file or CRC'd as it passes: the file's CRC-32 either way."""
     path = tmp_path / "f.bin"
     with open(path, "wb") as f, open(path, "rb") as back:
-        out = C._ChecksumWriter(f, reread=lambda o, n: os.pread(back.fileno(), n, o))
+        out = W.ChecksumWriter(f, reread=lambda o, n: os.pread(back.fileno(), n, o))
         for piece in pieces:
             out.write(piece)
         f.flush()
@@ -546,7 +547,7 @@ def test_a_torch_file_gets_its_crc_from_the_records_crcs_without_reading_them_ba
     monkeypatch.setattr(os, "pread", lambda fd, n, o: reads.append(n) or real(fd, n, o))
     sd = {f"w{i}": th.randn(20000 + i) for i in range(5)}  # records of 80 KB and more
     sd.update({f"b{i}": th.ones(1) for i in range(1200)})  # a central directory of > 64 KB
-    info = C.write_file(str(tmp_path / "model000001.pt"), C.model_payload(1, sd, None))
+    info = W.write_file(str(tmp_path / "model000001.pt"), C.model_payload(1, sd, None))
     data = (tmp_path / "model000001.pt").read_bytes()
     assert info == {"size": len(data), "crc32": f"{zlib.crc32(data):08x}"} and reads == []
     assert th.equal(th.load(tmp_path / "model000001.pt", weights_only=True)["state_dict"]["w4"],
@@ -557,11 +558,11 @@ def test_a_large_file_is_handed_to_the_disk_while_it_is_written(tmp_path, monkey
     """The writer starts the kernel's writeback every WRITEBACK_BYTES (sync_file_range), so that
     the final fsync does not find the whole file still in memory."""
     started = []
-    monkeypatch.setattr(C, "_sync_file_range",
+    monkeypatch.setattr(W, "sync_file_range",
                         lambda: lambda fd, offset, n, flags: started.append((offset, n, flags)))
-    monkeypatch.setattr(C._ChecksumWriter, "WRITEBACK_BYTES", 1 << 20)
+    monkeypatch.setattr(W.ChecksumWriter, "WRITEBACK_BYTES", 1 << 20)
     sd = {f"w{i}": th.randn(300000) for i in range(4)}  # 4.8 MB
-    C.write_file(str(tmp_path / "model000001.pt"), C.model_payload(1, sd, None))
+    W.write_file(str(tmp_path / "model000001.pt"), C.model_payload(1, sd, None))
     assert len(started) >= 4 and all(flags == 2 for _, _, flags in started)
     assert [o for o, _, _ in started] == [0] + [o + n for o, n, _ in started[:-1]]  # contiguous
 
@@ -620,7 +621,8 @@ def test_prune_of_an_upstream_dir_keeps_its_only_step(tmp_path):
 def test_save_step_on_two_ranks_writes_once_and_errors_reach_every_rank(tmp_path):
     code = textwrap.dedent(f"""
         import json, os, sys, torch as th
-        from improved_diffusion import checkpoint as C, dist_util, run_dir as R
+        from improved_diffusion import dist_util
+        from improved_diffusion.ckpt import checkpoint as C, run_dir as R
         dist_util.setup_dist()
         rank = dist_util.get_rank()
         d = {str(tmp_path)!r}
@@ -693,6 +695,6 @@ def test_a_save_written_in_two_large_pieces_gets_the_files_crc(tmp_path, monkeyp
 
     monkeypatch.setattr(C.th, "save", two_halves)
     sd = {"w": th.randn(100000)}
-    info = C.write_file(str(tmp_path / "model000001.pt"), C.model_payload(1, sd, None))
+    info = W.write_file(str(tmp_path / "model000001.pt"), C.model_payload(1, sd, None))
     data = (tmp_path / "model000001.pt").read_bytes()
     assert info == {"size": len(data), "crc32": f"{zlib.crc32(data):08x}"}

@@ -6,8 +6,9 @@ import torch as th
 from torch import nn
 
 from test_rng_amp import FakeCuda
-from improved_diffusion import logger, rng
-from improved_diffusion.checkpointer import CheckpointConfig, Checkpointer
+from improved_diffusion import logger
+from improved_diffusion.ckpt import rng
+from improved_diffusion.ckpt.checkpointer import CheckpointConfig, Checkpointer
 
 
 class Counter:
@@ -121,7 +122,7 @@ class Tracked(Counter):
         self.weights = [th.zeros(3)]
 
     def save_files(self, step):
-        from improved_diffusion import checkpoint as C
+        from improved_diffusion.ckpt import checkpoint as C
 
         return {} if step % 2 else {C.phema_filename(0.1, step): C.phema_payload(
             step, 0.1, step, {"w": self.weights[0]}, None, ["w"])}
@@ -138,7 +139,7 @@ class Tracked(Counter):
 def test_a_states_own_files_join_the_step_its_tensors_are_checked_and_it_may_refuse(log):
     import json
 
-    from improved_diffusion.checkpointer import NonFiniteError
+    from improved_diffusion.ckpt.checkpointer import NonFiniteError
     from improved_diffusion.errors import UserError
 
     model, opt, ema = parts()
@@ -210,7 +211,7 @@ def test_without_preemption_install_watch_signals_owns_the_signals_for_its_block
 # process-wide handler.
 SIGNAL_DURING_RESUME = r"""
 import os, signal, sys
-from improved_diffusion import preemption
+from improved_diffusion.ckpt import preemption
 preemption.install()
 import test_checkpointer as T
 from improved_diffusion import logger

@@ -11,10 +11,10 @@ import zipfile
 import pytest
 import torch as th
 
-from improved_diffusion import checkpoint as ckpt
-from improved_diffusion import run_dir
-from improved_diffusion.ckpt_tool import main
-from improved_diffusion.optim_state import named_optimizer_state
+from improved_diffusion.ckpt import checkpoint as ckpt
+from improved_diffusion.ckpt import run_dir
+from improved_diffusion.ckpt.ckpt_tool import main
+from improved_diffusion.ckpt.optim_state import named_optimizer_state
 
 from conftest import FIXTURES, run_script
 
@@ -317,7 +317,7 @@ def test_bad_usage_exits_2_with_one_line():
 
 @pytest.mark.timeout(180)
 def test_convert_round_trip_upstream_to_tagged_to_raw_loads_in_plain_torch(tmp_path):
-    from improved_diffusion.optim_state import load_optimizer_state
+    from improved_diffusion.ckpt.optim_state import load_optimizer_state
     from improved_diffusion.script_util import (
         create_model_and_diffusion,
         model_and_diffusion_defaults,
@@ -413,7 +413,7 @@ def test_prune_keeps_the_newest_complete_steps(tmp_path):
 def test_module_entry_point_runs_the_tool():
     from conftest import PY, _run
 
-    proc = _run([PY, "-m", "improved_diffusion.ckpt_tool", "verify", RUN, "--json"], 60,
+    proc = _run([PY, "-m", "improved_diffusion.ckpt.ckpt_tool", "verify", RUN, "--json"], 60,
                 check=False)
     assert proc.returncode == 0, proc.stdout
     assert json.loads(proc.stdout[proc.stdout.index("{"):])["resume_step"] == 10

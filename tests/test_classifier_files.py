@@ -8,10 +8,11 @@ import pytest
 import torch as th
 
 from conftest import FIXTURES
-from improved_diffusion import checkpoint as ckpt
-from improved_diffusion import run_dir
+from improved_diffusion.ckpt import checkpoint as ckpt
+from improved_diffusion.ckpt import file_writer
+from improved_diffusion.ckpt import run_dir
 from improved_diffusion import script_util as su
-from improved_diffusion.optim_state import named_optimizer_state
+from improved_diffusion.ckpt.optim_state import named_optimizer_state
 from test_ckpt_tool import cli
 
 FLAGS = dict(su.classifier_and_diffusion_defaults(), image_size=8, classifier_width=32,
@@ -71,7 +72,7 @@ def test_a_unet_state_dict_is_still_a_model():
 
 def test_a_tagged_classifier_file_loads_with_its_flags(tmp_path):
     path = tmp_path / "model000007.pt"
-    ckpt.atomic_write(str(path), ckpt.classifier_payload(7, classifier().state_dict(), FLAGS))
+    file_writer.atomic_write(str(path), ckpt.classifier_payload(7, classifier().state_dict(), FLAGS))
     c = ckpt.load_file(str(path))
     assert (c.kind, c.tagged, c.step, c.flags) == ("classifier", True, 7, FLAGS)
     assert ckpt.model_state_from(c).keys() == classifier().state_dict().keys()

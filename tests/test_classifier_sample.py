@@ -10,7 +10,8 @@ import pytest
 import torch as th
 
 from conftest import FIXTURES, run_mpi, run_script
-from improved_diffusion import checkpoint, guidance, sampling
+from improved_diffusion import guidance, sampling
+from improved_diffusion.ckpt import checkpoint, file_writer
 from improved_diffusion import script_util as su
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -61,7 +62,7 @@ def files(tmp_path):
                    else checkpoint.model_payload)(5, module.state_dict(), flags)
         (tmp_path / name).mkdir()
         path = tmp_path / name / "model000005.pt"
-        checkpoint.atomic_write(str(path), payload)
+        file_writer.atomic_write(str(path), payload)
         return path
     return write
 

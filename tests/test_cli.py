@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 import torch as th
 
-from improved_diffusion import checkpoint as ckpt
+from improved_diffusion.ckpt import checkpoint as ckpt
+from improved_diffusion.ckpt import file_writer
 from improved_diffusion import amp, logger, progress_plot, script_util
-from improved_diffusion.ckpt_tool import build_parser as ckpt_parser
-from improved_diffusion.ckpt_tool import main as ckpt_main
+from improved_diffusion.ckpt.ckpt_tool import build_parser as ckpt_parser
+from improved_diffusion.ckpt.ckpt_tool import main as ckpt_main
 from improved_diffusion.errors import UsageError
 
 from conftest import PY, REPO, _run, run_mpi, run_script, write_class_folder
@@ -420,7 +421,7 @@ def test_diff_against_names_only_the_flag_that_changes_shapes(tmp_path):
         model, _ = script_util.create_model_and_diffusion(**flags)
         paths[name] = tmp_path / name / "model000008.pt"
         paths[name].parent.mkdir()
-        ckpt.atomic_write(str(paths[name]), ckpt.model_payload(8, model.state_dict(), flags))
+        file_writer.atomic_write(str(paths[name]), ckpt.model_payload(8, model.state_dict(), flags))
     out = io.StringIO()
     assert ckpt_main(["diff", str(paths["a"]), "--against", str(paths["b"])], out=out,
                      err=io.StringIO()) == 1

@@ -248,7 +248,7 @@ def test_a_host_snapshot_waits_for_the_devices_it_copied_from(monkeypatch):
     """The copies into pinned buffers run on the source tensors' device: each one is
     synchronised, not only the current device (a process on cuda:1 copied while it waited on
     cuda:0)."""
-    from improved_diffusion import async_save
+    from improved_diffusion.ckpt import async_save
 
     synced = []
     monkeypatch.setattr(th.cuda, "synchronize", lambda device=None: synced.append(device))

@@ -27,8 +27,9 @@ from conftest import (MPIEXEC, PY, REPO, child_env, process_tree, resumed_step, 
                       write_images)
 
 from cluster_sim import matches_manifest
-from improved_diffusion import checkpoint as C
-from improved_diffusion import run_dir as R
+from improved_diffusion.ckpt import checkpoint as C
+from improved_diffusion.ckpt import file_writer as W
+from improved_diffusion.ckpt import run_dir as R
 
 TRAIN = REPO / "scripts" / "train.py"
 TINY = [
@@ -311,7 +312,7 @@ def test_atomic_write_names_the_directory_of_a_full_disk(tmp_path, monkeypatch):
 
     monkeypatch.setattr(C.os, "fsync", full)
     with pytest.raises(C.CheckpointError, match=f"^{re.escape(str(tmp_path))}: no space left"):
-        C.atomic_write(tmp_path / "model000001.pt", {"x": 1})
+        W.atomic_write(tmp_path / "model000001.pt", {"x": 1})
     assert names_in(tmp_path) == []
 
 
@@ -363,7 +364,7 @@ def test_a_real_write_into_a_full_tmpfs_names_the_disk_full(tmp_path, can_mount,
     mounts("-t", "tmpfs", "-o", "size=256k", "tmpfs", disk)
     big = {"w": torch.zeros(200_000)}  # 800 kB
     with pytest.raises(C.CheckpointError, match="no space left on device"):
-        C.atomic_write(disk / "model000001.pt", big)
+        W.atomic_write(disk / "model000001.pt", big)
     assert names_in(disk) == []
 
 

@@ -193,7 +193,7 @@ def test_train_py_reads_one_folder_per_class_logs_the_rule_and_sampling_names_th
     from PIL import Image
 
     from conftest import run_script
-    from improved_diffusion import checkpoint
+    from improved_diffusion.ckpt import checkpoint
 
     rng = np.random.default_rng(0)
     data = tmp_path / "data"

@@ -4,7 +4,7 @@ import io
 import pytest
 import torch as th
 
-from improved_diffusion.optim_state import (
+from improved_diffusion.ckpt.optim_state import (
     FORMAT,
     OptimizerStateError,
     load_optimizer_state,

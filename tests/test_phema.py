@@ -14,10 +14,11 @@ import pytest
 import torch as th
 
 from conftest import FIXTURES, run_script
-from improved_diffusion import checkpoint as C
+from improved_diffusion.ckpt import checkpoint as C
+from improved_diffusion.ckpt import file_writer as W
 from improved_diffusion import phema as P
-from improved_diffusion import run_dir as R
-from improved_diffusion.ckpt_tool import main as ckpt_main
+from improved_diffusion.ckpt import run_dir as R
+from improved_diffusion.ckpt.ckpt_tool import main as ckpt_main
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -287,7 +288,7 @@ def test_an_interrupted_save_of_snapshots_only_is_set_aside_by_the_resume(tmp_pa
     tracker = P.PowerFunctionEMA(lin.named_parameters(), [0.05])
     tracker.update(lin.parameters(), 12, 4)
     name, payload = next(iter(tracker.snapshot_payloads(3, TINY_FLAGS, lin.state_dict()).items()))
-    C.atomic_write(os.path.join(d, name), payload)  # the save died after its first file
+    W.atomic_write(os.path.join(d, name), payload)  # the save died after its first file
     plan = R.plan_resume(d)
     assert plan.step == 2 and plan.newer_than(2) == [3]
     R.tidy_for_resume(plan, 2)

@@ -12,10 +12,10 @@ import pytest
 import torch as th
 
 from conftest import deep_diff, resumed_step, run_mpi, run_script, write_images
-from improved_diffusion import checkpoint as C
+from improved_diffusion.ckpt import checkpoint as C
 from improved_diffusion import logger, phema, train_util
-from improved_diffusion.checkpointer import NonFiniteError
-from improved_diffusion.ckpt_tool import main as ckpt_main
+from improved_diffusion.ckpt.checkpointer import NonFiniteError
+from improved_diffusion.ckpt.ckpt_tool import main as ckpt_main
 from improved_diffusion.errors import UsageError
 from improved_diffusion.script_util import create_model_and_diffusion, model_and_diffusion_defaults
 

@@ -24,7 +24,7 @@ import pytest
 import cluster_sim as cs
 from conftest import MPIEXEC, PY, REPO, child_env, write_class_folder, write_images
 
-from improved_diffusion.preemption import BEFORE_TRAINING
+from improved_diffusion.ckpt.preemption import BEFORE_TRAINING
 
 TRAIN = REPO / "scripts" / "train.py"
 DRIVER = REPO / "tests" / "fault_train.py"
@@ -37,7 +37,7 @@ TEXT_LOGS = {"log.txt", "progress.csv"}
 # A predecessor still running: takes the lock of argv[1], prints HELD, sleeps until killed.
 HOLDER = r"""
 import sys, time
-from improved_diffusion import run_lock
+from improved_diffusion.ckpt import run_lock
 lock = run_lock.LogDirLock(sys.argv[1], 0).acquire()
 print("HELD", flush=True)
 time.sleep(600)

@@ -17,8 +17,8 @@ import torch
 
 from conftest import run_script, write_images
 from improved_diffusion import amp, image_datasets
-from improved_diffusion import checkpointer as ckpt_mod
-from improved_diffusion import rng, run_lock
+from improved_diffusion.ckpt import checkpointer as ckpt_mod
+from improved_diffusion.ckpt import rng, run_lock
 
 
 def fake_ckpt(**kw):
@@ -42,10 +42,10 @@ def test_an_elastic_resume_reseeds_every_rank_and_a_same_size_one_restores_its_s
     expected_reseed = draws()
 
     rng.seed_rngs(99, 0, 0)
-    ckpt_mod._restore_rng(fake_ckpt(world_size=1), saved, 2, step=7)  # 2 -> 1 ranks
+    ckpt_mod.restore_rng(fake_ckpt(world_size=1), saved, 2, step=7)  # 2 -> 1 ranks
     assert draws() == expected_reseed  # (seed 3, step 7, rank 0), not rank 0's old state
     rng.seed_rngs(99, 0, 0)
-    ckpt_mod._restore_rng(fake_ckpt(world_size=2), saved, 2, step=7)  # same size
+    ckpt_mod.restore_rng(fake_ckpt(world_size=2), saved, 2, step=7)  # same size
     assert draws() == expected_saved
 
 
@@ -56,7 +56,7 @@ def test_without_trainer_state_the_data_goes_on_at_step_times_the_global_batch(t
     loader = image_datasets.load_data(data_dir=str(write_images(tmp_path / "d", n=6)),
                                       batch_size=2, image_size=8, seed=0)
     ckpt = fake_ckpt(data=loader, global_batch=6)
-    ckpt_mod._restore_trainer_state(ckpt, None, 5)
+    ckpt_mod.restore_trainer_state(ckpt, None, 5)
     assert loader.position == 30
 
 

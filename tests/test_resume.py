@@ -2,7 +2,7 @@
 
 Every test drives the real CLI in subprocesses (one rank, or `mpiexec -n N`) on tiny models and a
 folder of 8x8 PNGs, and checks the files on disk with its own reader (manifest + sizes + checksums +
-`torch.load(weights_only=True)`), not only with improved_diffusion.checkpoint.
+`torch.load(weights_only=True)`), not only with improved_diffusion.ckpt.checkpoint.
 """
 import csv
 import hashlib
@@ -381,7 +381,7 @@ def _crash_state(log_dir, rates, baseline):
 
 @pytest.mark.timeout(300)
 def test_kill_9_at_random_moments_always_resumes_from_a_complete_step(tmp_path, images):
-    from improved_diffusion import run_dir
+    from improved_diffusion.ckpt import run_dir
 
     rng = random.Random(20261130)
     log_dir = tmp_path / "run"

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch as th
 
-from improved_diffusion import amp, logger, rng
+from improved_diffusion import amp, logger
+from improved_diffusion.ckpt import rng
 
 
 class FakeCuda:

@@ -20,8 +20,9 @@ import torch as th
 from PIL import Image
 
 from conftest import MPIEXEC, REPO, child_env, run_script
-from improved_diffusion import checkpoint as C
-from improved_diffusion import run_dir as R
+from improved_diffusion.ckpt import checkpoint as C
+from improved_diffusion.ckpt import file_writer as W
+from improved_diffusion.ckpt import run_dir as R
 
 
 def _sd(seed=0):
@@ -68,13 +69,13 @@ def _flip_a_byte(path):
 def hashed(monkeypatch):
     """The paths whose checksums were read (file_digest calls)."""
     seen = []
-    real = C.file_digest
+    real = W.file_digest
 
     def counting(path, *algorithm):
         seen.append(os.path.basename(path))
         return real(path, *algorithm)
 
-    monkeypatch.setattr(C, "file_digest", counting)
+    monkeypatch.setattr(W, "file_digest", counting)
     return seen
 
 
@@ -186,7 +187,7 @@ def test_a_checksum_read_error_stops_the_plan_instead_of_skipping_the_step(tmp_p
     def broken_digest(path, *algorithm):
         raise C.CheckpointReadError(f"{path}: cannot read (OSError: [Errno 5] I/O error)")
 
-    monkeypatch.setattr(C, "file_digest", broken_digest)
+    monkeypatch.setattr(W, "file_digest", broken_digest)
     with pytest.raises(C.CheckpointReadError, match="Errno 5"):
         R.plan_resume(tmp_path, "")
 

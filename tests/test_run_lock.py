@@ -1,4 +1,5 @@
-"""One job per log dir (issue 9, item 3): improved_diffusion/run_lock.py and train.py --lock_wait.
+"""One job per log dir (issue 9, item 3): improved_diffusion/ckpt/run_lock.py and train.py
+--lock_wait.
 
 Contention is always between real processes: lock holders started with `python -c`, held locks
 killed with SIGKILL, and real `train.py` jobs (one rank or `mpiexec -n 2`) on a log dir that a
@@ -20,7 +21,7 @@ import pytest
 
 from conftest import MPIEXEC, PY, REPO, child_env, write_images
 
-from improved_diffusion.run_lock import BlobStore, LogDirLock, LogDirLockedError
+from improved_diffusion.ckpt.run_lock import BlobStore, LogDirLock, LogDirLockedError
 
 TRAIN = REPO / "scripts" / "train.py"
 TINY = [
@@ -35,7 +36,7 @@ TINY = [
 # FORK_CHILD=1: after taking the lock, fork a child that sleeps (a data loader worker, say).
 HOLDER = r"""
 import os, sys, time
-from improved_diffusion import run_lock
+from improved_diffusion.ckpt import run_lock
 log_dir, flavour, wait_s, heartbeat_s, release_file = sys.argv[1:6]
 store = run_lock.BlobStore() if flavour == "remote" else None
 lock = run_lock.LogDirLock(log_dir, float(wait_s), float(heartbeat_s), store=store)

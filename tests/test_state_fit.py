@@ -5,10 +5,10 @@ import json
 import pytest
 import torch as th
 
-from improved_diffusion import checkpoint as ckpt
-from improved_diffusion import ckpt_tool
+from improved_diffusion.ckpt import checkpoint as ckpt
+from improved_diffusion.ckpt import ckpt_tool
 from improved_diffusion.script_util import create_model_and_diffusion, model_and_diffusion_defaults
-from improved_diffusion.state_fit import SHAPE_FLAGS, fit_state_dict, shapes_of
+from improved_diffusion.ckpt.state_fit import SHAPE_FLAGS, fit_state_dict, shapes_of
 
 BASE = dict(model_and_diffusion_defaults(), image_size=32, num_channels=32, num_res_blocks=1,
             attention_resolutions="16")

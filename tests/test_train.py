@@ -363,7 +363,7 @@ def _rewrite_in_step(run, name, obj):
 @pytest.mark.timeout(180)
 def test_a_malformed_optimizer_payload_warns_once_and_training_finishes_with_a_fresh_optimizer(
         tmp_path, capsys):
-    from improved_diffusion.optim_state import validate_optimizer_payload
+    from improved_diffusion.ckpt.optim_state import validate_optimizer_payload
 
     data = random_images(tmp_path / "data", 4, 8)
     log = tmp_path / "log"

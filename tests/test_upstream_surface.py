@@ -11,7 +11,8 @@ import pytest
 import torch as th
 
 from conftest import FIXTURES, run_script, write_images
-from improved_diffusion import checkpoint, logger, train_util
+from improved_diffusion import logger, train_util
+from improved_diffusion.ckpt import checkpoint
 from improved_diffusion.script_util import create_model_and_diffusion, model_and_diffusion_defaults
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

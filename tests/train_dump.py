@@ -18,7 +18,8 @@ import torch as th
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from improved_diffusion import dist_util, optim_state, train_job  # noqa: E402
+from improved_diffusion import dist_util, train_job  # noqa: E402
+from improved_diffusion.ckpt import optim_state  # noqa: E402
 
 
 def dump(loop, path):

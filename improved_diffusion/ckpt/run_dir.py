@@ -39,9 +39,10 @@ from typing import Dict, List, Optional
 import blobfile as bf
 
 from . import checkpoint as ckpt
-from . import dist_util
+from . import file_writer
+from .. import dist_util
 from .checkpoint import CheckpointError, CheckpointReadError
-from .errors import typed_one_line
+from ..errors import typed_one_line
 
 INCOMPLETE_DIR = "incomplete"
 
@@ -223,8 +224,8 @@ def usable_snapshots(log_dir, names=None):
             if info is None:
                 bad = f"{ckpt.basename(s.path)} is not in manifest{step:06d}.json"
                 break
-            algorithm, want = ckpt.checksum_of(info)
-            if algorithm is None or ckpt.file_digest(s.path, algorithm)[algorithm] != want:
+            algorithm, want = file_writer.checksum_of(info)
+            if algorithm is None or file_writer.file_digest(s.path, algorithm)[algorithm] != want:
                 bad = f"{ckpt.basename(s.path)} does not match its checksum in the manifest"
                 break
         if bad:
@@ -246,7 +247,7 @@ def _read_manifest(st):
     if not isinstance(files, dict) or not files or doc.get("step") != st.step:
         raise _Problem(f"manifest {ckpt.basename(path)} does not describe step {st.step}")
     version = doc.get("version")
-    if not isinstance(version, int) or version > ckpt.MANIFEST_VERSION:
+    if not isinstance(version, int) or version > file_writer.MANIFEST_VERSION:
         raise _Problem(f"manifest {ckpt.basename(path)} has format version {version!r} (newer "
                        f"than this code reads)")
     return doc
@@ -280,12 +281,12 @@ def verify_step(st, log_dir):
     doc = st.manifest
     if doc is not None:
         for name, info in doc["files"].items():
-            algorithm, want = ckpt.checksum_of(info)
+            algorithm, want = file_writer.checksum_of(info)
             if algorithm is None:
                 st.complete, st.problem = False, (
                     f"manifest {ckpt.basename(st.manifest_path)} lists no checksum for {name}")
                 return st
-            digest = ckpt.file_digest(ckpt.join(log_dir, name), algorithm)
+            digest = file_writer.file_digest(ckpt.join(log_dir, name), algorithm)
             if digest[algorithm] != want:
                 st.complete, st.problem = False, (
                     f"{name} does not match its {algorithm} in the manifest (corrupt)")
@@ -550,7 +551,7 @@ def save_step(log_dir, step, files):
     ``files``: {filename: object}, e.g. {model_filename(s): model_payload(...), ...}. Only rank
     0's ``files`` are used (other ranks may pass the same dict or ``{}``). Rank 0 refuses to
     overwrite any existing file (checked before anything is written), writes each file with
-    ``checkpoint.write_file`` (temp name, fsync, no-overwrite rename), then
+    ``file_writer.write_file`` (temp name, fsync, no-overwrite rename), then
     ``manifest{step:06d}.json`` with each file's size and crc32. An error on rank 0 is broadcast,
     so every rank raises the same exception; all ranks return together.
 
@@ -568,12 +569,12 @@ def save_step(log_dir, step, files):
 def write_step(log_dir, step, files):
     """save_step's work, in this process only (not collective): rank 0's part, also run by the
     trainer's background writer (async_save). Each file's size and CRC-32 are computed while it
-    is written (checkpoint.write_file), never read back."""
+    is written (file_writer.write_file), never read back."""
     log_dir, step = os.fspath(log_dir), int(step)
     kept = (f"step {step} was not saved (no manifest; its partial files were removed) and the "
             f"last complete step is intact, so a rerun resumes from it")
     if not ckpt.is_remote(log_dir) and not os.path.isdir(log_dir):
-        raise CheckpointError(ckpt.gone_message(log_dir, f"saving step {step}", kept))
+        raise CheckpointError(file_writer.gone_message(log_dir, f"saving step {step}", kept))
     names = list(files)
     for name in names:
         info = ckpt.name_info(name)
@@ -590,13 +591,13 @@ def write_step(log_dir, step, files):
         entries = {}
         for name in names:
             current = name
-            entries[name] = ckpt.write_file(ckpt.join(log_dir, name), files[name])
+            entries[name] = file_writer.write_file(ckpt.join(log_dir, name), files[name])
             written.append(name)
         current = manifest
-        ckpt.write_file(ckpt.join(log_dir, manifest), _manifest_bytes(step, entries))
+        file_writer.write_file(ckpt.join(log_dir, manifest), _manifest_bytes(step, entries))
     except BaseException as e:
         _remove_written(log_dir, written)
-        message = ckpt.write_fault_message(e, log_dir, f"saving step {step} ({current})", kept)
+        message = file_writer.write_fault_message(e, log_dir, f"saving step {step} ({current})", kept)
         if message is None:
             raise
         raise CheckpointError(message) from None
@@ -605,7 +606,7 @@ def write_step(log_dir, step, files):
 def _manifest_bytes(step, entries):
     doc = {
         "schema": ckpt.SCHEMA,
-        "version": ckpt.MANIFEST_VERSION,
+        "version": file_writer.MANIFEST_VERSION,
         "kind": "manifest",
         "step": step,
         "files": entries,

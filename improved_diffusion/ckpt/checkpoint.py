@@ -1,6 +1,7 @@
 """
 One checkpoint file and its vocabulary: names, schema-tagged payloads, kinds and layouts (our
-files and upstream's), the validated reader and the atomic writer. What a *directory* of steps
+files and upstream's) and the validated reader. Writing a file (the atomic writer, the checksums
+a manifest lists, the wording of disk faults) is file_writer.py's; what a *directory* of steps
 holds (discovery, verification, the resume plan, pruning) is run_dir.py's.
 
 docs/checkpoints.md is the reference for the format; keep it in step with this module.
@@ -27,16 +28,13 @@ failed (I/O, permissions, a remote store, memory) is its subclass ``CheckpointRe
 no caller takes as a reason to fall back.
 """
 
-import ctypes
 import errno
-import functools
 import hashlib
 import io
 import os
 import pickle
 import re
 import time
-import uuid
 import warnings
 import zipfile
 import zlib
@@ -47,9 +45,9 @@ from typing import Any, Dict, List, Optional
 import blobfile as bf
 import torch as th
 
-from . import dist_util
+from .. import dist_util
 
-from .errors import UserError, typed_one_line
+from ..errors import UserError, typed_one_line
 
 SCHEMA = "improved_diffusion.checkpoint"
 VERSION = 1
@@ -1055,7 +1053,7 @@ def load_file_collective(path):
         raise CheckpointReadError(states[0][1][1])
     if any(st[0] != "ok" or st[2] is None or st[2] != states[0][2] or st[1][3] != states[0][1][3]
            for st in states):
-        return _load_broadcast(path)
+        return load_file_broadcast(path)
     rank = dist_util.get_rank()
     group = [r for r, st in enumerate(states) if st[1] == states[rank][1]]
     share, of = group.index(rank), len(group)
@@ -1073,7 +1071,7 @@ def load_file_collective(path):
     return _make_ckpt(obj, path, nbytes, notes)
 
 
-def _load_broadcast(path):
+def load_file_broadcast(path):
     """load_file_collective's fallback: rank 0 reads, broadcasts the bytes, every rank loads."""
     try:
         data = with_retry(lambda: dist_util.load_bytes(path), path, retry_on=(OSError,))
@@ -1291,428 +1289,3 @@ def is_tagged_file(path):
     except (OSError, bf.Error) as e:
         raise CheckpointReadError(f"{path}: cannot read ({typed_one_line(e)})") from e
     return SCHEMA.encode() in head
-
-
-# ---------------------------------------------------------------------------------------------
-# checksums
-
-# The checksum a manifest lists for each file beside its size, under its own name: the CRC-32 of
-# the whole file (zlib's, as 8 hex digits), which the writer gets almost for free from the
-# records' CRC-32s torch computes anyway. Manifests of format version 1 list "sha256"; both are
-# read (CHECKSUMS).
-CHECKSUM = "crc32"
-CHECKSUMS = ("crc32", "sha256")
-# The manifest's own format version (2: crc32 in place of sha256); the .pt files stay VERSION.
-MANIFEST_VERSION = 2
-
-
-def checksum_of(info):
-    """(algorithm, hex value) of a manifest's entry for one file ({"size", "crc32" or
-    "sha256"}); (None, None) when it lists none of CHECKSUMS."""
-    if isinstance(info, dict):
-        for algorithm in CHECKSUMS:
-            if isinstance(info.get(algorithm), str):
-                return algorithm, info[algorithm]
-    return None, None
-
-
-class _Crc32:
-    """zlib's CRC-32 with hashlib's interface (update, hexdigest)."""
-
-    def __init__(self):
-        self.value = 0
-
-    def update(self, data):
-        self.value = zlib.crc32(data, self.value)
-
-    def hexdigest(self):
-        return f"{self.value:08x}"
-
-
-def _hasher(algorithm):
-    if algorithm == "crc32":
-        return _Crc32()
-    if algorithm == "sha256":
-        return hashlib.sha256()
-    raise ValueError(f"unknown checksum {algorithm!r} (known: {', '.join(CHECKSUMS)})")
-
-
-def file_digest(path, algorithm=CHECKSUM):
-    """{"size", algorithm: hex} of a file (``algorithm`` one of CHECKSUMS), read in 8 MB pieces;
-    CheckpointReadError when a read fails."""
-    h = _hasher(algorithm)
-    size = 0
-    try:
-        with bf.BlobFile(path, "rb") as f:
-            while True:
-                chunk = f.read(8 * 1024 * 1024)
-                if not chunk:
-                    break
-                h.update(chunk)
-                size += len(chunk)
-    except (OSError, bf.Error) as e:
-        raise CheckpointReadError(f"{path}: cannot read ({typed_one_line(e)}); check that it is "
-                                  f"reachable and readable") from e
-    return {"size": size, algorithm: h.hexdigest()}
-
-
-# CRC-32 of a concatenation from the CRC-32s of its parts (zlib's crc32_combine, which Python's
-# zlib does not expose): in GF(2), crc(A + B) = crc(A) * x^(8 len(B)) + crc(B) mod the CRC's
-# polynomial (reflected bit order, as zlib).
-_CRC_POLY = 0xEDB88320
-
-
-def _crc_multmodp(a, b):
-    """a * b modulo the CRC-32 polynomial (bit-reflected 32-bit values)."""
-    m, p = 1 << 31, 0
-    while True:
-        if a & m:
-            p ^= b
-            if a & (m - 1) == 0:
-                return p
-        m >>= 1
-        b = (b >> 1) ^ _CRC_POLY if b & 1 else b >> 1
-
-
-_CRC_X2N = [1 << 30]  # x^(2^k) mod the polynomial, k = 0..31
-for _ in range(31):
-    _CRC_X2N.append(_crc_multmodp(_CRC_X2N[-1], _CRC_X2N[-1]))
-
-
-@functools.lru_cache(maxsize=4096)
-def _crc_shift(nbytes):
-    """x^(8 * nbytes) mod the polynomial (cached: a model's tensors share few sizes)."""
-    p, k = 1 << 31, 3
-    while nbytes:
-        if nbytes & 1:
-            p = _crc_multmodp(_CRC_X2N[k & 31], p)
-        nbytes >>= 1
-        k += 1
-    return p
-
-
-def crc32_combine(crc_a, crc_b, len_b):
-    """zlib.crc32(A + B) from zlib.crc32(A), zlib.crc32(B) and len(B)."""
-    return _crc_multmodp(_crc_shift(len_b), crc_a) ^ crc_b
-
-
-# ---------------------------------------------------------------------------------------------
-# writing
-
-
-def _fsync_dir(d):
-    try:
-        fd = os.open(d, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def atomic_write(path, obj):
-    """
-    Write ``obj`` (torch.save'd; raw ``bytes`` are written as they are) to ``path`` so that the
-    file either does not exist or is complete: a temp name in the same directory, flush + fsync,
-    then a no-overwrite rename (hard link + unlink, else os.replace). Remote blobfile paths
-    (gs://, az://) are written directly (the object appears only once the upload completes).
-    Refuses to overwrite an existing file (CheckpointError). Returns {"size", "crc32"}.
-
-    A full disk, an exceeded quota, a read-only file system, a denied permission or a vanished
-    directory is a CheckpointError whose one line names the directory and what to do (see
-    ``_disk_fault``); the temp file is removed. Any other error keeps its type and traceback.
-
-    Not collective; ``save_step`` calls it on rank 0.
-    """
-    path = os.fspath(path)
-    try:
-        return write_file(path, obj)
-    except (OSError, RuntimeError) as e:
-        fault = _disk_fault(e, dirname(path))
-        if fault is None:
-            raise
-        raise CheckpointError(_fault_message(fault, dirname(path), f"writing {basename(path)}",
-                                             "nothing partial was left there")) from None
-
-
-def write_file(path, obj):
-    """``atomic_write`` without the disk-fault messages (raises the OSError itself); for a caller
-    that words the fault itself (run_dir.save_step)."""
-    if exists(path):
-        raise CheckpointError(f"{path}: already exists; refusing to overwrite a checkpoint "
-                              f"(move it away or start from a later step)")
-    if is_remote(path):
-        # Serialised in memory first: a BlobFile closed after a failed torch.save would publish
-        # a partial object.
-        buf = io.BytesIO()
-        def reread(offset, n):
-            with buf.getbuffer() as view:  # released at once: the BytesIO may grow again
-                return bytes(view[offset:offset + n])
-
-        out = _ChecksumWriter(buf, reread)
-        _save_into(obj, out)
-        info = out.digest()
-        with bf.BlobFile(path, "wb") as f:
-            f.write(buf.getbuffer())
-        return info
-
-    d = dirname(path)
-    tmp = os.path.join(d, f"{basename(path)}.tmp-{uuid.uuid4().hex}")
-    try:
-        with open(tmp, "wb") as f, open(tmp, "rb") as back:
-            out = _ChecksumWriter(f, reread=lambda offset, n: os.pread(back.fileno(), n, offset),
-                                  writeback=f.fileno())
-            _save_into(obj, out)
-            f.flush()
-            info = out.digest()
-            os.fsync(f.fileno())
-        try:
-            os.link(tmp, path)
-        except FileExistsError:
-            raise CheckpointError(f"{path}: already exists; refusing to overwrite a checkpoint "
-                                  f"(move it away or start from a later step)") from None
-        except OSError as e:
-            if e.errno not in _NO_HARD_LINKS:
-                raise
-            if os.path.lexists(path):
-                raise CheckpointError(f"{path}: already exists; refusing to overwrite a "
-                                      f"checkpoint (move it away or start from a later step)")
-            os.replace(tmp, path)
-        _fsync_dir(d)
-        return info
-    finally:
-        _unlink_quietly(tmp)
-
-
-# os.link fails with these where the filesystem has no hard links (then os.replace is used).
-_NO_HARD_LINKS = {errno.EPERM, errno.EXDEV, errno.EMLINK,
-                  getattr(errno, "ENOTSUP", errno.EOPNOTSUPP), errno.EOPNOTSUPP}
-
-
-def _unlink_quietly(path):
-    """Remove a local file if it is there; a failure to remove it is not worth a second error."""
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
-
-
-class _ChecksumWriter:
-    """A file wrapper that computes the size and the CRC-32 (``CHECKSUM``) of the bytes as they
-    are written, so that a written file is never read back for its checksum, and remembers the
-    OSError of a failed write: torch.save reports one as "RuntimeError: [enforce fail at
-    inline_container.cc] unexpected pos ..." without the errno; ``_save_into`` raises the
-    remembered OSError instead.
-
-    The CRC of a tensor's bytes costs nothing here: torch's zip writer computes each record's
-    CRC-32 anyway and writes it in the data descriptor (``PK\x07\x08``) right after the
-    record's data. A large write (``LARGE`` bytes or more) where a record's data begins (after
-    a local header ``PK\x03\x04``, its name and extra field) is therefore not read; when the
-    next write is the descriptor of a record of that size, its CRC is combined into the file's
-    (crc32_combine), and any other pattern (a record written in pieces, another writer) reads
-    the bytes back (``reread(offset, n)``, from the file as written) and computes it. Every
-    other write is CRC'd as it passes. The file's CRC is that of all its bytes, whoever computed
-    which part (file_digest gives the same).
-
-    ``writeback``: the file descriptor whose written bytes the kernel is asked to start writing
-    to the disk every WRITEBACK_BYTES (Linux sync_file_range, no wait), so that the final fsync
-    finds most of the file on disk already, instead of the disk idling while the CPU serialises.
-    """
-
-    LARGE = 1 << 16
-    WRITEBACK_BYTES = 32 << 20
-
-    def __init__(self, f, reread, writeback=None):
-        self._f = f
-        self._reread = reread
-        self._writeback = writeback if _sync_file_range() is not None else None
-        self._crc = 0
-        self._pending = None  # (offset, nbytes) of a large write whose CRC is not known yet
-        self._data_at = None  # where the data of the record whose local header passed begins
-        self._started = 0  # bytes handed to writeback so far
-        self.size = 0
-        self.error = None
-
-    def write(self, data):
-        view = memoryview(data).cast("B")
-        n = view.nbytes
-        if self._pending is not None:
-            self._resolve_pending(view)
-        if n == 30 and view[:4] == b"PK\x03\x04":  # a local header: name, extra, then the data
-            self._data_at = self.size + 30 + int.from_bytes(view[26:28], "little") \
-                + int.from_bytes(view[28:30], "little")
-        if n >= self.LARGE and self.size == self._data_at:
-            self._pending = (self.size, n)
-        else:
-            self._crc = zlib.crc32(view, self._crc)
-        try:
-            written = self._f.write(data)
-        except OSError as e:
-            self.error = e
-            raise
-        self.size += n
-        if self._writeback is not None and self.size - self._started >= self.WRITEBACK_BYTES:
-            self._start_writeback()
-        return written
-
-    def _resolve_pending(self, view):
-        """The CRC of the pending large write: from ``view`` when it is that record's data
-        descriptor (crc32, then sizes of 4 or, zip64, 8 bytes each), else read back."""
-        offset, n = self._pending
-        self._pending = None
-        if view.nbytes in (16, 24) and view[:4] == b"PK\x07\x08":
-            width = (view.nbytes - 8) // 2
-            size = int.from_bytes(view[8 + width:8 + 2 * width], "little")
-            if size == n:
-                record_crc = int.from_bytes(view[4:8], "little")
-                self._crc = crc32_combine(self._crc, record_crc, n)
-                return
-        self.flush()
-        self._crc = zlib.crc32(self._reread(offset, n), self._crc)
-
-    def _start_writeback(self):
-        try:
-            self._f.flush()
-            _sync_file_range()(self._writeback, self._started, self.size - self._started,
-                               _SYNC_FILE_RANGE_WRITE)
-        except OSError as e:
-            self.error = e
-            raise
-        self._started = self.size
-
-    def flush(self):
-        return self._f.flush()
-
-    def digest(self):
-        """{"size", CHECKSUM} of everything written so far (file_digest's format); call it while
-        the file is open (a large last write is read back)."""
-        if self._pending is not None:
-            self._resolve_pending(memoryview(b""))
-        return {"size": self.size, CHECKSUM: f"{self._crc:08x}"}
-
-
-_SYNC_FILE_RANGE_WRITE = 2  # <linux/fs.h>: start writeback of dirty pages, do not wait
-_SYNC_FILE_RANGE = []
-
-
-def _sync_file_range():
-    """Linux's sync_file_range(fd, offset, nbytes, flags) through libc (raising OSError), or None
-    where there is none (another OS, no libc symbol)."""
-    if not _SYNC_FILE_RANGE:
-        fn = None
-        try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            raw = libc.sync_file_range
-            raw.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-            raw.restype = ctypes.c_int
-
-            def fn(fd, offset, nbytes, flags):
-                if raw(fd, offset, nbytes, flags) != 0:
-                    err = ctypes.get_errno()
-                    if err not in (errno.EINVAL, errno.ESPIPE, errno.ENOSYS):  # not supported
-                        raise OSError(err, os.strerror(err))
-        except (OSError, AttributeError):
-            fn = None
-        _SYNC_FILE_RANGE.append(fn)
-    return _SYNC_FILE_RANGE[0]
-
-
-def _save_into(obj, out):
-    """Write ``obj`` (raw bytes as they are, else torch.save) into ``out`` (a _ChecksumWriter)."""
-    if isinstance(obj, (bytes, bytearray)):
-        out.write(obj)
-        return
-    try:
-        th.save(obj, out)
-    except RuntimeError:
-        if out.error is not None:
-            raise out.error from None
-        raise
-
-
-# errno -> (what happened, what to do); the message names the directory before them.
-_FAULTS = {
-    errno.ENOSPC: ("no space left on device",
-                   "free space there (delete old steps, or pass --keep_checkpoints N) or copy the "
-                   "log dir to a bigger disk and rerun with --log_dir there"),
-    errno.EDQUOT: ("disk quota exceeded (no space left for this user)",
-                   "free space there (delete old steps, or pass --keep_checkpoints N) or raise "
-                   "the quota"),
-    errno.EROFS: ("read-only file system",
-                  "remount it read-write, or copy the log dir to a writable disk and rerun with "
-                  "--log_dir there"),
-    errno.EACCES: ("permission denied",
-                   "give this user write access to it (or rerun with another --log_dir)"),
-    errno.EPERM: ("permission denied (operation not permitted)",
-                  "give this user write access to it (or rerun with another --log_dir)"),
-}
-_GONE = ("the log dir no longer exists (removed while the job ran?)",
-         "it is not recreated, since an empty log dir would hide the lost checkpoints: restore it "
-         "and rerun, or rerun with a new --log_dir to start over")
-# torch.save's text for a write that failed below it (the errno is lost on the way).
-_TORCH_WRITE_FAILED = re.compile(r"inline_container|PytorchStreamWriter|unexpected pos|"
-                                 r"file write failed", re.I)
-_LOW_SPACE_BYTES = 1 << 20
-
-
-def _disk_fault(e, directory):
-    """(what happened, what to do) when ``e`` is a disk fault of writing into ``directory``.
-
-    Only these are mapped: ENOSPC, EDQUOT, EROFS, EACCES/EPERM, and a directory that no longer
-    exists; also torch.save's RuntimeError for a failed write when the file system is (nearly)
-    full (``os.statvfs``). Anything else (a bug, an unexpected errno) returns None.
-    """
-    if isinstance(e, OSError):
-        if e.errno == errno.ENOENT and not is_remote(directory) and not os.path.isdir(directory):
-            return _GONE
-        return _FAULTS.get(e.errno)
-    if isinstance(e, RuntimeError) and _TORCH_WRITE_FAILED.search(str(e)):
-        free = _free_bytes(directory)
-        if free is not None and free < _LOW_SPACE_BYTES:
-            return _FAULTS[errno.ENOSPC]
-    return None
-
-
-def _free_bytes(directory):
-    """Bytes available to this user on the file system of a local ``directory``, else None."""
-    if is_remote(directory):
-        return None
-    try:
-        st = os.statvfs(directory)
-    except OSError:
-        return None
-    return st.f_bavail * st.f_frsize
-
-
-def _fault_message(fault, directory, doing, kept):
-    """One line: "<dir>: <what happened> while <doing>[ (free space)]; <kept>; <what to do>"."""
-    what, todo = fault
-    free = _free_bytes(directory) if fault in (_FAULTS[errno.ENOSPC],
-                                               _FAULTS[errno.EDQUOT]) else None
-    where = f" (only {_human_bytes(free)} free there)" if free is not None else ""
-    return f"{directory}: {what} while {doing}{where}; {kept}; {todo}"
-
-
-def _human_bytes(n):
-    for unit in ("bytes", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
-        n /= 1024
-
-
-def write_fault_message(e, directory, doing, kept):
-    """The one-line message for a write that failed with ``e`` in ``directory`` when it is a disk
-    fault (full, quota, read-only, permission, vanished directory), else None (a bug: re-raise).
-    ``doing``: "saving step 6 (model000006.pt)"; ``kept``: what is left intact."""
-    if not isinstance(e, (OSError, RuntimeError)):
-        return None
-    fault = _disk_fault(e, directory)
-    return None if fault is None else _fault_message(fault, directory, doing, kept)
-
-
-def gone_message(directory, doing, kept):
-    """The one-line message for a log dir that no longer exists."""
-    return _fault_message(_GONE, directory, doing, kept)

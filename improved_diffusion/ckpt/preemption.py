@@ -201,7 +201,7 @@ def check():
     """
     if _state.phase != STARTING:
         return
-    from . import dist_util  # here: this module is imported before torch
+    from .. import dist_util  # here: this module is imported before torch
 
     if dist_util.any_rank(_state.flag["set"]):
         ending()  # from here the main thread ends the job itself
@@ -300,7 +300,7 @@ def _hard_exit():
         run_lock = sys.modules.get(__package__ + ".run_lock")
         if run_lock is not None:
             run_lock.drop_local_locks()
-        dist_util = sys.modules.get(__package__ + ".dist_util")
+        dist_util = sys.modules.get(__package__.rpartition(".")[0] + ".dist_util")
         if dist_util is not None and dist_util.is_distributed():
             dist_util.mark_ending(line, seconds=2.0)
             show = dist_util.first_to_report("preempted")

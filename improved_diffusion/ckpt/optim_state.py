@@ -37,7 +37,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch as th
 
-from .errors import UserError
+from ..errors import UserError
 from .checkpoint import (
     LAYOUT_FLAT1,
     LAYOUT_FLAT2,

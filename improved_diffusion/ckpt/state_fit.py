@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch as th
 
-from .script_util import same_flag_value
+from ..script_util import same_flag_value
 
 # The model flags that change a parameter's name or shape (tests/test_state_fit.py checks this
 # against the model builder). The others (dropout, diffusion steps, noise schedule, number of

@@ -90,12 +90,12 @@ from typing import Any, Dict, List, Optional
 
 import torch as th
 
-from . import (checkpoint, dist_util, logger, model_change, optim_state, preemption, rng, run_dir,
-               state_fit)
+from . import checkpoint, model_change, optim_state, preemption, rng, run_dir, state_fit
+from .. import dist_util, logger
 from .async_save import BackgroundWriter, HostSnapshot, to_host
-from .config_check import by_rank
-from .errors import UsageError, UserError
-from .script_util import same_flag_value
+from ..config_check import by_rank
+from ..errors import UsageError, UserError
+from ..script_util import same_flag_value
 
 # EX_TEMPFAIL: "try again later". A job script can requeue on it (preemption.py's).
 PREEMPTED_EXIT_CODE = preemption.EXIT_CODE
@@ -151,11 +151,14 @@ class CheckpointConfig:
     def from_flags(cls, flags, **overrides):
         """The config of ``flags`` (an argparse Namespace or a dict; missing names take
         script_util.train_defaults()'s values), with ``overrides`` applied."""
-        return _from_flags(cls, flags, overrides)
+        return fields_from_flags(cls, flags, overrides)
 
 
-def _from_flags(cls, flags, overrides):
-    from .script_util import train_defaults
+def fields_from_flags(cls, flags, overrides):
+    """An instance of the dataclass ``cls``, each field from ``overrides``, else ``flags`` (a
+    Namespace or a dict), else script_util.train_defaults() (CheckpointConfig's and TrainConfig's
+    from_flags)."""
+    from ..script_util import train_defaults
 
     given = dict(vars(flags) if not isinstance(flags, dict) else flags)
     defaults = train_defaults()
@@ -709,7 +712,7 @@ class Resume:
         the log dir (only once every file of the step was read); returns the step. Collective."""
         ckpt, step = self.ckpt, self.step
         ckpt.resume_step = step
-        _restore_trainer_state(ckpt, self.trainer, step)
+        restore_trainer_state(ckpt, self.trainer, step)
         self._record_model_change()
         ckpt._tidy(self.plan, step)
         ckpt.last_saved_step = step if self.plan.in_log_dir else None
@@ -735,7 +738,7 @@ class Resume:
 # ---------------------------------------------------------------------- the trainer state
 
 
-def _restore_trainer_state(ckpt, trainer, step):
+def restore_trainer_state(ckpt, trainer, step):
     """Data position, RNG and states from the trainer dict (or guesses when there is none).
     Collective (the RNG notes are gathered to rank 0's log)."""
     if not trainer or set(trainer) <= {"model_changes"}:  # e.g. `ckpt.py adapt` of upstream's
@@ -757,7 +760,7 @@ def _restore_trainer_state(ckpt, trainer, step):
         if _restorable(ckpt.data):
             logger.log(f"no data position in the checkpoint: assuming {data_state['position']}")
     reseed = not _load_data_state(ckpt, data_state, step)
-    _restore_rng(ckpt, trainer.get("rng"), trainer.get("world_size"), step)
+    restore_rng(ckpt, trainer.get("rng"), trainer.get("world_size"), step)
     for name, obj in ckpt.states.items():
         _restore_state(name, obj, trainer.get(name), step)
     if reseed:
@@ -799,7 +802,7 @@ def _log_changes(ckpt, trainer):
             logger.log(f"resume: --{k} {old_flags[k]} -> {v}")
 
 
-def _restore_rng(ckpt, rngs, old_world_size, step):
+def restore_rng(ckpt, rngs, old_world_size, step):
     """Each rank's own RNG state back, when the world size is the same; else reseed from
     (seed, step, rank) with one line. A generator that could not be restored (the CUDA one on
     another device layout) is logged with its rank."""

@@ -48,7 +48,7 @@ import uuid
 import blobfile as bf
 
 from . import preemption
-from .errors import UserError
+from ..errors import UserError
 
 DEFAULT_WAIT_S = 300.0
 DEFAULT_HEARTBEAT_S = 30.0
@@ -459,7 +459,7 @@ def acquire_for_job(log_dir, wait_s=DEFAULT_WAIT_S, heartbeat_s=DEFAULT_HEARTBEA
 
     Collective: call from all ranks with the same arguments.
     """
-    from . import dist_util  # here, so that the lock itself does not import torch
+    from .. import dist_util  # here, so that the lock itself does not import torch
 
     lock = LogDirLock(log_dir, wait_s, heartbeat_s)
     say = log or (lambda message: print(message, flush=True))

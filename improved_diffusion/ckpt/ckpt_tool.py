@@ -11,9 +11,9 @@ safetensors, and reconstruct post-hoc EMAs from a run's snapshots.
     python scripts/ckpt.py prune DIR --keep K [--delete_snapshots]
     python scripts/ckpt.py phema DIR --std 0.07 [--std 0.1 ...] [--step S] --out FILE_OR_DIR
 
-(also `python -m improved_diffusion.ckpt_tool ...`). Human-readable output by default, `--json` for
-scripts. Exit status: 0 healthy, 1 problem found, 2 bad usage. Errors are one line on stderr,
-never a traceback. Only `convert`, `adapt` and `phema` (into --out) and `prune` write or delete
+(also `python -m improved_diffusion.ckpt.ckpt_tool ...`). Human-readable output by default,
+`--json` for scripts. Exit status: 0 healthy, 1 problem found, 2 bad usage. Errors are one line on
+stderr, never a traceback. Only `convert`, `adapt` and `phema` (into --out) and `prune` write or delete
 anything;
 every file is read with `torch.load(weights_only=True)`, so a checkpoint can never run code.
 """
@@ -29,9 +29,10 @@ import traceback
 import torch as th
 
 from . import checkpoint as ckpt
-from .errors import UsageError, UserError
-from .script_util import FlagParser, flags_to_argv, unknown_flag_message
-from . import model_change, phema, run_dir
+from ..errors import UsageError, UserError
+from ..script_util import FlagParser, flags_to_argv, unknown_flag_message
+from . import file_writer, model_change, run_dir
+from .. import phema
 from .state_fit import fit_state_dict, shapes_of
 from .optim_state import (
     FORMAT,
@@ -448,7 +449,7 @@ def _network(kind):
 
 
 def _flag_defaults(kind="model"):
-    from . import script_util as su
+    from .. import script_util as su
 
     if _network(kind) == "classifier":
         return su.classifier_and_diffusion_defaults()
@@ -459,7 +460,7 @@ def _parse_model_flags(text, kind="model"):
     """(flags dict, explicitly given keys, ignored args) from a string: the model/diffusion flags
     (MODEL_FLAG_KEYS), or for a classifier file (``kind`` "classifier") the classifier's and its
     diffusion's (classifier_and_diffusion_defaults)."""
-    from . import script_util as su
+    from .. import script_util as su
 
     parser = _Parser(prog="--flags", add_help=False)
     defaults = _flag_defaults(kind)
@@ -475,7 +476,7 @@ def _parse_model_flags(text, kind="model"):
 
 
 def _build_model(flags, kind="model"):
-    from . import script_util as su
+    from .. import script_util as su
 
     create = (su.create_classifier_and_diffusion if _network(kind) == "classifier"
               else su.create_model_and_diffusion)
@@ -846,7 +847,7 @@ def cmd_convert(args, out):
                 written.append(os.path.join(out_dir, ckpt.manifest_filename(step)))
             else:
                 for name, obj in payloads.items():
-                    ckpt.atomic_write(os.path.join(out_dir, name), obj)
+                    file_writer.atomic_write(os.path.join(out_dir, name), obj)
                 if args.to == "tagged" and payloads:
                     shown = step if step is not None else ", ".join(
                         sorted({str(ckpt.name_info(n).step) for n in payloads
@@ -878,7 +879,7 @@ def _adapt_num_classes(args, c, flags):
     """--num_classes of a class-conditional adapt that did not give it: --data_dir's class count
     (as train.py counts it), else a class-conditional file's own count."""
     if args.data_dir:
-        from .image_datasets import folder_class_names
+        from ..image_datasets import folder_class_names
 
         names = folder_class_names(args.data_dir)
         if not names:
@@ -1042,7 +1043,7 @@ def cmd_phema(args, out):
     os.makedirs(os.path.dirname(next(iter(paths.values()))) or ".", exist_ok=True)
     written = []
     for std, payload in phema.reconstruct(plan, batch=args.batch):
-        ckpt.atomic_write(paths[std], payload)
+        file_writer.atomic_write(paths[std], payload)
         del payload
         written.append({"std": std, "path": paths[std],
                         "profile_error": float(plan.errors[plan.stds.index(std)])})

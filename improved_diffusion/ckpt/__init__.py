@@ -1,0 +1,74 @@
+"""
+The checkpoint and resume system: the reason this project exists, in one package.
+
+Upstream's modules (train_util, dist_util, script_util, ...) sit one level up; this package knows
+nothing of diffusion. It imports nothing at package import time: scripts import
+``improved_diffusion.ckpt.preemption`` on their first lines, before torch.
+
+The modules, from the file up:
+
+    checkpoint    one file: names and patterns (name_info, parse_step), schema tags, payloads,
+                  kinds and layouts (classify, describe, opt_layout), the validated reader
+                  (load_file, load_file_collective); docs/checkpoints.md is its reference
+    file_writer   writing one file: the atomic writer (write_file, atomic_write), the checksums
+                  a manifest lists (file_digest), the wording of disk faults
+    optim_state   optimizer state keyed by parameter name; upstream's layouts in and out
+    run_dir       a log dir of steps: write_step (files, then the manifest), listing, manifests,
+                  verification of the candidate step, the resume plan (plan_resume),
+                  refuse_overwrite, quarantine to incomplete/, pruning
+    run_lock      one job per log dir (flock locally; a heartbeat object on gs:// / az://)
+    async_save    host copies of the payloads and the background writer thread
+    state_fit     "does this state dict fit this model, and which flag is likely wrong"
+    model_change  resume into a changed model (--allow_model_change): kept and fresh tensors
+    rng           one process's seeding and RNG state
+    preemption    the one owner of SIGTERM/SIGUSR1, from a script's first line to its last
+    checkpointer  the one owner of a run's checkpoint state for any loop and any model
+    ckpt_tool     the doctor (scripts/ckpt.py): inspect, verify, diff, convert, adapt, prune, phema
+
+What a loop uses (examples/own_loop.py; train_util.TrainLoop and classifier_train the same):
+
+    from improved_diffusion.ckpt import preemption           # preemption.install(), first line
+    from improved_diffusion.ckpt.checkpointer import (Checkpointer, CheckpointConfig,
+                                                      PREEMPTED_EXIT_CODE)
+    from improved_diffusion.ckpt.rng import seed_rngs
+    run_lock.acquire_for_job(log_dir, ...)                   # train_job does this for train.py
+
+    with Checkpointer(CheckpointConfig.from_flags(args), model=..., optimizer=..., emas=...,
+                      data=..., batch_size=..., seed=..., states=...) as ckpt:
+        step = ckpt.resume()                                 # or begin_resume(), in steps
+        with ckpt.watch_signals():
+            ... ckpt.step_begins(); one step; if ckpt.step_ends(step): return 75 ...
+        ckpt.save(step, wait=True)
+
+Errors a caller may see (all errors.UserError): checkpoint.CheckpointError and its
+CheckpointReadError, run_dir.NoUsableStepError, checkpointer.ResumeError and NonFiniteError,
+optim_state.OptimizerStateError, run_lock.LockError and its subclasses, ckpt_tool.ToolError,
+preemption.Preempted (a BaseException: a signal before training).
+
+What calls what on a resume (every step collective unless it says rank 0):
+
+    Checkpointer.resume / begin_resume
+      -> dist_util.run_on_rank0(run_dir.plan_resume)      rank 0: list the log dir, read the
+           -> checkpoint (names, manifests, checksums)      manifests, verify the candidate step
+      -> Resume.load_model -> checkpoint.load_file_collective -> dist_util (same file? bytes)
+                           -> state_fit.fit_state_dict (-> model_change with allow_model_change)
+                           -> run_dir.refuse_overwrite
+      -> Resume.load_ema (per rate) -> checkpoint.load_file_collective (-> state_fit)
+      -> Resume.load_optimizer -> checkpoint.load_file_collective -> optim_state
+           .load_optimizer_state (-> model_change.optimizer_by_name); the fall-back decision
+           all-gathered
+      -> Resume.finish -> the trainer state: data position, rng.set_rng_state, each state's
+           load_state_dict; rank 0: run_dir.tidy_for_resume (newer steps to incomplete/)
+
+What calls what on a save:
+
+    Checkpointer.step_ends / save / save_for_preemption
+      -> the non-finite check (one all-gather); rng.get_rng_state gathered to rank 0
+      -> dist_util.run_on_rank0: wait for the previous background save; step_files (the payloads
+           of checkpoint and optim_state.named_optimizer_state)
+           -> async_save.HostSnapshot + BackgroundWriter (async) or now:
+              run_dir.write_step -> file_writer.write_file per file, then the manifest
+              -> run_dir.prune (--keep_checkpoints)
+      -> step_begins / stop_requested: one all-reduce of [preempted, save failed]; the flags
+           preemption.training() sets
+"""
