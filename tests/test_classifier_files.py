@@ -152,3 +152,21 @@ def test_a_classifier_runs_index_keyed_optimizer_converts_with_the_classifiers_n
     assert list(named["shapes"]) == [n for n, _ in model.named_parameters()]
     manifest = json.loads((tmp_path / "out" / "manifest000002.json").read_text())
     assert set(manifest["files"]) == {"model000002.pt", "opt000002.pt"}
+
+
+@pytest.mark.timeout(120)
+def test_train_py_on_a_classifier_run_dir_names_the_log_dir_not_resume_checkpoint(tmp_path):
+    """Issue 29, item 13: ``train.py --log_dir <a classifier run>`` blamed --resume_checkpoint,
+    which was not given."""
+    from conftest import run_script, write_images
+
+    run = tmp_path / "clf"
+    classifier_step(run)
+    proc = run_script("train.py", "--data_dir", write_images(tmp_path / "imgs", n=4),
+                      "--log_dir", run, "--image_size", "8", "--num_channels", "32",
+                      "--num_res_blocks", "1", "--max_steps", 4, check=False, timeout=100)
+    errors = [ln for ln in proc.stdout.splitlines() if ln.startswith("error:")]
+    assert proc.returncode == 1 and len(errors) == 1, proc.stdout[-2000:]
+    assert errors[0].startswith(f"error: --log_dir {run}: its newest step (model000003.pt)")
+    assert "noised classifier's run (classifier_train.py's)" in errors[0]
+    assert "--resume_checkpoint" not in errors[0]

@@ -433,3 +433,26 @@ def test_a_log_dir_that_cannot_be_written_is_one_line_naming_it_and_nothing_is_t
         assert f"--resume_checkpoint {log_dir} --log_dir NEW" in errors[0], errors[0]
     assert "Traceback" not in out and "training on" not in out, out[-4000:]
     assert _tree(parent) == before
+
+
+def test_the_disk_full_line_gives_the_free_space_when_the_write_failed(tmp_path, can_mount,
+                                                                       mounts):
+    """Issue 29, item 13: a step's first file fits (120 kB), its second (800 kB) fills the
+    256 kB disk: the line reports the few KiB free when the write failed, not the space freed
+    once the partial files were removed (before: "only 250 KiB free" for a write that failed for
+    want of space)."""
+    import re
+
+    from improved_diffusion.ckpt import run_dir
+
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounts("-t", "tmpfs", "-o", "size=256k", "tmpfs", disk)
+    files = {"model000001.pt": {"w": torch.zeros(30_000)}, "opt000001.pt": {"w": torch.zeros(200_000)}}
+    with pytest.raises(C.CheckpointError) as e:
+        run_dir.write_step(str(disk), 1, files)
+    msg = str(e.value)
+    m = re.search(r"only ([\d.]+) (bytes|KiB) free there when it failed", msg)
+    assert m and "opt000001.pt" in msg, msg
+    assert float(m.group(1)) * (1024 if m.group(2) == "KiB" else 1) < 64 * 1024, msg
+    assert names_in(disk) == []

@@ -576,8 +576,15 @@ class Resume:
         ckpt, path = self.ckpt, self.plan.model
         c = checkpoint.load_file_collective(path)
         if c.kind not in MODEL_FILE_KINDS[ckpt.model_kind]:
+            classifier = ckpt.model_kind == "classifier"
+            if self.plan.source == "auto":  # found in --log_dir: no --resume_checkpoint given
+                run = ("a diffusion model's run (train.py's)" if classifier
+                       else "a noised classifier's run (classifier_train.py's)")
+                raise ResumeError(
+                    f"--log_dir {ckpt.config.log_dir}: its newest step ({checkpoint.basename(path)}) "
+                    f"holds {checkpoint.describe(c)}: this is {run}; give another --log_dir")
             want = ("a noised classifier's weights; pass a model file of a classifier run"
-                    if ckpt.model_kind == "classifier" else "model weights; pass a model file")
+                    if classifier else "model weights; pass a model file")
             raise ResumeError(f"--resume_checkpoint {path}: holds {checkpoint.describe(c)}, not "
                               f"{want} (modelNNNNNN.pt)")
         sd = checkpoint.model_state_from(c, want="model")  # prefixes already stripped
@@ -786,11 +793,16 @@ def _log_changes(ckpt, trainer):
     """One log line for each setting that differs from the checkpoint's: world size and batch,
     --seed, --ema_rate, and each of the run_flags that the file recorded (trainer["flags"])."""
     old_ws, old_gb = trainer.get("world_size"), trainer.get("global_batch")
-    if old_ws != ckpt.world_size or old_gb != ckpt.global_batch:
+    if old_ws != ckpt.world_size:
         logger.log(
             f"resume: world size {old_ws} -> {ckpt.world_size}, global batch size "
             f"{old_gb} -> {ckpt.global_batch} (per-rank batch {trainer.get('batch_size')} -> "
             f"{ckpt.batch_size}); the data position is global and continues")
+    elif old_gb != ckpt.global_batch:  # the same ranks, another --batch_size
+        logger.log(
+            f"resume: --batch_size {trainer.get('batch_size')} -> {ckpt.batch_size} (global "
+            f"batch size {old_gb} -> {ckpt.global_batch} on {old_ws} rank(s)); the data "
+            f"position is global and continues")
     if trainer.get("seed") is not None and trainer.get("seed") != ckpt.seed:
         logger.log(f"resume: --seed {trainer.get('seed')} -> {ckpt.seed}")
     old_rates = trainer.get("ema_rates")

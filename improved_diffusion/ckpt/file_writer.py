@@ -214,6 +214,11 @@ def write_file(path, obj):
             os.replace(tmp, path)
         _fsync_dir(d)
         return info
+    except (OSError, RuntimeError) as e:
+        # the free space as the write failed, before its partial file (and the step's others)
+        # are removed: what the disk-full line reports
+        e.free_bytes_at_failure = _free_bytes(d)
+        raise
     finally:
         _unlink_quietly(tmp)
 
@@ -418,12 +423,18 @@ def _free_bytes(directory):
     return st.f_bavail * st.f_frsize
 
 
-def _fault_message(fault, directory, doing, kept):
-    """One line: "<dir>: <what happened> while <doing>[ (free space)]; <kept>; <what to do>"."""
+def _fault_message(fault, directory, doing, kept, free_at_failure=None):
+    """One line: "<dir>: <what happened> while <doing>[ (free space)]; <kept>; <what to do>".
+    The free space is the one when the write failed (``free_at_failure``, measured before the
+    partial files were removed), else the one now, said as such."""
     what, todo = fault
-    free = _free_bytes(directory) if fault in (_FAULTS[errno.ENOSPC],
-                                               _FAULTS[errno.EDQUOT]) else None
-    where = f" (only {_human_bytes(free)} free there)" if free is not None else ""
+    where = ""
+    if fault in (_FAULTS[errno.ENOSPC], _FAULTS[errno.EDQUOT]):
+        if free_at_failure is not None:
+            where = f" (only {_human_bytes(free_at_failure)} free there when it failed)"
+        else:
+            free = _free_bytes(directory)
+            where = f" ({_human_bytes(free)} free there now)" if free is not None else ""
     return f"{directory}: {what} while {doing}{where}; {kept}; {todo}"
 
 
@@ -441,7 +452,8 @@ def write_fault_message(e, directory, doing, kept):
     if not isinstance(e, (OSError, RuntimeError)):
         return None
     fault = _disk_fault(e, directory)
-    return None if fault is None else _fault_message(fault, directory, doing, kept)
+    return None if fault is None else _fault_message(
+        fault, directory, doing, kept, getattr(e, "free_bytes_at_failure", None))
 
 
 def gone_message(directory, doing, kept):
