@@ -604,9 +604,23 @@ def _misfit(s, target):
             f"reconstruct with --step before the change")
 
 
+# checkpoint.load_file's advice is a resume's; a reconstruction's is another
+_RESUME_ADVICE = "; replace it or resume from another step"
+
+
 def _load_snapshot(path):
-    """A snapshot file, loaded and checked (every record's CRC): a CkptFile."""
-    return checkpoint.load_file(path)
+    """A snapshot file, loaded and checked (every record's CRC): a CkptFile. A damaged one (it
+    changed after the plan verified it against its manifest) is a PhemaError saying what to do
+    here."""
+    try:
+        return checkpoint.load_file(path)
+    except checkpoint.CheckpointReadError:
+        raise
+    except checkpoint.CheckpointError as e:
+        what = str(e).replace(_RESUME_ADVICE, "")
+        raise PhemaError(f"{what}; it changed after its manifest was checked: run the "
+                         f"reconstruction again (its step is then left out), or move the file "
+                         f"out of the run directory") from None
 
 
 def _accumulator_dtype(t):

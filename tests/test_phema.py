@@ -513,3 +513,24 @@ def test_sample_py_samples_from_a_reconstructed_file(tmp_path):
     assert "ema weights at step 4, flags stored in the file" in proc.stdout
     with np.load(tmp_path / "s" / "samples_2x8x8x3.npz") as z:
         assert z["arr_0"].shape == (2, 8, 8, 3)
+
+
+def test_a_snapshot_damaged_after_the_plan_says_to_run_the_reconstruction_again(tmp_path):
+    """Issue 29, item 13: the CRC error of a snapshot read by the reconstruction said "resume
+    from another step" (a resume's advice)."""
+    d = str(tmp_path / "run")
+    _steps_with_snapshots(d, [1, 2, 3])
+    plan = P.plan_reconstruction(d, [0.07])
+    path = os.path.join(d, "phema_0.100_000002.pt")
+    with zipfile.ZipFile(path) as z:
+        rec = next(i for i in z.infolist() if i.filename.endswith("/data/0"))
+    raw = bytearray(open(path, "rb").read())
+    start = rec.header_offset + 30 + int.from_bytes(raw[rec.header_offset + 26:
+                                                        rec.header_offset + 28], "little") \
+        + int.from_bytes(raw[rec.header_offset + 28:rec.header_offset + 30], "little")
+    raw[start + 5] ^= 0xFF
+    open(path, "wb").write(bytes(raw))
+    with pytest.raises(P.PhemaError) as e:
+        list(P.reconstruct(plan))
+    assert "CRC mismatch" in str(e.value) and "run the reconstruction again" in str(e.value)
+    assert "resume from another step" not in str(e.value)
