@@ -321,3 +321,30 @@ def test_prune_deletes_set_aside_interrupted_saves_once_older_than_the_kept_step
     R.tidy_for_resume(R.plan_resume(tmp_path / "b", ""), 4)  # step 5 set aside, newer than 4
     R.prune(tmp_path / "b", keep=1)
     assert (tmp_path / "b" / "incomplete" / "step000005" / "model000005.pt").exists()
+
+
+def test_a_live_source_run_says_its_newest_step_is_being_saved_and_a_pruned_file_gone(tmp_path):
+    """Issue 29, item 13: resuming from another run that a live job holds: its step without a
+    manifest is most likely the save that job is writing (before: "interrupted"), and a file the
+    job pruned between the plan and the load says the source is live and changing (before: "no
+    such file; check the path")."""
+    from improved_diffusion.ckpt import run_lock
+    from improved_diffusion.ckpt.checkpointer import Resume
+
+    src = tmp_path / "live"
+    _save_steps(src, [2, 4])
+    os.unlink(src / "manifest000004.json")  # step 4: being written by the live job
+    holder = run_lock.LogDirLock(src, 0).acquire(log=lambda s: None)
+    try:
+        plan = R.plan_resume(tmp_path / "new", str(src))
+        assert plan.step == 2 and plan.source_live and f"pid {os.getpid()}" in plan.source_live
+        assert any("most likely the save the job that holds the run" in w
+                   for w in plan.warnings), plan.warnings
+        assert not any("interrupted" in w for w in plan.warnings), plan.warnings
+        os.unlink(src / "model000002.pt")  # the live job pruned it after the plan
+        with pytest.raises(C.CheckpointReadError, match=r"model000002.pt: gone since the resume "
+                                                        r"chose it: .* is a live run"):
+            Resume(ckpt=None, plan=plan)._load(plan.model)
+    finally:
+        holder.release()
+    assert run_lock.live_holder(src) is None  # released: not live

@@ -567,6 +567,19 @@ class Resume:
         self.opt_summary = ""
         self.regrouped: Dict[str, Any] = {}
 
+    def _load(self, path):
+        """checkpoint.load_file_collective(path); a file gone from a source run that a live job
+        holds (pruned between the plan and the load) is said as such. Collective."""
+        try:
+            return checkpoint.load_file_collective(path)
+        except UserError as e:
+            if self.plan.source_live is None or "no such file" not in str(e):
+                raise
+            raise checkpoint.CheckpointReadError(  # a read, never a reason to fall back
+                f"{path}: gone since the resume chose it: {checkpoint.dirname(path)} is a live "
+                f"run ({self.plan.source_live} holds it) that writes and prunes steps as it "
+                f"goes; resume from a copy of it, or once that job has stopped") from None
+
     def load_model(self):
         """Load the model weights of the resume step into the model; returns the step.
         Strict: a file that does not fit is a one-line error naming the likely flag, unless
@@ -574,7 +587,7 @@ class Resume:
         keep the fresh model's initialisation). A file or run from elsewhere is refused when
         --log_dir holds a newer complete step. Collective."""
         ckpt, path = self.ckpt, self.plan.model
-        c = checkpoint.load_file_collective(path)
+        c = self._load(path)
         if c.kind not in MODEL_FILE_KINDS[ckpt.model_kind]:
             classifier = ckpt.model_kind == "classifier"
             if self.plan.source == "auto":  # found in --log_dir: no --resume_checkpoint given
@@ -633,7 +646,7 @@ class Resume:
             logger.warn(f"no EMA file for rate {rate_str} beside {c.path}; EMA starts from the "
                         f"model weights")
             return [p.detach().clone() for _, p in self.ckpt.named_params]
-        ema = checkpoint.load_file_collective(path)
+        ema = self._load(path)
         sd = checkpoint.model_state_from(ema, want="ema")
         if not sd:
             raise ResumeError(f"{path}: holds {checkpoint.describe(ema)}, not EMA weights; "
@@ -682,7 +695,7 @@ class Resume:
         else:
             try:
                 f = (c if c is not None and opt_path == c.path
-                     else checkpoint.load_file_collective(opt_path))
+                     else self._load(opt_path))
                 payload = f.optimizer
                 if payload is None:
                     raise optim_state.OptimizerStateError(

@@ -39,7 +39,7 @@ from typing import Dict, List, Optional
 import blobfile as bf
 
 from . import checkpoint as ckpt
-from . import file_writer
+from . import file_writer, run_lock
 from .. import dist_util
 from .checkpoint import CheckpointError, CheckpointReadError
 from ..errors import typed_one_line
@@ -371,6 +371,9 @@ class ResumePlan:
     temp_files: List[str] = field(default_factory=list)
     warnings: List[str] = field(default_factory=list)
     message: Optional[str] = None
+    # the job that holds the source run when it is another, live run (run_lock.describe_owner):
+    # its steps may be written or pruned between this plan and the loads
+    source_live: Optional[str] = None
 
     def files_of(self, step):
         """{"ema": {rate: path}, "opt": path or None} of ``step`` beside the model file."""
@@ -407,6 +410,8 @@ def plan_resume(log_dir, resume_checkpoint=""):
             plan.in_log_dir, here = True, steps
         else:
             here = list_steps(ckpt.dirname(arg))
+            holder = run_lock.live_holder(ckpt.dirname(arg))
+            plan.source_live = None if holder is None else run_lock.describe_owner(holder)
         plan.beside = _beside(here)
     else:
         where = arg if arg and arg != "auto" else log_dir
@@ -445,8 +450,13 @@ def _choose(plan, where, steps, announce):
         if announce:
             plan.message = f"--resume_checkpoint auto: no checkpoint in {where}; starting fresh"
         return
-    st = latest_complete_step(where, warn=plan.warnings.append, verify_checksums=True,
-                              steps=steps)
+    warn = plan.warnings.append
+    if explicit_dir:
+        holder = run_lock.live_holder(where)
+        if holder is not None:  # another job is writing there as we read it
+            plan.source_live = run_lock.describe_owner(holder)
+            warn = _live_source_warn(plan.warnings.append, plan.source_live)
+    st = latest_complete_step(where, warn=warn, verify_checksums=True, steps=steps)
     if st is not None:
         plan.source, plan.step = "auto", st.step
         plan.model = st.model_path
@@ -458,6 +468,17 @@ def _choose(plan, where, steps, announce):
         raise NoUsableStepError(_no_usable_step_message(flag, where, history or steps))
     plan.message = (f"no complete checkpoint in {where} (only interrupted saves); starting "
                     f"fresh")
+
+
+def _live_source_warn(warn, owner):
+    """``warn`` for the steps skipped in a run that a live job holds: a step without a manifest
+    there is most likely the save that job is writing, not an interrupted one."""
+    interrupted = "no manifest (the save was interrupted before it completed)"
+
+    def live_warn(line):
+        warn(line.replace(interrupted, f"no manifest yet: most likely the save the job that "
+                                       f"holds the run ({owner}) is writing now"))
+    return live_warn
 
 
 def _no_usable_step_message(flag, where, steps):

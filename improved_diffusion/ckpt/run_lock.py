@@ -117,6 +117,31 @@ def _parse_record(data):
     return record if isinstance(record, dict) else None
 
 
+def live_holder(log_dir):
+    """The owner record of the job that holds the local lock of ``log_dir`` now ({} when its
+    record is not written yet), or None when no job holds it (or for a remote log dir, whose
+    lock is an object read only by ``acquire``). Takes nothing and writes nothing: a shared,
+    non-blocking flock attempt on the lock's file, when it exists. Not collective."""
+    if "://" in os.fspath(log_dir):
+        return None
+    path = os.path.join(os.fspath(log_dir), LOCK_FILE)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return _parse_record(os.pread(fd, 4096, 0)) or {}
+        except OSError:
+            return None
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
+
+
 # --------------------------------------------------------------------------------------------
 # storage of the remote flavour
 
