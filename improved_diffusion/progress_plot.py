@@ -3,8 +3,9 @@
 
 Drawn with matplotlib (axis titles, a legend: q0 is the loss of the timesteps in the first
 quarter of the range, the least noisy, q3 of the last, the noisiest). Used by
-``scripts/plot_progress.py RUN_DIR`` and by the demo, which writes ``loss_curve.png`` beside its sample grid. The steps where the run was
-preempted or resumed (found in its ``log.txt``, ``run_events``) are marked on the curve.
+``scripts/plot_progress.py RUN_DIR`` and by the demo, which writes ``loss_curve.png`` beside
+its sample grid. The steps where the run was preempted or resumed (found in its ``log.txt``,
+``run_events``) are marked on the curve.
 """
 import csv
 import math
