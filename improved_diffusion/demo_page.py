@@ -41,14 +41,15 @@ MAX_OTHER_IMAGES = 24
 _TRAIN_GRID = re.compile(r"^grid_(\d+)\.png$")
 
 _CSS = """
-body { font-family: sans-serif; margin: 2em auto; max-width: 1100px; color: #222; }
+body { font-family: sans-serif; margin: 2em auto; max-width: 1160px; padding: 0 1em;
+       color: #222; }
 h1 { font-size: 1.5em; } h2 { font-size: 1.2em; margin-top: 1.6em; border-bottom: 1px solid #ccc; }
 table { border-collapse: collapse; margin: 0.5em 0; }
 td, th { border: 1px solid #ccc; padding: 0.25em 0.6em; text-align: left; vertical-align: top; }
 th { background: #f3f3f3; }
-td.num { text-align: right; font-variant-numeric: tabular-nums; }
+td.num { text-align: right; font-variant-numeric: tabular-nums; white-space: nowrap; }
 figure { display: inline-block; margin: 0.4em 1em 0.8em 0; vertical-align: top; }
-figcaption { font-size: 0.85em; color: #555; max-width: 720px; }
+figcaption { font-size: 0.85em; color: #555; max-width: 400px; }
 img.px { image-rendering: pixelated; }
 pre, code { background: #f6f6f6; font-size: 0.85em; }
 pre { padding: 0.6em; overflow-x: auto; }
@@ -56,10 +57,13 @@ p.lead { font-size: 1.05em; line-height: 1.45; max-width: 1000px; }
 .note { font-size: 0.85em; color: #555; }
 div.row { display: flex; gap: 2em; align-items: flex-start; flex-wrap: wrap; }
 div.row h2 { margin-top: 0; }
+div.row > div { flex: 0 1 auto; min-width: 0; }
+div.row .note { max-width: 34em; }
 table.guidance td { vertical-align: middle; }
 table.guidance th { max-width: 10em; }
 tr.cmd td { border-top: none; padding-top: 0; padding-bottom: 0.6em; }
-tr.cmd code { white-space: pre-wrap; overflow-wrap: anywhere; color: #444; background: none; }
+tr.cmd code { white-space: normal; color: #444; background: none; }
+tr.cmd code span { white-space: nowrap; }
 """
 
 
@@ -196,30 +200,32 @@ def _figures(fig):
     real digits' own, scored the same way; the Frechet floor for this many samples)."""
     n = fig.get("num_samples")
     ref = fig.get("reference") if isinstance(fig.get("reference"), dict) else {}
-    rn = ref.get("num_samples")
-    real = f"{rn} held-out real digits, scored the same way" if rn else ""
     floor_n = ref.get("fid_floor_n", n)
     rows = [("mean classifier confidence", fig.get("mean_confidence"),
-             ref.get("mean_confidence"), real),
-            ("label agreement (predicted class = asked class)", fig.get("label_agreement"),
-             ref.get("label_agreement"), real),
-            ("class histogram (0..9)", fig.get("histogram"), ref.get("histogram"), real),
-            ("Frechet distance to the real digits (classifier features)",
+             ref.get("mean_confidence")),
+            ("label agreement", fig.get("label_agreement"),
+             ref.get("label_agreement")),
+            ("class histogram (0..9)", fig.get("histogram"), ref.get("histogram")),
+            ("Frechet distance to the real digits",
              fig.get("fid_real_vs_generated"),
-             ref.get("fid_floor", fig.get("fid_real_subset_same_n")),
-             f"the floor for {floor_n} samples: {floor_n} real digits vs real digits"
-             if floor_n else "")]
+             ref.get("fid_floor", fig.get("fid_real_subset_same_n")))]
     if not ref:  # an older eval.json: its real-vs-real distances as rows of their own
-        rows += [("Frechet distance, real half vs half", fig.get("fid_real_halves"), None, ""),
-                 (f"Frechet distance, {n} real vs real", fig.get("fid_real_subset_same_n"), None,
-                  "")]
-    body = [(html.escape(k), html.escape(_num(v)), html.escape(_num(r)), html.escape(w))
-            for k, v, r, w in rows if v is not None]
-    return (_table(("figure", f"samples ({n})", "real digits", "the reference is"), body,
-                   num_cols=(1, 2))
-            + f"<p class=\"note\">Chance: label agreement "
-              f"{_num(ref.get('chance_label_agreement', 0.1))} (1 in 10 classes); a perfect "
-              f"model scores like the real digits.</p>")
+        rows += [("Frechet distance, real half vs half", fig.get("fid_real_halves"), None),
+                 (f"Frechet distance, {n} real vs real", fig.get("fid_real_subset_same_n"), None)]
+    body = [(html.escape(k), html.escape(_num(v)), html.escape(_num(r)))
+            for k, v, r in rows if v is not None]
+    note = []
+    if ref.get("num_samples"):
+        note.append(f"Real digits: {ref['num_samples']} of the training images, held out of "
+                    f"the reference batch, scored by the same evaluator; for the Frechet "
+                    f"distance, the floor for {floor_n} samples ({floor_n} real digits vs the "
+                    f"real digits).")
+    note.append(f"Label agreement: the share of samples the classifier reads as the class they "
+                f"were asked for; chance {_num(ref.get('chance_label_agreement', 0.1))} (1 in 10 "
+                f"classes). The Frechet distance is in the classifier's features. A perfect model "
+                f"scores like the real digits.")
+    return (_table(("figure", f"samples ({n})", "real digits"), body, num_cols=(1, 2))
+            + f"<p class=\"note\">{' '.join(note)}</p>")
 
 
 ADM_ROWS = (("fid", "FID", "lower is better"), ("sfid", "sFID", "lower is better"),
@@ -289,7 +295,7 @@ def _guidance(rows, out_dir, programs):
         path = os.path.join(out_dir, grid) if isinstance(grid, str) else None
         cell = ""
         if path and os.path.isfile(path):
-            cell = _img(out_dir, path, None, min_width=160, max_width=300)
+            cell = _img(out_dir, path, None, min_width=160, max_width=200)
             shown.append(path)
         ref = r.get("reference_label_agreement")
         what = str(r.get("reference_what") or "")
@@ -302,8 +308,9 @@ def _guidance(rows, out_dir, programs):
                    f"<td class=\"num\">{ref_text}</td>"
                    f"<td class=\"num\">{html.escape(_num(r.get('mean_confidence')))}</td></tr>")
         if cmd:
-            out.append(f"<tr class=\"cmd\"><td colspan=\"5\"><code>{html.escape(cmd)}</code>"
-                       f"</td></tr>")
+            # one <span> a word: lines break between words, never after a flag's "--"
+            words = " ".join(f"<span>{html.escape(w)}</span>" for w in cmd.split(" "))
+            out.append(f"<tr class=\"cmd\"><td colspan=\"5\"><code>{words}</code></td></tr>")
     out.append("</table>")
     note = "Each command (under its row) runs from the repository's folder"
     note += (f"; <code>$OUT</code> is <code>{html.escape(os.path.abspath(out_dir))}</code>."
@@ -340,7 +347,7 @@ def render(out_dir):
     top = []
     if grids:
         top.append("<div>" + "".join(_img(out_dir, p, "samples of the final EMA weights; "
-                                          "column c = class c", max_width=480)
+                                          "column c = class c", max_width=400)
                                      for p in grids) + "</div>")
         shown.update(grids)
     if isinstance(fig, dict):

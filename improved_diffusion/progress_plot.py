@@ -90,7 +90,7 @@ def loss_figure(series, marks=(), size=(720, 440), title=None, keys=QUARTILE_KEY
     w, h = size
     dpi = 100
     fig = Figure(figsize=(w / dpi, h / dpi), dpi=dpi)
-    left, right, top, bottom = 70, 20, 34, 50
+    left, right, top, bottom = 70, 20, 84, 50  # the legend sits above the plot
     ax = fig.add_axes((left / w, bottom / h, (w - left - right) / w, (h - top - bottom) / h))
     steps = [s for pts in series.values() for s, _ in pts]
     x0, x1 = min(steps), max(steps)
@@ -133,9 +133,9 @@ def loss_figure(series, marks=(), size=(720, 440), title=None, keys=QUARTILE_KEY
                     xytext=(5 if frac < 0.6 else -5, 0), textcoords="offset points",
                     ha="left" if frac < 0.6 else "right", color=mark, fontsize=9,
                     bbox=dict(boxstyle="square,pad=0.15", facecolor="white", edgecolor="none"))
-    leg = ax.legend(title="loss by quarter of the timestep range", fontsize=8,
-                    title_fontsize=8, loc="upper right", framealpha=0.9)
-    leg.set_zorder(5)
+    ax.legend(title="the loss by quarter of the timestep range t = 0 .. T", fontsize=8,
+              title_fontsize=8, loc="lower left", bbox_to_anchor=(0, 1.01), ncol=2,
+              frameon=False, borderaxespad=0)
     fig.suptitle(title or "training loss by timestep quartile", x=left / w, ha="left",
                  y=1 - 8 / h, fontsize=10)
     return fig
