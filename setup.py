@@ -11,7 +11,7 @@ setup(
     extras_require={
         "mpi": ["mpich"],
         "test": ["pytest", "pytest-timeout"],
-        "demo": ["scikit-learn"],
+        "demo": ["scikit-learn", "matplotlib"],  # the loss curve (progress_plot)
         "safetensors": ["safetensors"],
         "tensorboard": ["tensorboard"],  # --tensorboard True
     },

@@ -16,6 +16,7 @@ is visited twice or skipped.
 """
 import hashlib
 import io
+import json
 import os
 import warnings
 import zipfile
@@ -699,4 +700,32 @@ def load_data(
         log=log,
     )
     loader.class_rule, loader.class_names = rule, names  # None without class_cond
+    # the VAE that made a latent folder (datasets/vae_latents.py's vae.json), for the checkpoints
+    loader.vae = read_latent_vae(data_dir) if kind == "latents" else None
     return loader
+
+
+# datasets/vae_latents.py's record of the VAE that encoded a latent folder: {"source", "sha256",
+# "scale"} (the sha256 of its weights, vae_latents.vae_identity).
+LATENT_VAE_FILE = "vae.json"
+
+
+def read_latent_vae(data_dir):
+    """The latent folder's vae.json as a dict ({"source", "sha256", "scale"}), or None when the
+    folder has none (latents made elsewhere).
+
+    :raises DataError: a vae.json that is not readable JSON with a "sha256" string.
+    """
+    path = bf.join(data_dir, LATENT_VAE_FILE)
+    if not bf.exists(path):
+        return None
+    try:
+        with bf.BlobFile(path, "rb") as f:
+            rec = json.loads(f.read().decode("utf-8"))
+    except (OSError, ValueError) as e:
+        raise DataError(f"cannot read {path}: {e}; remove it or write it again with "
+                        f"datasets/vae_latents.py encode") from e
+    if not isinstance(rec, dict) or not isinstance(rec.get("sha256"), str):
+        raise DataError(f"{path} names no VAE (no \"sha256\" string); remove it or write it "
+                        f"again with datasets/vae_latents.py encode")
+    return rec

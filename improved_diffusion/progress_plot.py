@@ -1,9 +1,11 @@
 """A run's loss curve as a PNG, from its progress.csv: the loss by timestep quartile
 (``loss_q0`` .. ``loss_q3``, as the trainer logs them) against the step, on a log scale.
 
-Drawn with PIL alone (no plotting library). Used by ``scripts/plot_progress.py RUN_DIR`` and by
-the demo, which writes ``loss_curve.png`` beside its sample grid. The steps where the run was
-preempted or resumed (found in its ``log.txt``, ``run_events``) are marked on the curve.
+Drawn with matplotlib (axis titles, a legend: q0 is the loss of the timesteps in the first
+quarter of the range, the least noisy, q3 of the last, the noisiest). Used by
+``scripts/plot_progress.py RUN_DIR`` and by the demo, which writes ``loss_curve.png`` beside
+its sample grid. The steps where the run was preempted or resumed (found in its ``log.txt``,
+``run_events``) are marked on the curve.
 """
 import csv
 import math
@@ -75,76 +77,98 @@ def _series(table, keys):
     return series
 
 
+def loss_figure(series, marks=(), size=(720, 440), title=None, keys=QUARTILE_KEYS):
+    """The matplotlib Figure of the loss curve (no pyplot: no global state, no display).
+
+    ``series``: {key: [(step, value)]} (``_series``); ``marks``: [(step, label)] drawn as dashed
+    vertical lines, those outside the plotted steps left out. The plot area spans x = 70 ..
+    width - 20 px and exactly the plotted steps, so a step's pixel column is known.
+    """
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import FuncFormatter, LogLocator, MaxNLocator, NullFormatter
+
+    w, h = size
+    dpi = 100
+    fig = Figure(figsize=(w / dpi, h / dpi), dpi=dpi)
+    left, right, top, bottom = 70, 20, 84, 50  # the legend sits above the plot
+    ax = fig.add_axes((left / w, bottom / h, (w - left - right) / w, (h - top - bottom) / h))
+    steps = [s for pts in series.values() for s, _ in pts]
+    x0, x1 = min(steps), max(steps)
+    if x1 == x0:
+        x1 = x0 + 1
+    for i, k in enumerate(keys):
+        if k not in series:
+            continue
+        xs, ys = zip(*series[k])
+        q = k.rsplit("_q", 1)[-1]
+        lo, hi = int(q) * 25, int(q) * 25 + 25
+        ax.plot(xs, ys, color=tuple(c / 255 for c in COLOURS[i % len(COLOURS)]),
+                linewidth=2.0, antialiased=False,
+                label=f"q{q}: timesteps {lo}-{hi}% of T" + (" (least noise)" if q == "0" else
+                                                            " (most noise)" if q == "3" else ""),
+                marker="o" if len(xs) == 1 else None)
+    ax.set_yscale("log")
+    ax.set_xlim(x0, x1)
+    ax.margins(x=0)
+    ax.xaxis.set_major_locator(MaxNLocator(nbins=8, steps=[1, 2, 2.5, 5, 10], integer=True))
+    # plain numbers at 1, 2, 5 x 10^k (not matplotlib's 6 x 10^-2 minor labels)
+    values = [v for pts in series.values() for _, v in pts]
+    narrow = math.log10(max(values) / min(values)) < 1.0  # under a decade: 1, 2, 3, 5, 7 x 10^k
+    ax.yaxis.set_major_locator(LogLocator(base=10, subs=(
+        (1.0, 2.0, 3.0, 5.0, 7.0) if narrow else (1.0, 2.0, 5.0))))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:.3g}"))
+    ax.yaxis.set_minor_formatter(NullFormatter())
+    ax.grid(True, which="major", color="#dddddd", linewidth=0.8)
+    ax.grid(True, which="minor", axis="y", color="#f0f0f0", linewidth=0.5)
+    ax.set_xlabel("training step")
+    ax.set_ylabel("training loss (log scale)")
+    mark = tuple(c / 255 for c in MARK_COLOUR)
+    ymin, ymax = ax.get_ylim()
+    for step, label in marks:
+        if not x0 <= step <= x1:
+            continue
+        ax.axvline(step, color=mark, linestyle=(0, (4, 3)), linewidth=2.2, antialiased=False)
+        frac = (step - x0) / (x1 - x0)
+        ax.annotate(f"{label} at step {step}", xy=(step, 0.03), xycoords=("data", "axes fraction"),
+                    xytext=(5 if frac < 0.6 else -5, 0), textcoords="offset points",
+                    ha="left" if frac < 0.6 else "right", color=mark, fontsize=9,
+                    bbox=dict(boxstyle="square,pad=0.15", facecolor="white", edgecolor="none"))
+    ax.legend(title="the loss by quarter of the timestep range t = 0 .. T", fontsize=8,
+              title_fontsize=8, loc="lower left", bbox_to_anchor=(0, 1.01), ncol=2,
+              frameon=False, borderaxespad=0)
+    fig.suptitle(title or "training loss by timestep quartile", x=left / w, ha="left",
+                 y=1 - 8 / h, fontsize=10)
+    return fig
+
+
 def plot_loss_curve(csv_path, png_path, keys=QUARTILE_KEYS, size=(720, 440), marks=()):
-    """Draw ``keys`` of ``csv_path`` against the step (log-scale y) into ``png_path``.
+    """Draw ``keys`` of ``csv_path`` against the step (log-scale y) into ``png_path`` (an RGB
+    PNG of ``size`` px, drawn with matplotlib: axis titles, a legend saying what q0..q3 are).
 
     ``marks``: [(step, label)] drawn as dashed vertical lines with their label and step (e.g.
     ``run_events(LOG_DIR/log.txt)``); those outside the plotted steps are left out.
 
     :return: the number of steps plotted.
-    :raises PlotError: when the file is missing or none of ``keys`` has a value.
+    :raises PlotError: when the file is missing or none of ``keys`` has a value, or matplotlib
+        is not installed.
     """
-    from PIL import Image, ImageDraw
-
     series = _series(read_progress(csv_path, ("step",) + tuple(keys)), keys)
     if not series:
         raise PlotError(f"{csv_path}: no {', '.join(keys)} values to plot (train for at least "
                         f"one --log_interval first)")
-    steps = [s for pts in series.values() for s, _ in pts]
-    values = [math.log10(v) for pts in series.values() for _, v in pts]
-    x0, x1 = min(steps), max(steps)
-    y0, y1 = min(values), max(values)
-    if x1 == x0:
-        x1 = x0 + 1
-    if y1 - y0 < 1e-6:
-        y0, y1 = y0 - 0.5, y1 + 0.5
-    w, h = size
-    left, right, top, bottom = 70, 20, 40, 50
-    img = Image.new("RGB", size, "white")
-    d = ImageDraw.Draw(img)
+    try:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+    except ImportError:
+        raise PlotError("the loss curve needs matplotlib: pip install matplotlib (or the "
+                        "project's demo extra, pip install -e '.[demo]')") from None
+    from PIL import Image
 
-    def px(step, logv):
-        x = left + (step - x0) / (x1 - x0) * (w - left - right)
-        y = top + (y1 - logv) / (y1 - y0) * (h - top - bottom)
-        return x, y
-
-    d.rectangle([left, top, w - right, h - bottom], outline=(0, 0, 0))
-    for frac in (0.0, 0.25, 0.5, 0.75, 1.0):
-        logv = y0 + frac * (y1 - y0)
-        _, y = px(x0, logv)
-        d.line([left - 4, y, left, y], fill=(0, 0, 0))
-        d.line([left + 1, y, w - right - 1, y], fill=(230, 230, 230))
-        d.text((4, y - 6), f"{10 ** logv:.3g}", fill=(0, 0, 0))
-        step = x0 + frac * (x1 - x0)
-        x, _ = px(step, y0)
-        d.line([x, h - bottom, x, h - bottom + 4], fill=(0, 0, 0))
-        d.text((x - 12, h - bottom + 8), f"{step:.0f}", fill=(0, 0, 0))
-    d.text((w // 2 - 14, h - 18), "step", fill=(0, 0, 0))
-    d.text((left, 8), f"training loss by timestep quartile (log scale): {csv_path}"[:100],
-           fill=(0, 0, 0))
-    for step, label in marks:
-        if not x0 <= step <= x1:
-            continue
-        x, _ = px(step, y0)
-        for y in range(top + 1, h - bottom, 8):
-            d.line([x, y, x, min(y + 4, h - bottom - 1)], fill=MARK_COLOUR, width=2)
-        text = f"{label} at step {step}"
-        tx = x + 5 if x + 5 + d.textlength(text) <= w - right else x - 5 - d.textlength(text)
-        d.text((tx, h - bottom - 16), text, fill=MARK_COLOUR)
-    for i, k in enumerate(keys):
-        if k not in series:
-            continue
-        colour = COLOURS[i % len(COLOURS)]
-        pts = [px(s, math.log10(v)) for s, v in series[k]]
-        if len(pts) > 1:
-            d.line(pts, fill=colour, width=2)
-        for x, y in pts[-1:]:
-            d.ellipse([x - 2, y - 2, x + 2, y + 2], fill=colour)
-        lx = w - right - 90
-        ly = top + 8 + 14 * i
-        d.line([lx, ly + 6, lx + 18, ly + 6], fill=colour, width=3)
-        d.text((lx + 24, ly), k, fill=(0, 0, 0))
+    fig = loss_figure(series, marks=marks, size=size, keys=keys)
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    img = Image.frombuffer("RGBA", canvas.get_width_height(), canvas.buffer_rgba(), "raw",
+                           "RGBA", 0, 1).convert("RGB")
     tmp = png_path + ".tmp.png"
     img.save(tmp)
     os.replace(tmp, png_path)
-    return len(set(steps))
+    return len({s for pts in series.values() for s, _ in pts})

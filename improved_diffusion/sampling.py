@@ -287,11 +287,19 @@ def class_names_of(ckpt):
     return list(names) if ok else None
 
 
-def load_model(args, explicit):
+def vae_of(ckpt):
+    """The VAE a latent model's file names (train.py's ``vae`` tag, from its latent folder's
+    vae.json: {"source", "sha256", "scale"}), or None."""
+    vae = ckpt.raw.get("vae") if isinstance(ckpt.raw, dict) else None
+    return dict(vae) if isinstance(vae, dict) and isinstance(vae.get("sha256"), str) else None
+
+
+def load_model(args, explicit, tags=None):
     """The model of sample.py and classifier_sample.py: `load_for_sampling` of --model_path
     (--weights), its torso in float16 with guided-diffusion's --use_fp16, and one log line.
 
     Collective: call from all ranks with the same arguments.
+    :param tags: a dict to fill with the file's tags: "vae" (`vae_of`) when it names one.
     :return: (model, diffusion, flags, the file's class names or None).
     """
     logger.log(f"loading {args.model_path} ...")
@@ -311,11 +319,15 @@ def load_model(args, explicit):
         f"timestep_respacing={flags['timestep_respacing'] or '(none)'}"
         + (" (float16 torso: --use_fp16)" if args.use_fp16 else "")
     )
+    if tags is not None and vae_of(ckpt):
+        tags["vae"] = vae_of(ckpt)
+        logger.log(f"latents of the VAE {tags['vae']['sha256'][:12]} (its sha256 goes into the "
+                   f"npz as vae_sha256; vae_latents.py decode checks it)")
     return model, diffusion, flags, class_names_of(ckpt)
 
 
 def sample_to_npz(args, model, diffusion, flags, *, num_classes=None, classes=None, forward=None,
-                  cond_fn=None, guidance="", class_names=None):
+                  cond_fn=None, guidance="", class_names=None, vae=None):
     """Draw --num_samples images (`generate`) and write them into the logger's dir
     (`write_results`): what sample.py and classifier_sample.py do once their model is loaded.
     An existing npz is refused (before sampling) unless --overwrite True.
@@ -323,6 +335,8 @@ def sample_to_npz(args, model, diffusion, flags, *, num_classes=None, classes=No
     Collective: call from all ranks with the same arguments.
     :param guidance: words for the log line (e.g. "classifier scale 3").
     :param class_names: the labels' names (`class_names_of`), for the log line of the labels.
+    :param vae: the model file's VAE (`vae_of`): its sha256 goes into the npz as
+        ``vae_sha256`` (a string array), which datasets/vae_latents.py decode checks.
     """
     log_dir = logger.get_dir()
     shape = (flags["in_channels"], flags["image_size"], flags["image_size"])
@@ -348,8 +362,9 @@ def sample_to_npz(args, model, diffusion, flags, *, num_classes=None, classes=No
     if labels is not None:
         logger.log(label_names_line(labels, class_names))
     ncol = len(classes) if classes and len(classes) > 1 else None
+    extra = {"vae_sha256": np.array(vae["sha256"])} if vae else None
     write_results(log_dir, images, labels, ncol=ncol, grid=args.grid and as_images,
-                  overwrite=args.overwrite)
+                  overwrite=args.overwrite, extra=extra)
 
 
 def label_names_line(labels, names=None):
@@ -724,8 +739,10 @@ def sample_paths(log_dir, shape_nhwc):
             os.path.join(log_dir, f"samples_{shape_str}.png"))
 
 
-def save_samples(log_dir, images, labels=None, *, ncol=None, grid=True, overwrite=False):
-    """Write ``samples_{N}x{H}x{W}x{C}.npz`` (+ ``.png`` grid) into `log_dir` (call on rank 0).
+def save_samples(log_dir, images, labels=None, *, ncol=None, grid=True, overwrite=False,
+                 extra=None):
+    """Write ``samples_{N}x{H}x{W}x{C}.npz`` (+ ``.png`` grid) into `log_dir` (call on rank 0);
+    ``extra``: more arrays of the npz by name (e.g. ``vae_sha256``).
 
     The npz is written under a temporary name and renamed into place. Refuses to replace an
     existing npz unless `overwrite` (SampleError naming the file and --overwrite).
@@ -741,6 +758,7 @@ def save_samples(log_dir, images, labels=None, *, ncol=None, grid=True, overwrit
     arrays = {"arr_0": images}
     if labels is not None:
         arrays["arr_1"] = labels
+    arrays.update(extra or {})
     if "://" in log_dir:
         with bf.BlobFile(npz_path, "wb") as f:
             np.savez(f, **arrays)
@@ -773,7 +791,8 @@ def grid_png(images, f, ncol=None):
     return g
 
 
-def write_results(log_dir, images, labels=None, *, ncol=None, grid=True, overwrite=False):
+def write_results(log_dir, images, labels=None, *, ncol=None, grid=True, overwrite=False,
+                  extra=None):
     """
     Rank 0 writes the npz and the grid (`save_samples`) and logs where; a failed write there is
     raised on every rank (dist_util.run_on_rank0), so no rank is left waiting.
@@ -781,7 +800,8 @@ def write_results(log_dir, images, labels=None, *, ncol=None, grid=True, overwri
     Collective: call from all ranks with the same arguments (``images`` may be None off rank 0).
     """
     npz, png = dist_util.run_on_rank0(
-        lambda: save_samples(log_dir, images, labels, ncol=ncol, grid=grid, overwrite=overwrite))
+        lambda: save_samples(log_dir, images, labels, ncol=ncol, grid=grid, overwrite=overwrite,
+                             extra=extra))
     logger.log(f"saving to {npz}")
     if png:
         logger.log(f"grid: {png}")

@@ -269,6 +269,10 @@ class TrainLoop:
         names = getattr(data, "class_names", None)  # image_datasets.load_data's, in label order
         if names:
             self.checkpointer.file_tags["class_names"] = [str(n) for n in names]
+        vae = getattr(data, "vae", None)  # a latent folder's vae.json: decode with that VAE
+        if vae:
+            self.checkpointer.file_tags["vae"] = {k: vae[k] for k in ("source", "sha256", "scale")
+                                                  if k in vae}
         self._resume()
         self.grids = (SampleGrids.of_training(cfg, self.model, self.ema_params, self.diffusion,
                                               self.model_flags, sample_kwargs)

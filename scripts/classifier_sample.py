@@ -56,7 +56,8 @@ def create_argparser():
 
 def main(argv=None):
     args, explicit = sampling.start_script(create_argparser(), argv)
-    model, diffusion, flags, names = sampling.load_model(args, explicit)
+    tags = {}
+    model, diffusion, flags, names = sampling.load_model(args, explicit, tags)
 
     logger.log(f"loading classifier {args.classifier_path} ...")
     classifier, cflags = sampling.load_classifier(args.classifier_path, explicit, flags)
@@ -80,7 +81,8 @@ def main(argv=None):
         words += f", classifier-free guidance scale {args.guidance_scale}"
     sampling.sample_to_npz(args, model, diffusion, flags, num_classes=num_classes,
                            classes=classes, forward=forward, cond_fn=cond_fn, guidance=words,
-                           class_names=names if flags["class_cond"] else None)
+                           class_names=names if flags["class_cond"] else None,
+                           vae=tags.get("vae"))
     return 0
 
 

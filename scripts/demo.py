@@ -13,7 +13,10 @@
              digits, classes 0..9 in turn (each grid column one class), npz + PNG grid; the loss
              curve.
 4. evaluate  a classifier trained on the real digits scores the samples (scripts/eval_digits.py):
-             mean confidence, label agreement, class histogram, Frechet distance vs real halves.
+             mean confidence, label agreement, class histogram, Frechet distance vs real halves;
+             the same for --num_samples real digits held out (the reference column), and
+             ADM's FID, sFID, IS, precision, recall of both (scripts/evaluate.py --features
+             digits) against the other real digits.
 5. guidance  the model above learnt the null label too (--class_dropout_prob 0.1); a small noised
              classifier is trained with `mpiexec -n 2 python scripts/classifier_train.py`,
              preempted halfway and auto-resumed like the model; then the same seeds and labels
@@ -25,12 +28,13 @@
 The stages print as ``=== [N/6] ...``, with these numbers.
 
 Everything lands in --out (default demo_out/ in the repository): data/, run/ (checkpoints and
-logs), samples/ (npz, grid PNG and loss curve), eval.json, classifier/ (its run), guidance/ (the
-guided samples), guidance.json (a list of rows {"way", "label_agreement", "mean_confidence",
-"command"}), summary.txt and index.html (the page to look at: figures, grids, loss curve, the
-guidance table; improved_diffusion/demo_page.py). An --out that holds a finished run is never
-overwritten: its summary is shown again (pass a new --out to run afresh; through make,
-``make demo DEMO_ARGS="--out NEW_DIR"``). An --out with an
+logs), samples/ (npz, grid PNG and loss curve), eval/ (the real digits as batches: the held-out
+ones and the reference), eval.json, classifier/ (its run), guidance/ (the guided samples),
+guidance.json (a list of rows {"way", "label_agreement", "mean_confidence", "command", "grid",
+...}), demo.json (what was trained, the stages' times), summary.txt and index.html (the page
+to look at: figures, grids, loss curve, the guidance table; improved_diffusion/demo_page.py).
+An --out that holds a finished run is never overwritten: its summary is shown again (pass a new
+--out to run afresh; through make, ``make demo DEMO_ARGS="--out NEW_DIR"``). An --out with an
 unfinished run of the same settings is continued (training auto-resumes); different settings are
 an error. Exit code 0 on success, 1 when a stage fails, 2 for bad usage.
 """
@@ -477,14 +481,101 @@ def _score(npz):
             raise DemoError(f"evaluation failed: {e}") from None
 
 
-def evaluate(npz, out):
-    """Score the samples (datasets/digits.py, as scripts/eval_digits.py); writes eval.json."""
+def real_digit_batches(data_dir, out, s):
+    """The real digits as batches for the evaluator, read from stage 1's files (so they went
+    through the same --image_size upscaling the model trained on) as RGB uint8 NHWC, the layout
+    of sample.py's npz: ``eval/real_N.npz`` N held-out digits (N = --num_samples, at most 890)
+    of classes 0..9 in turn, their labels in arr_1 (what the samples were asked to be), and
+    ``eval/ref_digits.npz`` all the other digits (the reference batch of ADM's metrics, which
+    the held-out ones are not part of). Returns (real_npz, ref_npz)."""
+    import numpy as np
+    from PIL import Image
+
+    import digits  # datasets/digits.py (on the path: prepare_data)
+
+    _, y = digits.load_real_digits()
+    n = min(int(s["num_samples"]), 890)  # ~180 digits a class: half of them at most held out
+    rng = np.random.default_rng(s["seed"])
+    by_class = [rng.permutation(np.flatnonzero(y == c)) for c in range(digits.NUM_CLASSES)]
+    held = [int(by_class[i % 10][i // 10]) for i in range(n)]
+    rest = sorted(set(range(len(y))) - set(held))
+
+    def images(indices):
+        arr = []
+        for i in indices:
+            with Image.open(os.path.join(data_dir, digits.digit_filename(y[i], i))) as im:
+                arr.append(np.asarray(im.convert("RGB"), dtype=np.uint8))
+        return np.stack(arr)
+
+    folder = os.path.join(out, "eval")
+    os.makedirs(folder, exist_ok=True)
+    paths = []
+    for name, idx, labels in ((f"real_{n}.npz", held, True), ("ref_digits.npz", rest, False)):
+        path = os.path.join(folder, name)
+        arrays = {"arr_0": images(idx)}
+        if labels:
+            arrays["arr_1"] = y[idx].astype(np.int64)
+        np.savez(path + ".tmp.npz", **arrays)
+        os.replace(path + ".tmp.npz", path)
+        paths.append(path)
+    return tuple(paths)
+
+
+# ADM's five figures (improved_diffusion/evaluation.py, scripts/evaluate.py --features digits).
+ADM_KEYS = ("fid", "sfid", "inception_score", "precision", "recall")
+ADM_NAMES = {"fid": "FID", "sfid": "sFID", "inception_score": "IS", "precision": "precision",
+             "recall": "recall"}
+
+
+def adm_metrics(ref_npz, npz):
+    """ADM's five figures of ``npz`` against the reference batch, with the digits classifier as
+    the feature network (what `python scripts/evaluate.py REF NPZ --features digits` prints)."""
+    import digits  # datasets/digits.py
+
+    from improved_diffusion import evaluation
+
+    rel = lambda p: os.path.relpath(p, REPO)  # noqa: E731
+    print(f"$ python scripts/evaluate.py {rel(ref_npz)} {rel(npz)} --features digits   "
+          f"(run in-process)", flush=True)
+    try:
+        r = evaluation.evaluate(ref_npz, npz, digits.DigitFeatures())
+    except evaluation.EvaluationError as e:
+        raise DemoError(f"evaluation failed: {e}") from None
+    out = {k: (None if r[k] != r[k] else float(r[k])) for k in ADM_KEYS}
+    out.update(num_ref=int(r["num_ref"]), num_samples=int(r["num_samples"]))
+    print("  " + "  ".join(f"{k} {v:.3f}" if v is not None else f"{k} n/a"
+                           for k, v in out.items() if k in ADM_KEYS), flush=True)
+    return out
+
+
+def evaluate(npz, out, data_dir, s):
+    """Score the samples (datasets/digits.py, as scripts/eval_digits.py) and, the same way, N
+    held-out real digits (the reference column); then ADM's five figures of both against the
+    other real digits. Writes eval.json: the samples' figures, "reference" (the real digits'
+    own: mean_confidence, label_agreement, histogram, fid_floor = the Frechet distance of N real
+    digits, the floor for N samples, and chance_label_agreement = 1 / classes, what the null
+    label gets) and "adm" ({"samples": five figures, "real": five figures, "ref_batch"})."""
     import digits  # datasets/digits.py (on the path: prepare_data)
 
     t0 = time.time()
     print(f"$ python scripts/eval_digits.py {npz}   (run in-process)", flush=True)
     fig = _score(npz)
     print(digits.format_report(fig), flush=True)
+    real_npz, ref_npz = real_digit_batches(data_dir, out, s)
+    print(f"the reference: {os.path.relpath(real_npz, out)}, real digits held out of "
+          f"{os.path.relpath(ref_npz, out)}, scored the same way", flush=True)
+    real = _score(real_npz)
+    fig["reference"] = {
+        "what": f"{real['num_samples']} real digits (stage 1's files, held out of the reference "
+                f"batch), scored by the same evaluator",
+        "num_samples": real["num_samples"], "mean_confidence": real["mean_confidence"],
+        "label_agreement": real["label_agreement"], "histogram": real["histogram"],
+        "fid_floor": fig["fid_real_subset_same_n"], "fid_floor_n": fig["fid_real_subset_n"],
+        "chance_label_agreement": 1.0 / len(fig["histogram"]),
+        "npz": os.path.relpath(real_npz, out),
+    }
+    fig["adm"] = {"samples": adm_metrics(ref_npz, npz), "real": adm_metrics(ref_npz, real_npz),
+                  "ref_batch": os.path.relpath(ref_npz, out)}
     with open(os.path.join(out, "eval.json"), "w") as f:
         json.dump(fig, f, indent=1)
     print(f"[evaluate: {time.time() - t0:.0f} s]", flush=True)
@@ -550,9 +641,17 @@ def guidance(data_dir, run_dir, out, s, base_npz, base_fig, preempt=True):
                 raise DemoError(f"sampling ({way}) failed (exit code {code}); see the output above")
             npz = _samples_npz(samples, s)
             fig = _score(npz)
+        ref = base_fig.get("reference", {})
+        null = script == "sample.py" and flags[-2:] == ["--guidance_scale", "0"]  # no steering
         rows.append({"way": way, "label_agreement": fig["label_agreement"],
                      "mean_confidence": fig["mean_confidence"],
-                     "command": " ".join(_quote(c) for c in cmd)})
+                     "command": " ".join(_quote(c) for c in cmd),
+                     "grid": os.path.relpath(npz[:-len(".npz")] + ".png", out),
+                     # what the label agreement compares with: chance for the null label, the
+                     # real digits' own agreement for the ways that ask for a class
+                     "reference_label_agreement": ref.get(
+                         "chance_label_agreement" if null else "label_agreement"),
+                     "reference_what": "chance (1 / classes)" if null else "real digits"})
     with open(os.path.join(out, "guidance.json.tmp"), "w") as f:
         json.dump(rows, f, indent=1)
     os.replace(os.path.join(out, "guidance.json.tmp"), os.path.join(out, "guidance.json"))
@@ -593,18 +692,74 @@ def summary_lines(out, png, npz, fig, info, s, seconds, curve, guided=None):
                 else "preemption not shown this time"))
         lines += guidance_table(rows, s)
         lines.append(f"         (rows and commands: {os.path.join(out, 'guidance.json')})")
+    ref = fig.get("reference") or {}
+    adm = fig.get("adm")
+    if adm:
+        lines.append(f"ADM's evaluator (scripts/evaluate.py --features digits; reference batch: "
+                     f"{adm['samples']['num_ref']} real digits):")
+        lines.append(f"  {'':<24}" + "".join(f"{ADM_NAMES[k]:>11}" for k in ADM_KEYS))
+        for who, r in (("samples", adm["samples"]),
+                       (f"{adm['real']['num_samples']} real digits", adm["real"])):
+            lines.append(f"  {who:<24}" + "".join(
+                f"{r[k]:>11.3f}" if r[k] is not None else f"{'n/a':>11}" for k in ADM_KEYS))
+
+    def versus(key, f=".3f"):
+        v = ref.get(key)
+        return f"   (real digits {v:{f}})" if isinstance(v, float) else ""
+
     lines += [
         f"samples: {npz}",
         f"grid:    {png}   (column c = class c)",
         f"loss:    {curve}   (training loss by timestep quartile)",
-        f"mean classifier confidence: {fig['mean_confidence']:.3f}",
-        f"label agreement:            {fig['label_agreement']:.3f}",
+        f"mean classifier confidence: {fig['mean_confidence']:.3f}{versus('mean_confidence')}",
+        f"label agreement:            {fig['label_agreement']:.3f}{versus('label_agreement')}",
         f"class histogram (0..9):     {' '.join(str(c) for c in hist)}",
         f"Frechet distance (classifier features): generated vs real "
         f"{fig['fid_real_vs_generated']:.2f} | real half vs half {fig['fid_real_halves']:.2f}"
         f" | {fig['num_samples']} real vs real {fig['fid_real_subset_same_n']:.2f}",
     ]
     return lines
+
+
+RECORD = "demo.json"
+
+
+def model_parameters(path):
+    """The number of weights in the model file at `path` (its state dict's tensors)."""
+    from improved_diffusion import sampling
+
+    sd, _ = sampling.load_weights(path, "ema")
+    return int(sum(t.numel() for t in sd.values()))
+
+
+def write_record(out, s, info, clf_info, seconds, run_dir):
+    """``demo.json``: what was trained, from this run's own records (the settings it ran with,
+    the model file's weights, the stages' wall times, the preemptions), and where the commands'
+    programs are (so the page can show them relative): read by demo_page.py."""
+    import digits  # datasets/digits.py
+
+    ema = os.path.join(run_dir, f"ema_{s['ema_rate']}_{s['steps']:06d}.pt")
+    record = {
+        "data": {"name": "scikit-learn's handwritten digits", "images": len(
+            digits.load_real_digits()[1]), "classes": digits.NUM_CLASSES,
+            "source_px": digits.SOURCE_SIZE, "image_size": s["image_size"]},
+        "model": {"kind": "UNet", "class_cond": True, "parameters": model_parameters(ema),
+                  "num_channels": s["num_channels"], "channel_mult": s["channel_mult"],
+                  "num_res_blocks": s["num_res_blocks"], "diffusion_steps": s["diffusion_steps"],
+                  "noise_schedule": s["noise_schedule"], "predict_xstart": s["predict_xstart"],
+                  "class_dropout_prob": s["class_dropout_prob"], "ema_rate": s["ema_rate"]},
+        "training": {"steps": s["steps"], "batch_size": s["batch_size"], "ranks": s["ranks"],
+                     "lr": s["lr"], "preemption": info, "classifier_steps": s["classifier_steps"],
+                     "classifier_preemption": clf_info},
+        "sampling": {"num_samples": s["num_samples"], "sample_steps": s["sample_steps"],
+                     "weights": os.path.relpath(ema, out)},
+        "seconds": seconds,
+        "programs": {"repo": REPO, "python": sys.executable, "mpiexec": _mpiexec()},
+    }
+    with open(os.path.join(out, RECORD + ".tmp"), "w") as f:
+        json.dump(record, f, indent=1)
+    os.replace(os.path.join(out, RECORD + ".tmp"), os.path.join(out, RECORD))
+    return record
 
 
 def main(argv=None):
@@ -648,19 +803,34 @@ def main(argv=None):
 
     total = 6
     print(f"demo settings: {json.dumps(s)}\noutput: {out}", flush=True)
+    seconds = {}
+    clock = [time.time()]
+
+    def took(name):
+        now = time.time()
+        seconds[name] = round(now - clock[0], 1)
+        clock[0] = now
+
     stage(1, total, f"data: scikit-learn digits as {s['image_size']}px images")
     data_dir = prepare_data(out, s)
+    took("data")
     stage(2, total, f"train with mpiexec -n {s['ranks']}, preempted halfway, then auto-resumed")
     info = train_with_preemption(data_dir, run_dir, s, preempt=not args.no_preempt)
+    took("train")
     stage(3, total, f"sample {s['num_samples']} digits from the EMA weights (DDIM); loss curve")
     npz, png = sample(run_dir, samples_dir, s)
     curve = plot_curve(run_dir, samples_dir)
+    took("sample")
     stage(4, total, "evaluate with a classifier trained on the real digits")
-    fig = evaluate(npz, out)
+    fig = evaluate(npz, out, data_dir, s)
+    took("evaluate")
     stage(5, total, "guidance: a noised classifier (2 ranks, preempted, resumed), then the same "
           "seeds sampled with classifier guidance, classifier-free guidance, both, and without")
     guided = guidance(data_dir, run_dir, out, s, npz, fig, preempt=not args.no_preempt)
+    took("guidance")
     stage(6, total, "summary")
+    seconds["total"] = round(time.time() - t0, 1)
+    write_record(out, s, info, guided[1], seconds, run_dir)
     lines = summary_lines(out, png, npz, fig, info, s, time.time() - t0, curve, guided)
     with open(summary_path + ".tmp", "w") as f:
         f.write("\n".join(lines) + "\n")

@@ -51,7 +51,8 @@ def create_argparser():
 
 def main(argv=None):
     args, explicit = sampling.start_script(create_argparser(), argv)
-    model, diffusion, flags, names = sampling.load_model(args, explicit)
+    tags = {}
+    model, diffusion, flags, names = sampling.load_model(args, explicit, tags)
 
     num_classes = flags["num_classes"] if flags["class_cond"] else None
     if args.classes and not num_classes:
@@ -61,7 +62,7 @@ def main(argv=None):
     forward = sampling.sampling_forward(model, flags, args.guidance_scale)
     sampling.sample_to_npz(
         args, model, diffusion, flags, num_classes=num_classes, classes=classes, forward=forward,
-        class_names=names,
+        class_names=names, vae=tags.get("vae"),
         guidance=(f"classifier-free guidance scale {args.guidance_scale}"
                   if args.guidance_scale != 1 else ""),
     )

@@ -86,6 +86,52 @@ def test_tiny_demo_trains_is_preempted_resumes_samples_and_prints_its_figures(ti
 
 
 @pytest.mark.timeout(DEMO_TIMEOUT + 10)
+def test_tiny_demo_scores_real_digits_the_same_way_and_reports_adms_five_metrics(tiny_demo):
+    out, text = tiny_demo
+    fig = json.loads((out / "eval.json").read_text())
+    ref = fig["reference"]  # 10 real digits held out of the reference batch, scored the same way
+    with np.load(out / ref["npz"]) as z:
+        assert z["arr_0"].shape == (10, 8, 8, 3) and z["arr_0"].dtype == np.uint8
+        assert z["arr_1"].tolist() == list(range(10))  # the labels the samples were asked for
+    assert ref["label_agreement"] >= 0.7 and ref["mean_confidence"] > fig["mean_confidence"]
+    assert sum(ref["histogram"]) == 10 and ref["chance_label_agreement"] == 0.1
+    assert ref["fid_floor"] == fig["fid_real_subset_same_n"] and ref["fid_floor_n"] == 10
+    adm = fig["adm"]
+    with np.load(out / adm["ref_batch"]) as z:
+        assert len(z["arr_0"]) == 1797 - 10  # every other real digit
+    for who in ("samples", "real"):
+        assert set(adm[who]) >= {"fid", "sfid", "inception_score", "precision", "recall"}
+        assert adm[who]["num_ref"] == 1787 and adm[who]["num_samples"] == 10
+        assert 1.0 <= adm[who]["inception_score"] <= 10.0 and adm[who]["fid"] >= 0
+    assert adm["real"]["precision"] == 1.0  # real digits lie inside the real digits' manifold
+    assert "--features digits" in text and re.search(r"^  samples +\d+\.\d{3}", text, re.M)
+    # the page: what was trained, from the demo's own record, above the figures
+    record = json.loads((out / "demo.json").read_text())
+    assert record["model"]["parameters"] > 0 and record["seconds"]["train"] > 0
+    page = (out / "index.html").read_text()
+    lead = page[:page.index("<h2>")]
+    for said in ("class-conditional UNet", f"{record['model']['parameters'] // 1000} k param",
+                 "<b>8x8 px</b>", "40 training steps", "batch 4 x 2 ranks", "10 digits, DDIM 5"):
+        assert said in lead, said
+    # the reference column and ADM's five figures on the page
+    assert "<th>real digits</th>" in page and f"{ref['mean_confidence']:.3f}" in page
+    for name in ("FID", "sFID", "Inception Score", "precision", "recall"):
+        assert f"<td>{name}</td>" in page
+    assert f"{adm['samples']['fid']:.3f}" in page and f"{adm['real']['fid']:.3f}" in page
+    # each way's grid in the guidance table (no "Other images"); commands short, $OUT named
+    rows = json.loads((out / "guidance.json").read_text())
+    guidance = page[page.index("<h2>Guidance</h2>"):page.index("<h2>Loss curve</h2>")]
+    guidance = re.sub(r"</?span>", "", guidance)  # the commands' words, each in a <span>
+    for r in rows:
+        assert (out / r["grid"]).is_file() and f'src="{r["grid"]}"' in guidance, r["way"]
+    assert "<h2>Other images</h2>" not in page
+    null = next(r for r in rows if r["way"] == "unconditional (null label)")
+    assert null["reference_label_agreement"] == 0.1  # chance
+    assert "mpiexec -n 2 python scripts/sample.py --model_path $OUT/run/ema_0.9_000040.pt" \
+        in guidance and str(REPO) not in guidance
+
+
+@pytest.mark.timeout(DEMO_TIMEOUT + 10)
 def test_tiny_demo_trains_a_noised_classifier_through_a_preemption_and_tables_four_guidances(
         tiny_demo):
     out, text = tiny_demo

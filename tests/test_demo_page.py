@@ -38,6 +38,48 @@ def fake_demo(root):
     return root
 
 
+def fake_demo_with_records(root, repo="/opt/repo"):
+    """fake_demo plus what the demo now records: demo.json (what was trained, times, programs),
+    eval.json's reference and ADM's figures, guidance rows with their grid and reference."""
+    fake_demo(root)
+    (root / "demo.json").write_text(json.dumps({
+        "data": {"name": "scikit-learn's handwritten digits", "images": 1797, "classes": 10,
+                 "source_px": 8, "image_size": 16},
+        "model": {"kind": "UNet", "class_cond": True, "parameters": 412345, "num_channels": 32,
+                  "channel_mult": "1,2,2", "num_res_blocks": 1, "diffusion_steps": 200,
+                  "noise_schedule": "cosine", "ema_rate": "0.995"},
+        "training": {"steps": 1000, "batch_size": 32, "ranks": 2,
+                     "preemption": {"preempted": True, "preempted_at": 500, "preempt_exit": 75}},
+        "sampling": {"num_samples": 100, "sample_steps": "25"},
+        "seconds": {"train": 252.0, "total": 371.0},
+        "programs": {"repo": repo, "python": "/opt/venv/bin/python3.11",
+                     "mpiexec": "/opt/venv/bin/mpiexec"}}))
+    fig = json.loads((root / "eval.json").read_text())
+    fig["reference"] = {"num_samples": 10, "mean_confidence": 0.9871, "label_agreement": 0.97,
+                        "histogram": [1] * 10, "fid_floor": 8.762, "fid_floor_n": 10,
+                        "chance_label_agreement": 0.1}
+    fig["adm"] = {"samples": {"fid": 12.345, "sfid": 23.456, "inception_score": 4.567,
+                              "precision": 0.612, "recall": 0.534, "num_ref": 1787,
+                              "num_samples": 10},
+                  "real": {"fid": 1.234, "sfid": 2.345, "inception_score": 9.123,
+                           "precision": 0.955, "recall": 0.944, "num_ref": 1787,
+                           "num_samples": 10},
+                  "ref_batch": "eval/ref_digits.npz"}
+    (root / "eval.json").write_text(json.dumps(fig))
+    out = str(root)
+    (root / "guidance.json").write_text(json.dumps([
+        {"way": "unguided (class-conditional)", "label_agreement": 0.4, "mean_confidence": 0.5,
+         "grid": "samples/samples_10x8x8x3.png", "reference_label_agreement": 0.97,
+         "reference_what": "real digits",
+         "command": f"/opt/venv/bin/mpiexec -n 2 /opt/venv/bin/python3.11 {repo}/scripts/sample.py"
+                    f" --model_path {out}/run/ema_0.995_001000.pt --log_dir {out}/samples"},
+        {"way": "unconditional (null label)", "label_agreement": 0.1234, "mean_confidence": 0.6,
+         "grid": "guided/samples_10x8x8x3.png", "reference_label_agreement": 0.1,
+         "reference_what": "chance (1 / classes)",
+         "command": f"/opt/venv/bin/python3.11 {repo}/scripts/sample.py --guidance_scale 0"}]))
+    return root
+
+
 def images_of(page):
     return [unquote(src) for src in re.findall(r'<img src="([^"]+)"', page)]
 
@@ -48,6 +90,7 @@ def test_the_page_shows_figures_grids_curve_guidance_and_settings_by_relative_pa
     assert Path(path) == out / "index.html"
     page = Path(path).read_text()
     srcs = images_of(page)
+    page = re.sub(r"</?span>", "", page)  # the commands' words, each in a <span>
     assert all(not s.startswith(("/", "http")) and (out / s).is_file() for s in srcs), srcs
     assert srcs[:2] == ["samples/samples_10x8x8x3.png", "samples/loss_curve.png"]
     # the grids of the training, in step order, then the other images; none of data/
@@ -74,3 +117,62 @@ def test_a_folder_without_guidance_or_training_grids_leaves_those_parts_out(tmp_
     assert images_of(page) == ["samples/samples_10x8x8x3.png"]
     for part in ("Guidance", "Samples while training", "Loss curve", "Figures", "Other images"):
         assert f"<h2>{part}</h2>" not in page
+
+
+def test_the_page_says_what_was_trained_above_the_figures_from_the_demos_own_record(tmp_path):
+    out = fake_demo_with_records(tmp_path / "out")
+    page = Path(write_page(str(out))).read_text()
+    lead = page[:page.index("<h2>")]  # above the first section: what a reader sees first
+    for said in ("class-conditional UNet", "412 k parameters", "handwritten digits",
+                 "1797 real digits", "8x8 px upscaled to <b>16x16 px</b>",
+                 "1000 training steps", "batch 32 x 2 ranks", "200-step cosine", "4.2 min",
+                 "100 digits, DDIM 25 steps", "6.2 min"):
+        assert said in lead, said
+    # the sample grid and the figures come before anything else
+    assert page.index("samples/samples_10x8x8x3.png") < page.index("<h2>Figures</h2>") \
+        < page.index("<h2>Guidance</h2>")
+
+
+def test_the_figures_stand_beside_the_real_digits_reference_and_adms_five_metrics(tmp_path):
+    out = fake_demo_with_records(tmp_path / "out")
+    page = Path(write_page(str(out))).read_text()
+    figures = page[page.index("<h2>Figures</h2>"):page.index("<h2>ADM")]
+    assert "<th>real digits</th>" in figures
+    row = lambda name: re.search(  # noqa: E731
+        rf"<td>{re.escape(name)}[^<]*</td><td class=\"num\">([^<]*)</td><td class=\"num\">"
+        rf"([^<]*)</td>", figures).groups()
+    assert row("mean classifier confidence") == ("0.576", "0.987")
+    assert row("label agreement") == ("0.400", "0.970")
+    assert row("Frechet distance") == ("10.107", "8.762")  # the floor for 10 samples
+    assert "the floor for 10 samples" in figures and "0.100 (1 in 10 classes)" in figures
+    assert "10 of the training images, held out" in figures
+    adm = page[page.index("<h2>ADM"):page.index("<h2>Guidance</h2>")]
+    for name, mine, real in (("FID", "12.345", "1.234"), ("sFID", "23.456", "2.345"),
+                             ("Inception Score", "4.567", "9.123"),
+                             ("precision", "0.612", "0.955"), ("recall", "0.534", "0.944")):
+        assert re.search(rf"<td>{name}</td><td class=\"num\">{mine}</td><td class=\"num\">"
+                         rf"{real}</td>", adm), name
+    assert "--features digits" in adm and "1787 real digits" in adm
+
+
+def test_guidance_grids_sit_in_their_rows_and_commands_are_short(tmp_path):
+    out = fake_demo_with_records(tmp_path / "out", repo=str(tmp_path))  # --out in the repo
+    page = Path(write_page(str(out))).read_text()
+    guidance = page[page.index("<h2>Guidance</h2>"):page.index("<h2>Loss curve</h2>")]
+    guidance = re.sub(r"</?span>", "", guidance)  # the commands' words, each in a <span>
+    # each way's grid in its own row, beside its figures and reference (chance for the null)
+    rows = guidance.split("<tr>")[2:]
+    assert "unguided" in rows[0] and 'src="samples/samples_10x8x8x3.png"' in rows[0]
+    assert "0.970" in rows[0]
+    null = next(r for r in rows if "null label" in r)
+    assert 'src="guided/samples_10x8x8x3.png"' in null and "0.100" in null and "chance" in null
+    assert "<h2>Other images</h2>" not in page  # every image has its place
+    # the commands as typed in the repository: relative, the demo folder relative to it
+    assert ("mpiexec -n 2 python scripts/sample.py --model_path out/run/ema_0.995_001000.pt "
+            "--log_dir out/samples") in guidance
+    assert str(tmp_path) not in guidance and "/opt/venv" not in guidance
+    # a demo folder outside the repository: $OUT, said once
+    page = Path(write_page(str(fake_demo_with_records(tmp_path / "elsewhere")))).read_text()
+    page = re.sub(r"</?span>", "", page)
+    assert "--model_path $OUT/run/ema_0.995_001000.pt" in page
+    assert f"<code>$OUT</code> is <code>{tmp_path / 'elsewhere'}</code>" in page

@@ -1,5 +1,6 @@
 """A --data_dir of precomputed latents (.npy / .npz, one [C, H, W] array per image): read as they
 are, classes from the file names, rank-sharded and resumable like an image folder."""
+import json
 import sys
 from types import SimpleNamespace
 
@@ -131,14 +132,20 @@ def test_a_pickled_object_array_is_refused_and_never_unpickled(tmp_path):
 # datasets/vae_latents.py (diffusers' AutoencoderKL elsewhere; here a stand-in with its interface)
 
 
-class _StandInVAE:
+class _StandInVAE(torch.nn.Module):
     """AutoencoderKL's interface: encode(x [N, 3, H, W]).latent_dist.sample(generator) ->
-    [N, 4, H/8, W/8]; decode(z).sample -> [N, 3, 8h, 8w]. Deterministic."""
+    [N, 4, H/8, W/8]; decode(z).sample -> [N, 3, 8h, 8w]. Deterministic; its weights (a gain,
+    1 by default) are its identity."""
+
+    def __init__(self, gain=1.0):
+        super().__init__()
+        self.gain = torch.nn.Parameter(torch.full((1,), float(gain)))
+        self.register_buffer("bias", torch.zeros(4))
 
     def encode(self, x):
         import torch.nn.functional as F
 
-        mean = F.avg_pool2d(x, 8)
+        mean = F.avg_pool2d(x, 8) * self.gain.detach()
         mean = torch.cat([mean, mean[:, :1]], dim=1)
         return SimpleNamespace(latent_dist=SimpleNamespace(sample=lambda generator=None: mean))
 
@@ -175,3 +182,132 @@ def test_vae_latents_encodes_an_image_folder_into_a_latent_folder_the_trainer_re
     z = np.load(tmp_path / "img.npz")
     assert shape == (3, 16, 16, 3) and z["arr_0"].dtype == np.uint8
     assert z["arr_1"].tolist() == [0, 1, 2]
+
+
+def test_a_vaes_identity_is_the_sha256_of_its_weights_whatever_dtype_they_were_loaded_in():
+    a, same, other = _StandInVAE(0.5), _StandInVAE(0.5).half(), _StandInVAE(0.25)
+    ident = vae_latents.vae_identity(a)
+    assert len(ident) == 64 and int(ident, 16) >= 0
+    assert vae_latents.vae_identity(same) == ident  # the same values in float16: the same VAE
+    assert vae_latents.vae_identity(other) != ident
+    other.bias.data[0] = 1.0
+    assert vae_latents.vae_identity(other) != vae_latents.vae_identity(_StandInVAE(0.25))
+    with pytest.raises(TypeError, match="no state_dict"):
+        vae_latents.vae_identity(SimpleNamespace(encode=None))
+
+
+def _images(folder, names, size=64):
+    from PIL import Image
+
+    folder.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(len(names))
+    for name in names:
+        Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8)).save(folder / name)
+    return folder
+
+
+def test_encode_records_its_vae_in_the_latent_folder_and_refuses_latents_of_another(tmp_path):
+    lat, quiet = tmp_path / "lat", dict(image_size=16, log=lambda *a: None)
+    a, b = _StandInVAE(), _StandInVAE(2.0)
+    vae_latents.encode_folder(str(_images(tmp_path / "i1", ["3_0.png"], 16)), str(lat), a,
+                              source="/vaes/a", **quiet)
+    rec = json.loads((lat / "vae.json").read_text())
+    assert rec == {"source": "/vaes/a", "sha256": vae_latents.vae_identity(a),
+                   "scale": vae_latents.LATENT_SCALE}
+    # more images of the same VAE: added
+    more = _images(tmp_path / "i2", ["3_0.png", "7_0.png"], 16)
+    assert vae_latents.encode_folder(str(more), str(lat), a, **quiet) == 1
+    # another VAE: refused, naming both ids and the folder's vae.json; nothing added
+    more_b = _images(tmp_path / "i3", ["9_0.png"], 16)
+    with pytest.raises(vae_latents.VAEMismatchError) as e:
+        vae_latents.encode_folder(str(more_b), str(lat), b, source="/vaes/b", **quiet)
+    msg = str(e.value)
+    assert vae_latents.vae_identity(a) in msg and vae_latents.vae_identity(b) in msg
+    assert str(lat / "vae.json") in msg and "/vaes/b" in msg and "\n" not in msg
+    assert sorted(p.name for p in lat.glob("*.npy")) == ["3_0.npy", "7_0.npy"]
+    # latents of an unknown VAE (no vae.json): refused too
+    (lat / "vae.json").unlink()
+    with pytest.raises(vae_latents.VAEMismatchError, match=r"no vae.json"):
+        vae_latents.encode_folder(str(more), str(lat), a, **quiet)
+    # the trainer's loader reads the record
+    vae_latents.encode_folder(str(more), str(tmp_path / "lat2"), a, source="/vaes/a", **quiet)
+    loader = load_data(data_dir=str(tmp_path / "lat2"), batch_size=1, image_size=2)
+    assert loader.vae["sha256"] == vae_latents.vae_identity(a)
+    assert load_data(data_dir=str(lat), batch_size=1, image_size=2).vae is None
+
+
+@pytest.mark.timeout(240)
+def test_the_vae_travels_from_the_latent_folder_through_training_and_sampling_to_decode(
+        tmp_path, capsys, monkeypatch):
+    """latent folder (vae.json) -> train.py's model and EMA files (the "vae" tag) -> sample.py's
+    npz (vae_sha256) -> decode: the same VAE decodes, another is one line, exit 1, no output."""
+    from conftest import run_script
+
+    a, b = _StandInVAE(), _StandInVAE(3.0)
+    lat = tmp_path / "lat"
+    vae_latents.encode_folder(str(_images(tmp_path / "img", ["0_0.png", "1_0.png"])), str(lat),
+                              a, source="/vaes/a.safetensors", image_size=64, log=lambda *x: None)
+    run = tmp_path / "run"
+    run_script("train.py", "--data_dir", lat, "--log_dir", run, "--image_size", "8",
+               "--in_channels", "4", "--num_channels", "32", "--channel_mult", "1",
+               "--attention_resolutions", "", "--num_res_blocks", "1", "--diffusion_steps", "20",
+               "--noise_schedule", "cosine",
+               "--learn_sigma", "False", "--batch_size", "2", "--max_steps", "1",
+               "--save_interval", "1", "--ema_rate", "0.9", timeout=150)
+    ident = vae_latents.vae_identity(a)
+    for name in ("model000001.pt", "ema_0.9_000001.pt"):
+        tag = torch.load(run / name, weights_only=True, map_location="cpu")["vae"]
+        assert tag == {"source": "/vaes/a.safetensors", "sha256": ident,
+                       "scale": vae_latents.LATENT_SCALE}, name
+    out = tmp_path / "samples"
+    run_script("sample.py", "--model_path", run / "ema_0.9_000001.pt", "--log_dir", out,
+               "--num_samples", "2", "--batch_size", "2", "--clip_denoised", "False",
+               "--use_ddim", "True", "--timestep_respacing", "ddim2",
+               timeout=120)
+    npz = out / "samples_2x4x8x8.npz"
+    with np.load(npz, allow_pickle=False) as z:
+        assert str(z["vae_sha256"]) == ident and z["arr_0"].shape == (2, 4, 8, 8)
+    # decode with the VAE that made the latents: images
+    monkeypatch.setattr(vae_latents, "load_vae", lambda spec, device: (a, spec))
+    assert vae_latents.main(["decode", str(npz), "--out", str(tmp_path / "a.npz"),
+                             "--vae", "/vaes/a.safetensors", "--device", "cpu"]) == 0
+    assert np.load(tmp_path / "a.npz")["arr_0"].shape == (2, 64, 64, 3)
+    # with another VAE: one line naming both ids and the files, exit 1, nothing written
+    capsys.readouterr()
+    monkeypatch.setattr(vae_latents, "load_vae", lambda spec, device: (b, spec))
+    assert vae_latents.main(["decode", str(npz), "--out", str(tmp_path / "b.npz"),
+                             "--vae", "/vaes/b", "--device", "cpu"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error: "), err
+    assert ident in err and vae_latents.vae_identity(b) in err
+    assert str(npz) in err and "/vaes/b" in err
+    assert not (tmp_path / "b.npz").exists()
+
+
+def test_vae_takes_a_local_folder_or_a_single_weights_file_offline(tmp_path):
+    diffusers = pytest.importorskip(
+        "diffusers", reason="diffusers is not installed (pip install diffusers to test the local "
+                            "folder / single file loading of --vae)")
+    vae = diffusers.AutoencoderKL(block_out_channels=(8,), norm_num_groups=8, latent_channels=4,
+                                  layers_per_block=1, sample_size=16)
+    folder = tmp_path / "vae_folder"
+    vae.save_pretrained(folder)
+    loaded, source = vae_latents.load_vae(str(folder), "cpu")
+    assert source == str(folder) and not loaded.training
+    ident = vae_latents.vae_identity(vae)
+    assert vae_latents.vae_identity(loaded) == ident
+    # one weights file with its config.json beside it: the same weights, the same id
+    from safetensors.torch import save_file
+
+    save_file(vae.state_dict(), str(folder / "vae.safetensors"))
+    loaded, source = vae_latents.load_vae(str(folder / "vae.safetensors"), "cpu")
+    assert source == str(folder / "vae.safetensors") and vae_latents.vae_identity(loaded) == ident
+    # without a config (offline, nothing cached) or a path that is not there: one line
+    lone = tmp_path / "lone"
+    lone.mkdir()
+    save_file(vae.state_dict(), str(lone / "vae.safetensors"))
+    with pytest.raises(vae_latents.DataError, match=r"config.json") as e:
+        vae_latents.load_vae(str(lone / "vae.safetensors"), "cpu")
+    assert "\n" not in str(e.value)
+    with pytest.raises(vae_latents.DataError, match=r"--vae .*missing: no such folder or file"):
+        vae_latents.load_vae(str(tmp_path / "missing"), "cpu")
