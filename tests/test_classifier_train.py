@@ -130,6 +130,7 @@ def test_the_log_has_guideds_metrics_by_timestep_quarter_and_validation_every_ev
 # ------------------------------------------------------------------------------ elastic, launchers
 
 
+@pytest.mark.slow  # make soak: the elastic data rule is train.py's too (test_resume's 2to1, 2to3)
 @pytest.mark.timeout(200)
 def test_a_run_of_torchrun_on_2_ranks_continues_in_plain_python_on_1_without_repeating_data(
         tmp_path, data):

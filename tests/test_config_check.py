@@ -56,6 +56,7 @@ def test_ranks_with_different_model_flags_both_fail_with_one_line_naming_the_fla
     assert checkpoint_files(log) == []
 
 
+@pytest.mark.slow  # make soak: the same check as the model flags' test, for training flags
 @pytest.mark.timeout(90)
 def test_ranks_with_different_lr_fail_and_every_differing_flag_is_named(tmp_path):
     data, log = images(tmp_path / "data", 4), tmp_path / "log"

@@ -272,7 +272,7 @@ def test_an_interrupt_on_one_rank_ends_every_rank_with_its_cause_printed_once(
 
 
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("async_save", ["False", "True"])
+@pytest.mark.parametrize("async_save", ["False", pytest.param("True", marks=pytest.mark.slow)])
 def test_a_save_longer_than_dist_timeout_ends_the_job_normally(tmp_path, async_save):
     """Issue 29, item 6: --dist_timeout 3 (fast dead-rank detection) and saves of about 5 s
     (tests/slow_save_train.py: each file written in two halves 0.6 s apart): the other rank

@@ -369,7 +369,8 @@ CLASSIFIER_TINY = ["--image_size", "8", "--classifier_width", "32", "--classifie
     ("train.py", "mpiexec", "launcher"),
     ("train.py", "torchrun", "launcher"),
     ("train.py", "mpiexec", "every process"),
-    ("classifier_train.py", "torchrun", "every process"),
+    pytest.param("classifier_train.py", "torchrun", "every process",
+                 marks=pytest.mark.slow),  # make soak: the same loader as train.py's
 ], ids=["train-sigterm-to-mpiexec", "train-sigterm-to-torchrun",
         "train-sigterm-to-every-process", "classifier-sigterm-to-every-process"])
 def test_sigterm_with_loader_workers_saves_the_step_it_reached_and_exits_75(
