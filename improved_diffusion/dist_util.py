@@ -1112,13 +1112,20 @@ def run_on_rank0(fn):
 
     Collective: call from all ranks with the same arguments.
     """
-    result = None
-    if get_rank() == 0:
-        try:
-            result = ("ok", fn())
-        except Exception as e:  # re-raised on every rank below
-            result = ("err", _picklable(e))
-    kind, value = broadcast_object(result)
+    result = _outcome(fn) if get_rank() == 0 else None
+    return _raise_or_return(broadcast_object(result))
+
+
+def _outcome(fn):
+    """("ok", fn()) or ("err", its exception, picklable): rank 0's part of run_on_rank0."""
+    try:
+        return "ok", fn()
+    except Exception as e:  # re-raised on every rank by _raise_or_return
+        return "err", _picklable(e)
+
+
+def _raise_or_return(outcome):
+    kind, value = outcome
     if kind == "err":
         raise value
     return value
@@ -1147,20 +1154,14 @@ def run_on_rank0_unbounded(fn, what="rank 0's work"):
     key = f"done/{_long_waits}"
     result = None
     if get_rank() == 0:
-        try:
-            result = ("ok", fn())
-        except Exception as e:  # re-raised on every rank below
-            result = ("err", _picklable(e))
+        result = _outcome(fn)
         try:
             hb.call(lambda c: c.set(key, "1"))
         except Exception:
             pass  # the broadcast below reports a store or rank that is gone
     else:
         _wait_for_rank0(hb, key, what)
-    kind, value = broadcast_object(result)
-    if kind == "err":
-        raise value
-    return value
+    return _raise_or_return(broadcast_object(result))
 
 
 def _wait_for_rank0(hb, key, what):

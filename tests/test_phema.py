@@ -444,18 +444,23 @@ def test_bad_input_is_one_line_naming_the_flag_or_file(tiny_runs, tmp_path):
     assert (tmp_path / "x.pt").read_bytes() == b"mine"
 
 
-def test_a_damaged_snapshot_leaves_its_step_out_named_in_one_warning(tmp_path):
-    d = str(tmp_path / "run")
-    _steps_with_snapshots(d, [1, 2, 3])
-    path = os.path.join(d, "phema_0.100_000002.pt")
+def _flip_bits_in_the_weights(path):
+    """Flip 8 bits inside the first tensor record of a torch zip file (its tags still read)."""
     with zipfile.ZipFile(path) as z:
         rec = next(i for i in z.infolist() if i.filename.endswith("/data/0"))
     raw = bytearray(open(path, "rb").read())
     start = rec.header_offset + 30 + int.from_bytes(raw[rec.header_offset + 26:
                                                         rec.header_offset + 28], "little") \
         + int.from_bytes(raw[rec.header_offset + 28:rec.header_offset + 30], "little")
-    raw[start + 5] ^= 0xFF  # a flipped bit inside the weights: the tags still read
+    raw[start + 5] ^= 0xFF
     open(path, "wb").write(bytes(raw))
+
+
+def test_a_damaged_snapshot_leaves_its_step_out_named_in_one_warning(tmp_path):
+    d = str(tmp_path / "run")
+    _steps_with_snapshots(d, [1, 2, 3])
+    path = os.path.join(d, "phema_0.100_000002.pt")
+    _flip_bits_in_the_weights(path)  # the tags still read
     code, out, err = cli("phema", d, "--std", "0.07,0.08", "--out", tmp_path / "out", "--json")
     # its step's manifest no longer verifies it: the step is left out, named in one line, and
     # the others make the reconstruction
@@ -522,14 +527,7 @@ def test_a_snapshot_damaged_after_the_plan_says_to_run_the_reconstruction_again(
     _steps_with_snapshots(d, [1, 2, 3])
     plan = P.plan_reconstruction(d, [0.07])
     path = os.path.join(d, "phema_0.100_000002.pt")
-    with zipfile.ZipFile(path) as z:
-        rec = next(i for i in z.infolist() if i.filename.endswith("/data/0"))
-    raw = bytearray(open(path, "rb").read())
-    start = rec.header_offset + 30 + int.from_bytes(raw[rec.header_offset + 26:
-                                                        rec.header_offset + 28], "little") \
-        + int.from_bytes(raw[rec.header_offset + 28:rec.header_offset + 30], "little")
-    raw[start + 5] ^= 0xFF
-    open(path, "wb").write(bytes(raw))
+    _flip_bits_in_the_weights(path)
     with pytest.raises(P.PhemaError) as e:
         list(P.reconstruct(plan))
     assert "CRC mismatch" in str(e.value) and "run the reconstruction again" in str(e.value)
