@@ -120,12 +120,15 @@ def test_a_rerun_of_a_finished_run_writes_nothing(tmp_path):
     assert files() == before
 
 
-def test_a_resume_with_another_batch_on_the_same_ranks_names_the_batch_not_the_world(capsys):
+def test_a_resume_with_another_batch_on_the_same_ranks_names_the_batch_not_the_world(
+        monkeypatch):
     """Issue 29, item 13: before, ``resume: world size 2 -> 2, ...`` when only --batch_size
     changed."""
+    lines = []
+    monkeypatch.setattr(ckpt_mod.logger, "log", lambda *a, **k: lines.append(" ".join(map(str, a))))
     trainer = {"world_size": 2, "global_batch": 4, "batch_size": 2, "seed": 3, "rng": None}
     ckpt_mod.restore_trainer_state(fake_ckpt(world_size=2, global_batch=8, batch_size=4),
                                    trainer, 5)
-    out = capsys.readouterr().out
+    out = "\n".join(lines)
     assert "resume: --batch_size 2 -> 4 (global batch size 4 -> 8 on 2 rank(s))" in out, out
     assert "world size 2 -> 2" not in out

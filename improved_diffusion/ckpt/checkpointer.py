@@ -835,8 +835,9 @@ def restore_rng(ckpt, rngs, old_world_size, step):
         note = rng.set_rng_state(rngs[ckpt.rank])
     else:
         rng.seed_rngs(ckpt.seed, step, ckpt.rank)
-        logger.log(f"resume: world size changed ({old_world_size} -> {ckpt.world_size}); RNG "
-                   f"reseeded from (seed={ckpt.seed}, step={step}, rank)")
+        why = (f"world size changed ({old_world_size} -> {ckpt.world_size})"
+               if old_world_size != ckpt.world_size else "no RNG state of every rank saved")
+        logger.log(f"resume: {why}; RNG reseeded from (seed={ckpt.seed}, step={step}, rank)")
         note = None
     notes = dist_util.all_gather_object(note)
     for r, n in enumerate(notes):
