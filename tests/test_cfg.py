@@ -136,6 +136,7 @@ def test_the_training_loop_feeds_the_model_null_labels_at_the_flags_rate(tmp_pat
     assert th.equal(labels[~null], (th.arange(32) % 8 % 3)[~null])
 
 
+@pytest.mark.slow  # make soak: label dropout draws from the RNG every resume test restores
 @pytest.mark.timeout(200)
 def test_a_cfg_run_resumed_halfway_ends_bitwise_identical_and_stores_the_flag(tmp_path):
     data = class_folder(tmp_path / "data")

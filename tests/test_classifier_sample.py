@@ -112,6 +112,7 @@ def test_upstreams_raw_files_guide_as_they_are_with_guideds_flags(tmp_path):
     assert np.array_equal(labels, unguided[1])  # the same per-sample labels
 
 
+@pytest.mark.slow  # make soak: test_sample.py keeps the rank/batch invariance of the sampler
 @pytest.mark.timeout(200)
 def test_our_files_sample_from_their_flags_alike_on_one_and_two_ranks_and_any_batch(
         tmp_path, files):
