@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch.nn.parallel.distributed import DistributedDataParallel as DDP
 
 from . import amp, cli, dist_util, logger, train_job
-from .ckpt import checkpoint, preemption, run_dir
+from .ckpt import checkpoint, checkpointer, preemption
 from .ckpt.checkpointer import CheckpointConfig, Checkpointer
 from .config_check import check_config_on_all_ranks, data_fingerprint, show_fingerprint
 from .errors import UsageError
@@ -105,7 +105,8 @@ def take_flags(args, given):
     if not args.diffusion_from:
         return
     src = args.diffusion_from
-    found = dist_util.run_on_rank0(lambda: _guided_model_flags(src))
+    # a model or EMA file, or a run dir's newest complete step's model file
+    found = checkpointer.saved_model_file_flags(src, src, kinds=("model", "ema"))
     if found is None:
         raise UsageError(f"--diffusion_from {src}: no model or EMA file of ours with its flags "
                          f"there (a modelNNNNNN.pt / ema_*.pt, or a run dir with a complete "
@@ -117,16 +118,6 @@ def take_flags(args, given):
         "the classifier must see the noise process of the model it guides")
     logger.log(f"--diffusion_from {checkpoint.basename(path)}: {train_job.flags_text(saved)}"
                + (f" (taken: {', '.join('--' + k for k in adopted)})" if adopted else ""))
-
-
-def _guided_model_flags(src):
-    """(file, flags) of --diffusion_from ``src`` (a file, or a run dir's newest complete
-    step's model file), or None. Not collective."""
-    path = run_dir.likely_resume_model(src, src) if os.path.isdir(src) else src
-    if path is None or not os.path.exists(path):
-        return None
-    flags = checkpoint.read_flags(path, kinds=("model", "ema"))
-    return (path, flags) if flags else None
 
 
 def last_step(args):

@@ -18,7 +18,7 @@ import shlex
 from typing import Any, Callable, NamedTuple
 
 from . import cli, dist_util, image_datasets, logger, train_util
-from .ckpt import checkpoint, checkpointer, preemption, run_dir, run_lock
+from .ckpt import checkpoint, checkpointer, preemption, run_lock
 from .errors import UsageError, UserError
 from .script_util import same_flag_value
 
@@ -117,9 +117,7 @@ def take_checkpoint_flags(args, given, kinds=("model", "ema"), resolved_later=("
     against --data_dir. Nothing happens for a fresh start or a file without flags. Changes
     ``args`` in place. Collective: call from all ranks with the same arguments.
     """
-    found = dist_util.run_on_rank0(
-        lambda: _peek_flags(run_dir.likely_resume_model(args.log_dir, args.resume_checkpoint),
-                            kinds))
+    found = checkpointer.saved_model_file_flags(args.log_dir, args.resume_checkpoint, kinds)
     if found is None:
         return
     path, saved = found
@@ -138,8 +136,8 @@ def take_checkpoint_flags(args, given, kinds=("model", "ema"), resolved_later=("
 
 def adopt_flags(args, given, saved, where, why, allow=False, allow_hint=None):
     """Give each flag of ``saved`` ({name: value}) that ``args`` has and the command line did
-    not give (``given``) the saved value; one given with another value is a
-    FlagClashError naming both (``where``: the file, ``why``: the rule), unless ``allow``. Returns the flags
+    not give (``given``) the saved value; one given with another value is a FlagClashError
+    naming both (``where``: the file, ``why``: the rule), unless ``allow``. Returns the flags
     taken ({name: value}). Not collective."""
     taken, clash = {}, {}
     for k, v in saved.items():
@@ -154,7 +152,7 @@ def adopt_flags(args, given, saved, where, why, allow=False, allow_hint=None):
                           for k, (a, b) in clash.items())
         hint = f", or pass {allow_hint}" if allow_hint else ""
         raise FlagClashError(f"{where}: {shown}; leave the flag out to take the file's value "
-                         f"({why}){hint}")
+                             f"({why}){hint}")
     for k, v in taken.items():
         setattr(args, k, v)
     return taken
@@ -163,13 +161,6 @@ def adopt_flags(args, given, saved, where, why, allow=False, allow_hint=None):
 def flags_text(flags):
     """{name: value} as command-line text: ``--diffusion_steps 100 --noise_schedule cosine``."""
     return " ".join(f"--{k} {shlex.quote(str(v))}" for k, v in flags.items())
-
-
-def _peek_flags(path, kinds):
-    """(path, the flags its file records) when it is a tagged file of one of ``kinds`` with
-    flags, else None. Not collective."""
-    flags = None if path is None else checkpoint.read_flags(path, kinds=kinds)
-    return None if not flags else (path, flags)
 
 
 def start_job(args):

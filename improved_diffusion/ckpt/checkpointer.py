@@ -543,9 +543,17 @@ def saved_model_flags(log_dir, resume_checkpoint=""):
     stores none (run_dir.likely_resume_model, checkpoint.read_flags). For what must be known
     before the model is built, e.g. the class count of a class-conditional resume. Collective
     (rank 0 reads; every rank gets the same answer)."""
+    found = saved_model_file_flags(log_dir, resume_checkpoint)
+    return None if found is None else found[1]
+
+
+def saved_model_file_flags(log_dir, resume_checkpoint="", kinds=None):
+    """``(path, flags)`` of that file (saved_model_flags), or None; ``kinds``: only a file of
+    one of these kinds counts (checkpoint.read_flags). Collective."""
     def peek():
         path = run_dir.likely_resume_model(log_dir, resume_checkpoint)
-        return None if path is None else checkpoint.read_flags(path)
+        flags = None if path is None else checkpoint.read_flags(path, kinds=kinds)
+        return None if not flags else (path, flags)
     return dist_util.run_on_rank0(peek)
 
 
