@@ -31,7 +31,11 @@ from improved_diffusion.image_datasets import load_data, resolve_num_classes  # 
 from improved_diffusion.resample import create_named_schedule_sampler  # noqa: E402
 from improved_diffusion.ckpt.rng import seed_rngs  # noqa: E402
 from improved_diffusion.script_util import (  # noqa: E402
-    create_gaussian_diffusion, create_parser, model_and_diffusion_defaults, train_defaults)
+    create_gaussian_diffusion,
+    model_and_diffusion_defaults,
+    train_defaults,
+)
+from improved_diffusion.flags import create_parser  # noqa: E402
 
 OWN_FLAGS = dict(dim=64, depth=2, heads=4, patch_size=2)
 DIFFUSION_FLAGS = ("diffusion_steps", "learn_sigma", "sigma_small", "noise_schedule",

@@ -47,8 +47,12 @@ from .errors import UsageError
 from .image_datasets import load_data
 from .resample import create_named_schedule_sampler
 from .ckpt.rng import seed_rngs
-from .script_util import (DIFFUSION_FLAG_KEYS, args_to_dict, classifier_and_diffusion_defaults,
-                          create_classifier_and_diffusion)
+from .script_util import (
+    DIFFUSION_FLAG_KEYS,
+    classifier_and_diffusion_defaults,
+    create_classifier_and_diffusion,
+)
+from .flags import args_to_dict
 from .train_util import (NAN_POLICIES, _poison_if_not_finite, grad_norm, grads_finite,
                          keep_model_state, log_loss_dict, make_adamw, non_finite_step)
 
@@ -128,7 +132,7 @@ def last_step(args):
 def run_job(args, given=None):
     """The whole job: the process group (bounded by --dist_timeout), the log dir's lock, the
     logger, the classifier and data, the resume, the loop; returns 0, or 75 after a preemption
-    save. ``given``: the flags typed on the command line (script_util.explicit_args): a resume
+    save. ``given``: the flags typed on the command line (flags.explicit_args): a resume
     then takes the others from its classifier file, and --diffusion_from the noise process of
     the model to guide (take_flags). Collective: call from all ranks with the same arguments."""
     lock = train_job.start_job(args)

@@ -712,7 +712,7 @@ SAMPLE_BATCH: e.g. sample.py's samples_NxHxWx3.npz. Activations are cached besid
 def create_parser():
     import argparse
 
-    from .script_util import FlagParser
+    from .flags import FlagParser
 
     p = FlagParser(prog="evaluate.py", description=USAGE,
                    formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -30,7 +30,8 @@ import torch as th
 
 from . import cli, dist_util, logger
 from .errors import UserError
-from .script_util import FlagError, explicit_args, same_flag_value
+from .script_util import FlagError, same_flag_value
+from .flags import explicit_args
 from .ckpt.state_fit import fit_state_dict, shapes_of
 
 # Model/diffusion flags that may legitimately differ from the training run at sampling time.

@@ -209,7 +209,7 @@ def run_and_close(loop):
 
 def run_training(args, build: Callable[[Any], Parts], given=None):
     """The whole job (see the module docstring); returns 0, or 75 after a preemption save.
-    ``given``: the flags typed on the command line (script_util.explicit_args); then a resume
+    ``given``: the flags typed on the command line (flags.explicit_args); then a resume
     takes the others' values from the checkpoint first (take_checkpoint_flags).
 
     Collective: call from all ranks with the same arguments.

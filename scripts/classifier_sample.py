@@ -38,11 +38,11 @@ from improved_diffusion import guidance, logger, sampling  # noqa: E402
 from improved_diffusion.script_util import (  # noqa: E402
     classifier_defaults,
     classifier_sample_defaults,
-    create_parser,
     guidance_defaults,
     model_and_diffusion_defaults,
     sample_defaults,
 )
+from improved_diffusion.flags import create_parser  # noqa: E402
 
 
 def create_argparser():

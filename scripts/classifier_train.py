@@ -36,9 +36,8 @@ from improved_diffusion import classifier_train, cli  # noqa: E402
 from improved_diffusion.script_util import (  # noqa: E402
     classifier_and_diffusion_defaults,
     classifier_train_defaults,
-    create_parser,
-    explicit_args,
 )
+from improved_diffusion.flags import create_parser, explicit_args  # noqa: E402
 
 
 def create_argparser():

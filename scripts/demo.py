@@ -51,7 +51,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from improved_diffusion.errors import UsageError, UserError  # noqa: E402
-from improved_diffusion.script_util import FlagParser  # noqa: E402
+from improved_diffusion.flags import FlagParser  # noqa: E402
 BIN = os.path.dirname(sys.executable)
 PREEMPTED_EXIT_CODE = 75  # train_util.PREEMPTED_EXIT_CODE (not imported: keep startup light)
 # Stage 5's scales: --classifier_scale (classifier guidance) and --guidance_scale (classifier-free).

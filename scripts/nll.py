@@ -28,11 +28,8 @@ from improved_diffusion.image_datasets import (  # noqa: E402
     collate,
     load_data,
 )
-from improved_diffusion.script_util import (  # noqa: E402
-    create_parser,
-    model_and_diffusion_defaults,
-    nll_defaults,
-)
+from improved_diffusion.script_util import model_and_diffusion_defaults, nll_defaults  # noqa: E402
+from improved_diffusion.flags import create_parser  # noqa: E402
 
 TERMS = ("vb", "mse", "xstart_mse")
 

@@ -14,7 +14,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from improved_diffusion import cli  # noqa: E402
 from improved_diffusion.progress_plot import plot_loss_curve, run_events  # noqa: E402
-from improved_diffusion.script_util import FlagParser  # noqa: E402
+from improved_diffusion.flags import FlagParser  # noqa: E402
 
 
 def main(argv=None):

@@ -37,9 +37,9 @@ from improved_diffusion.script_util import (  # noqa: E402
     FlagError,
     guidance_defaults,
     sample_defaults,
-    create_parser,
     model_and_diffusion_defaults,
 )
+from improved_diffusion.flags import create_parser  # noqa: E402
 
 
 def create_argparser():

@@ -24,10 +24,10 @@ from improved_diffusion import dist_util, logger, sampling  # noqa: E402
 from improved_diffusion.script_util import (  # noqa: E402
     FlagError,
     sample_defaults,
-    create_parser,
     sr_create_model_and_diffusion,
     sr_model_and_diffusion_defaults,
 )
+from improved_diffusion.flags import create_parser  # noqa: E402
 
 
 def create_argparser():

@@ -26,13 +26,11 @@ from improved_diffusion.errors import UsageError  # noqa: E402
 from improved_diffusion.image_datasets import load_data  # noqa: E402
 from improved_diffusion.resample import create_named_schedule_sampler  # noqa: E402
 from improved_diffusion.script_util import (  # noqa: E402
-    args_to_dict,
-    create_parser,
-    explicit_args,
     sr_create_model_and_diffusion,
     sr_model_and_diffusion_defaults,
     train_defaults,
 )
+from improved_diffusion.flags import args_to_dict, create_parser, explicit_args  # noqa: E402
 
 
 class SuperResLoader:

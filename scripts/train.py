@@ -27,13 +27,11 @@ from improved_diffusion import cli, dist_util, logger, train_job, train_util  # 
 from improved_diffusion.image_datasets import describe_classes, load_data  # noqa: E402
 from improved_diffusion.resample import create_named_schedule_sampler  # noqa: E402
 from improved_diffusion.script_util import (  # noqa: E402
-    args_to_dict,
-    create_parser,
-    explicit_args,
     create_model_and_diffusion,
     model_and_diffusion_defaults,
     train_defaults,
 )
+from improved_diffusion.flags import args_to_dict, create_parser, explicit_args  # noqa: E402
 
 
 def create_argparser():

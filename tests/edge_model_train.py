@@ -22,7 +22,11 @@ from improved_diffusion import cli, dist_util, train_job  # noqa: E402
 from improved_diffusion.image_datasets import load_data  # noqa: E402
 from improved_diffusion.ckpt.rng import seed_rngs  # noqa: E402
 from improved_diffusion.script_util import (  # noqa: E402
-    create_gaussian_diffusion, create_parser, model_and_diffusion_defaults, train_defaults)
+    create_gaussian_diffusion,
+    model_and_diffusion_defaults,
+    train_defaults,
+)
+from improved_diffusion.flags import create_parser  # noqa: E402
 
 
 class EdgeModel(nn.Module):

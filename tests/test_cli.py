@@ -14,6 +14,7 @@ import torch as th
 from improved_diffusion.ckpt import checkpoint as ckpt
 from improved_diffusion.ckpt import file_writer
 from improved_diffusion import amp, logger, progress_plot, script_util
+from improved_diffusion import flags as flag_table
 from improved_diffusion.ckpt.ckpt_tool import build_parser as ckpt_parser
 from improved_diffusion.ckpt.ckpt_tool import main as ckpt_main
 from improved_diffusion.errors import UsageError
@@ -114,8 +115,8 @@ def test_ckpt_and_demo_parsers_refuse_prefixes_and_suggest_flags():
 
 @pytest.mark.parametrize("script", TABLE_SCRIPTS)
 def test_every_flag_of_every_script_has_a_group_and_a_meaning(script):
-    missing = [k for k in defaults_of(parser_of(script)) if k not in script_util.FLAG_HELP]
-    assert not missing, f"add these flags to script_util.FLAG_HELP: {missing}"
+    missing = [k for k in defaults_of(parser_of(script)) if k not in flag_table.FLAG_HELP]
+    assert not missing, f"add these flags to flags.FLAG_HELP: {missing}"
 
 
 def test_help_groups_flags_with_their_meaning_and_default_and_shows_the_docstring(capsys):
@@ -143,7 +144,7 @@ def flags_table():
 
 
 def test_the_flag_table_of_docs_flags_md_is_the_one_made_from_the_scripts_parsers():
-    expected = script_util.flags_markdown(
+    expected = flag_table.flags_markdown(
         {name: defaults_of(parser_of(name)) for name in TABLE_SCRIPTS})
     assert flags_table() == expected, ("docs/flags.md's flag table is stale; replace it with:\n"
                                        + expected)
@@ -158,7 +159,7 @@ def test_every_flag_the_readme_and_docs_name_exists_and_every_table_flag_is_take
     taken = set()
     for name in TABLE_SCRIPTS:
         taken |= set(defaults_of(parser_of(name)))
-    untaken = {f"--{k}" for k in script_util.FLAG_HELP} - {f"--{k}" for k in taken}
+    untaken = {f"--{k}" for k in flag_table.FLAG_HELP} - {f"--{k}" for k in taken}
     assert not untaken, f"FLAG_HELP lists flags no script takes: {untaken}"
 
 
@@ -197,11 +198,11 @@ def test_every_file_make_target_and_link_the_readme_and_docs_name_exists():
 def test_flags_printed_as_argv_parse_back_to_the_same_values():
     flags = dict(script_util.model_and_diffusion_defaults(), channel_mult="1,2",
                  timestep_respacing="", attention_resolutions="", num_classes=10)
-    argv = shlex.split(script_util.flags_to_argv(flags))
+    argv = shlex.split(flag_table.flags_to_argv(flags))
     args = parser_of("sample.py").parse_args(argv)
-    assert script_util.args_to_dict(args, flags) == flags
-    assert "--channel_mult 1,2" in script_util.flags_to_argv(flags)
-    assert "--timestep_respacing ''" in script_util.flags_to_argv(flags)
+    assert flag_table.args_to_dict(args, flags) == flags
+    assert "--channel_mult 1,2" in flag_table.flags_to_argv(flags)
+    assert "--timestep_respacing ''" in flag_table.flags_to_argv(flags)
 
 
 # ------------------------------------------------------------------------------ logger
@@ -437,7 +438,7 @@ def test_convert_names_the_step_of_a_single_file(tmp_path):
     th.save(model.state_dict(), raw)
     out = io.StringIO()
     assert ckpt_main(["convert", str(raw), "--to", "tagged", "--out", str(tmp_path / "o"),
-                      "--flags", script_util.flags_to_argv(flags)], out=out,
+                      "--flags", flag_table.flags_to_argv(flags)], out=out,
                      err=io.StringIO()) == 0
     assert "note: step 8: written without a manifest" in out.getvalue()
     assert "None" not in out.getvalue()

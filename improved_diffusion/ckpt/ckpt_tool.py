@@ -30,7 +30,7 @@ import torch as th
 
 from . import checkpoint as ckpt
 from ..errors import UsageError, UserError
-from ..script_util import FlagParser, flags_to_argv, unknown_flag_message
+from ..flags import FlagParser, flags_to_argv, unknown_flag_message
 from . import file_writer, model_change, run_dir
 from .. import phema
 from .state_fit import fit_state_dict, shapes_of
