@@ -11,7 +11,7 @@ import sys
 import time
 import traceback
 
-from . import dist_util, logger
+from . import dist_util, heartbeat, logger
 from .ckpt import preemption
 
 from .errors import USAGE_EXIT_CODE, USER_ERROR_EXIT_CODE, UsageError, UserError, one_line
@@ -50,13 +50,13 @@ def run_main(main, argv=None):
     job. A KeyboardInterrupt (exit 130) or SystemExit (its code) on one rank of a process group
     ends the job on every rank, its cause printed once; in a single process they keep Python's
     own handling. After an error on some ranks only, the whole job is ended instead of left
-    hanging (``dist_util.end_job_after_error``), within a bounded wait. A preemption signal
+    hanging (``heartbeat.end_job_after_error``), within a bounded wait. A preemption signal
     before training began (``preemption.Preempted``, or a collective that failed because ranks
     ended for one) ends every rank with exit 75 and its one line.
     """
     lost = ()
     error, tb = None, None
-    dist_util.set_error_line_hook(_record_error_line)
+    heartbeat.set_error_line_hook(_record_error_line)
     try:
         return main(argv)
     except preemption.Preempted:
@@ -88,7 +88,7 @@ def run_main(main, argv=None):
     if message:
         logger.append_to_log_files(f"error: {message}")
     _record_for_torchelastic(code, message, tb)
-    dist_util.end_job_after_error(code, cause=message, lost=lost)
+    heartbeat.end_job_after_error(code, cause=message, lost=lost)
     return code
 
 
@@ -106,7 +106,7 @@ def _preempted_before_training(e, diagnosis):
                                      for s in diagnosis.ended.values()):
         return True
     return (preemption.before_training() and preemption.signalled() is not None
-            and dist_util.looks_like_comm_failure(e))
+            and heartbeat.looks_like_comm_failure(e))
 
 
 def _end_job_preempted(lost=()):
@@ -115,12 +115,12 @@ def _end_job_preempted(lost=()):
     ``lost``: ranks already gone (not waited for)."""
     preemption.ending()
     line = preemption.BEFORE_TRAINING
-    if dist_util.first_to_report("preempted"):
+    if heartbeat.first_to_report("preempted"):
         sys.stderr.write(f"{line}\n")
         sys.stderr.flush()
     logger.append_to_log_files(line)
     _record_for_torchelastic(preemption.EXIT_CODE, line, kind="preempted")
-    dist_util.end_job_after_error(preemption.EXIT_CODE, cause=line, lost=lost)
+    heartbeat.end_job_after_error(preemption.EXIT_CODE, cause=line, lost=lost)
     return preemption.EXIT_CODE
 
 
@@ -129,7 +129,7 @@ def _first_to_report(topic, e):
     line (UsageError) is the same on every rank of the launch, so its first rank prints it."""
     if isinstance(e, UsageError) and not dist_util.is_distributed():
         return logger.get_rank_without_dist() == 0
-    return dist_util.first_to_report(topic)
+    return heartbeat.first_to_report(topic)
 
 
 def _record_for_torchelastic(code, message, tb=None, kind=None):
@@ -152,9 +152,9 @@ def _record_for_torchelastic(code, message, tb=None, kind=None):
 
 def _diagnose(e):
     """RankLostError when ``e`` is a collective that failed as ranks died or ended, else None."""
-    if not (dist_util.is_distributed() and dist_util.looks_like_comm_failure(e)):
+    if not (dist_util.is_distributed() and heartbeat.looks_like_comm_failure(e)):
         return None
-    return dist_util.diagnose_failure(e)
+    return heartbeat.diagnose_failure(e)
 
 
 def _gone(diagnosis):
@@ -176,7 +176,7 @@ def exit_cause(e):
 def _end_job_after_exit(e):
     code, cause = exit_cause(e)
     cause = f"{cause} on rank {dist_util.get_rank()}"
-    if dist_util.first_to_report("exit"):
+    if heartbeat.first_to_report("exit"):
         print_error(f"{cause}; ending the job on all {dist_util.get_world_size()} ranks")
-    dist_util.end_job_after_error(code, cause=cause)
+    heartbeat.end_job_after_error(code, cause=cause)
     return code

@@ -7,20 +7,17 @@ Three ways to start:
   a ``--max_restarts`` restart never read the keys of the attempt before.
 * ``mpiexec -n N`` (mpi4py): MPI is used ONLY for the rendezvous (rank 0 opens a TCP store on a
   free port, or ``MASTER_PORT`` when set, and MPI-broadcasts host and port); every collective
-  afterwards is torch.distributed. On one host (one network stack: the same boot and network
-  namespace, whatever the host names say) the address is 127.0.0.1. Across hosts it is
-  ``MASTER_ADDR`` when set in the environment (e.g. ``mpiexec -genv MASTER_ADDR 10.0.0.5 ...``),
-  else an address of rank 0's host that is never a loopback one: the source address of a route
-  towards another rank's host, else an address of one of rank 0's interfaces. When none exists
-  the job fails at once on every rank, saying to set ``MASTER_ADDR``; any error of rank 0 while
-  finding the address or opening the store reaches every rank.
+  afterwards is torch.distributed. Which address: rendezvous.py (127.0.0.1 on one host,
+  ``MASTER_ADDR`` or a reachable address of rank 0's host across hosts); any error of rank 0
+  while finding the address or opening the store reaches every rank.
 * a plain ``python`` process: no process group at all; every helper below degrades to the
   identity / a no-op, so single-process code paths need no special casing.
 
 Every wait is bounded by ``timeout`` (``--dist_timeout``, default 600 s): the rendezvous, each
 collective, and so a rank that dies. Each rank of a process group beats a heartbeat in the group's
-TCP store (a daemon thread); when a collective fails, ``diagnose_failure`` names the ranks whose
-heartbeat stopped (``RankLostError``), so a dead rank or host ends the job with a message naming it.
+TCP store (heartbeat.py, started by ``setup_dist``); when a collective fails,
+``heartbeat.diagnose_failure`` names the ranks whose heartbeat stopped (``RankLostError``), so a
+dead rank or host ends the job with a message naming it.
 
 Backend: ``nccl`` when CUDA is available, else ``gloo``. The device comes from the rank's index on
 its host (``local_rank_from_env``: ``LOCAL_RANK``, else ``SLURM_LOCALID``,
@@ -38,13 +35,10 @@ collective is called by every rank in the same order; each function that synchro
 import atexit
 import datetime
 import io
-import ipaddress
 import math
 import os
 import pickle
 import socket
-import sys
-import threading
 import time
 import warnings
 
@@ -52,7 +46,9 @@ import blobfile as bf
 import torch as th
 import torch.distributed as dist
 
+from . import heartbeat, rendezvous
 from .errors import UserError, typed_one_line
+from .rendezvous import RendezvousError
 
 # Payloads bigger than this are broadcast in pieces (bounded extra memory, works over gloo).
 _CHUNK_BYTES = 64 * 1024 * 1024
@@ -84,24 +80,9 @@ class DistLoadError(UserError):
     """The bytes of a file could be read, but torch.load refused them."""
 
 
-class RendezvousError(UserError):
-    """The ranks could not form a process group; the one-line message says what to set."""
-
-
 class DeviceError(UserError):
     """This rank has no GPU of its own (more ranks on its host than visible GPUs, or two ranks
     on one GPU); the one-line message says how to start one rank per GPU."""
-
-
-class RankLostError(UserError):
-    """A collective failed because some rank died or ended; the message names the rank(s).
-
-    ``lost``: ranks whose heartbeat stopped; ``ended``: {rank: state} of ranks that stopped on
-    their own ("exited", "ended the job (cause)").
-    """
-
-    lost = ()
-    ended = {}
 
 
 # --------------------------------------------------------------------------------------------
@@ -296,7 +277,7 @@ def setup_dist(backend=None, *, timeout=DEFAULT_TIMEOUT_S):
 
     rank, world = comm.Get_rank(), comm.Get_size()
     local_rank, local_world = _mpi_local_split(comm)
-    store = _mpi_rendezvous(comm, timeout)
+    store = rendezvous.mpi_rendezvous(comm, timeout)
 
     if "LOCAL_RANK" in env:
         local_rank = int(env["LOCAL_RANK"])
@@ -328,7 +309,7 @@ def _mpi_local_split(comm):
 def _after_init(timeout, local_world):
     """What every rank does once its process group exists: check that no two ranks drive one
     GPU (raises DeviceError on the ranks that share one), then start the heartbeat."""
-    _start_heartbeat(timeout)
+    heartbeat.start(timeout, _store_prefix())
     if th.cuda.is_available() and (local_world or 2) > 1:
         uuid = _gpu_uuid(th.cuda.current_device())
         if uuid is not None:
@@ -346,215 +327,6 @@ def _attempt_store(timeout):
     """
     store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
     return dist.PrefixStore(_store_prefix(), store)
-
-
-# --------------------------------------------------------------------------------------------
-# rendezvous under mpiexec
-
-
-def _attempt(fn):
-    """("ok", fn()) or ("err", one-line message): something that can travel over MPI."""
-    try:
-        return "ok", fn()
-    except Exception as e:  # sent to every rank, which all raise it
-        return "err", typed_one_line(e)
-
-
-def _mpi_rendezvous(comm, timeout):
-    """
-    Open the TCP store: rank 0 serves it, the others connect; host and port travel over MPI.
-    Every failure (on any rank, at any stage) raises the same RendezvousError on every rank.
-
-    Collective (MPI): call from all ranks with the same arguments.
-    """
-    rank, world = comm.Get_rank(), comm.Get_size()
-    seconds = timeout.total_seconds()
-    infos = comm.allgather(_attempt(lambda: _bounded(_host_info, seconds, "looking up this host")))
-    bad = [(r, v) for r, (k, v) in enumerate(infos) if k == "err"]
-    if bad:
-        r, msg = bad[0]
-        raise RendezvousError(f"rank {r} could not look up its host for the rendezvous: {msg}")
-    infos = [v for _, v in infos]
-
-    store = None
-    if rank == 0:
-        def open_store():
-            nonlocal store
-            host = _choose_address(infos, os.environ)
-            port = int(os.environ.get("MASTER_PORT", 0) or 0)
-            store = dist.TCPStore("0.0.0.0", port, world, is_master=True, timeout=timeout,
-                                  wait_for_workers=False)
-            return host, store.port
-
-        decided = _attempt(open_store)
-    else:
-        decided = None
-    kind, value = comm.bcast(decided, root=0)
-    if kind == "err":
-        if value.startswith("RendezvousError: "):
-            raise RendezvousError(value[len("RendezvousError: "):])
-        raise RendezvousError(f"rank 0 could not open the rendezvous store: {value}")
-    host, port = value
-
-    if rank != 0:
-        joined = _attempt(lambda: dist.TCPStore(host, port, world, is_master=False,
-                                                timeout=timeout))
-        store = joined[1] if joined[0] == "ok" else None
-        joined = (joined[0], None if joined[0] == "ok" else joined[1])
-    else:
-        joined = ("ok", None)
-    results = comm.allgather(joined)
-    failed = [r for r, (k, _) in enumerate(results) if k == "err"]
-    if failed:
-        raise RendezvousError(
-            f"rank(s) {', '.join(map(str, failed))} could not reach the rendezvous store at "
-            f"{host}:{port} within {seconds:g} s ({results[failed[0]][1]}); set MASTER_ADDR to an "
-            f"address of rank 0's host that every host can reach (e.g. mpiexec -genv MASTER_ADDR "
-            f"ADDR), or raise --dist_timeout")
-    return store
-
-
-def _bounded(fn, seconds, what):
-    """``fn()`` in a daemon thread, waited for at most ``seconds`` (name lookups can hang)."""
-    box = {}
-
-    def run():
-        try:
-            box["ok"] = fn()
-        except Exception as e:
-            box["err"] = e
-
-    t = threading.Thread(target=run, name="dist-lookup", daemon=True)
-    t.start()
-    t.join(seconds)
-    if t.is_alive():
-        raise TimeoutError(f"{what} took more than {seconds:g} s")
-    if "err" in box:
-        raise box["err"]
-    return box["ok"]
-
-
-def _host_info():
-    """{"host": this host's name, "addrs": its non-loopback IPv4 addresses (interfaces first),
-    "stack": its network stack (``_network_stack()``)}."""
-    name = socket.gethostname()
-    addrs = _interface_addresses()
-    try:
-        addrs += [a[4][0] for a in socket.getaddrinfo(name, None, socket.AF_INET)]
-    except OSError:
-        pass
-    return {"host": name, "addrs": _dedup(a for a in addrs if _reachable_kind(a)),
-            "stack": _network_stack()}
-
-
-def _boot_id():
-    """The running kernel's boot id (Linux), different on every machine; None where unknown."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip() or None
-    except OSError:
-        return None
-
-
-def _network_stack():
-    """Which network stack this process uses: "<boot id>/<network namespace inode>" (Linux), so
-    two ranks can share 127.0.0.1 exactly when theirs are equal, whatever their host names say
-    (two machines, or two containers, may carry the same name); None where unknown."""
-    boot = _boot_id()
-    try:
-        ns = os.stat("/proc/self/ns/net")
-    except OSError:
-        return None
-    return f"{boot}/{ns.st_dev}:{ns.st_ino}" if boot else None
-
-
-def _same_host(a, b):
-    """True when ``_host_info()`` results ``a`` and ``b`` share a network stack (by the stack when
-    both know it, else by the host name)."""
-    if a.get("stack") and b.get("stack"):
-        return a["stack"] == b["stack"]
-    return a["host"] == b["host"]
-
-
-def _interface_addresses():
-    """IPv4 addresses of this host's network interfaces (Linux; [] where unsupported)."""
-    try:
-        import fcntl
-        import struct
-
-        names = [n for _, n in socket.if_nameindex()]
-    except (ImportError, OSError, AttributeError):
-        return []
-    out = []
-    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        for n in names:
-            try:
-                packed = fcntl.ioctl(s.fileno(), 0x8915,  # SIOCGIFADDR
-                                     struct.pack("256s", n[:15].encode()))
-            except OSError:
-                continue  # no IPv4 address on this interface
-            out.append(socket.inet_ntoa(packed[20:24]))
-    return out
-
-
-def _reachable_kind(addr):
-    """True for an address another host could use: not loopback, not unspecified."""
-    try:
-        ip = ipaddress.ip_address(addr)
-    except ValueError:
-        return False
-    return not (ip.is_loopback or ip.is_unspecified)
-
-
-def _dedup(items):
-    return list(dict.fromkeys(items))
-
-
-def _source_address_towards(addr):
-    """The local address this host would send from to reach ``addr`` (no packet is sent)."""
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((addr, 9))
-            return s.getsockname()[0]
-    except OSError:
-        return None
-
-
-def _choose_address(infos, env, probe=_source_address_towards):
-    """
-    The address rank 0 publishes for the store, given every rank's ``_host_info()``: 127.0.0.1
-    when all ranks share rank 0's network stack (``_same_host``: never by host name alone); else
-    ``MASTER_ADDR`` from ``env`` (never a loopback one); else the source address of a route from
-    rank 0's host towards another host's address; else one of rank 0's own non-loopback
-    addresses. Raises RendezvousError (saying to set MASTER_ADDR) when there is none.
-    """
-    home = infos[0]["host"]
-    others = [i for i in infos[1:] if not _same_host(infos[0], i)]
-    if not others:
-        return "127.0.0.1"
-    hint = ("set MASTER_ADDR to an address of rank 0's host that every host can reach "
-            "(e.g. mpiexec -genv MASTER_ADDR 10.0.0.5 ...)")
-    explicit = env.get("MASTER_ADDR", "").strip()
-    if explicit:
-        try:
-            resolved = socket.gethostbyname(explicit)
-        except OSError as e:
-            raise RendezvousError(f"MASTER_ADDR={explicit}: cannot resolve it ({e}); {hint}")
-        if not _reachable_kind(resolved):
-            raise RendezvousError(
-                f"MASTER_ADDR={explicit} is {resolved}, a loopback address that the ranks on "
-                f"other hosts cannot reach; {hint}")
-        return explicit
-    for info in others:
-        for addr in info["addrs"]:
-            src = probe(addr)
-            if src and _reachable_kind(src):
-                return src
-    if infos[0]["addrs"]:
-        return infos[0]["addrs"][0]
-    raise RendezvousError(
-        f"rank 0's host {home!r} has no address that the other hosts can reach (its name "
-        f"resolves to a loopback address and no interface has another); {hint}")
 
 
 # This process's CUDA device index once setup_dist chose it (dev() returns it), else None.
@@ -616,7 +388,7 @@ def _store_local_split(store, world, timeout):
     """(this rank's index among the ranks of its host, their number), counted in ``store``
     (each rank adds itself under its host's network stack, in arrival order): for a launcher
     that sets no local-rank variable. Collective: call from all ``world`` ranks."""
-    host = _network_stack() or socket.gethostname()
+    host = rendezvous.network_stack() or socket.gethostname()
     mine = store.add(f"host/{host}", 1) - 1
     _wait_for_all(store, "arrived", world, timeout)
     return mine, store.add(f"host/{host}", 0)
@@ -658,366 +430,9 @@ def cleanup():
 
     Collective: call from all ranks with the same arguments.
     """
-    _stop_heartbeat("exited")
+    heartbeat.stop("exited")
     if is_distributed():
         dist.destroy_process_group()
-
-
-# --------------------------------------------------------------------------------------------
-# heartbeat: naming the ranks that died
-
-
-def heartbeat_interval(timeout_s):
-    """Seconds between two heartbeats of a rank, for a process group bounded by ``timeout_s``."""
-    return min(5.0, max(0.5, float(timeout_s) / 60.0))
-
-
-def watch_window(timeout_s):
-    """Seconds without a beat after which a watching heartbeat (NCCL) takes its neighbour for
-    lost: a few beats, and longer with a long ``timeout_s`` (a GIL held for a while delays a beat),
-    but well within the timeout, before NCCL's watchdog acts."""
-    interval = heartbeat_interval(timeout_s)
-    return max(2.5 * interval + 0.5, min(0.25 * float(timeout_s), 30.0))
-
-
-# Bound of one store operation made outside a collective (heartbeat marks, first_to_report,
-# the count of failed ranks): a healthy store answers in milliseconds.
-_STORE_CALL_S = 5.0
-
-
-class _Heartbeat:
-    """
-    A daemon thread that adds 1 to ``beat/{rank}`` in the process group's TCP store every
-    ``interval`` seconds, through its own connection; ``state/{rank}`` says why a rank stopped
-    ("exited", or "ended: cause" from ``end_job_after_error``). Keys live under a prefix of this
-    launch, so a torchrun restart does not read the last attempt's beats.
-
-    With ``on_lost`` (NCCL, whose collectives do not raise in the host thread: its watchdog
-    aborts the process at the timeout), the thread also watches the next rank's beats (one store
-    read per beat, ring order) and the job's ``lost`` key: when the neighbour has not beaten for
-    ``watch_window`` seconds and recorded no state, or another rank found a loss, it calls
-    ``on_lost(RankLostError naming every lost rank)`` once, from this thread.
-    """
-
-    def __init__(self, host, port, rank, world, timeout_s, on_lost=None):
-        self.host, self.port, self.rank, self.world = host, port, rank, world
-        self.interval = heartbeat_interval(timeout_s)
-        self.window = watch_window(timeout_s)
-        self._on_lost = on_lost if world > 1 else None
-        self._neighbour = (rank + 1) % world
-        self._last_beat = (None, time.monotonic())  # the neighbour's count, when it changed
-        self.prefix = _store_prefix() + "heartbeat/"
-        self._lock = threading.Lock()
-        self.store_lost = False  # set once peer_states found the store unreachable
-        self._stop = threading.Event()
-        self._client = self.connect(max(10.0, 3 * self.interval))
-        self._client.add(f"beat/{rank}", 1)  # the first beat before returning from setup
-        self._thread = threading.Thread(target=self._run, name="dist-heartbeat", daemon=True)
-        self._thread.start()
-
-    def connect(self, timeout_s):
-        client = dist.TCPStore(self.host, self.port, is_master=False,
-                               timeout=datetime.timedelta(seconds=timeout_s))
-        return dist.PrefixStore(self.prefix, client)
-
-    def _run(self):
-        while not self._stop.wait(self.interval):
-            try:
-                with self._lock:
-                    self._client.add(f"beat/{self.rank}", 1)
-                    found = self._on_lost is not None and self._look_for_loss()
-            except Exception:
-                return  # the store is gone: the collectives will say so
-            if found:
-                self._report_loss(found)
-                return
-
-    def _look_for_loss(self):
-        """(Under the lock.) The job's recorded loss, or "neighbour" when the watched rank has
-        not beaten for the window and recorded no state; else None."""
-        if self._client.check(["lost"]):
-            return self._client.get("lost").decode()
-        count = self._client.add(f"beat/{self._neighbour}", 0)
-        now = time.monotonic()
-        if count != self._last_beat[0]:
-            self._last_beat = (count, now)
-            return None
-        if now - self._last_beat[1] < self.window:
-            return None
-        if self._client.check([f"state/{self._neighbour}"]):  # it stopped on purpose
-            self._on_lost = None  # (exited, or ended the job itself, which names its cause)
-            return None
-        return "neighbour"
-
-    def _report_loss(self, found):
-        """Name every lost rank (the first rank to find the loss records the line for all), then
-        hand it to on_lost."""
-        if found == "neighbour":
-            states = peer_states(self.window, hb=self)
-            lost = sorted(r for r, st in states.items() if st == "lost") or [self._neighbour]
-            message = (f"lost rank(s) {', '.join(map(str, lost))}: no heartbeat for "
-                       f"{self.window:.1f} s (the process or its host died)")
-            found = f"{','.join(map(str, lost))}|{message}"
-            try:  # the first rank's finding is the job's (the others read it at their next beat)
-                found = self.call(lambda c: c.compare_set("lost", "", found)).decode()
-            except Exception:
-                pass
-        ranks, _, message = found.partition("|")
-        err = RankLostError(f"{message}; ending the job (found by the heartbeats)")
-        err.lost = [int(r) for r in ranks.split(",") if r]
-        self._on_lost(err)
-
-    def call(self, fn, seconds=_STORE_CALL_S):
-        """``fn(client)`` under the lock, waited for at most ``seconds``: an operation on a store
-        whose host became unreachable (cable pulled, host powered off) does not honour the
-        store's timeout and can block for many minutes, holding the lock. Raises TimeoutError
-        when the bound passes. Not collective."""
-        if self.store_lost:
-            raise ConnectionError(f"the store at {self.host}:{self.port} is unreachable")
-
-        def locked():
-            if not self._lock.acquire(timeout=seconds):
-                raise TimeoutError("the heartbeat's store connection is busy")
-            try:
-                return fn(self._client)
-            finally:
-                self._lock.release()
-
-        return _bounded(locked, seconds, "a heartbeat store operation")
-
-    def mark(self, state, seconds=_STORE_CALL_S):
-        """Record why this rank stops (best effort, bounded by ``seconds``)."""
-        try:
-            self.call(lambda c: c.set(f"state/{self.rank}", state), seconds)
-        except Exception:
-            pass
-
-    def stop(self, state):
-        self._stop.set()
-        self._thread.join(self.interval + 1.0)
-        self.mark(state)
-
-
-_heartbeat = None
-
-
-def _end_job_for_lost_ranks(error):
-    """What a watching heartbeat (NCCL) does with a loss, as after a failed collective on gloo:
-    the line naming the lost ranks (printed once for the job, then handed to the line hook), then
-    every rank ends with exit 1."""
-    message = str(error)
-    if first_to_report("lost"):
-        sys.stderr.write(f"error: {message}\n")
-        sys.stderr.flush()
-    if _error_line_hook is not None:
-        _error_line_hook(message)
-    end_job_after_error(1, cause=message, lost=error.lost)
-
-
-_error_line_hook = None
-
-
-def set_error_line_hook(hook):
-    """``hook(message)`` is called (in the heartbeat thread) with the error line of a job that
-    the heartbeats end (NCCL: a lost rank); cli.run_main writes it to the log files."""
-    global _error_line_hook
-    _error_line_hook = hook
-
-
-def _start_heartbeat(timeout):
-    """Start this rank's heartbeat when the process group's store is a TCPStore (best effort);
-    on NCCL it also watches for lost ranks (see _Heartbeat)."""
-    global _heartbeat
-    _stop_heartbeat("restarted")
-    store = dist.distributed_c10d._get_default_store()
-    while isinstance(store, dist.PrefixStore):
-        store = store.underlying_store
-    if not isinstance(store, dist.TCPStore):
-        return
-    host = "127.0.0.1" if store.host in ("", "0.0.0.0", "::") else store.host
-    try:
-        watch = dist.get_backend() == "nccl"
-        _heartbeat = _Heartbeat(host, store.port, get_rank(), get_world_size(),
-                                timeout.total_seconds(),
-                                on_lost=_end_job_for_lost_ranks if watch else None)
-    except Exception:
-        _heartbeat = None  # no heartbeat: failures are still bounded by the timeout
-
-
-def _stop_heartbeat(state):
-    global _heartbeat
-    if _heartbeat is not None:
-        _heartbeat.stop(state)
-        _heartbeat = None
-
-
-def peer_states(window_s=None, hb=None):
-    """
-    What became of the other ranks, from their heartbeats: ``{rank: state}`` for each rank that
-    did not beat within ``window_s`` (default 2.5 heartbeat intervals): "lost" (no beat: the
-    process or its host died) or the state it recorded ("exited", "ended: cause"). Ranks still
-    beating are left out. Raises ``RankLostError`` when the store itself is unreachable (its host,
-    rank 0's under mpiexec, is gone). {} without a heartbeat. ``hb``: the heartbeat to ask
-    through (default this rank's). Not collective.
-    """
-    hb = _heartbeat if hb is None else hb
-    if hb is None:
-        return {}
-    window = window_s if window_s is not None else 2.5 * hb.interval + 0.5
-    others = [r for r in range(hb.world) if r != hb.rank]
-
-    def look():
-        client = hb.connect(window + 5.0)
-        seen = {r: client.add(f"beat/{r}", 0) for r in others}
-        deadline = time.monotonic() + window
-        quiet = set(others)
-        while quiet and time.monotonic() < deadline:
-            time.sleep(min(0.2, hb.interval))
-            quiet = {r for r in quiet if client.add(f"beat/{r}", 0) == seen[r]}
-        states = {}
-        for r in sorted(quiet):
-            key = f"state/{r}"
-            states[r] = client.get(key).decode() if client.check([key]) else "lost"
-        return states
-
-    try:
-        # bounded: a store whose host went silent mid-way would not answer (see _Heartbeat.call)
-        return _bounded(look, 2 * window + 10.0 + 2 * _STORE_CALL_S, "reading the heartbeats")
-    except Exception as e:
-        hb.store_lost = True  # later store calls of this rank fail at once
-        raise RankLostError(
-            f"the process group's store at {hb.host}:{hb.port} is unreachable "
-            f"({type(e).__name__}): the rank that holds it (rank 0 under mpiexec; the rendezvous "
-            f"host under torchrun) or its host is lost") from None
-
-
-def diagnose_failure(error):
-    """
-    After ``error`` (a collective that raised, e.g. gloo's "Connection reset by peer", or a
-    timeout): ``RankLostError`` naming the ranks that died or ended, or None when every other rank
-    is still alive (``error`` is then something else). Waits up to a few heartbeat intervals.
-    Not collective.
-    """
-    if _heartbeat is None:
-        return None
-    cause = " ".join(str(error).split())[:160] or type(error).__name__
-    try:
-        states = peer_states()
-    except RankLostError as e:
-        return RankLostError(f"{e} (the collective failed with: {cause})")
-    lost = [r for r, s in states.items() if s == "lost"]
-    ended = {r: s for r, s in states.items() if s != "lost"}
-    if not lost and not ended:
-        return None
-    parts = []
-    if lost:
-        parts.append(f"lost rank(s) {', '.join(map(str, lost))}: no heartbeat for "
-                     f"{2.5 * _heartbeat.interval + 0.5:.1f} s (the process or its host died)")
-    for r, s in ended.items():
-        parts.append(f"rank {r} {s}")
-    err = RankLostError("; ".join(parts) + f"; the collective failed with: {cause}")
-    err.lost = lost
-    err.ended = ended
-    return err
-
-
-_COMM_FAILURE_WORDS = ("gloo", "nccl", "connection", "peer", "timed out", "timeout", "socket",
-                       "broken pipe", "store")
-
-
-def looks_like_comm_failure(error):
-    """True for what a collective raises when a peer is gone or late (torch's DistError, or the
-    RuntimeError gloo raises: "Connection reset by peer", "Timed out waiting ...")."""
-    if isinstance(error, (dist.DistError, ConnectionError, TimeoutError)):
-        return True
-    text = str(error).lower()
-    return isinstance(error, RuntimeError) and any(w in text for w in _COMM_FAILURE_WORDS)
-
-
-def first_to_report(topic):
-    """True on the first rank that asks about ``topic`` (best effort: True without a store), so a
-    cause shared by several ranks is printed once. Not collective."""
-    hb = _heartbeat
-    if hb is None or not is_distributed():
-        return True
-    try:
-        return hb.call(lambda c: c.add(f"first_to_report/{topic}", 1)) == 1
-    except Exception:
-        return True
-
-
-def mark_ending(cause, seconds=_STORE_CALL_S):
-    """Record in this rank's heartbeat state that it ends the job (``cause``: one line), so that
-    the other ranks can name it (``diagnose_failure``: "rank R ended the job (cause)"). Best
-    effort, bounded by ``seconds``; safe from any thread. Not collective."""
-    if _heartbeat is not None:
-        _heartbeat.mark(f"ended the job ({cause})", seconds)
-
-
-def end_job_after_error(code, wait_s=10.0, *, cause=None, lost=()):
-    """
-    After an error on this rank: if every rank failed (errors of the resume are raised on all
-    ranks alike, since its decisions are broadcast), return so each exits normally; if the other
-    ranks did not fail within ``wait_s`` (say, an unreadable image in one rank's batch, or a
-    KeyboardInterrupt on one rank), they would stay blocked in a collective, so abort the whole
-    job with exit ``code`` (MPI_Abort under mpiexec; under torchrun this rank's exit makes the
-    launcher stop the rest). ``lost``: ranks known dead (not waited for). ``cause`` (one line) is
-    recorded in this rank's heartbeat state, so the other ranks can name it.
-
-    Failing ranks count themselves in the process group's store; no collective is entered, so
-    this is safe to call from any rank at any point. No-op without a process group.
-    """
-    if not is_distributed():
-        return
-    mark_ending(cause or f"exit {code}")
-    world = get_world_size()
-    expected = world - len(set(lost))
-    reached = []
-
-    def count_and_wait():
-        store = dist.distributed_c10d._get_default_store()
-        store.add("end_job_after_error/failed", 1)
-        reached.append(True)
-        deadline = time.time() + wait_s
-        while store.add("end_job_after_error/failed", 0) < expected:
-            if time.time() > deadline:
-                raise TimeoutError
-            time.sleep(0.1)
-        store.add("end_job_after_error/left", 1)
-        while get_rank() == 0 and store.add("end_job_after_error/left", 0) < expected:
-            if time.time() > deadline + wait_s:  # rank 0 holds the store: let the others read
-                break
-            time.sleep(0.05)
-
-    try:
-        if _heartbeat is not None and _heartbeat.store_lost:
-            raise ConnectionError("the process group's store is unreachable")
-        # bounded as a whole: the store's host may be unreachable (see _Heartbeat.call)
-        _bounded(count_and_wait, 2 * wait_s + _STORE_CALL_S, "counting the failed ranks")
-        if not lost:
-            return
-    except Exception:
-        pass
-    if lost:
-        sys.stderr.write(f"note: ending the job ({len(set(lost))} of {world} ranks lost)\n")
-    elif not reached:
-        sys.stderr.write(f"note: the process group's store cannot be reached; ending this rank "
-                         f"(of {world})\n")
-    else:
-        sys.stderr.write(f"note: the other ranks did not fail; aborting all {world} ranks\n")
-    sys.stderr.flush()
-    _abort(code)
-
-
-def _abort(code):
-    if _launched_by_mpi():
-        try:
-            from mpi4py import MPI
-
-            MPI.COMM_WORLD.Abort(code)
-        except ImportError:
-            pass
-    os._exit(code)
 
 
 # --------------------------------------------------------------------------------------------
@@ -1140,14 +555,14 @@ def run_on_rank0_unbounded(fn, what="rank 0's work"):
     save of a big model, a wait for a background write on slow storage): the other ranks first
     wait for rank 0 through the process group's store, for as long as rank 0's heartbeat goes
     on, then take the result by the usual broadcast. The wait stays bounded by the dead-rank
-    rule instead of the timeout: a rank 0 that died is named (RankLostError) once it has not
+    rule instead of the timeout: a rank 0 that died is named (heartbeat.RankLostError) once it has not
     beaten for the heartbeat's window. Without a heartbeat (a process group whose store is not
     a TCPStore) it is ``run_on_rank0``.
 
     Collective: call from all ranks with the same arguments.
     """
     global _long_waits
-    hb = _heartbeat
+    hb = heartbeat.current()
     if not is_distributed() or hb is None:
         return run_on_rank0(fn)
     _long_waits += 1
@@ -1160,35 +575,8 @@ def run_on_rank0_unbounded(fn, what="rank 0's work"):
         except Exception:
             pass  # the broadcast below reports a store or rank that is gone
     else:
-        _wait_for_rank0(hb, key, what)
+        heartbeat.wait_for_rank0(hb, key, what)
     return _raise_or_return(broadcast_object(result))
-
-
-def _wait_for_rank0(hb, key, what):
-    """Until rank 0 sets ``key`` in the store (run_on_rank0_unbounded); RankLostError once rank 0
-    has not beaten for the heartbeat's window. Not collective."""
-    beats, since = None, time.monotonic()
-    pause = 0.01
-    while True:
-        done, count, ended = hb.call(lambda c: (c.check([key]), c.add("beat/0", 0),
-                                                c.check(["state/0"])))
-        if done:
-            return
-        now = time.monotonic()
-        if ended:  # rank 0 stopped on purpose (an error it reports itself): the job ends
-            state = hb.call(lambda c: c.get("state/0")).decode()
-            err = RankLostError(f"rank 0 {state} during {what}")
-            err.ended = {0: state}
-            raise err
-        if count != beats:
-            beats, since = count, now
-        elif now - since > hb.window:
-            err = RankLostError(f"lost rank 0 during {what}: no heartbeat for {hb.window:.1f} s "
-                                f"(the process or its host died)")
-            err.lost = [0]
-            raise err
-        time.sleep(pause)
-        pause = min(0.2, pause * 2)
 
 
 def _picklable(e):
@@ -1375,7 +763,7 @@ def machine_id():
     """Which machine (running kernel) this process is on: its boot id, else its host name. Two
     processes with the same machine_id see one file where (st_dev, st_ino) agree; host names
     alone cannot tell (two machines may carry the same name, as for _network_stack)."""
-    return _boot_id() or socket.gethostname()
+    return rendezvous.boot_id() or socket.gethostname()
 
 
 def _raise_read_error(err):

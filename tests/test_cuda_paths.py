@@ -9,7 +9,7 @@ import pytest
 import torch as th
 import torch.distributed as dist
 
-from improved_diffusion import dist_util
+from improved_diffusion import dist_util, heartbeat
 from improved_diffusion.dist_util import DeviceError
 
 TIMEOUT = datetime.timedelta(seconds=20)
@@ -172,17 +172,17 @@ def test_a_watching_heartbeat_names_a_lost_rank_long_before_the_timeout(store_se
     --dist_timeout): the heartbeat itself names the rank that stopped beating."""
     found = []
     timeout_s = 6.0
-    hb0 = dist_util._Heartbeat("127.0.0.1", store_server.port, 0, 2, timeout_s,
+    hb0 = heartbeat._Heartbeat("127.0.0.1", store_server.port, 0, 2, timeout_s,
                                on_lost=found.append)
-    hb1 = dist_util._Heartbeat("127.0.0.1", store_server.port, 1, 2, timeout_s)
+    hb1 = heartbeat._Heartbeat("127.0.0.1", store_server.port, 1, 2, timeout_s)
     try:
         hb1._stop.set()  # rank 1 dies: its beats stop and it records no state
         hb1._thread.join()
-        window = dist_util.watch_window(timeout_s)
+        window = heartbeat.watch_window(timeout_s)
         assert window < timeout_s / 2
         assert _wait_until(lambda: found, 3 * window + 10)
         err = found[0]
-        assert isinstance(err, dist_util.RankLostError) and err.lost == [1]
+        assert isinstance(err, heartbeat.RankLostError) and err.lost == [1]
         assert str(err).startswith("lost rank(s) 1: no heartbeat for")
     finally:
         hb0.stop("exited")
@@ -190,11 +190,11 @@ def test_a_watching_heartbeat_names_a_lost_rank_long_before_the_timeout(store_se
 
 def test_a_rank_that_exits_on_purpose_is_not_reported_lost(store_server):
     found = []
-    hb0 = dist_util._Heartbeat("127.0.0.1", store_server.port, 0, 2, 6.0, on_lost=found.append)
-    hb1 = dist_util._Heartbeat("127.0.0.1", store_server.port, 1, 2, 6.0)
+    hb0 = heartbeat._Heartbeat("127.0.0.1", store_server.port, 0, 2, 6.0, on_lost=found.append)
+    hb1 = heartbeat._Heartbeat("127.0.0.1", store_server.port, 1, 2, 6.0)
     try:
         hb1.stop("exited")
-        assert _wait_until(lambda: hb0._on_lost is None, dist_util.watch_window(6.0) + 10)
+        assert _wait_until(lambda: hb0._on_lost is None, heartbeat.watch_window(6.0) + 10)
         assert found == []
     finally:
         hb0.stop("exited")
@@ -202,15 +202,15 @@ def test_a_rank_that_exits_on_purpose_is_not_reported_lost(store_server):
 
 def test_the_heartbeat_watches_for_lost_ranks_on_nccl_only(store_server, monkeypatch):
     monkeypatch.setattr(dist.distributed_c10d, "_get_default_store", lambda: store_server)
-    monkeypatch.setattr(dist_util, "get_rank", lambda: 0)
-    monkeypatch.setattr(dist_util, "get_world_size", lambda: 2)
+    monkeypatch.setattr(dist, "get_rank", lambda: 0)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
     watching = {}
     for backend in ("nccl", "gloo"):
         monkeypatch.setattr(dist, "get_backend", lambda: backend)
-        dist_util._start_heartbeat(TIMEOUT)
-        watching[backend] = dist_util._heartbeat._on_lost
-        dist_util._stop_heartbeat("exited")
-    assert watching == {"nccl": dist_util._end_job_for_lost_ranks, "gloo": None}
+        heartbeat.start(TIMEOUT, "test/")
+        watching[backend] = heartbeat._heartbeat._on_lost
+        heartbeat.stop("exited")
+    assert watching == {"nccl": heartbeat._end_job_for_lost_ranks, "gloo": None}
 
 
 # ------------------------------------------------------------------------------ broadcasts

@@ -13,7 +13,7 @@ import pytest
 
 import cluster_sim as cs
 from conftest import REPO, run_module_mpi, run_script
-from improved_diffusion import dist_util
+from improved_diffusion import dist_util, heartbeat, rendezvous
 from test_train import error_lines, random_images
 
 # ------------------------------------------------------------------------------- timeouts
@@ -60,28 +60,28 @@ def test_a_host_whose_name_maps_to_loopback_publishes_the_address_other_hosts_re
     monkeypatch.setattr(socket, "gethostname", lambda: "node-a")
     monkeypatch.setattr(socket, "getaddrinfo",
                         lambda *a, **k: [(socket.AF_INET, 0, 0, "", ("127.0.1.1", 0))])
-    monkeypatch.setattr(dist_util, "_interface_addresses", lambda: [])
-    home = dist_util._host_info()
+    monkeypatch.setattr(rendezvous, "_interface_addresses", lambda: [])
+    home = rendezvous._host_info()
     # the loopback name address is never a candidate
     assert (home["host"], home["addrs"]) == ("node-a", [])
     # node-b (as node-a sees it) is 10.1.0.7; node-a's route towards it leaves from 10.1.0.6.
     routes = {"10.1.0.7": "10.1.0.6"}
     infos = [home, _info("node-b", ["10.1.0.7"])]
-    assert dist_util._choose_address(infos, {}, probe=routes.get) == "10.1.0.6"
+    assert rendezvous._choose_address(infos, {}, probe=routes.get) == "10.1.0.6"
 
 
 def test_rank0_falls_back_to_an_interface_address_when_no_route_is_found():
     infos = [_info("node-a", ["192.168.5.1"]), _info("node-b", ["10.1.0.7"])]
-    assert dist_util._choose_address(infos, {}, probe=lambda a: "127.0.0.1") == "192.168.5.1"
-    assert dist_util._choose_address(infos, {}, probe=lambda a: None) == "192.168.5.1"
+    assert rendezvous._choose_address(infos, {}, probe=lambda a: "127.0.0.1") == "192.168.5.1"
+    assert rendezvous._choose_address(infos, {}, probe=lambda a: None) == "192.168.5.1"
 
 
 def test_master_addr_overrides_the_discovery_but_never_as_a_loopback_address():
     infos = [_info("node-a", ["192.168.5.1"]), _info("node-b", ["10.1.0.7"])]
-    assert dist_util._choose_address(infos, {"MASTER_ADDR": "10.9.9.9"}) == "10.9.9.9"
+    assert rendezvous._choose_address(infos, {"MASTER_ADDR": "10.9.9.9"}) == "10.9.9.9"
     with pytest.raises(dist_util.RendezvousError, match="MASTER_ADDR=localhost is 127.0.0.1, a "
                        "loopback address") as e:
-        dist_util._choose_address(infos, {"MASTER_ADDR": "localhost"})
+        rendezvous._choose_address(infos, {"MASTER_ADDR": "localhost"})
     assert "\n" not in str(e.value)
 
 
@@ -89,13 +89,13 @@ def test_no_reachable_address_on_rank0_says_to_set_master_addr():
     infos = [_info("node-a", []), _info("node-b", ["10.1.0.7"])]
     with pytest.raises(dist_util.RendezvousError, match="rank 0's host 'node-a' has no address "
                        ".*set MASTER_ADDR") as e:
-        dist_util._choose_address(infos, {}, probe=lambda a: None)
+        rendezvous._choose_address(infos, {}, probe=lambda a: None)
     assert "\n" not in str(e.value)
 
 
 def test_ranks_on_one_host_meet_on_loopback_whatever_master_addr_says():
     infos = [_info("node-a", ["10.0.0.1"]), _info("node-a", ["10.0.0.1"])]
-    assert dist_util._choose_address(infos, {"MASTER_ADDR": "localhost"}) == "127.0.0.1"
+    assert rendezvous._choose_address(infos, {"MASTER_ADDR": "localhost"}) == "127.0.0.1"
 
 
 # Each rank pretends to be on its own host ("host0", "host1"): setup_dist takes the multi-host
@@ -104,12 +104,12 @@ RENDEZVOUS_CHILD = """
 import os, socket, sys, json
 rank = int(os.environ["PMI_RANK"])
 socket.gethostname = lambda: f"host{rank}"
-from improved_diffusion import cli, dist_util
-dist_util._network_stack = lambda: f"stack{rank}"
+from improved_diffusion import cli, dist_util, heartbeat, rendezvous
+rendezvous.network_stack = lambda: f"stack{rank}"
 INJECT
 def main(argv):
     dist_util.setup_dist(timeout=20)
-    hb = dist_util._heartbeat
+    hb = heartbeat._heartbeat
     sys.stdout.write("RESULT " + json.dumps(dict(rank=rank, host=hb.host,
                      gathered=dist_util.all_gather_object(rank))) + "\\n")
     dist_util.cleanup()
@@ -127,8 +127,8 @@ def _rendezvous_run(inject="", env=None):
 
 @pytest.mark.timeout(120)
 def test_a_multi_host_mpiexec_job_meets_on_a_non_loopback_address():
-    if not dist_util._interface_addresses() or \
-            not [a for a in dist_util._interface_addresses() if dist_util._reachable_kind(a)]:
+    if not rendezvous._interface_addresses() or \
+            not [a for a in rendezvous._interface_addresses() if rendezvous._reachable_kind(a)]:
         pytest.skip("this machine has no non-loopback IPv4 interface")
     proc, _ = _rendezvous_run()
     assert proc.returncode == 0, proc.stdout
@@ -137,14 +137,14 @@ def test_a_multi_host_mpiexec_job_meets_on_a_non_loopback_address():
     assert sorted(r["rank"] for r in results) == [0, 1]
     assert all(r["gathered"] == [0, 1] for r in results)
     published = next(r["host"] for r in results if r["rank"] == 1)
-    assert dist_util._reachable_kind(published), published  # never 127.x
+    assert rendezvous._reachable_kind(published), published  # never 127.x
 
 
 @pytest.mark.timeout(120)
 def test_no_address_for_rank0_fails_every_rank_at_once_with_the_same_line():
     # Every rank's name maps to loopback and no interface has another address.
     proc, took = _rendezvous_run("""
-        dist_util._interface_addresses = lambda: []
+        rendezvous._interface_addresses = lambda: []
         socket.getaddrinfo = lambda *a, **k: [(socket.AF_INET, 0, 0, "", ("127.0.1.1", 0))]
     """)
     assert proc.returncode == 1, proc.stdout

@@ -24,7 +24,7 @@ import torch
 import cluster_sim as cs
 import multihost as mh
 from conftest import deep_diff, resumed_step, run_script, write_images
-from improved_diffusion import dist_util
+from improved_diffusion import dist_util, heartbeat, rendezvous
 from test_train import error_lines
 
 PORT = 29400  # the rendezvous port on host 0 (the namespaces are fresh: always free)
@@ -120,19 +120,19 @@ def test_two_hosts_with_the_same_name_never_meet_on_loopback():
     # the address its route towards host 1 leaves from, not 127.0.0.1.
     a = {"host": "node", "addrs": ["10.77.0.1"], "stack": "boot-a/4:1"}
     b = {"host": "node", "addrs": ["10.77.0.2"], "stack": "boot-b/4:1"}
-    assert dist_util._choose_address([a, b], {}, probe={"10.77.0.2": "10.77.0.1"}.get) == \
+    assert rendezvous._choose_address([a, b], {}, probe={"10.77.0.2": "10.77.0.1"}.get) == \
         "10.77.0.1"
     # ranks in one network stack meet on loopback, whatever their names
-    assert dist_util._choose_address([a, dict(a, host="other")], {}) == "127.0.0.1"
+    assert rendezvous._choose_address([a, dict(a, host="other")], {}) == "127.0.0.1"
     # without a stack (not Linux) the host name decides, as before
-    assert dist_util._choose_address([dict(a, stack=None), dict(b, stack=None)], {}) == \
+    assert rendezvous._choose_address([dict(a, stack=None), dict(b, stack=None)], {}) == \
         "127.0.0.1"
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/ns/net"), reason="Linux only")
 def test_this_process_knows_its_network_stack():
-    stack = dist_util._network_stack()
-    assert stack and stack == dist_util._host_info()["stack"]
+    stack = rendezvous.network_stack()
+    assert stack and stack == rendezvous._host_info()["stack"]
 
 
 # ------------------------------------------------------------------------------ harness
@@ -318,10 +318,10 @@ def mpiexec(hosts, n, cmd, tmp_path, tag, env=None):
 RENDEZVOUS_CHILD = """
 import json, socket, sys
 NAME
-from improved_diffusion import cli, dist_util
+from improved_diffusion import cli, dist_util, heartbeat, rendezvous
 def main(argv):
     dist_util.setup_dist(timeout=20)
-    hb = dist_util._heartbeat
+    hb = heartbeat._heartbeat
     sys.stdout.write("RESULT " + json.dumps(dict(rank=dist_util.get_rank(), store=hb.host,
                      hosts=dist_util.all_gather_object(socket.gethostname()))) + "\\n")
     dist_util.cleanup()

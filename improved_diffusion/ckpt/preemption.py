@@ -301,9 +301,10 @@ def _hard_exit():
         if run_lock is not None:
             run_lock.drop_local_locks()
         dist_util = sys.modules.get(__package__.rpartition(".")[0] + ".dist_util")
-        if dist_util is not None and dist_util.is_distributed():
-            dist_util.mark_ending(line, seconds=2.0)
-            show = dist_util.first_to_report("preempted")
+        heartbeat = sys.modules.get(__package__.rpartition(".")[0] + ".heartbeat")
+        if dist_util is not None and heartbeat is not None and dist_util.is_distributed():
+            heartbeat.mark_ending(line, seconds=2.0)
+            show = heartbeat.first_to_report("preempted")
         else:
             show = True
         if show:
