@@ -10,6 +10,8 @@ The modules, from the file up:
     checkpoint    one file: names and patterns (name_info, parse_step), schema tags, payloads,
                   kinds and layouts (classify, describe, opt_layout), the validated reader
                   (load_file, load_file_collective); docs/checkpoints.md is its reference
+    safe_read     bytes to objects: torch.load (weights_only) with each record's CRC-32 checked
+                  as it is read, the zip's records, stand-ins for refused pickled objects
     file_writer   writing one file: the atomic writer (write_file, atomic_write), the checksums
                   a manifest lists (file_digest), the wording of disk faults
     optim_state   optimizer state keyed by parameter name; upstream's layouts in and out
@@ -51,6 +53,7 @@ What calls what on a resume (every step collective unless it says rank 0):
       -> dist_util.run_on_rank0(run_dir.plan_resume)      rank 0: list the log dir, read the
            -> checkpoint (names, manifests, checksums)      manifests, verify the candidate step
       -> Resume.load_model -> checkpoint.load_file_collective -> dist_util (same file? bytes)
+                           -> safe_read.checked_load (each rank checks its share of CRCs)
                            -> state_fit.fit_state_dict (-> model_change with allow_model_change)
                            -> run_dir.refuse_overwrite
       -> Resume.load_ema (per rate) -> checkpoint.load_file_collective (-> state_fit)

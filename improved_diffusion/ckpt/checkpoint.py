@@ -1,7 +1,8 @@
 """
 One checkpoint file and its vocabulary: names, schema-tagged payloads, kinds and layouts (our
-files and upstream's) and the validated reader. Writing a file (the atomic writer, the checksums
-a manifest lists, the wording of disk faults) is file_writer.py's; what a *directory* of steps
+files and upstream's) and the validated reader (its byte-level half, torch.load with every
+record's CRC checked, is safe_read.py's). Writing a file (the atomic writer, the checksums a
+manifest lists, the wording of disk faults) is file_writer.py's; what a *directory* of steps
 holds (discovery, verification, the resume plan, pruning) is run_dir.py's.
 
 docs/checkpoints.md is the reference for the format; keep it in step with this module.
@@ -28,16 +29,10 @@ failed (I/O, permissions, a remote store, memory) is its subclass ``CheckpointRe
 no caller takes as a reason to fall back.
 """
 
-import errno
-import hashlib
-import io
 import os
-import pickle
 import re
 import time
 import warnings
-import zipfile
-import zlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
@@ -46,6 +41,7 @@ import blobfile as bf
 import torch as th
 
 from .. import dist_util
+from . import safe_read
 
 from ..errors import UserError, typed_one_line
 
@@ -503,205 +499,12 @@ def describe_object(obj):
     return f"a dict with keys [{keys}]"
 
 
-def _load_error_reason(e):
-    """A one-line reason for a torch.load failure (never torch's "use weights_only=False")."""
-    text = " ".join(str(e).split())
-    if isinstance(e, pickle.UnpicklingError) and "Weights only load failed" in text:
-        m = re.search(r"GLOBAL ([\w.]+)", text)
-        if m:
-            return (f"holds pickled code/objects ({m.group(1)}) that safe (weights_only) loading "
-                    f"refuses; nothing in it was executed")
-        if re.search(r"Unsupported operand", text):
-            return "not a torch checkpoint (unreadable or corrupt pickle data)"
-        m = re.search(r"WeightsUnpickler error: (.*?)(?:\. |$)", text)
-        what = m.group(1)[:120] if m else "unsupported pickle content"
-        return (f"holds pickle content that safe (weights_only) loading refuses ({what}); "
-                f"nothing in it was executed")
-    if "central directory" in text or "zip archive" in text or "PytorchStreamReader" in text:
-        return "truncated or corrupt (the zip archive cannot be read)"
-    if isinstance(e, (EOFError,)) or "Ran out of input" in text:
-        return "truncated (ended early)"
-    if (isinstance(e, (pickle.UnpicklingError, UnicodeDecodeError)) or "invalid load key" in text
-            or "magic number" in text):
-        return "not a torch checkpoint (unreadable pickle data)"
-    first = text[:160] or type(e).__name__
-    return f"cannot be loaded ({type(e).__name__}: {first})"
-
-
-class _Record:
-    """One stored record of a torch zip file (from the central directory)."""
-
-    __slots__ = ("index", "name", "header_offset", "size", "crc")
-
-    def __init__(self, index, name, header_offset, size, crc):
-        self.index, self.name, self.header_offset = index, name, header_offset
-        self.size, self.crc = size, crc
-
-
-def _zip_records(raw):
-    """The records (list of _Record) of the torch zip file open in ``raw`` (seekable), from its
-    central directory alone; None when it is not a readable zip of stored records (a legacy
-    torch file, or damage that torch.load will explain). A failed read raises OSError."""
-    if not _is_zip(raw):
-        return None
-    try:
-        with zipfile.ZipFile(raw) as z:
-            infos = z.infolist()
-    except (zipfile.BadZipFile, EOFError, ValueError):  # damaged: torch.load explains it
-        return None
-    except OSError as e:
-        if e.errno == errno.EINVAL:  # a seek to a negative offset read from damaged bytes
-            return None
-        raise
-    if any(i.compress_type != zipfile.ZIP_STORED for i in infos):
-        return None
-    return [_Record(n, i.filename, i.header_offset, i.file_size, i.CRC)
-            for n, i in enumerate(infos)]
-
-
-def _is_zip(raw):
-    raw.seek(0)
-    return raw.read(4) == b"PK\x03\x04"
-
-
-def records_digest(records):
-    """A digest of a zip's records (names, offsets, sizes, CRCs): equal for equal files."""
-    h = hashlib.sha256()
-    for r in records or ():
-        h.update(f"{r.name}:{r.header_offset}:{r.size}:{r.crc};".encode())
-    return h.hexdigest()
-
-
-class _CheckedReader:
-    """What torch.load reads a file through: each record torch reads (its 30-byte local header,
-    then one readinto of exactly the record, straight into the new tensor's memory) has its
-    CRC-32 checked right there, so the bytes are read once and copied once. torch.load itself
-    checks no CRC: a flipped byte inside a tensor record would load silently as damaged weights.
-
-    ``mine``: the records this process checks (ranks reading the same file share the work);
-    ``finish()`` checks, by reading them, those that torch did not read in that way.
-    ``bad``: the first record that failed; ``read_error``: an OSError of the file.
-    """
-
-    def __init__(self, raw, mine):
-        self._raw = raw
-        self._by_header = {r.header_offset: r for r in mine}
-        self._by_data = {}
-        self._unchecked = {r.index: r for r in mine}
-        self.bad = None
-        self.read_error = None
-
-    def _seen(self, pos, view):
-        rec = self._by_header.get(pos)
-        if rec is not None and view.nbytes >= 30 and bytes(view[:4]) == b"PK\x03\x04":
-            data = pos + 30 + int.from_bytes(view[26:28], "little") \
-                + int.from_bytes(view[28:30], "little")
-            self._by_data[data] = rec
-            end = data - pos + rec.size
-            if view.nbytes < end:
-                return
-            view, pos = view[data - pos:end], data  # header and data in one read
-        rec = self._by_data.get(pos)
-        if rec is None or view.nbytes != rec.size or rec.index not in self._unchecked:
-            return
-        del self._unchecked[rec.index]
-        if self.bad is None and zlib.crc32(view) != rec.crc:
-            self.bad = rec.name
-
-    def _io(self, fn, *args):
-        """``fn(*args)``, remembering an OSError (a failed read, not bad content)."""
-        try:
-            return fn(*args)
-        except OSError as e:
-            self.read_error = e
-            raise
-
-    def readinto(self, b):
-        pos = self._raw.tell()
-        n = self._io(self._raw.readinto, b)
-        self._seen(pos, memoryview(b).cast("B")[:n or 0])
-        return n
-
-    def read(self, n=-1):
-        pos = self._raw.tell()
-        data = self._io(self._raw.read, n)
-        self._seen(pos, memoryview(data))
-        return data
-
-    def readline(self, *args):  # a legacy (non-zip) torch file is read as a plain pickle
-        return self._io(self._raw.readline, *args)
-
-    def seek(self, *args):
-        return self._raw.seek(*args)
-
-    def tell(self):
-        return self._raw.tell()
-
-    def readable(self):
-        return True
-
-    def seekable(self):
-        return True
-
-    def finish(self):
-        """Check the records of ``mine`` that torch.load did not read as expected, reading them
-        (in 8 MB pieces); raises OSError when a read fails."""
-        for rec in list(self._unchecked.values()):
-            self._raw.seek(rec.header_offset)
-            head = self._raw.read(30)
-            if len(head) < 30:
-                self.bad = self.bad or rec.name
-                continue
-            self._raw.seek(rec.header_offset + 30 + int.from_bytes(head[26:28], "little")
-                           + int.from_bytes(head[28:30], "little"))
-            crc, left = 0, rec.size
-            while left:
-                piece = self._raw.read(min(left, 8 << 20))
-                if not piece:
-                    break
-                crc, left = zlib.crc32(piece, crc), left - len(piece)
-            if (left or crc != rec.crc) and self.bad is None:
-                self.bad = rec.name
-            del self._unchecked[rec.index]
-
-
-class _MemoryFile(io.RawIOBase):
-    """A read-only seekable file over a bytes-like object, without copying it (io.BytesIO copies
-    a bytearray)."""
-
-    def __init__(self, data):
-        super().__init__()
-        self._view = memoryview(data).cast("B")
-        self._pos = 0
-
-    def readable(self):
-        return True
-
-    def seekable(self):
-        return True
-
-    def readinto(self, b):
-        out = memoryview(b).cast("B")
-        n = max(0, min(out.nbytes, self._view.nbytes - self._pos))
-        out[:n] = self._view[self._pos:self._pos + n]
-        self._pos += n
-        return n
-
-    def seek(self, offset, whence=0):
-        base = {0: 0, 1: self._pos, 2: self._view.nbytes}[whence]
-        self._pos = max(0, base + offset)
-        return self._pos
-
-    def tell(self):
-        return self._pos
-
-
 def _torch_load(raw, nbytes, name, records=None, share=(0, 1)):
     """torch.load (weights_only) of the file open in ``raw`` (``nbytes`` long), checking the CRC-32
-    of each record as it is read: all of them, or with ``share`` (k, n) those whose index is k
-    modulo n. A failed read is CheckpointReadError; bad content (empty, truncated, not torch,
-    pickled code, a damaged record) is CheckpointError; both name the file. ``records``:
-    _zip_records(raw) when known.
+    of each record as it is read (safe_read.checked_load): all of them, or with ``share`` (k, n)
+    those whose index is k modulo n. A failed read is CheckpointReadError; bad content (empty,
+    truncated, not torch, pickled code, a damaged record) is CheckpointError; both name the file.
+    ``records``: safe_read.zip_records(raw) when known.
 
     Returns (object, notes). A combined dict whose pickled objects all lie outside its weights and
     optimizer entries (DiT's "args") is read with stand-ins for them (read_pickled_objects); the
@@ -710,102 +513,35 @@ def _torch_load(raw, nbytes, name, records=None, share=(0, 1)):
         raise CheckpointError(
             f"{name}: empty file (0 bytes), probably an interrupted write; delete it or use an "
             f"earlier step")
-    if records is None:
-        try:
-            records = _zip_records(raw)
-        except OSError as e:
-            raise CheckpointReadError(f"{name}: cannot read ({typed_one_line(e)}); check that it "
-                                      f"is reachable and readable") from None
     try:
-        return _checked_load(raw, name, records, share), []
-    except _Refused as refused:
-        stand_ins = _stand_ins_for(raw) if records is not None else None
-        if stand_ins:
+        if records is None:
             try:
-                obj = _checked_load(raw, name, records, share, stand_ins)
-            except _Refused:
-                obj = None
-            notes = read_pickled_objects(obj)
-            if notes is not None:
-                return obj, notes
-        raise CheckpointError(f"{name}: {refused.reason}; replace it or resume from another "
-                              f"step") from None
-
-
-class _Refused(Exception):
-    """Internal: safe (weights_only) loading refused pickled objects; ``reason`` says which."""
-
-    def __init__(self, reason):
-        super().__init__(reason)
-        self.reason = reason
-
-
-def _checked_load(raw, name, records, share, stand_ins=()):
-    """One torch.load (weights_only; ``stand_ins``: [(class, "module.Name")] read in place of
-    those globals) through a _CheckedReader; raises _Refused when it refuses pickled objects."""
-    raw.seek(0)
-    k, n = share
-    reader = _CheckedReader(raw, [r for r in records or () if r.index % n == k])
-    try:
-        with warnings.catch_warnings(), th.serialization.safe_globals(list(stand_ins)):
-            warnings.simplefilter("ignore")
-            obj = th.load(reader, weights_only=True, map_location="cpu")
-        reader.finish()
-    except MemoryError:
-        raise CheckpointReadError(f"{name}: out of memory while loading it; free memory or load "
-                                  f"it on a machine with more") from None
-    except Exception as e:  # torch.load's failures on bad bytes have no common type
-        if reader.read_error is not None:  # a read failed (a seek to a negative offset read
-            # from damaged bytes is content)
-            raise CheckpointReadError(f"{name}: cannot read ({typed_one_line(reader.read_error)})"
-                                      f"; check that it is reachable and readable") from None
-        reason = _load_error_reason(e)
-        if records is None and reason.startswith("cannot be loaded") and not _is_zip(raw):
-            # no zip: a legacy pickle, whose unpickler fails on random bytes in many ways
-            reason = "not a torch checkpoint (unreadable pickle data)"
-        if reason.startswith("holds pickle") and "nothing in it was executed" in reason:
-            raise _Refused(reason) from None
-        raise CheckpointError(f"{name}: {reason}; replace it or resume from another step") \
+                records = safe_read.zip_records(raw)
+            except OSError as e:
+                raise safe_read.Unreadable(f"cannot read ({typed_one_line(e)}); check that it is "
+                                           f"reachable and readable") from None
+        try:
+            return safe_read.checked_load(raw, records, share), []
+        except safe_read.Refused:
+            stand_ins = safe_read.stand_ins_for(raw) if records is not None else None
+            if stand_ins:
+                try:
+                    obj = safe_read.checked_load(raw, records, share, stand_ins)
+                except safe_read.Refused:
+                    obj = None
+                notes = read_pickled_objects(obj)
+                if notes is not None:
+                    return obj, notes
+            raise
+    except safe_read.Unreadable as e:
+        raise CheckpointReadError(f"{name}: {e.reason}") from None
+    except safe_read.BadBytes as e:
+        raise CheckpointError(f"{name}: {e.reason}; replace it or resume from another step") \
             from None
-    if reader.bad is not None:  # loaded, but with damaged bytes
-        raise CheckpointError(f"{name}: corrupt record {reader.bad!r} (CRC mismatch: the data "
-                              f"was damaged); replace it or resume from another step")
-    return obj
 
 
 # ---------------------------------------------------------------------------------------------
 # pickled objects in an otherwise readable file (DiT's "args": an argparse.Namespace)
-
-
-class PickledObject:
-    """Stands in, while a file is read, for an object of a class or function that safe loading
-    does not construct (``name``, e.g. "argparse.Namespace"): it keeps the plain data the pickle
-    hands it (``args``, ``state``, each read under weights_only's rules) and runs nothing."""
-
-    name = "?"
-
-    def __new__(cls, *args, **kwargs):
-        self = super().__new__(cls)
-        self.args, self.state = args, None
-        return self
-
-    def __init__(self, *args, **kwargs):
-        pass
-
-    def __setstate__(self, state):
-        self.state = state
-
-
-def _stand_ins_for(raw):
-    """[(stand-in class, "module.Name")] for every global of the torch zip in ``raw`` that safe
-    loading refuses (read statically from its pickle, nothing run); None when there is none or
-    the file is not a torch zip. Modules torch blocks outright (os, sys, ...) stay refused."""
-    try:
-        raw.seek(0)
-        names = th.serialization.get_unsafe_globals_in_checkpoint(raw)
-    except Exception:  # not a readable torch zip: the refusal stands
-        return None
-    return [(type(n.rsplit(".", 1)[-1], (PickledObject,), {"name": n}), n) for n in names] or None
 
 
 def read_pickled_objects(obj):
@@ -836,7 +572,7 @@ def read_pickled_objects(obj):
 
 
 def _holds_stand_in(v, depth=0):
-    if isinstance(v, PickledObject):
+    if isinstance(v, safe_read.PickledObject):
         return True
     if depth < 8 and isinstance(v, dict):
         return any(_holds_stand_in(x, depth + 1) for x in v.values())
@@ -847,7 +583,7 @@ def _holds_stand_in(v, depth=0):
 
 def _plain_data(v, where, notes, depth=0):
     """``v`` with its stand-ins replaced (see read_pickled_objects); ``where``: its path."""
-    if isinstance(v, PickledObject):
+    if isinstance(v, safe_read.PickledObject):
         if v.name == "argparse.Namespace" and isinstance(v.state, dict) and not v.args:
             notes.append(f"{where}: a pickled argparse.Namespace, read as its {len(v.state)} "
                          f"fields (plain data; no object was constructed and no code run)")
@@ -939,7 +675,7 @@ def load_file(path_or_bytes, name=None):
     """
     if isinstance(path_or_bytes, (bytes, bytearray, memoryview)):
         name = os.fspath(name) if name is not None else "<bytes>"
-        raw = _MemoryFile(path_or_bytes)
+        raw = safe_read.MemoryFile(path_or_bytes)
         obj, notes = _torch_load(raw, raw.seek(0, 2), name)
         return _make_ckpt(obj, name, raw.tell(), notes)
     name = os.fspath(path_or_bytes) if name is None else os.fspath(name)
@@ -976,7 +712,7 @@ def peek_file(path):
         raise CheckpointReadError(f"{path}: out of memory while loading it; free memory or load "
                                   f"it on a machine with more") from None
     except Exception as e:  # torch.load's failures on bad bytes have no common type
-        raise CheckpointError(f"{path}: {_load_error_reason(e)}; replace it") from None
+        raise CheckpointError(f"{path}: {safe_read.load_error_reason(e)}; replace it") from None
     return _make_ckpt(obj, path, nbytes)
 
 
@@ -1016,11 +752,11 @@ def _local_identity(path):
     try:
         with f:
             st = os.fstat(f.fileno())
-            records = _zip_records(f) if st.st_size else None
+            records = safe_read.zip_records(f) if st.st_size else None
     except OSError as e:
         return ("err", ("OSError", f"{path}: cannot read ({typed_one_line(e)})"), None), None
     ident = (dist_util.machine_id(), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-    return ("ok", ident, None if records is None else records_digest(records)), records
+    return ("ok", ident, None if records is None else safe_read.records_digest(records)), records
 
 
 def load_file_collective(path):
