@@ -14,6 +14,7 @@ import torch
 from conftest import FIXTURES, MPIEXEC, PY, REPO, _run, deep_diff, run_script
 
 from improved_diffusion import evaluation, sampling
+from improved_diffusion.ckpt import ckpt_tool
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -204,3 +205,70 @@ def test_bad_eval_flags_and_files_are_one_line_before_anything_is_written(
         assert not log.exists(), extra  # nothing written
     assert sorted(p.name for p in bad.iterdir()) == ["float.npz", "gray.npz", "one.npz",
                                                      "other.npz", "other_keys.pt"]
+
+
+# ------------------------------------------------------------------------ the post-hoc EMA
+
+
+@pytest.fixture(scope="module")
+def phema_run(tmp_path_factory, digits_data):
+    data, _ = digits_data
+    log = tmp_path_factory.mktemp("phema") / "run"
+    run_script("train.py", "--data_dir", data, "--log_dir", log, *TINY,
+               "--phema_stds", "0.05,0.1", timeout=150)
+    return log
+
+
+def ckpt(capsys, *args):
+    capsys.readouterr()
+    code = ckpt_tool.main([str(a) for a in args])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.mark.timeout(180)
+def test_phema_evaluate_scores_each_width_names_the_best_and_plots_the_sweep(
+        phema_run, digits_data, capsys, tmp_path):
+    _, ref = digits_data
+    code, out, err = ckpt(capsys, "phema", phema_run, "--std", "0.05,0.07,0.1", "--evaluate",
+                          ref, "--num_samples", 8, "--features", "digits", "--sample_steps", 3,
+                          "--json")
+    assert code == 0, err
+    rep = json.loads(out)
+    assert [r["std"] for r in rep["table"]] == [0.05, 0.07, 0.1] and rep["step"] == 4
+    fids = [r["fid"] for r in rep["table"]]
+    assert all(np.isfinite(fids)) and all(r["inception_score"] >= 1 for r in rep["table"])
+    assert rep["best"]["std"] == rep["table"][int(np.argmin(fids))]["std"]
+    plot = phema_run / "phema_sweep.png"
+    assert rep["plot"] == str(plot) and plot.stat().st_size > 1000
+    # the table in words, the same figures; --out puts the plot elsewhere
+    code, out, err = ckpt(capsys, "phema", phema_run, "--std", "0.05,0.07,0.1", "--evaluate",
+                          ref, "--num_samples", 8, "--features", "digits", "--sample_steps", 3,
+                          "--out", tmp_path / "sweep")
+    assert code == 0, err
+    lines = out.strip().splitlines()
+    assert lines[0].split() == ["std", "FID", "IS"]
+    assert [float(line.split()[1]) for line in lines[1:4]] == pytest.approx(fids, rel=1e-5)
+    assert f"best: std {rep['best']['std']:.3f}" in out
+    assert (tmp_path / "sweep" / "phema_sweep.png").exists()
+
+
+@pytest.mark.timeout(60)
+def test_phema_evaluate_bad_input_is_one_line_and_writes_nothing(phema_run, digits_data,
+                                                                 capsys, tmp_path):
+    _, ref = digits_data
+    bad = _bad_batches(tmp_path / "bad")
+    before = sorted(p.name for p in phema_run.iterdir())
+    for extra, code, words in [
+        (["--evaluate", ref, "--num_samples", 1], 2, "--num_samples 1"),
+        (["--evaluate", bad / "float.npz"], 1, "float.npz: arr_0 is float32"),
+        (["--evaluate", tmp_path / "missing.npz"], 1, "missing.npz: no such file"),
+        (["--num_samples", 8], 2, "--evaluate"),
+        (["--evaluate", ref, "--features", "inception", "--inception_weights",
+          bad / "other_keys.pt"], 1, "not the FID Inception weights"),
+    ]:
+        got, out, err = ckpt(capsys, "phema", phema_run, "--std", "0.05", "--features",
+                             "digits", *extra)
+        assert got == code, (extra, err)
+        assert len(err.strip().splitlines()) == 1 and words in err, (extra, err)
+    assert sorted(p.name for p in phema_run.iterdir()) == before
