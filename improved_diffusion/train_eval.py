@@ -57,6 +57,10 @@ from .errors import UsageError
 from .sample_grids import copy_with_params, ddim_diffusion, label_count
 
 
+# Images per forward pass of the feature network over the reference batch.
+REF_BATCH = 64
+
+
 def check_flags(config):
     """UsageError naming the flag for eval flags that cannot work together (``config``: a
     TrainConfig). Reads no file."""
@@ -156,7 +160,7 @@ class TrainEval:
     def prepare(self):
         """The reference's statistics (rank 0), from its activations (cached beside it) or its
         precomputed mu/sigma. Collective."""
-        acts = evaluation.cached_activations(self.ref_path, self.features, self.batch_size)
+        acts = evaluation.cached_activations(self.ref_path, self.features, REF_BATCH)
 
         def stats():
             pre, _ = evaluation.read_statistics(self.ref_path, *self.features.dims[:2])
