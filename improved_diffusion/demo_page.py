@@ -13,6 +13,9 @@ What it shows, each part only when its files are there:
   the Frechet floor for that many samples);
 - ADM's five figures (``eval.json``'s "adm": FID, sFID, IS, precision, recall) of the samples
   and of held-out real digits;
+- FID while training (``run/eval/fid_{step:06d}.json``, train.py --eval_interval) and the
+  post-hoc EMA chosen by FID (``phema_sweep.json`` and its plot ``eval/phema_sweep.png``, from
+  ``ckpt.py phema --evaluate``): the widths' table, the best marked, beside the curve;
 - the guidance table (``guidance.json``: rows ``{"way", "label_agreement", "mean_confidence",
   "command", "grid", "reference_label_agreement", "reference_what"}``), each way's grid in its
   row and its command under it, as typed in the repository (short_command);
@@ -39,6 +42,9 @@ MIN_WIDTH = 320
 # Images shown under "other images" at most (a folder of many PNGs is not a gallery).
 MAX_OTHER_IMAGES = 24
 _TRAIN_GRID = re.compile(r"^grid_(\d+)\.png$")
+_TRAIN_FID = re.compile(r"^fid_(\d+)\.json$")
+# scripts/demo.py's post-hoc EMA sweep (ckpt.py phema --evaluate --json, the plot's path relative)
+SWEEP = "phema_sweep.json"
 
 _CSS = """
 body { font-family: sans-serif; margin: 2em auto; max-width: 1160px; padding: 0 1em;
@@ -256,6 +262,55 @@ def _adm(adm, out_dir, programs, sample_npz):
               f"with ImageNet's numbers.</p>")
 
 
+def _training_fids(run_eval):
+    """[(step, fid, is)] of train.py --eval_interval's records in ``run_eval``."""
+    out = []
+    names = sorted(os.listdir(run_eval)) if os.path.isdir(run_eval) else []
+    for name in names:
+        rec = _read_json(os.path.join(run_eval, name)) if _TRAIN_FID.match(name) else None
+        if isinstance(rec, dict) and "step" in rec:
+            fid = next((v for k, v in rec.items() if k.startswith("fid_")), None)
+            score = next((v for k, v in rec.items() if k.startswith("is_")), None)
+            out.append((rec["step"], fid, score))
+    return out
+
+
+def _fid_section(out_dir, sweep, during, programs):
+    """FID while training and the post-hoc EMA sweep: (html, the images shown)."""
+    parts, shown = [], []
+    if during:
+        parts.append("<div><h3>While training</h3>" + _table(
+            ("step", "FID", "IS"),
+            [(html.escape(str(step)), html.escape(_num(fid, 2)), html.escape(_num(score, 3)))
+             for step, fid, score in during], num_cols=(0, 1, 2))
+            + "<p class=\"note\"><code>--eval_interval</code>: the EMA's samples scored against "
+              "the real digits by the digits classifier, training unchanged.</p></div>")
+    if isinstance(sweep, dict) and isinstance(sweep.get("table"), list):
+        best = (sweep.get("best") or {}).get("std")
+        rows = [(html.escape(f"{r.get('std', 0):.3f}" + (" (best)" if r.get("std") == best
+                                                           else "")),
+                 html.escape(_num(r.get("fid"), 2)), html.escape(_num(r.get("inception_score"))))
+                for r in sweep["table"] if isinstance(r, dict)]
+        cmd = sweep.get("command")
+        note = ""
+        if isinstance(cmd, list):
+            text, used_out = short_command(" ".join(str(c) for c in cmd), out_dir, programs)
+            note = f"<p class=\"note\"><code>{html.escape(text)}</code>" + (
+                f" ($OUT is {html.escape(os.path.abspath(out_dir))})" if used_out else "") + "</p>"
+        parts.append(f"<div><h3>Post-hoc EMA by FID (step {html.escape(str(sweep.get('step')))})"
+                     "</h3>" + _table(("std", "FID", "IS"), rows, num_cols=(1, 2)) + note
+                     + "</div>")
+        plot = os.path.join(out_dir, str(sweep.get("plot", "")))
+        if sweep.get("plot") and os.path.isfile(plot):
+            parts.append("<div>" + _img(out_dir, plot, "FID of each reconstructed post-hoc EMA "
+                                        "width (EDM2's sigma_rel), the best marked") + "</div>")
+            shown.append(plot)
+    if not parts:
+        return None, shown
+    return "<h2>FID while training and the post-hoc EMA</h2><div class=\"row\">" + "".join(
+        parts) + "</div>", shown
+
+
 def short_command(cmd, out_dir, programs=None):
     """A command as typed in the repository (tokens of absolute paths made short): the Python
     and mpiexec of the demo -> ``python``/``mpiexec``, files of the repository relative to it,
@@ -357,6 +412,12 @@ def render(out_dir):
     if isinstance(fig, dict) and isinstance(fig.get("adm"), dict):
         npz = fig.get("path") or os.path.join(out_dir, "samples", "SAMPLES.npz")
         parts.append("<h2>ADM's metrics</h2>" + _adm(fig["adm"], out_dir, programs, npz))
+    section, in_section = _fid_section(out_dir, _read_json(os.path.join(out_dir, SWEEP)),
+                                       _training_fids(os.path.join(out_dir, "run", "eval")),
+                                       programs)
+    if section:
+        parts.append(section)
+        shown.update(in_section)
     guidance = _read_json(os.path.join(out_dir, "guidance.json"))
     if guidance is not None:
         table, in_table = _guidance(guidance, out_dir, programs)

@@ -480,7 +480,81 @@ class InceptionFeatures:
         self.identity = {"features": "inception", "weights_sha256": net.sha256}
 
     def __call__(self, images):
-        return tuple(t.numpy() for t in self.net(images))
+        return tuple(t.cpu().numpy() for t in self.net(images))
+
+
+def digits_features():
+    """The demo's digits classifier (datasets/digits.py of the source tree, beside this package)
+    as a feature network (``--features digits``); UsageError when the file is not there (an
+    installed package without the source tree)."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                        "datasets", "digits.py")
+    if not os.path.isfile(path):
+        raise UsageError(f"--features digits needs datasets/digits.py of the source tree (not "
+                         f"found at {path}); use the Inception features")
+    module = sys.modules.get("digits")
+    if module is None or os.path.abspath(getattr(module, "__file__", "")) != path:
+        spec = importlib.util.spec_from_file_location("digits", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        sys.modules["digits"] = module
+    return module.DigitFeatures()
+
+
+def feature_network(name, inception_weights=None, flag="--features"):
+    """The feature network ``name`` ("inception": the FID Inception of ``inception_weights``,
+    else $ID_INCEPTION_WEIGHTS, on this rank's device; "digits": digits_features()).
+    UsageError for another name; InceptionWeightsError for a missing or wrong weights file.
+
+    Collective: call from all ranks with the same arguments (the weights are read by rank 0).
+    """
+    from . import dist_util, inception
+
+    if name == "digits":
+        return digits_features()
+    if name != "inception":
+        raise UsageError(f"{flag} {name}: must be one of {', '.join(FEATURES)}")
+    net = inception.load_inception(inception_weights, device=dist_util.dev(), log=_note)
+    features = InceptionFeatures(net)
+    features.weights_path = inception.resolve_weights_path(inception_weights)
+    return features
+
+
+# the feature networks: the FID Inception, the demo's digits classifier
+FEATURES = ("inception", "digits")
+
+
+def cached_activations(path, features, batch_size=64):
+    """
+    The activations ``(pool, spatial, logits)`` of the batch at ``path`` on rank 0 (None on the
+    other ranks): from its cache (NAME.acts.npz) when that matches, else computed across the
+    ranks (batch_activations) and the cache written by rank 0. EvaluationError for a bad batch.
+
+    Collective: call from all ranks with the same arguments.
+    """
+    from . import dist_util
+
+    path = os.fspath(path)
+    dist_util.run_on_rank0(lambda: open_batch(path).close())  # the same verdict on every rank
+    batch = open_batch(path)
+    try:
+        found = {}
+
+        def probe():
+            found["acts"] = read_cache(batch, features)
+            return found["acts"] is not None
+
+        if dist_util.run_on_rank0(probe):
+            _note(f"activations of {path} from {cache_path(path, features)}")
+            return found.get("acts")
+        acts = batch_activations(batch, features, batch_size)
+        if acts is not None:
+            write_cache(batch, features, acts)
+        return acts
+    finally:
+        batch.close()
 
 
 def _note(message):

@@ -223,6 +223,17 @@ FLAG_HELP = {
                         "labels); 0 = off"),
     "sample_count": ("logging", "images in each --sample_interval grid"),
     "sample_steps": ("logging", "DDIM steps of the --sample_interval grids"),
+    "eval_interval": ("logging", "every this many steps (a multiple of --log_interval), all "
+                      "ranks sample --eval_num_samples EMA images (DDIM, --sample_steps) and log "
+                      "their FID and IS against --eval_ref_batch as fid_ema_RATE, is_ema_RATE; "
+                      "training is unchanged; 0 = off"),
+    "eval_ref_batch": ("logging", "the reference batch of --eval_interval's FID (an npz, arr_0 "
+                       "uint8 [N, H, W, 3]; its activations are cached beside it)"),
+    "eval_num_samples": ("logging", "samples per --eval_interval evaluation (at least 2)"),
+    "eval_features": ("logging", "feature network of --eval_interval's FID: inception (the FID "
+                      "Inception, --inception_weights) or digits (the demo's classifier)"),
+    "inception_weights": ("logging", "the FID Inception's weights file (weights-inception-"
+                          "2015-12-05-6726825d.pth); '' = $ID_INCEPTION_WEIGHTS"),
     "tensorboard": ("logging", "also log the progress scalars and the sample grids to "
                     "TensorBoard in LOG_DIR/tb/ (needs the tensorboard package)"),
     # distributed

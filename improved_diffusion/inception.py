@@ -296,6 +296,33 @@ def _layout_problem(path, state, expected):
             + "; ".join(parts))
 
 
+def check_weights_file(path=None):
+    """
+    The weights path (``path``, else $ID_INCEPTION_WEIGHTS) once its file is found to be the FID
+    Inception's weights, without building the network or reading the tensors (memory-mapped):
+    for the start-up checks of a job (train.py's --eval_features inception) before anything is
+    written. InceptionWeightsError (one line naming the file) otherwise. Not collective.
+    """
+    path = resolve_weights_path(path)
+    if not os.path.isfile(path):
+        why = "is a directory" if os.path.isdir(path) else "no such file"
+        raise InceptionWeightsError(f"{path}: {why}; {missing_weights_message()}")
+    try:
+        state = th.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # an old (non-zip) torch file cannot be memory-mapped: read it
+        try:
+            state = th.load(path, map_location="cpu", weights_only=True)
+        except Exception as e:  # the bytes of one known call: not a torch file
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+            raise InceptionWeightsError(
+                f"{path}: not a loadable torch file ({type(e).__name__}: {first[:160]}); "
+                f"expected {WEIGHTS_NAME}") from None
+    problem = _layout_problem(path, state, FIDInceptionV3().state_dict())
+    if problem:
+        raise InceptionWeightsError(problem)
+    return path
+
+
 def load_inception(path=None, device="cpu", log=None):
     """
     The FID Inception network with the weights of ``path`` (else $ID_INCEPTION_WEIGHTS), loaded

@@ -144,6 +144,7 @@ class ProgressOutputFormat(KVWriter, SeqWriter):
     KEYS = (("loss", "loss"), ("train_loss", "loss"), ("train_acc@1", "acc@1"),
             ("val_loss", "val_loss"), ("val_acc@1", "val_acc@1"), ("grad_norm", "grad_norm"),
             ("loss_scale", "loss_scale"))  # train_* / val_*: classifier_train.py
+    EVAL = ("fid_", "is_")  # the prefixes of the evaluation's keys, shown after those
 
     def __init__(self, file):
         self.file = file
@@ -164,6 +165,8 @@ class ProgressOutputFormat(KVWriter, SeqWriter):
             step = int(step)
             parts = [f"step {step}" + (f"/{self.total}" if self.total else "")]
             parts += [f"{label} {_short(kvs[k])}" for k, label in self.KEYS if k in kvs]
+            # train.py --eval_interval's figures (train_eval.py): fid_ema_RATE, is_ema_RATE
+            parts += [f"{k} {_short(kvs[k])}" for k in sorted(kvs) if k.startswith(self.EVAL)]
             if kvs.get("nan_skipped"):
                 parts.append("steps skipped (NaN/Inf)")
             if kvs.get("fp16_skipped"):

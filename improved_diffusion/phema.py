@@ -679,3 +679,155 @@ def reconstruct(plan, batch=1):
                         for i, s in enumerate(plan.inputs)],
                 profile_error=float(plan.errors[col]))
             del out
+
+
+# ---------------------------------------------------------------------------------------------
+# the post-hoc EMA chosen by FID (EDM2's sweep; `ckpt.py phema RUN --std A,B,C --evaluate REF`)
+
+
+@dataclass
+class SweepRow:
+    """One reconstructed width's figures."""
+
+    std: float
+    fid: float
+    inception_score: float
+    profile_error: float
+
+
+def model_of_payload(payload, sample_steps, device="cpu"):
+    """(model in eval mode, diffusion respaced to ``sample_steps``) of a reconstructed EMA
+    payload (its flags and weights). PhemaError when the snapshots carry no model flags."""
+    from . import sampling, script_util
+
+    flags = payload.get("flags")
+    if not flags:
+        raise PhemaError("the post-hoc EMA snapshots carry no model flags (a TrainLoop without "
+                         "model_flags), so no model can be built to sample from them")
+    flags = sampling.reconcile_flags(flags, {"timestep_respacing": str(sample_steps)},
+                                     script_util.model_and_diffusion_defaults(),
+                                     source="the post-hoc EMA snapshots")
+    model, diffusion = script_util.create_model_and_diffusion(**flags)
+    model.load_state_dict(payload["state_dict"])
+    return model.to(device).eval(), diffusion, flags
+
+
+def sample_for_fid(model, diffusion, flags, num_samples, batch_size=64, seed=0):
+    """``num_samples`` images (uint8 [N, H, W, 3]) of ``model`` as train.py --eval_interval and
+    sample.py draw them: sample ``i`` from its own seeds, DDIM, labelled ``i % num_classes`` for
+    a class-conditional model; gray samples repeated to 3 channels. Collective (sampling.generate:
+    rank 0 gets them, the others None)."""
+    from . import sampling
+
+    num_classes = flags["num_classes"] if flags.get("class_cond") else None
+    shape = (flags["in_channels"], flags["image_size"], flags["image_size"])
+    if shape[0] not in (1, 3):
+        raise PhemaError(f"--evaluate: the model's samples have {shape[0]} channels (latents?), "
+                         f"not an image's 1 or 3; decode them and score them with evaluate.py")
+    images, _ = sampling.generate(
+        model, diffusion, num_samples=num_samples, batch_size=batch_size, shape=shape, seed=seed,
+        use_ddim=True, num_classes=num_classes,
+        classes=list(range(num_classes)) if num_classes else None, progress=False)
+    if images is not None and images.shape[-1] == 1:
+        images = np.repeat(images, 3, axis=-1)
+    return images
+
+
+def fid_and_is(images, features, ref_stats, batch_size=64):
+    """(FID against ``ref_stats``, Inception Score) of uint8 images by ``features``."""
+    from . import evaluation
+
+    pools, logits = [], []
+    for i in range(0, len(images), batch_size):
+        pool, _, logit = features(images[i:i + batch_size])
+        pools.append(pool)
+        logits.append(logit)
+    pool, logit = np.concatenate(pools), np.concatenate(logits)
+    fid = evaluation.compute_statistics(pool).frechet_distance(ref_stats, method="auto")
+    return fid, evaluation.compute_inception_score(logit)
+
+
+def reference_statistics(ref_path, features, batch_size=64):
+    """The reference batch's FIDStatistics (its precomputed mu/sigma, else from its activations,
+    cached beside it). Run in one process."""
+    from . import evaluation
+
+    pre, _ = evaluation.read_statistics(ref_path, *features.dims[:2])
+    if pre is not None:
+        return pre
+    acts = evaluation.cached_activations(ref_path, features, batch_size)
+    return evaluation.compute_statistics(acts[0])
+
+
+def evaluate_stds(plan, ref_path, features, num_samples, sample_steps, batch_size=64, seed=0,
+                  device="cpu", recon_batch=1, log=None):
+    """
+    The sweep: each std of ``plan`` reconstructed (``reconstruct``, one at a time), ``num_samples``
+    images sampled (sample_for_fid) and scored against ``ref_path`` by ``features``. Returns
+    [SweepRow] in plan order. ``log``: called with one line per std. Run in one process.
+    """
+    ref_stats = reference_statistics(ref_path, features, batch_size)
+    rows = []
+    for std, payload in reconstruct(plan, batch=recon_batch):
+        model, diffusion, flags = model_of_payload(payload, sample_steps, device)
+        del payload
+        images = sample_for_fid(model, diffusion, flags, num_samples, batch_size, seed)
+        del model
+        fid, score = fid_and_is(images, features, ref_stats, batch_size)
+        rows.append(SweepRow(std=float(std), fid=float(fid), inception_score=float(score),
+                             profile_error=float(plan.errors[plan.stds.index(std)])))
+        if log is not None:
+            log(f"std {std_str(std)}: FID {fid:.6g}, IS {score:.4g}")
+    return rows
+
+
+def best_row(rows):
+    """The row of the lowest finite FID (None when there is none)."""
+    finite = [r for r in rows if np.isfinite(r.fid)]
+    return min(finite, key=lambda r: r.fid) if finite else None
+
+
+def sweep_table(rows):
+    """The table in words: a header ``std  FID  IS``, a line per std, then ``best: ...``."""
+    lines = [f"{'std':<7}{'FID':>12}{'IS':>10}"]
+    lines += [f"{std_str(r.std):<7}{r.fid:>12.6g}{r.inception_score:>10.4g}" for r in rows]
+    best = best_row(rows)
+    if best is not None:
+        lines.append(f"best: std {std_str(best.std)} (FID {best.fid:.6g})")
+    return lines
+
+
+def plot_sweep(rows, path, step, features_name):
+    """``phema_sweep.png`` at ``path``: FID against std (log x), the best marked (matplotlib;
+    written under a temporary name, then renamed). Returns ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5, 3.4), dpi=120)
+    xs, ys = [r.std for r in rows], [r.fid for r in rows]
+    ax.plot(xs, ys, "o-", color="tab:blue")
+    best = best_row(rows)
+    if best is not None:
+        ax.plot([best.std], [best.fid], "*", color="tab:red", markersize=14,
+                label=f"best: std {std_str(best.std)}, FID {best.fid:.4g}")
+        ax.legend(loc="best", fontsize=8)
+    ax.set_xscale("log")
+    ax.set_xticks(xs)
+    ax.set_xticklabels([std_str(x) for x in xs], fontsize=8)
+    ax.minorticks_off()
+    ax.set_xlabel("post-hoc EMA width (std, EDM2's sigma_rel)")
+    ax.set_ylabel(f"FID ({features_name} features)")
+    ax.set_title(f"post-hoc EMA sweep at step {step}", fontsize=10)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    tmp = f"{path}.tmp{os.getpid()}.png"
+    try:
+        fig.savefig(tmp)
+        os.replace(tmp, path)
+    finally:
+        plt.close(fig)
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return path

@@ -93,6 +93,20 @@ def copy_with_params(model, params):
     return out.eval()
 
 
+def ddim_diffusion(diffusion, steps, flag):
+    """The training ``diffusion`` respaced to ``steps`` timesteps (--sample_steps) for sampling
+    while training; UsageError naming ``flag`` (the feature's on/off flag) or --sample_steps
+    when it cannot be."""
+    if not isinstance(diffusion, GaussianDiffusion):
+        raise UsageError(f"{flag}: the diffusion is a {type(diffusion).__name__}, not a "
+                         f"GaussianDiffusion; pass {flag} 0")
+    if steps > diffusion.num_timesteps:
+        raise UsageError(f"--sample_steps {steps} is more than the diffusion's "
+                         f"{diffusion.num_timesteps} timesteps; pass --sample_steps "
+                         f"{diffusion.num_timesteps} or fewer")
+    return respaced(diffusion, str(steps))
+
+
 def grid_path(log_dir, step):
     """LOG_DIR/samples/grid_{step:06d}.png."""
     return bf.join(log_dir, "samples", f"grid_{step:06d}.png")
@@ -116,15 +130,8 @@ class SampleGrids:
     def __init__(self, *, model, params, diffusion, log_dir, interval, count, steps, seed=0,
                  what="EMA", num_classes=None, model_kwargs=None, budget_s=None,
                  clock=time.monotonic):
-        if not isinstance(diffusion, GaussianDiffusion):
-            raise UsageError(f"--sample_interval: the diffusion is a {type(diffusion).__name__}, "
-                             f"not a GaussianDiffusion; pass --sample_interval 0")
-        if steps > diffusion.num_timesteps:
-            raise UsageError(f"--sample_steps {steps} is more than the diffusion's "
-                             f"{diffusion.num_timesteps} timesteps; pass --sample_steps "
-                             f"{diffusion.num_timesteps} or fewer")
+        self.diffusion = ddim_diffusion(diffusion, steps, "--sample_interval")
         self.model, self.params, self.what = model, params, what
-        self.diffusion = respaced(diffusion, str(steps))
         self.log_dir, self.interval, self.count, self.steps = log_dir, interval, count, steps
         self.seed, self.num_classes, self.model_kwargs = seed, num_classes, model_kwargs
         self.budget_s, self.clock = budget_s, clock

@@ -149,6 +149,14 @@ def train_defaults():
         sample_steps=25,
         # Also log the progress scalars and the sample grids to TensorBoard, LOG_DIR/tb/.
         tensorboard=False,
+        # FID while training (train_eval.py): every this many steps, all ranks sample
+        # --eval_num_samples images of the EMA (DDIM, --sample_steps) and rank 0 logs
+        # fid_ema_RATE / is_ema_RATE against --eval_ref_batch (an npz, arr_0 uint8 NHWC); 0: off.
+        eval_interval=0,
+        eval_ref_batch="",
+        eval_num_samples=1000,
+        eval_features="inception",  # or "digits" (the demo's classifier, datasets/digits.py)
+        inception_weights="",  # the FID Inception's weights; "": $ID_INCEPTION_WEIGHTS
     )
 
 

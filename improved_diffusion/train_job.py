@@ -17,7 +17,7 @@ import os
 import shlex
 from typing import Any, Callable, NamedTuple
 
-from . import cli, dist_util, image_datasets, logger, train_util
+from . import cli, dist_util, image_datasets, logger, train_eval, train_util
 from .ckpt import checkpoint, checkpointer, preemption, run_lock
 from .errors import UsageError, UserError
 from .script_util import same_flag_value
@@ -56,7 +56,8 @@ def check_train_args(args):
     if args.microbatch == 0 or args.microbatch < -1:
         raise UsageError(f"--microbatch must be -1 (off) or >= 1 (got {args.microbatch})")
     cli.check_dist_timeout(args.dist_timeout)
-    train_util.TrainConfig.from_flags(args)
+    config = train_util.TrainConfig.from_flags(args)
+    train_eval.check_inputs(config)  # its files, before the log dir is touched
 
 
 def num_classes(args):

@@ -44,6 +44,7 @@ from .nn import update_ema
 from .resample import LossAwareSampler, UniformSampler
 from .ckpt.rng import get_rng_state, seed_rngs, set_rng_state
 from .sample_grids import SampleGrids
+from .train_eval import TrainEval, check_flags as check_eval_flags
 
 __all__ = ["TrainLoop", "TrainConfig", "PREEMPTED_EXIT_CODE", "NonFiniteError", "ResumeError",
            "seed_rngs", "get_rng_state", "set_rng_state", "update_ema", "parse_ema_rates",
@@ -82,6 +83,10 @@ class TrainConfig:
         power-function EMA each (phema.RunTracker), its snapshots written with saves.
     phema_interval: snapshots every this many steps, a multiple of save_interval (snapshots are
         part of a step's save); 0: at every save_interval save. The run's last step has them too.
+    eval_interval: every this many steps (a multiple of log_interval), all ranks sample
+        eval_num_samples images of the EMA (DDIM, sample_steps) and rank 0 logs their FID and
+        IS against eval_ref_batch (0: off; train_eval.py). eval_features: "inception" (the FID
+        Inception, weights from inception_weights or $ID_INCEPTION_WEIGHTS) or "digits".
     checkpoint: the checkpointer's settings (log_dir, resume, saving; CheckpointConfig).
     """
 
@@ -106,6 +111,11 @@ class TrainConfig:
     tensorboard: bool
     phema_stds: str
     phema_interval: int
+    eval_interval: int
+    eval_ref_batch: str
+    eval_num_samples: int
+    eval_features: str
+    inception_weights: str
     checkpoint: CheckpointConfig
 
     # Settings that may differ between ranks (each rank's own diagnostics).
@@ -133,6 +143,7 @@ class TrainConfig:
                              "pip install tensorboard (or the project's extra, "
                              "pip install -e '.[tensorboard]')")
         phema.check_flags(self.phema_stds, self.phema_interval, self.checkpoint.save_interval)
+        check_eval_flags(self)
 
     @classmethod
     def from_flags(cls, flags, **overrides):
@@ -274,6 +285,9 @@ class TrainLoop:
             self.checkpointer.file_tags["vae"] = {k: vae[k] for k in ("source", "sha256", "scale")
                                                   if k in vae}
         self._resume()
+        self.evaluator = (TrainEval.of_training(cfg, self.model, self.ema_params, self.diffusion,
+                                                self.model_flags, sample_kwargs)
+                          if cfg.eval_interval else None)
         self.grids = (SampleGrids.of_training(cfg, self.model, self.ema_params, self.diffusion,
                                               self.model_flags, sample_kwargs)
                       if cfg.sample_interval else None)
@@ -296,7 +310,9 @@ class TrainLoop:
         of the current step is saved first). Collective: call from all ranks.
         """
         data = iter(self.data)
-        with self.checkpointer.watch_signals():
+        with self.checkpointer.watch_signals() as signal:
+            if self.evaluator is not None and not self.evaluator.at_resume(self.step, signal):
+                return self.checkpointer.save_for_preemption(self.step)
             while not self._done():
                 self.checkpointer.step_begins()  # all ranks exchange their flags meanwhile
                 batch, cond = next(data)
@@ -307,11 +323,13 @@ class TrainLoop:
                     record_indices(self.config.checkpoint.log_dir, self.rank, self.step + 1,
                                    getattr(self.data, "last_indices", None))
                 self.run_step(batch, cond)
+                evaluated = (self.evaluator is None  # False: a preemption abandoned it
+                             or self.evaluator.at_step(self.step, batch.shape[1:], signal))
                 if self.step % self.log_interval == 0:
                     logger.dumpkvs()
                 if self.save_interval and self.step % self.save_interval == 0:
                     self.save()
-                if self.checkpointer.stop_requested():
+                if self.checkpointer.stop_requested() or not evaluated:
                     self._flush_logs()
                     return self.checkpointer.save_for_preemption(self.step)
             self._flush_logs()

@@ -9,6 +9,8 @@ post-hoc EMAs.
     python scripts/ckpt.py prune DIR --keep K [--delete_snapshots]   (snapshots are kept)
     python scripts/ckpt.py phema DIR --std 0.07 [--std 0.1 ...] [--step S] --out FILE_OR_DIR
                                    (post-hoc EMA: EDM2's reconstruction from phema_*.pt snapshots)
+    python scripts/ckpt.py phema DIR --std 0.03,0.05,0.1 --evaluate REF.npz [--num_samples M]
+                                   (the widths scored by FID, the best named, phema_sweep.png)
 
 Add --json for machine-readable output. Exit status: 0 healthy, 1 problem found, 2 bad usage.
 """

@@ -8,7 +8,9 @@
 2. train     a small class-conditional UNet: `mpiexec -n 2 python scripts/train.py ...`; about
              halfway SIGTERM goes to one rank: all ranks save a complete checkpoint and exit
              with code 75 (what a job scheduler would requeue on); then the very same command
-             again auto-resumes from the newest complete step and trains to the end.
+             again auto-resumes from the newest complete step and trains to the end. Four
+             times a run it logs the EMA's FID against the real digits (--eval_interval,
+             --eval_features digits) and saves post-hoc EMA snapshots (--phema_stds 0.05,0.1).
 3. sample    `mpiexec -n 2 python scripts/sample.py` from the EMA weights with DDIM: --num_samples
              digits, classes 0..9 in turn (each grid column one class), npz + PNG grid; the loss
              curve.
@@ -16,7 +18,9 @@
              mean confidence, label agreement, class histogram, Frechet distance vs real halves;
              the same for --num_samples real digits held out (the reference column), and
              ADM's FID, sFID, IS, precision, recall of both (scripts/evaluate.py --features
-             digits) against the other real digits.
+             digits) against the other real digits; then the post-hoc EMA chosen by FID
+             (`ckpt.py phema run --std 0.03,...,0.15 --evaluate eval/ref_digits.npz --features
+             digits`: each width reconstructed, sampled and scored; eval/phema_sweep.png).
 5. guidance  the model above learnt the null label too (--class_dropout_prob 0.1); a small noised
              classifier is trained with `mpiexec -n 2 python scripts/classifier_train.py`,
              preempted halfway and auto-resumed like the model; then the same seeds and labels
@@ -29,7 +33,8 @@ The stages print as ``=== [N/6] ...``, with these numbers.
 
 Everything lands in --out (default demo_out/ in the repository): data/, run/ (checkpoints and
 logs), samples/ (npz, grid PNG and loss curve), eval/ (the real digits as batches: the held-out
-ones and the reference), eval.json, classifier/ (its run), guidance/ (the guided samples),
+ones and the reference; phema_sweep.png), eval.json, phema_sweep.json (the post-hoc EMA
+widths' FIDs), classifier/ (its run), guidance/ (the guided samples),
 guidance.json (a list of rows {"way", "label_agreement", "mean_confidence", "command", "grid",
 ...}), demo.json (what was trained, the stages' times), summary.txt and index.html (the page
 to look at: figures, grids, loss curve, the guidance table; improved_diffusion/demo_page.py).
@@ -56,6 +61,10 @@ BIN = os.path.dirname(sys.executable)
 PREEMPTED_EXIT_CODE = 75  # train_util.PREEMPTED_EXIT_CODE (not imported: keep startup light)
 # Stage 5's scales: --classifier_scale (classifier guidance) and --guidance_scale (classifier-free).
 GUIDANCE_SCALES = {"classifier_scale": 4.0, "guidance_scale": 2.0}
+# Post-hoc EMA: the widths tracked while training, and those stage 4 reconstructs and scores.
+PHEMA_STDS = "0.05,0.1"
+SWEEP_STDS = "0.03,0.05,0.07,0.1,0.15"
+SWEEP = "phema_sweep.json"
 
 # Settings that define a run; an --out holding other values is a different run.
 RUN_KEYS = ("image_size", "steps", "batch_size", "lr", "ema_rate", "num_channels",
@@ -330,7 +339,18 @@ def prepare_data(out, s):
     return data_dir
 
 
-def train_cmd(data_dir, run_dir, s):
+def quarter(s):
+    """A quarter of the run's steps, a multiple of its --log_interval (at least one interval):
+    how often it saves (with post-hoc EMA snapshots) and logs the EMA's FID."""
+    log = int(s["log_interval"])
+    return max(log, int(s["steps"]) // 4 // log * log)
+
+
+def train_cmd(data_dir, run_dir, s, ref_npz=None):
+    """The training command; ``ref_npz``: the real digits its --eval_interval FID is against."""
+    evaluation = [] if ref_npz is None else [
+        "--eval_interval", str(quarter(s)), "--eval_ref_batch", ref_npz,
+        "--eval_num_samples", str(s["num_samples"]), "--eval_features", "digits"]
     return [
         _mpiexec(), "-n", str(s["ranks"]), sys.executable, os.path.join(REPO, "scripts", "train.py"),
         "--data_dir", data_dir, "--log_dir", run_dir,
@@ -343,23 +363,25 @@ def train_cmd(data_dir, run_dir, s):
         "--class_dropout_prob", str(s["class_dropout_prob"]),
         "--lr", str(s["lr"]), "--batch_size", str(s["batch_size"]),
         "--ema_rate", str(s["ema_rate"]), "--max_steps", str(s["steps"]),
-        "--log_interval", str(s["log_interval"]), "--save_interval", "0",
+        "--log_interval", str(s["log_interval"]), "--save_interval", str(quarter(s)),
         "--keep_checkpoints", "2", "--seed", str(s["seed"]),
         "--resume_checkpoint", "auto",
         # a grid of EMA samples four times a run (run/samples/grid_STEP.png; on the page)
         "--sample_interval", str(max(1, s["steps"] // 4)), "--sample_steps", str(s["sample_steps"]),
+        # post-hoc EMA snapshots with each save (stage 4 reconstructs widths from them)
+        "--phema_stds", PHEMA_STDS, *evaluation,
     ]
 
 
 def train_with_preemption(data_dir, run_dir, s, preempt=True, cmd=None, script="train.py",
-                          steps=None, label="train"):
+                          steps=None, label="train", ref_npz=None):
     """Train to ``steps`` (s["steps"]) with ``cmd`` (train_cmd's) running ``script``: preempt
     halfway (SIGTERM to rank 1), then rerun to auto-resume.
 
     Returns a dict: preempted (bool), preempt_exit (int|None), preempted_at (step|None),
     resumed_from (step|None).
     """
-    cmd = cmd or train_cmd(data_dir, run_dir, s)
+    cmd = cmd or train_cmd(data_dir, run_dir, s, ref_npz)
     steps = steps or s["steps"]
     half = max(1, steps // 2)
     info = {"preempted": False, "preempt_exit": None, "preempted_at": None,
@@ -548,7 +570,55 @@ def adm_metrics(ref_npz, npz):
     return out
 
 
-def evaluate(npz, out, data_dir, s):
+def phema_sweep(run_dir, out, ref_npz, s):
+    """The post-hoc EMA chosen by FID: `ckpt.py phema RUN --std SWEEP_STDS --evaluate REF
+    --features digits` (in-process): each width reconstructed from the run's snapshots, sampled
+    (--num_samples, DDIM --sample_steps) and scored against the real digits; the table printed,
+    eval/phema_sweep.png drawn, phema_sweep.json written. Returns its dict."""
+    import io
+
+    from improved_diffusion.ckpt import ckpt_tool
+
+    folder = os.path.join(out, "eval")
+    argv = ["phema", run_dir, "--std", SWEEP_STDS, "--evaluate", ref_npz, "--num_samples",
+            str(s["num_samples"]), "--features", "digits", "--sample_steps",
+            str(s["sample_steps"]), "--sample_batch", str(s["sample_batch_size"]), "--seed",
+            str(s["seed"]), "--out", folder]
+    rel = lambda p: os.path.relpath(p, REPO) if p.startswith(REPO) else p  # noqa: E731
+    print("$ python scripts/ckpt.py " + " ".join(rel(a) for a in argv) + "   (run in-process)",
+          flush=True)
+    buf, err = io.StringIO(), io.StringIO()
+    code = ckpt_tool.main(argv + ["--json"], out=buf, err=err)
+    if code != 0:
+        raise DemoError(f"the post-hoc EMA sweep failed (exit code {code}): "
+                        f"{err.getvalue().strip()}")
+    rep = json.loads(buf.getvalue())
+    from improved_diffusion import phema
+
+    rows = [phema.SweepRow(**r) for r in rep["table"]]
+    print("\n".join("  " + line for line in phema.sweep_table(rows)), flush=True)
+    rep["plot"] = os.path.relpath(rep["plot"], out)
+    rep["command"] = ["python", os.path.join(REPO, "scripts", "ckpt.py"), *argv]
+    with open(os.path.join(out, SWEEP + ".tmp"), "w") as f:
+        json.dump(rep, f, indent=1)
+    os.replace(os.path.join(out, SWEEP + ".tmp"), os.path.join(out, SWEEP))
+    return rep
+
+
+def training_fids(run_dir):
+    """[(step, fid)] of the run's --eval_interval evaluations (run/eval/fid_STEP.json)."""
+    folder = os.path.join(run_dir, "eval")
+    found = []
+    for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else []:
+        if re.fullmatch(r"fid_\d+\.json", name):
+            with open(os.path.join(folder, name)) as f:
+                rec = json.load(f)
+            fid = next((v for k, v in rec.items() if k.startswith("fid_")), None)
+            found.append((int(rec["step"]), fid))
+    return found
+
+
+def evaluate(npz, out, data_dir, s, batches=None):
     """Score the samples (datasets/digits.py, as scripts/eval_digits.py) and, the same way, N
     held-out real digits (the reference column); then ADM's five figures of both against the
     other real digits. Writes eval.json: the samples' figures, "reference" (the real digits'
@@ -561,7 +631,7 @@ def evaluate(npz, out, data_dir, s):
     print(f"$ python scripts/eval_digits.py {npz}   (run in-process)", flush=True)
     fig = _score(npz)
     print(digits.format_report(fig), flush=True)
-    real_npz, ref_npz = real_digit_batches(data_dir, out, s)
+    real_npz, ref_npz = batches or real_digit_batches(data_dir, out, s)
     print(f"the reference: {os.path.relpath(real_npz, out)}, real digits held out of "
           f"{os.path.relpath(ref_npz, out)}, scored the same way", flush=True)
     real = _score(real_npz)
@@ -672,8 +742,9 @@ def guidance_table(rows, s):
 # main
 
 
-def summary_lines(out, png, npz, fig, info, s, seconds, curve, guided=None):
-    """The summary; ``guided``: (guidance.json's rows, the classifier's preemption info)."""
+def summary_lines(out, png, npz, fig, info, s, seconds, curve, guided=None, fids=None):
+    """The summary; ``guided``: (guidance.json's rows, the classifier's preemption info);
+    ``fids``: (training_fids' [(step, fid)], phema_sweep's dict)."""
     hist = fig.get("histogram")
     lines = [
         f"demo finished in {seconds / 60:.1f} min ({s['steps']} steps at batch "
@@ -702,6 +773,19 @@ def summary_lines(out, png, npz, fig, info, s, seconds, curve, guided=None):
                        (f"{adm['real']['num_samples']} real digits", adm["real"])):
             lines.append(f"  {who:<24}" + "".join(
                 f"{r[k]:>11.3f}" if r[k] is not None else f"{'n/a':>11}" for k in ADM_KEYS))
+
+    if fids is not None:
+        during, sweep = fids
+        if during:
+            lines.append("FID while training (--eval_interval, digits features): " + ", ".join(
+                f"step {step} {fid:.2f}" for step, fid in during))
+        best = (sweep or {}).get("best")
+        if best:
+            lines.append(
+                f"post-hoc EMA by FID (ckpt.py phema --evaluate): best std {best['std']:.3f} "
+                f"(FID {best['fid']:.2f}) of " + ", ".join(
+                    f"{r['std']:.3f}: {r['fid']:.2f}" for r in sweep["table"])
+                + f"   ({os.path.join(out, sweep['plot'])})")
 
     def versus(key, f=".3f"):
         v = ref.get(key)
@@ -813,16 +897,19 @@ def main(argv=None):
 
     stage(1, total, f"data: scikit-learn digits as {s['image_size']}px images")
     data_dir = prepare_data(out, s)
+    batches = real_digit_batches(data_dir, out, s)  # the held-out digits and the reference
     took("data")
     stage(2, total, f"train with mpiexec -n {s['ranks']}, preempted halfway, then auto-resumed")
-    info = train_with_preemption(data_dir, run_dir, s, preempt=not args.no_preempt)
+    info = train_with_preemption(data_dir, run_dir, s, preempt=not args.no_preempt,
+                                 ref_npz=batches[1])
     took("train")
     stage(3, total, f"sample {s['num_samples']} digits from the EMA weights (DDIM); loss curve")
     npz, png = sample(run_dir, samples_dir, s)
     curve = plot_curve(run_dir, samples_dir)
     took("sample")
     stage(4, total, "evaluate with a classifier trained on the real digits")
-    fig = evaluate(npz, out, data_dir, s)
+    fig = evaluate(npz, out, data_dir, s, batches)
+    sweep = phema_sweep(run_dir, out, batches[1], s)
     took("evaluate")
     stage(5, total, "guidance: a noised classifier (2 ranks, preempted, resumed), then the same "
           "seeds sampled with classifier guidance, classifier-free guidance, both, and without")
@@ -831,7 +918,8 @@ def main(argv=None):
     stage(6, total, "summary")
     seconds["total"] = round(time.time() - t0, 1)
     write_record(out, s, info, guided[1], seconds, run_dir)
-    lines = summary_lines(out, png, npz, fig, info, s, time.time() - t0, curve, guided)
+    lines = summary_lines(out, png, npz, fig, info, s, time.time() - t0, curve, guided,
+                          (training_fids(run_dir), sweep))
     with open(summary_path + ".tmp", "w") as f:
         f.write("\n".join(lines) + "\n")
     os.replace(summary_path + ".tmp", summary_path)

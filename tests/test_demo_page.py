@@ -176,3 +176,27 @@ def test_guidance_grids_sit_in_their_rows_and_commands_are_short(tmp_path):
     page = re.sub(r"</?span>", "", page)
     assert "--model_path $OUT/run/ema_0.995_001000.pt" in page
     assert f"<code>$OUT</code> is <code>{tmp_path / 'elsewhere'}</code>" in page
+
+
+def test_fid_while_training_and_the_post_hoc_ema_sweep_stand_with_the_curve(tmp_path):
+    repo = "/opt/repo"
+    out = fake_demo_with_records(tmp_path / "out", repo)
+    for step, fid in ((10, 40.5), (20, 31.25)):
+        path = out / "run" / "eval" / f"fid_{step:06d}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"step": step, "fid_ema_0.9": fid, "is_ema_0.9": 2.5}))
+    png(out / "eval" / "phema_sweep.png", (600, 400))
+    (out / "phema_sweep.json").write_text(json.dumps({
+        "step": 40, "plot": "eval/phema_sweep.png",
+        "table": [{"std": 0.05, "fid": 30.125, "inception_score": 2.4},
+                  {"std": 0.1, "fid": 28.5, "inception_score": 2.6}],
+        "best": {"std": 0.1, "fid": 28.5},
+        "command": ["python", f"{repo}/scripts/ckpt.py", "phema", f"{out}/run", "--evaluate",
+                    f"{out}/eval/ref_digits.npz", "--features", "digits"]}))
+    page = Path(write_page(str(out))).read_text()
+    assert "<h2>FID while training and the post-hoc EMA</h2>" in page
+    assert images_of(page).count("eval/phema_sweep.png") == 1  # not again under other images
+    section = page[page.index("FID while training and"):page.index("<h2>Guidance</h2>")]
+    for text in ("31.25", "40.50", "0.100 (best)", "28.50", "Post-hoc EMA by FID (step 40)",
+                 "python scripts/ckpt.py phema $OUT/run --evaluate $OUT/eval/ref_digits.npz"):
+        assert text in section, text

@@ -10,6 +10,9 @@ safetensors, and reconstruct post-hoc EMAs from a run's snapshots.
     python scripts/ckpt.py adapt SRC --flags "..." --out DIR [--seed N] [--step N] [--data_dir D]
     python scripts/ckpt.py prune DIR --keep K [--delete_snapshots]
     python scripts/ckpt.py phema DIR --std 0.07 [--std 0.1 ...] [--step S] --out FILE_OR_DIR
+    python scripts/ckpt.py phema DIR --std 0.03,0.05,0.1 --evaluate REF.npz [--num_samples M]
+        [--features inception|digits] [--inception_weights P] [--sample_steps K]
+        (the sweep: FID per width, the best named, phema_sweep.png)
 
 (also `python -m improved_diffusion.ckpt.ckpt_tool ...`). Human-readable output by default,
 `--json` for scripts. Exit status: 0 healthy, 1 problem found, 2 bad usage. Errors are one line on
@@ -1031,6 +1034,14 @@ def cmd_phema(args, out):
         raise UsageError(f"--batch {args.batch}: must be at least 1")
     if not args.max_profile_error > 0:
         raise UsageError(f"--max_profile_error {args.max_profile_error}: must be positive")
+    if args.evaluate is not None:
+        return _phema_sweep(args, stds, out)
+    given = [f for f in _SWEEP_FLAGS if getattr(args, f) is not None]
+    if given:
+        raise UsageError(f"--{given[0]} is for the sweep: give --evaluate REF.npz too")
+    if args.out is None:
+        raise UsageError("--out FILE_OR_DIR is required (where the reconstructions go), or "
+                         "--evaluate REF.npz to score the widths instead")
     targets = _phema_targets(args, stds)
     plan = phema.plan_reconstruction(args.dir, stds, step=args.step,
                                      max_error=args.max_profile_error)
@@ -1057,6 +1068,64 @@ def cmd_phema(args, out):
             out.write(f"wrote {w['path']}: std {phema.std_str(w['std'])} at step {plan.step} "
                       f"({plan.nimg:,} images) from {len(plan.inputs)} snapshots (profile error "
                       f"{w['profile_error']:.1%})\n")
+    return EXIT_OK
+
+
+# the sweep's own flags (None when not given) and their values otherwise
+_SWEEP_FLAGS = {"num_samples": 1000, "features": "inception", "inception_weights": None,
+                "sample_steps": 25, "sample_batch": 64, "seed": 0}
+SWEEP_PLOT = "phema_sweep.png"
+
+
+def _phema_sweep(args, stds, out):
+    """`ckpt.py phema DIR --std A,B,C --evaluate REF`: reconstruct, sample, score each width;
+    the table std -> FID (IS), the best named, phema_sweep.png in DIR or --out."""
+    from .. import evaluation, inception
+
+    opts = {k: (v if getattr(args, k) is None else getattr(args, k))
+            for k, v in _SWEEP_FLAGS.items()}
+    for k in ("sample_steps", "sample_batch"):
+        if opts[k] < 1:
+            raise UsageError(f"--{k} {opts[k]}: must be at least 1")
+    if opts["num_samples"] < 2:
+        raise UsageError(f"--num_samples {opts['num_samples']}: a FID needs at least 2 samples")
+    if opts["features"] not in evaluation.FEATURES:
+        raise UsageError(f"--features {opts['features']}: must be one of "
+                         f"{', '.join(evaluation.FEATURES)}")
+    out_dir = args.out if args.out is not None else args.dir
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise ToolError(f"--out {out_dir}: is a file; give a directory for {SWEEP_PLOT}")
+    try:
+        evaluation.open_batch(args.evaluate).close()
+    except evaluation.EvaluationError as e:
+        raise evaluation.EvaluationError(f"--evaluate {e}") from None
+    if opts["features"] == "inception":
+        inception.check_weights_file(opts["inception_weights"])
+    plan = phema.plan_reconstruction(args.dir, stds, step=args.step,
+                                     max_error=args.max_profile_error)
+    if plan.warning:
+        args.err.write(plan.warning + "\n")
+    features = evaluation.feature_network(opts["features"], opts["inception_weights"])
+    device = "cuda" if th.cuda.is_available() else "cpu"
+    rows = phema.evaluate_stds(
+        plan, args.evaluate, features, opts["num_samples"], opts["sample_steps"],
+        batch_size=opts["sample_batch"], seed=opts["seed"], device=device,
+        recon_batch=args.batch, log=None if args.json else
+        (lambda line: args.err.write(line + "\n")))
+    os.makedirs(out_dir, exist_ok=True)
+    plot = phema.plot_sweep(rows, os.path.join(out_dir, SWEEP_PLOT), plan.step, features.name)
+    best = phema.best_row(rows)
+    rep = {"dir": args.dir, "step": plan.step, "nimg": plan.nimg, "ref_batch": args.evaluate,
+           "features": features.identity, "num_samples": opts["num_samples"],
+           "sample_steps": opts["sample_steps"], "seed": opts["seed"],
+           "table": [vars(r) for r in rows], "best": None if best is None else vars(best),
+           "plot": plot, "inputs": [os.path.basename(s.path) for s in plan.inputs],
+           "left_out": [{"step": step, "why": why} for step, why in plan.left_out]}
+    if args.json:
+        _dump(rep, out)
+    else:
+        out.write("\n".join(phema.sweep_table(rows)) + f" at step {plan.step}\n")
+        out.write(f"wrote {plot}\n")
     return EXIT_OK
 
 
@@ -1150,13 +1219,30 @@ def build_parser():
                     help="relative width to reconstruct, e.g. 0.07 (repeat it or give 0.05,0.1)")
     sp.add_argument("--step", type=int, default=None, metavar="S",
                     help="the step to reconstruct at, one with snapshots (default: the newest)")
-    sp.add_argument("--out", required=True, metavar="FILE_OR_DIR",
-                    help="a .pt file (one --std) or a directory: ema_phemaSTD_STEP.pt per std")
+    sp.add_argument("--out", default=None, metavar="FILE_OR_DIR",
+                    help="a .pt file (one --std) or a directory: ema_phemaSTD_STEP.pt per std "
+                    "(with --evaluate: the directory of phema_sweep.png, default DIR)")
     sp.add_argument("--batch", type=int, default=1, metavar="B",
                     help="stds reconstructed per pass over the snapshots (memory: B + 1 models)")
     sp.add_argument("--max_profile_error", type=float, default=phema.MAX_PROFILE_ERROR,
                     metavar="E", help="refuse a std whose reconstructed profile is further than "
                     "this (relative L2) from its target")
+    sp.add_argument("--evaluate", default=None, metavar="REF",
+                    help="the sweep: sample each --std and print its FID (and IS) against this "
+                    "reference batch (npz, arr_0 uint8 NHWC), name the best, write "
+                    "phema_sweep.png; writes no EMA files")
+    sp.add_argument("--num_samples", type=int, default=None, metavar="M",
+                    help="samples per --std for --evaluate (default 1000)")
+    sp.add_argument("--features", choices=("inception", "digits"), default=None,
+                    help="--evaluate's feature network (default inception)")
+    sp.add_argument("--inception_weights", default=None, metavar="PATH",
+                    help="the FID Inception's weights (default $ID_INCEPTION_WEIGHTS)")
+    sp.add_argument("--sample_steps", type=int, default=None, metavar="K",
+                    help="DDIM steps of --evaluate's samples (default 25)")
+    sp.add_argument("--sample_batch", type=int, default=None, metavar="B",
+                    help="images per sampling batch of --evaluate (default 64)")
+    sp.add_argument("--seed", type=int, default=None,
+                    help="seed of --evaluate's samples (sample i from its own seeds; default 0)")
     return p
 
 

@@ -1,0 +1,274 @@
+"""FID while training and the post-hoc EMA chosen by FID (issue 30, parts 3 and 4): train.py
+--eval_interval logs fid_ema_RATE / is_ema_RATE without changing the training by a bit, on one
+and two ranks, with the digits features and the random-weights Inception on tiny images; an
+evaluation cut short by SIGTERM is done once after the resume; bad input is one line and
+nothing written; `ckpt.py phema --evaluate` scores reconstructed widths and plots the sweep."""
+import csv
+import json
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import FIXTURES, MPIEXEC, PY, REPO, _run, deep_diff, run_script
+
+from improved_diffusion import evaluation, sampling
+from improved_diffusion.ckpt import ckpt_tool
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+TINY = ["--image_size", "8", "--num_channels", "32", "--num_res_blocks", "1",
+        "--attention_resolutions", "", "--diffusion_steps", "10", "--noise_schedule", "cosine",
+        "--batch_size", "2", "--log_interval", "2", "--sample_steps", "3", "--max_steps", "4",
+        "--save_interval", "2"]
+FID, IS = "fid_ema_0.9999", "is_ema_0.9999"
+
+
+@pytest.fixture(scope="module")
+def digits_data(tmp_path_factory):
+    """The real 8x8 digits as a training folder, and 40 of them as a reference batch."""
+    sys.path.insert(0, str(REPO / "datasets"))
+    import digits
+
+    d = tmp_path_factory.mktemp("digits")
+    digits.write_digits_folder(str(d / "data"), size=8, log=lambda *a: None)
+    x, _ = digits.load_real_digits()
+    images = np.stack([np.asarray(digits.digit_to_image(v, size=8).convert("RGB"))
+                       for v in x[-40:]])
+    np.savez(d / "ref.npz", arr_0=images)
+    return d / "data", d / "ref.npz"
+
+
+def evals(ref, features="digits", n=8, every=2):
+    return ["--eval_interval", str(every), "--eval_ref_batch", str(ref), "--eval_num_samples",
+            str(n), "--eval_features", features]
+
+
+def rows(log):
+    with open(log / "progress.csv") as f:
+        return list(csv.DictReader(f))
+
+
+def checkpoint_files(log):
+    return sorted(p.name for p in log.iterdir() if p.suffix == ".pt"
+                  or p.name.startswith("manifest"))
+
+
+def differences(a, b):
+    """The checkpoint files of two runs: .pt byte for byte, manifests but for their time."""
+    names = checkpoint_files(a)
+    assert names == checkpoint_files(b)
+    differ = [n for n in names if n.endswith(".pt") and (a / n).read_bytes() != (b / n).read_bytes()]
+    differ += [f"{n}{d}" for n in names if n.endswith(".json") for d in deep_diff(
+        *(json.loads((x / n).read_text()) for x in (a, b)))]
+    return differ
+
+
+def offline_fid(ema_file, ref, n=8, steps=3):
+    """sample.py's recipe on the EMA file (per-sample seeds, DDIM) scored in this process."""
+    model, diffusion, _, _ = sampling.load_for_sampling(
+        str(ema_file), {"timestep_respacing": str(steps)}, device=torch.device("cpu"))
+    images, _ = sampling.generate(model, diffusion, num_samples=n, batch_size=3,
+                                  shape=(3, 8, 8), use_ddim=True, progress=False)
+    features = evaluation.digits_features()
+    ref_acts = features(np.load(ref)["arr_0"])
+    pool, _, logits = features(images)
+    fid = evaluation.compute_statistics(pool).frechet_distance(
+        evaluation.compute_statistics(ref_acts[0]), method="auto")
+    return fid, evaluation.compute_inception_score(logits)
+
+
+# ------------------------------------------------------------------------ while training
+
+
+@pytest.mark.timeout(180)
+def test_a_run_with_evaluations_is_bitwise_the_run_without_them(tmp_path, digits_data):
+    data, ref = digits_data
+    logs = {k: tmp_path / k for k in ("plain", "eval")}
+    run_script("train.py", "--data_dir", data, "--log_dir", logs["plain"], *TINY, timeout=150)
+    out = run_script("train.py", "--data_dir", data, "--log_dir", logs["eval"], *TINY,
+                     *evals(ref), timeout=150).stdout
+    assert not differences(logs["plain"], logs["eval"]), "the evaluation changed the training"
+    plain, evaluated = rows(logs["plain"]), rows(logs["eval"])
+    assert [r["step"] for r in evaluated] == [r["step"] for r in plain] == ["2", "4"]
+    for p, e in zip(plain, evaluated):  # the same losses; the figures in the step's own row
+        assert {k: v for k, v in e.items() if k in p} == p
+        assert float(e[FID]) > 0 and float(e[IS]) >= 1
+    assert "step 4/4  loss" in out and f"{FID} " in out  # the progress line shows them
+    records = sorted(p.name for p in (logs["eval"] / "eval").iterdir())
+    assert records == ["fid_000002.json", "fid_000004.json"]
+    assert (ref.parent / "ref.digits.acts.npz").exists()  # the reference's, computed once
+
+
+@pytest.mark.timeout(240)
+def test_sigterm_on_one_of_two_ranks_during_an_evaluation_saves_and_the_resume_logs_it_once(
+        tmp_path, digits_data):
+    data, ref = digits_data
+    log, marker = tmp_path / "log", tmp_path / "sigterm_sent"
+    cmd = [MPIEXEC, "-n", "2", PY, REPO / "tests" / "train_eval_preempt.py", "1", marker,
+           "--data_dir", data, "--log_dir", log, *TINY, "--save_interval", "4", *evals(ref)]
+    first = _run(cmd, 150, check=False)
+    assert first.returncode == 75, first.stdout[-3000:]
+    assert marker.exists() and "evaluation of step 2: abandoned" in first.stdout
+    assert checkpoint_files(log) == ["ema_0.9999_000002.pt", "manifest000002.json",
+                                     "model000002.pt", "opt000002.pt"]
+    assert FID not in rows(log)[0] and not (log / "eval").exists()  # nothing half-logged
+    second = _run(cmd, 150)
+    assert "resumed at step 2" in second.stdout
+    figures = [(r["step"], bool(r[FID])) for r in rows(log) if r.get(FID)]
+    assert figures == [("2", True), ("4", True)], rows(log)  # each step's once
+    assert sorted(p.name for p in (log / "eval").iterdir()) == ["fid_000002.json",
+                                                                  "fid_000004.json"]
+    # the figures of two ranks are those of sample.py's samples of the EMA file, scored here
+    fid, score = offline_fid(log / "ema_0.9999_000004.pt", ref)
+    last = rows(log)[-1]
+    assert abs(float(last[FID]) - fid) <= 1e-6 * fid
+    assert abs(float(last[IS]) - score) <= 1e-6 * score
+
+
+@pytest.fixture(scope="module")
+def weights_file(tmp_path_factory):
+    """A random-weights Inception file in the published layout (test_evaluation.py's)."""
+    path = tmp_path_factory.mktemp("weights") / "inception_random.pt"
+    torch.save(torch.load(FIXTURES / "fid_inception_reference.pt",
+                          weights_only=True)["state_dict"], path)
+    return path
+
+
+@pytest.mark.timeout(180)
+def test_the_inception_features_log_fid_and_is_on_one_rank(tmp_path, digits_data,
+                                                            weights_file):
+    data, _ = digits_data
+    ref = tmp_path / "ref.npz"
+    np.savez(ref, arr_0=np.random.default_rng(0).integers(0, 256, (4, 8, 8, 3), np.uint8))
+    log = tmp_path / "log"
+    run_script("train.py", "--data_dir", data, "--log_dir", log, *TINY, "--max_steps", "2",
+               *evals(ref, "inception", n=3), "--inception_weights", weights_file, timeout=150)
+    (row,) = rows(log)
+    assert row["step"] == "2" and np.isfinite(float(row[FID])) and float(row[IS]) >= 1
+    assert (tmp_path / "ref.acts.npz").exists()
+    record = json.loads((log / "eval" / "fid_000002.json").read_text())
+    assert record["features"]["weights_sha256"] and record[FID] == float(row[FID])
+
+
+# ------------------------------------------------------------------------ bad input
+
+
+def _train_main():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("train_script", REPO / "scripts" / "train.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.main
+
+
+def _bad_batches(d):
+    d.mkdir()
+    np.savez(d / "float.npz", arr_0=np.zeros((4, 8, 8, 3), np.float32))
+    np.savez(d / "gray.npz", arr_0=np.zeros((4, 8, 8, 1), np.uint8))
+    np.savez(d / "other.npz", images=np.zeros((4, 8, 8, 3), np.uint8))
+    np.savez(d / "one.npz", arr_0=np.zeros((1, 8, 8, 3), np.uint8))
+    torch.save({"conv.weight": torch.zeros(3)}, d / "other_keys.pt")
+    return d
+
+
+@pytest.mark.timeout(120)
+def test_bad_eval_flags_and_files_are_one_line_before_anything_is_written(
+        tmp_path, digits_data, capsys, monkeypatch):
+    data, ref = digits_data
+    bad = _bad_batches(tmp_path / "bad")
+    monkeypatch.delenv("ID_INCEPTION_WEIGHTS", raising=False)
+    main = _train_main()
+    cases = [
+        (["--eval_interval", "2"], 2, "--eval_ref_batch"),
+        (evals(ref, n=1), 2, "--eval_num_samples 1"),
+        (evals(ref, every=3), 2, "--log_interval"),
+        (evals(ref, features="clip"), 2, "--eval_features clip"),
+        (evals(tmp_path / "missing.npz"), 1, "missing.npz: no such file"),
+        (evals(bad / "float.npz"), 1, "float.npz: arr_0 is float32"),
+        (evals(bad / "gray.npz"), 1, "3 channels"),
+        (evals(bad / "other.npz"), 1, "other.npz: holds no arr_0"),
+        (evals(bad / "one.npz"), 1, "one.npz: holds 1 image"),
+        (evals(ref, "inception"), 1, "weights-inception-2015-12-05-6726825d.pth"),
+        (evals(ref, "inception") + ["--inception_weights", bad / "other_keys.pt"], 1,
+         "other_keys.pt: not the FID Inception weights"),
+    ]
+    for extra, code, words in cases:
+        log = tmp_path / "log"
+        capsys.readouterr()
+        assert main([str(a) for a in ["--data_dir", data, "--log_dir", log, *TINY, *extra]]) \
+            == code, extra
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: ") and words in err[0], (extra, err)
+        assert not log.exists(), extra  # nothing written
+    assert sorted(p.name for p in bad.iterdir()) == ["float.npz", "gray.npz", "one.npz",
+                                                     "other.npz", "other_keys.pt"]
+
+
+# ------------------------------------------------------------------------ the post-hoc EMA
+
+
+@pytest.fixture(scope="module")
+def phema_run(tmp_path_factory, digits_data):
+    data, _ = digits_data
+    log = tmp_path_factory.mktemp("phema") / "run"
+    run_script("train.py", "--data_dir", data, "--log_dir", log, *TINY,
+               "--phema_stds", "0.05,0.1", timeout=150)
+    return log
+
+
+def ckpt(capsys, *args):
+    capsys.readouterr()
+    code = ckpt_tool.main([str(a) for a in args])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.mark.timeout(180)
+def test_phema_evaluate_scores_each_width_names_the_best_and_plots_the_sweep(
+        phema_run, digits_data, capsys, tmp_path):
+    _, ref = digits_data
+    code, out, err = ckpt(capsys, "phema", phema_run, "--std", "0.05,0.07,0.1", "--evaluate",
+                          ref, "--num_samples", 8, "--features", "digits", "--sample_steps", 3,
+                          "--json")
+    assert code == 0, err
+    rep = json.loads(out)
+    assert [r["std"] for r in rep["table"]] == [0.05, 0.07, 0.1] and rep["step"] == 4
+    fids = [r["fid"] for r in rep["table"]]
+    assert all(np.isfinite(fids)) and all(r["inception_score"] >= 1 for r in rep["table"])
+    assert rep["best"]["std"] == rep["table"][int(np.argmin(fids))]["std"]
+    plot = phema_run / "phema_sweep.png"
+    assert rep["plot"] == str(plot) and plot.stat().st_size > 1000
+    # the table in words, the same figures; --out puts the plot elsewhere
+    code, out, err = ckpt(capsys, "phema", phema_run, "--std", "0.05,0.07,0.1", "--evaluate",
+                          ref, "--num_samples", 8, "--features", "digits", "--sample_steps", 3,
+                          "--out", tmp_path / "sweep")
+    assert code == 0, err
+    lines = out.strip().splitlines()
+    assert lines[0].split() == ["std", "FID", "IS"]
+    assert [float(line.split()[1]) for line in lines[1:4]] == pytest.approx(fids, rel=1e-5)
+    assert f"best: std {rep['best']['std']:.3f}" in out
+    assert (tmp_path / "sweep" / "phema_sweep.png").exists()
+
+
+@pytest.mark.timeout(60)
+def test_phema_evaluate_bad_input_is_one_line_and_writes_nothing(phema_run, digits_data,
+                                                                 capsys, tmp_path):
+    _, ref = digits_data
+    bad = _bad_batches(tmp_path / "bad")
+    before = sorted(p.name for p in phema_run.iterdir())
+    for extra, code, words in [
+        (["--evaluate", ref, "--num_samples", 1], 2, "--num_samples 1"),
+        (["--evaluate", bad / "float.npz"], 1, "float.npz: arr_0 is float32"),
+        (["--evaluate", tmp_path / "missing.npz"], 1, "missing.npz: no such file"),
+        (["--num_samples", 8], 2, "--evaluate"),
+        (["--evaluate", ref, "--features", "inception", "--inception_weights",
+          bad / "other_keys.pt"], 1, "not the FID Inception weights"),
+    ]:
+        got, out, err = ckpt(capsys, "phema", phema_run, "--std", "0.05", "--features",
+                             "digits", *extra)
+        assert got == code, (extra, err)
+        assert len(err.strip().splitlines()) == 1 and words in err, (extra, err)
+    assert sorted(p.name for p in phema_run.iterdir()) == before
