@@ -211,8 +211,6 @@ FLAG_HELP = {
     "weights": ("checkpointing", "which weights of a combined file: auto, model or ema"),
     # logging
     "log_interval": ("logging", "log (a progress line, a progress.csv row) every this many steps"),
-    "eval_interval": ("logging", "classifier_train.py: validation loss and accuracy on "
-                      "--val_data_dir every this many steps; 0 = never"),
     "log_format": ("logging", "stdout: progress (one line per --log_interval) or table "
                    "(upstream's key/value table)"),
     "log_sample_indices": ("logging", "append each rank's dataset indices per step to "
@@ -226,7 +224,8 @@ FLAG_HELP = {
     "eval_interval": ("logging", "every this many steps (a multiple of --log_interval), all "
                       "ranks sample --eval_num_samples EMA images (DDIM, --sample_steps) and log "
                       "their FID and IS against --eval_ref_batch as fid_ema_RATE, is_ema_RATE; "
-                      "training is unchanged; 0 = off"),
+                      "training is unchanged; classifier_train.py (upstream's meaning): "
+                      "validation loss and accuracy on --val_data_dir; 0 = off"),
     "eval_ref_batch": ("logging", "the reference batch of --eval_interval's FID (an npz, arr_0 "
                        "uint8 [N, H, W, 3]; its activations are cached beside it)"),
     "eval_num_samples": ("logging", "samples per --eval_interval evaluation (at least 2)"),

@@ -112,6 +112,11 @@ def train(argv=None):
     given = explicit_args(parser, argv)  # a resume takes the others from the checkpoint
     if args.class_cond and "num_classes" not in given:
         args.num_classes = None  # build(): the resumed checkpoint's, else --data_dir's
+    if args.eval_interval:
+        raise UsageError(
+            f"--eval_interval {args.eval_interval}: FID while training is train.py's (a "
+            f"super-resolution model's samples need their low-resolution inputs); sample with "
+            f"super_res_sample.py and score the npz with scripts/evaluate.py")
     train_job.check_train_args(args)
     if args.small_size >= args.large_size:
         raise UsageError(

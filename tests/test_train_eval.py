@@ -155,10 +155,10 @@ def test_the_inception_features_log_fid_and_is_on_one_rank(tmp_path, digits_data
 # ------------------------------------------------------------------------ bad input
 
 
-def _train_main():
+def _train_main(script="train.py"):
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("train_script", REPO / "scripts" / "train.py")
+    spec = importlib.util.spec_from_file_location("train_script", REPO / "scripts" / script)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod.main
@@ -205,6 +205,15 @@ def test_bad_eval_flags_and_files_are_one_line_before_anything_is_written(
         assert not log.exists(), extra  # nothing written
     assert sorted(p.name for p in bad.iterdir()) == ["float.npz", "gray.npz", "one.npz",
                                                      "other.npz", "other_keys.pt"]
+    # super_res_train.py takes train.py's flags, but its samples need low-resolution inputs
+    capsys.readouterr()
+    log = tmp_path / "sr_log"
+    assert _train_main("super_res_train.py")(
+        [str(a) for a in ["--data_dir", data, "--log_dir", log, "--large_size", 16,
+                          "--small_size", 8, *evals(ref)]]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "train.py's" in err[0] and "scripts/evaluate.py" in err[0], err
+    assert not log.exists()
 
 
 # ------------------------------------------------------------------------ the post-hoc EMA
