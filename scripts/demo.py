@@ -61,7 +61,8 @@ BIN = os.path.dirname(sys.executable)
 PREEMPTED_EXIT_CODE = 75  # train_util.PREEMPTED_EXIT_CODE (not imported: keep startup light)
 # Stage 5's scales: --classifier_scale (classifier guidance) and --guidance_scale (classifier-free).
 GUIDANCE_SCALES = {"classifier_scale": 4.0, "guidance_scale": 2.0}
-# Post-hoc EMA: the widths tracked while training, and those stage 4 reconstructs and scores.
+# Post-hoc EMA: the widths tracked while training, and those stage 4 reconstructs and scores
+# (--tiny: the tracked ones only).
 PHEMA_STDS = "0.05,0.1"
 SWEEP_STDS = "0.03,0.05,0.07,0.1,0.15"
 SWEEP = "phema_sweep.json"
@@ -142,13 +143,13 @@ def settings_from(args):
                  num_channels=32, num_res_blocks=1, channel_mult="1,2", diffusion_steps=20,
                  noise_schedule="cosine", predict_xstart=True, num_samples=10, sample_steps=5,
                  sample_batch_size=10, log_interval=2, classifier_steps=8,
-                 classifier_batch_size=4, classifier_log_interval=2)
+                 classifier_batch_size=4, classifier_log_interval=2, sweep_stds=PHEMA_STDS)
     else:
         s = dict(image_size=16, steps=1000, batch_size=32, lr=2e-3, ema_rate="0.995",
                  num_channels=32, num_res_blocks=1, channel_mult="1,2,2", diffusion_steps=200,
                  noise_schedule="cosine", predict_xstart=True, num_samples=100, sample_steps=25,
                  sample_batch_size=50, log_interval=50, classifier_steps=200,
-                 classifier_batch_size=32, classifier_log_interval=50)
+                 classifier_batch_size=32, classifier_log_interval=50, sweep_stds=SWEEP_STDS)
     # Guidance (stage 5): the model learns the null label too (classifier-free guidance); a
     # small noised classifier steers (classifier guidance).
     s.update(class_dropout_prob=0.1, classifier_lr=1e-3, classifier_width=32,
@@ -580,7 +581,7 @@ def phema_sweep(run_dir, out, ref_npz, s):
     from improved_diffusion.ckpt import ckpt_tool
 
     folder = os.path.join(out, "eval")
-    argv = ["phema", run_dir, "--std", SWEEP_STDS, "--evaluate", ref_npz, "--num_samples",
+    argv = ["phema", run_dir, "--std", s["sweep_stds"], "--evaluate", ref_npz, "--num_samples",
             str(s["num_samples"]), "--features", "digits", "--sample_steps",
             str(s["sample_steps"]), "--sample_batch", str(s["sample_batch_size"]), "--seed",
             str(s["seed"]), "--out", folder]
