@@ -38,13 +38,18 @@ class HostSnapshot:
     writer still reads the previous result (TrainLoop waits for the previous save first).
     """
 
-    def __init__(self):
+    def __init__(self, arena=None):
         self._buffers = {}
+        self._arena = arena
         self.nbytes = 0  # bytes held in buffers after the last copy
 
     def copy(self, obj):
         used = {}
-        out = _HostCopier(self._buffers, used).walk(obj)
+        arena = self._arena
+        if arena is not None and arena.high > 2 * self.nbytes + (1 << 20):
+            self._buffers = {}  # the arena holds more dropped buffers than live ones: start over
+            arena.reset()
+        out = _HostCopier(self._buffers, used, arena).walk(obj)
         self._buffers = used
         self.nbytes = sum(b.nbytes() for b in used.values())
         return out
@@ -59,9 +64,10 @@ def to_host(obj):
 class _HostCopier:
     """One walk over a payload; ``buffers``/``used`` None: a synchronous save's to_host."""
 
-    def __init__(self, buffers, used):
+    def __init__(self, buffers, used, arena=None):
         self._buffers = buffers
         self._used = used
+        self._arena = arena
         self._memo = {}  # id(source object) -> its copy (pickle records sharing: keep it)
         self._storages = {}  # source storage -> host storage, within this walk
         self._devices = set()  # the CUDA devices copied from without blocking
@@ -121,7 +127,9 @@ class _HostCopier:
         if self._buffers is None:
             return th.UntypedStorage(src.nbytes())
         buf = self._buffers.get(skey)
-        if buf is None:
+        if buf is None and self._arena is not None and src.nbytes():
+            buf = self._arena.alloc(src.nbytes(), pinned=src.device.type == "cuda")
+        elif buf is None:
             pin = src.device.type == "cuda"
             buf = th.empty(src.nbytes(), dtype=th.uint8, pin_memory=pin).untyped_storage()
         self._used[skey] = buf

@@ -93,6 +93,7 @@ import torch as th
 from . import checkpoint, model_change, optim_state, preemption, rng, run_dir, state_fit
 from .. import dist_util, logger
 from .async_save import BackgroundWriter, HostSnapshot, to_host
+from .writer_process import WriterProcess
 from ..config_check import by_rank
 from ..errors import UsageError, UserError
 from ..script_util import same_flag_value
@@ -208,7 +209,8 @@ class Checkpointer:
         self.last_saved_step = None
         self.model_changes = []  # trainer["model_changes"]: the run's model changes so far
         self._snapshot = None  # rank 0's HostSnapshot (async saves), made at the first save
-        self._writer = BackgroundWriter()
+        self._process = None  # rank 0's WriterProcess, made with it
+        self._writer = BackgroundWriter()  # the thread that waits for the writer process
         self._save_failure = None  # rank 0: a background save's exception, until raised
         self._signal = {"set": False, "signal": None}
         self._flags_pending = None
@@ -361,7 +363,8 @@ class Checkpointer:
             self._log_saved(step, time.perf_counter() - began, None, self._prune())
             return
         if self._snapshot is None:
-            self._snapshot = HostSnapshot()
+            self._process = WriterProcess()
+            self._snapshot = HostSnapshot(arena=self._process.arena)
         files = self._snapshot.copy(files)
         paused = time.perf_counter() - began
         self._writer.start(lambda: self._write_in_background(step, files, began, paused))
@@ -423,10 +426,12 @@ class Checkpointer:
         return state
 
     def _write_in_background(self, step, files, began, paused):
-        """The writer thread's job: the step's files and manifest, then the prune. Returns what
-        the main thread logs (no logging from this thread)."""
-        run_dir.write_step(self.config.log_dir, step, files)
-        return step, time.perf_counter() - began, paused, self._prune()
+        """The writer thread's job: hand the step to the writer process, which writes its files
+        and manifest, then prunes; wait for it. Returns what the main thread logs (no logging
+        from this thread)."""
+        done, lines = self._process.write(self.config.log_dir, step, files,
+                                          self.config.keep_checkpoints)
+        return step, done - began, paused, lines
 
     def _collect_save(self, block):
         """Rank 0: log a finished background save and return (step, seconds, pause, log lines);
@@ -484,15 +489,20 @@ class Checkpointer:
         elsewhere (other ranks may be anywhere): rank 0 lets its save end (its files complete or
         removed, never half-written) and only reports a failure of it. Collective unless
         sync=False."""
-        if sync:
-            self.wait_for_save()
-            return
-        if self.rank != 0 or not self._writer.busy:
-            return
         try:
-            self._collect_save(block=True)
-        except Exception as e:  # the error that ends the run is another one: only report this
-            logger.warn(f"warning: the background save also failed: {e}")
+            if sync:
+                self.wait_for_save()
+                return
+            if self.rank != 0 or not self._writer.busy:
+                return
+            try:
+                self._collect_save(block=True)
+            except Exception as e:  # the error that ends the run is another one: only report it
+                logger.warn(f"warning: the background save also failed: {e}")
+        finally:
+            if self._process is not None and not self._writer.busy:
+                self._process.close()  # the writer process ends with the run (a later save
+                self._process = self._snapshot = None  # starts a new one)
 
     def _refuse_non_finite_weights(self, step):
         """Raise NonFiniteError (same line on every rank) if the model, an EMA or a state's
@@ -524,17 +534,11 @@ class Checkpointer:
             f"resume from a saved step with a lower --lr")
 
     def _prune(self):
-        """Rank 0, once a save is complete: apply keep_checkpoints. Returns the lines to log
-        (it may run in the writer thread, which does not log)."""
-        keep = self.config.keep_checkpoints
-        if self.rank != 0 or not keep:
+        """Rank 0, once a synchronous save is complete: apply keep_checkpoints. Returns the
+        lines to log (the writer process prunes after a background save)."""
+        if self.rank != 0:
             return []
-        try:
-            deleted = run_dir.prune(self.config.log_dir, keep)
-        except (checkpoint.CheckpointError, OSError) as e:  # a failed delete must not kill a run
-            # that just saved (a bug still raises)
-            return [f"warning: --keep_checkpoints {keep}: prune failed: {e}"]
-        return [f"pruned {len(deleted)} old checkpoint file(s)"] if deleted else []
+        return run_dir.prune_lines(self.config.log_dir, self.config.keep_checkpoints)
 
 
 def saved_model_flags(log_dir, resume_checkpoint=""):
