@@ -92,7 +92,7 @@ import torch as th
 
 from . import checkpoint, model_change, optim_state, preemption, rng, run_dir, state_fit
 from .. import dist_util, logger
-from .async_save import BackgroundWriter, HostSnapshot, to_host
+from .async_save import BackgroundWriter, to_host
 from .writer_process import WriterProcess
 from ..config_check import by_rank
 from ..errors import UsageError, UserError
@@ -208,8 +208,7 @@ class Checkpointer:
         self.resume_step = 0
         self.last_saved_step = None
         self.model_changes = []  # trainer["model_changes"]: the run's model changes so far
-        self._snapshot = None  # rank 0's HostSnapshot (async saves), made at the first save
-        self._process = None  # rank 0's WriterProcess, made with it
+        self._process = None  # rank 0's WriterProcess (async saves), made at the first save
         self._writer = BackgroundWriter()  # the thread that waits for the writer process
         self._save_failure = None  # rank 0: a background save's exception, until raised
         self._signal = {"set": False, "signal": None}
@@ -362,10 +361,9 @@ class Checkpointer:
             run_dir.write_step(self.config.log_dir, step, to_host(files))
             self._log_saved(step, time.perf_counter() - began, None, self._prune())
             return
-        if self._snapshot is None:
+        if self._process is None:
             self._process = WriterProcess()
-            self._snapshot = HostSnapshot(arena=self._process.arena)
-        files = self._snapshot.copy(files)
+        files = self._process.pack(files)  # the host copy, in the writer's shared memory
         paused = time.perf_counter() - began
         self._writer.start(lambda: self._write_in_background(step, files, began, paused))
         if wait:
@@ -502,7 +500,7 @@ class Checkpointer:
         finally:
             if self._process is not None and not self._writer.busy:
                 self._process.close()  # the writer process ends with the run (a later save
-                self._process = self._snapshot = None  # starts a new one)
+                self._process = None  # starts a new one)
 
     def _refuse_non_finite_weights(self, step):
         """Raise NonFiniteError (same line on every rank) if the model, an EMA or a state's
@@ -913,13 +911,22 @@ def copy_into(targets, values):
 
 
 def count_non_finite(tensors):
-    """How many floating-point tensors among ``tensors`` hold a NaN or Inf (one device sync).
+    """How many floating-point tensors among ``tensors`` hold a NaN or Inf (one device sync per
+    device and dtype).
 
-    A tensor's min and max are both finite exactly when all its values are (a NaN makes both
-    NaN): one pass per tensor without a temporary (isfinite().all() writes a bool tensor as large
-    as the weights, then reads it)."""
-    ends = [th.stack(th.aminmax(t.detach())).double() for t in tensors
-            if t.is_floating_point() and t.numel()]
+    First one fused 2-norm per tensor (torch._foreach_norm: one pass, no temporary): a finite
+    norm means every value is finite (a NaN or Inf makes it NaN or Inf). Only the tensors whose
+    norm is not finite (non-finite values, or squares that overflowed) get the exact check: a
+    tensor's min and max are both finite exactly when all its values are."""
+    groups = {}
+    for t in tensors:
+        if t.is_floating_point() and t.numel():
+            groups.setdefault((t.device, t.dtype), []).append(t.detach())
+    suspects = []
+    for group in groups.values():
+        bad = (~th.stack(th._foreach_norm(group, 2)).isfinite()).nonzero().flatten().tolist()
+        suspects += [group[i] for i in bad]
+    ends = [th.stack(th.aminmax(t)).double() for t in suspects]
     return int((~th.stack(ends).isfinite().all(dim=1)).sum()) if ends else 0
 
 

@@ -4,8 +4,12 @@ shared memory.
 
 ``WriterProcess`` owns two things of rank 0's: an ``Arena`` (an anonymous shared-memory file,
 ``memfd_create``, that grows; HostSnapshot copies every tensor of a save into buffers inside it)
-and, from the first write on, a child process started with multiprocessing's "spawn" context
-(never a fork of the trainer: its threads, torch's and gloo's, do not survive one). ``write(
+and, from the first write on, a child process: a fresh interpreter (subprocess, as
+multiprocessing's "spawn" starts one; never a fork of the trainer: its threads, torch's and
+gloo's, do not survive one) given the trainer's sys.path, a socket and the arena's descriptor.
+Like spawn, it first runs the trainer's main script under another name when that only defines
+things (``_importable_main``: a script whose work sits under ``if __name__ == "__main__"``), so
+what such a script sets up at import holds in the writer too; any other main is not run. ``write(
 log_dir, step, files, keep)`` hands the child a step whose tensors lie in the arena (pickled as
 references: storage offset and size, dtype, storage offset, shape, strides; everything else
 pickled as it is, with the sharing between objects kept), and blocks until the child has written
@@ -32,18 +36,20 @@ path; its pages are freed when the last process holding them ends.
 Not collective and knows nothing of ranks: the checkpointer makes one on rank 0.
 """
 
+import copyreg
 import io
 import mmap
-import multiprocessing
-import multiprocessing.reduction as mp_reduction
 import os
 import pickle
 import signal
+import socket
+import subprocess
 import sys
 import threading
 import time
 import traceback
 import weakref
+from multiprocessing.connection import Connection
 
 # Seconds between the child's checks that its parent still lives.
 WATCH_S = 0.2
@@ -59,10 +65,9 @@ class Arena:
     """
     Shared memory for host copies: a memfd mapped in this process, grown as needed (the old
     mappings stay valid while tensors view them; every mapping of the file shows the same
-    pages). ``alloc(n)`` returns a new n-byte UntypedStorage inside it; ``offset(storage)`` the
-    offset of an arena storage in the file (None for any other storage); ``reset()`` forgets all
-    allocations (the caller guarantees none is in use). ``fd`` and ``size`` are what a process
-    needs to map it.
+    pages). ``alloc(n)`` returns (offset, a uint8 tensor over n new bytes at that offset);
+    ``reset()`` forgets all allocations (the caller guarantees none is in use). ``fd`` and
+    ``size`` are what a process needs to map it.
     """
 
     def __init__(self, initial=0):
@@ -75,6 +80,8 @@ class Arena:
             self._grow(initial)
 
     def alloc(self, nbytes, pinned=False):
+        """(offset, a flat uint8 tensor over the new n bytes); ``pinned``: page-locked for
+        CUDA copies."""
         import torch as th
 
         off = -(-self.high // ALIGN) * ALIGN
@@ -83,8 +90,8 @@ class Arena:
         self.high = off + nbytes
         if pinned:
             self._pin()
-        return th.frombuffer(self._maps[-1][2], dtype=th.uint8, count=nbytes,
-                             offset=off).untyped_storage()
+        base, size, mm = self._maps[-1]
+        return off, th.frombuffer(mm, dtype=th.uint8, count=nbytes, offset=off)
 
     def _pin(self):
         """Page-lock the newest mapping for CUDA (cudaHostRegister), once: device-to-host copies
@@ -100,13 +107,6 @@ class Arena:
             th.cuda.cudart().cudaHostRegister(base, size, 0)
         except Exception:  # not fatal: the copy into pageable memory is synchronous
             pass
-
-    def offset(self, storage):
-        ptr = storage.data_ptr()
-        for base, size, _ in reversed(self._maps):
-            if base <= ptr < base + size:
-                return ptr - base
-        return None
 
     def reset(self):
         self.high = 0
@@ -133,6 +133,8 @@ class WriterProcess:
 
     def __init__(self):
         self.arena = Arena()
+        self._buffers = {}  # source storage key -> (offset, arena view, source bytes view)
+        self.nbytes = 0  # bytes of the buffers the last pack used
         self._proc = None
         self._conn = None
         self._lock = threading.Lock()  # one write at a time; close() waits for it
@@ -144,14 +146,57 @@ class WriterProcess:
     def pid(self):
         return None if self._proc is None else self._proc.pid
 
-    def write(self, log_dir, step, files, keep=0):
-        """Write ``step``'s ``files`` (tensors in the arena) into ``log_dir`` in the child, then
+    def pack(self, files):
+        """The host copy of a save: ``files`` pickled for the child, with every tensor's storage
+        copied into its arena buffer (the one the last pack used for the same storage, else a
+        new one), in one pass (one foreach copy per device; from CUDA without blocking, then
+        one synchronise per device). Returns the packed payload for ``write``. Call it only once
+        the previous write is done (its buffers are reused)."""
+        import torch as th
+
+        if self.arena.high > 2 * self.nbytes + (1 << 20):
+            self._buffers = {}  # the arena holds more dropped buffers than live ones
+            self.arena.reset()
+        used = {}
+        total = [0]
+
+        def locate(storage):
+            key = (storage.device.type, storage.device.index, storage._cdata, storage.nbytes())
+            entry = used.get(key)
+            if entry is None:
+                entry = self._buffers.get(key)
+                if entry is None:
+                    off, view = self.arena.alloc(storage.nbytes(),
+                                                 pinned=storage.device.type == "cuda")
+                    src = th.empty(0, dtype=th.uint8, device=storage.device).set_(storage)
+                    entry = (off, view, src)
+                used[key] = entry
+                total[0] += storage.nbytes()
+            return entry[0]
+
+        buf = io.BytesIO()
+        _Packer(buf, locate).dump(files)
+        by_device = {}
+        for _, view, src in used.values():
+            by_device.setdefault(src.device, ([], []))
+            by_device[src.device][0].append(view)
+            by_device[src.device][1].append(src)
+        for device, (views, srcs) in by_device.items():
+            th._foreach_copy_(views, srcs, non_blocking=device.type == "cuda")
+        for device in sorted((d for d in by_device if d.type == "cuda"), key=str):
+            th.cuda.synchronize(device)
+        self._buffers = used
+        self.nbytes = total[0]
+        return self.arena.size, buf.getvalue()
+
+    def write(self, log_dir, step, packed, keep=0):
+        """Write ``step``'s files (``packed`` by ``pack``) into ``log_dir`` in the child, then
         prune to ``keep`` complete steps; blocks until done (see the module docstring)."""
+        arena_size, payload = packed
         with self._lock:
             self._start()
             header = pickle.dumps({"log_dir": os.fspath(log_dir), "step": int(step),
-                                   "keep": int(keep), "arena_size": self.arena.size})
-            payload = _dumps(files, self.arena)
+                                   "keep": int(keep), "arena_size": arena_size})
             try:
                 self._conn.send_bytes(header)
                 self._conn.send_bytes(payload)
@@ -172,16 +217,23 @@ class WriterProcess:
     def _start(self):
         if self._proc is not None:
             return
-        ctx = multiprocessing.get_context("spawn")
-        ours, theirs = ctx.Pipe(duplex=True)
-        with _signals_blocked():  # the child starts with them blocked, until it ignores them
-            proc = ctx.Process(target=_child_main, args=(theirs, os.getpid()),
-                               name="checkpoint-writer", daemon=True)
-            proc.start()
-        theirs.close()
-        mp_reduction.send_handle(ours, self.arena.fd, proc.pid)
-        self._proc, self._conn = proc, ours
-
+        ours, theirs = socket.socketpair()
+        boot = ("import sys; from multiprocessing.connection import Connection; "
+                "c = Connection(int(sys.argv[1])); import pickle; p = pickle.loads(c.recv_bytes());"
+                " sys.path[:] = p['sys_path']; "
+                "from improved_diffusion.ckpt.writer_process import _child_main; _child_main(c, p)")
+        try:
+            with _signals_blocked():  # the child starts with them blocked, until it ignores them
+                proc = subprocess.Popen(
+                    [sys.executable, *subprocess._args_from_interpreter_flags(), "-c", boot,
+                     str(theirs.fileno())], pass_fds=(theirs.fileno(), self.arena.fd),
+                    stdin=subprocess.DEVNULL, close_fds=True)
+        finally:
+            theirs.close()
+        conn = Connection(ours.detach())
+        conn.send_bytes(pickle.dumps({"sys_path": list(sys.path), "parent": os.getpid(),
+                                      "arena_fd": self.arena.fd, "main": _importable_main()}))
+        self._proc, self._conn = proc, conn
     def _died(self, log_dir, step):
         """The CheckpointError of a child that ended during the write of ``step``."""
         from . import checkpoint, run_dir
@@ -189,8 +241,10 @@ class WriterProcess:
         proc, conn = self._proc, self._conn
         self._proc = self._conn = None  # the next write starts a new one
         conn.close()
-        proc.join(timeout=10)
-        code = proc.exitcode
+        try:
+            code = proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            code = None
         how = ("still running" if code is None else f"killed by signal {-code}" if code < 0
                else f"exit code {code}")
         manifest = checkpoint.join(log_dir, checkpoint.manifest_filename(step))
@@ -212,10 +266,11 @@ def _shut_down(state):
     if conn is not None:
         conn.close()
     if proc is not None:
-        proc.join(timeout=60)
-        if proc.exitcode is None:
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
             proc.kill()
-            proc.join()
+            proc.wait()
     arena = state.get("arena")
     if arena is not None:
         arena.close_fd()
@@ -261,81 +316,80 @@ class _RemoteTraceback(Exception):
 # ------------------------------------------------------------------------- the wire format
 
 
-class _Pickler(pickle.Pickler):
-    """Pickles tensors whose storage lies in ``arena`` as references to it; the same tensor
-    object twice as the same reference (torch.save records it once)."""
+class _Packer(pickle.Pickler):
+    """Pickles a payload for the child: each CPU or CUDA tensor as a reference to the arena
+    buffer of its storage (``locate(storage)`` -> offset, which also records the copy to
+    make), everything else as it is. Only tensors reach Python code here (a dispatch table
+    entry for the tensor type): pickling the rest runs at C speed. The pickle memo keeps one
+    tensor object that appears twice one object in the child, as torch.save records it."""
 
-    def __init__(self, f, arena):
-        super().__init__(f, protocol=pickle.HIGHEST_PROTOCOL)
-        self._arena = arena
-        self._tensors = {}  # id(tensor) -> index (the payload keeps every tensor alive)
-
-    def persistent_id(self, obj):
+    def __init__(self, f, locate):
         import torch as th
 
-        if type(obj) is not th.Tensor:
-            return None
-        index = self._tensors.get(id(obj))
-        if index is not None:
-            return ("same", index)
-        storage = obj.untyped_storage()
-        off = self.arena_offset(storage)
-        if off is None:
-            return None  # not a host copy (an empty tensor, a test's own): pickled whole
-        self._tensors[id(obj)] = index = len(self._tensors)
-        return ("tensor", index, off, storage.nbytes(), obj.dtype, obj.storage_offset(),
-                tuple(obj.size()), obj.stride())
+        super().__init__(f, protocol=pickle.HIGHEST_PROTOCOL)
+        self._locate = locate
+        self.dispatch_table = copyreg.dispatch_table.copy()
+        self.dispatch_table[th.Tensor] = self._tensor
 
-    def arena_offset(self, storage):
-        if storage.device.type != "cpu" or storage.nbytes() == 0:
-            return None
-        return self._arena.offset(storage)
+    def _tensor(self, t):
+        storage = t.untyped_storage()
+        if storage.nbytes() == 0 or storage.device.type not in ("cpu", "cuda"):
+            return t.__reduce_ex__(pickle.HIGHEST_PROTOCOL)  # pickled whole
+        off = self._locate(storage)
+        return (_arena_tensor, (off, storage.nbytes(), str(t.dtype).rpartition(".")[2],
+                                t.storage_offset(), tuple(t.size()), t.stride()))
 
 
-def _dumps(obj, arena):
-    buf = io.BytesIO()
-    _Pickler(buf, arena).dump(obj)
-    return buf.getvalue()
+def _arena_tensor(*args):
+    """The name a packed tensor is pickled under; the child's _Unpickler resolves it to its
+    own rebuild over the arena (never called)."""
+    raise RuntimeError("writer_process: an arena tensor unpickled outside the writer process")
 
 
 class _Unpickler(pickle.Unpickler):
-    """Rebuilds the referenced tensors over the child's mapping of the arena: one storage per
-    (offset, size), so tensors that shared a storage share one again."""
+    """Rebuilds the packed tensors over the child's mapping of the arena: one storage per
+    (offset, size), so tensors that shared a storage share one again (no copy)."""
 
     def __init__(self, f, mapping):
         super().__init__(f)
         self._mapping = mapping
         self._storages = {}
-        self._tensors = {}
 
-    def persistent_load(self, pid):
+    def find_class(self, module, name):
+        if module == __name__ and name == "_arena_tensor":
+            return self._tensor
+        return super().find_class(module, name)
+
+    def _tensor(self, off, nbytes, dtype, offset, size, stride):
         import torch as th
 
-        if pid[0] == "same":
-            return self._tensors[pid[1]]
-        _, index, off, nbytes, dtype, offset, size, stride = pid
         storage = self._storages.get((off, nbytes))
         if storage is None:
             storage = th.frombuffer(self._mapping, dtype=th.uint8, count=nbytes,
                                     offset=off).untyped_storage()
             self._storages[(off, nbytes)] = storage
-        t = th.empty(0, dtype=dtype).set_(storage, offset, size, stride)
-        self._tensors[index] = t
-        return t
+        return th.empty(0, dtype=getattr(th, dtype)).set_(storage, offset, size, stride)
 
 
 # ------------------------------------------------------------------------- the child
 
 
-def _child_main(conn, parent_pid):
-    """The writer process: ignore the trainer's signals, watch the parent, then serve writes
-    until the connection closes."""
+def _child_main(conn, prep):
+    """The writer process (started by WriterProcess._start with ``prep``: the trainer's
+    sys.path, pid, the arena's descriptor, its main script when that is importable): ignore the
+    trainer's signals, watch the parent, run the main script as spawn would (so what it sets up
+    at import, a test's slow or recorded writes, holds here too), then serve writes until the
+    connection closes."""
     for sig in _signals_blocked.SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, _signals_blocked.SIGNALS)
-    threading.Thread(target=_watch_parent, args=(parent_pid,), name="parent-watch",
+    threading.Thread(target=_watch_parent, args=(prep["parent"],), name="parent-watch",
                      daemon=True).start()
-    fd = mp_reduction.recv_handle(conn)
+    if prep["main"]:
+        import runpy
+
+        runpy.run_path(prep["main"], run_name="__mp_main__")
+    fd = prep["arena_fd"]
     maps = {}
     while True:
         try:
@@ -348,6 +402,36 @@ def _child_main(conn, parent_pid):
             conn.send_bytes(reply)
         except OSError:
             return
+
+
+def _importable_main():
+    """The path of this process's main script when running it again under another name does
+    nothing but define things, as ``multiprocessing``'s spawn would (its work sits under ``if
+    __name__ == "__main__"``, and no other top-level statement is a loop, a with/try block or a
+    bare call): a test's script that patches writes at import. Else None (``python -c``,
+    ``-m``, pytest, a script that trains at its top level: running it again would train)."""
+    import ast
+
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if not path or getattr(main, "__spec__", None) is not None or not path.endswith(".py"):
+        return None
+    try:
+        with open(path) as f:
+            tree = ast.parse(f.read())
+    except (OSError, SyntaxError, ValueError):
+        return None
+    guarded = False
+    for node in tree.body:
+        if isinstance(node, ast.If) and ast.unparse(node.test).replace("'", '"') in (
+                '__name__ == "__main__"', '"__main__" == __name__'):
+            guarded = True
+        elif isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
+            continue  # a docstring
+        elif not isinstance(node, (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.ClassDef,
+                                   ast.AsyncFunctionDef, ast.Assign, ast.AnnAssign)):
+            return None
+    return os.path.abspath(path) if guarded else None
 
 
 def _watch_parent(parent_pid):
