@@ -405,16 +405,17 @@ def _child_main(conn, prep):
 
 
 def _importable_main():
-    """The path of this process's main script when running it again under another name does
-    nothing but define things, as ``multiprocessing``'s spawn would (its work sits under ``if
-    __name__ == "__main__"``, and no other top-level statement is a loop, a with/try block or a
-    bare call): a test's script that patches writes at import. Else None (``python -c``,
-    ``-m``, pytest, a script that trains at its top level: running it again would train)."""
+    """The path of the script this interpreter was started with (``sys.orig_argv``: the outer
+    script also when it runs another one through runpy, as tests/slow_save_train.py runs
+    train.py) when running it again under another name does nothing but define things, as
+    ``multiprocessing``'s spawn would (its work sits under ``if __name__ == "__main__"``, and no
+    other top-level statement is a loop, a with/try block or a bare call): a test's script that
+    patches writes at import. Else None (``python -c``, ``-m``, pytest, a script that trains at
+    its top level: running it again would train)."""
     import ast
 
-    main = sys.modules.get("__main__")
-    path = getattr(main, "__file__", None)
-    if not path or getattr(main, "__spec__", None) is not None or not path.endswith(".py"):
+    path = _script_of(getattr(sys, "orig_argv", None) or [])
+    if path is None or not path.endswith(".py"):
         return None
     try:
         with open(path) as f:
@@ -432,6 +433,23 @@ def _importable_main():
                                    ast.AsyncFunctionDef, ast.Assign, ast.AnnAssign)):
             return None
     return os.path.abspath(path) if guarded else None
+
+
+def _script_of(argv):
+    """The script in an interpreter's command line (``python [options] script args``), or None
+    for ``-c``, ``-m``, stdin."""
+    i = 1
+    while i < len(argv):
+        a = argv[i]
+        if a in ("-c", "-m", "-"):
+            return None
+        if a in ("-W", "-X"):
+            i += 2
+        elif a.startswith("-"):
+            i += 1
+        else:
+            return a
+    return None
 
 
 def _watch_parent(parent_pid):
