@@ -202,3 +202,25 @@ def test_a_forked_process_closes_its_copies_of_the_writers_connection_and_arena(
         child = w.pid
         w.close()
     assert child is not None and not alive(child)
+
+
+def test_where_there_is_no_writer_process_the_thread_writes_the_same_bytes(tmp_path, monkeypatch):
+    """Without memfd_create (not Linux) an async save copies in process and writes from its
+    thread: the same files as with the writer process."""
+    from test_async_save import step_names, tiny_loop
+
+    from improved_diffusion import logger
+
+    logger.configure(dir=str(tmp_path), format_strs=["log"])
+    for name, has in (("process", True), ("thread", False)):
+        monkeypatch.setattr(writer_process, "available", lambda: has)
+        (tmp_path / name).mkdir()
+        loop = tiny_loop(tmp_path / name, async_save=True, max_steps=3)
+        assert loop.run_loop() == 0
+        assert isinstance(loop.checkpointer._process, writer_process.WriterProcess) == has
+        loop.close()
+    for step in (2, 3):
+        for n in step_names(tmp_path / "process", step):
+            if not n.startswith("manifest"):
+                assert (tmp_path / "process" / n).read_bytes() == \
+                    (tmp_path / "thread" / n).read_bytes(), n

@@ -92,7 +92,8 @@ import torch as th
 
 from . import checkpoint, model_change, optim_state, preemption, rng, run_dir, state_fit
 from .. import dist_util, logger
-from .async_save import BackgroundWriter, to_host
+from . import writer_process
+from .async_save import BackgroundWriter, HostSnapshot, to_host
 from .writer_process import WriterProcess
 from ..config_check import by_rank
 from ..errors import UsageError, UserError
@@ -209,6 +210,7 @@ class Checkpointer:
         self.last_saved_step = None
         self.model_changes = []  # trainer["model_changes"]: the run's model changes so far
         self._process = None  # rank 0's WriterProcess (async saves), made at the first save
+        # (a HostSnapshot where there is no writer process: writer_process.available())
         self._writer = BackgroundWriter()  # the thread that waits for the writer process
         self._save_failure = None  # rank 0: a background save's exception, until raised
         self._signal = {"set": False, "signal": None}
@@ -362,8 +364,10 @@ class Checkpointer:
             self._log_saved(step, time.perf_counter() - began, None, self._prune())
             return
         if self._process is None:
-            self._process = WriterProcess()
-        files = self._process.pack(files)  # the host copy, in the writer's shared memory
+            # no memfd (not Linux): the same host copy in this process, written by the thread
+            self._process = WriterProcess() if writer_process.available() else HostSnapshot()
+        files = (self._process.pack(files) if isinstance(self._process, WriterProcess)
+                 else self._process.copy(files))  # the host copy (shared memory: the writer's)
         paused = time.perf_counter() - began
         self._writer.start(lambda: self._write_in_background(step, files, began, paused))
         if wait:
@@ -427,6 +431,9 @@ class Checkpointer:
         """The writer thread's job: hand the step to the writer process, which writes its files
         and manifest, then prunes; wait for it. Returns what the main thread logs (no logging
         from this thread)."""
+        if not isinstance(self._process, WriterProcess):
+            run_dir.write_step(self.config.log_dir, step, files)
+            return step, time.perf_counter() - began, paused, self._prune()
         done, lines = self._process.write(self.config.log_dir, step, files,
                                           self.config.keep_checkpoints)
         return step, done - began, paused, lines
@@ -498,7 +505,7 @@ class Checkpointer:
             except Exception as e:  # the error that ends the run is another one: only report it
                 logger.warn(f"warning: the background save also failed: {e}")
         finally:
-            if self._process is not None and not self._writer.busy:
+            if isinstance(self._process, WriterProcess) and not self._writer.busy:
                 self._process.close()  # the writer process ends with the run (a later save
                 self._process = None  # starts a new one)
 

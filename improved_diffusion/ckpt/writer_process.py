@@ -33,7 +33,8 @@ the connection and the arena's descriptor at once (``os.register_at_fork``), so 
 the writer's pipe open. The arena is an anonymous file: nothing is left in /dev/shm on any exit
 path; its pages are freed when the last process holding them ends.
 
-Not collective and knows nothing of ranks: the checkpointer makes one on rank 0.
+Not collective and knows nothing of ranks: the checkpointer makes one on rank 0 (where
+``available()`` is False, not Linux, it writes from its thread as before: async_save.HostSnapshot).
 """
 
 import copyreg
@@ -57,8 +58,9 @@ WATCH_S = 0.2
 ALIGN = 64
 
 
-class WriterDied(Exception):
-    """The writer process ended while a write was in flight (wrapped in a CheckpointError)."""
+def available():
+    """Whether this platform has what the writer process needs (memfd_create: Linux)."""
+    return hasattr(os, "memfd_create") and hasattr(os, "register_at_fork")
 
 
 class Arena:
