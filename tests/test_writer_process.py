@@ -224,3 +224,21 @@ def test_where_there_is_no_writer_process_the_thread_writes_the_same_bytes(tmp_p
             if not n.startswith("manifest"):
                 assert (tmp_path / "process" / n).read_bytes() == \
                     (tmp_path / "thread" / n).read_bytes(), n
+
+
+def test_a_write_that_fails_in_the_writer_is_its_one_line_error_here_and_the_writer_lives_on(
+        tmp_path):
+    from improved_diffusion.ckpt.checkpoint import CheckpointError
+
+    w = writer_process.WriterProcess()
+    try:
+        files = {"model000001.pt": {"w": torch.arange(6.0)}}
+        with pytest.raises(CheckpointError, match="no longer exists") as e:
+            w.write(tmp_path / "gone", 1, w.pack(files))
+        assert "\n" not in str(e.value) and "step 1" in str(e.value)
+        pid = w.pid
+        (tmp_path / "here").mkdir()
+        w.write(tmp_path / "here", 1, w.pack(files))  # the same writer process writes on
+        assert w.pid == pid and (tmp_path / "here" / "manifest000001.json").exists()
+    finally:
+        w.close()

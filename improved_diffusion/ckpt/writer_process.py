@@ -3,35 +3,41 @@ The background write out of the training process: one writer process per job, fe
 shared memory.
 
 ``WriterProcess`` owns two things of rank 0's: an ``Arena`` (an anonymous shared-memory file,
-``memfd_create``, that grows; HostSnapshot copies every tensor of a save into buffers inside it)
-and, from the first write on, a child process: a fresh interpreter (subprocess, as
-multiprocessing's "spawn" starts one; never a fork of the trainer: its threads, torch's and
-gloo's, do not survive one) given the trainer's sys.path, a socket and the arena's descriptor.
-Like spawn, it first runs the trainer's main script under another name when that only defines
-things (``_importable_main``: a script whose work sits under ``if __name__ == "__main__"``), so
-what such a script sets up at import holds in the writer too; any other main is not run. ``write(
-log_dir, step, files, keep)`` hands the child a step whose tensors lie in the arena (pickled as
-references: storage offset and size, dtype, storage offset, shape, strides; everything else
-pickled as it is, with the sharing between objects kept), and blocks until the child has written
-it with ``run_dir.write_step`` (the files, fsync'd and renamed into place, then the manifest) and
-pruned (``run_dir.prune_lines``). It returns (the child's ``time.perf_counter()`` when it was
-done: the same clock in every process of the host, lines to log), or raises the child's error
-(its one-line CheckpointError as it is; any other keeps its type, with the child's traceback as
-its cause). The checkpointer calls it from its BackgroundWriter thread, which only waits: the
+``memfd_create``, that grows) and, from the first write on, a child process: a fresh interpreter
+(subprocess, as multiprocessing's "spawn" starts one; never a fork of the trainer: its threads,
+torch's and gloo's, do not survive one) given the trainer's sys.path, a socket and the arena's
+descriptor. Like spawn, it first runs the job's entry script under another name when that only
+defines things (``_importable_main``: a script whose work sits under ``if __name__ ==
+"__main__"``), so what such a script sets up at import holds in the writer too; any other script
+is not run.
+
+``pack(files)`` is the host copy of a save, the only pause of training: the payloads pickled (at
+C speed; only tensors reach Python code) with each tensor as a reference to an arena buffer
+(offset and size of its storage, dtype, storage offset, shape, strides; everything else pickled
+as it is, the sharing between objects kept), and every storage copied into its buffer in one
+pass (one foreach copy per device; buffers reused from the previous save; from CUDA into
+page-locked memory without blocking, then one synchronise per device). ``write(log_dir, step,
+packed, keep)`` hands it to the child and blocks until the child has written it with
+``run_dir.write_step`` (the files, fsync'd and renamed into place, then the manifest) and pruned
+(``run_dir.prune_lines``). It returns (the child's ``time.perf_counter()`` when it was done: the
+same clock in every process of the host, lines to log), or raises the child's error (its
+one-line CheckpointError as it is; any other keeps its type, with the child's traceback as its
+cause). The checkpointer calls it from its BackgroundWriter thread, which only waits: the
 serialisation, the checksums, the writes and the fsyncs run in the child, off the trainer's GIL
 and on a core of its own when there is one. The child rebuilds the tensors over the same shared
 pages (no copy), so its torch.save writes the bytes a synchronous save writes.
 
-Failure modes: a child that dies (kill -9, out of memory) is a ``CheckpointError`` naming the
-step and saying what is on disk (no manifest: the step does not count), never a hang; the next
-write starts a new child. The child ignores SIGTERM, SIGUSR1 and SIGINT (the trainer owns them,
-preemption.py; a cluster's SIGTERM to every process of the job must not end a write the
-preemption save waits for), and ends itself, within WATCH_S, once the trainer is gone (its parent
-pid changes: a trainer that was kill -9'd leaves no writer behind), or when the trainer closes
-the connection. A process forked from the trainer (a DataLoader's workers) closes its copies of
-the connection and the arena's descriptor at once (``os.register_at_fork``), so no worker holds
-the writer's pipe open. The arena is an anonymous file: nothing is left in /dev/shm on any exit
-path; its pages are freed when the last process holding them ends.
+Failure modes: a child that dies (kill -9, out of memory) is a ``CheckpointError`` naming the step
+and saying what is on disk (no manifest: the step does not count), never a hang; the next write
+starts a new child. The child ignores SIGTERM, SIGUSR1 and SIGINT (the trainer owns them,
+preemption.py; a cluster's SIGTERM to every process of the job must not end a write the preemption
+save waits for), runs at the lowest CPU priority (NICE: training goes first where no core is free),
+and ends itself, within WATCH_S, once the trainer is gone (its parent pid changes: a trainer that
+was kill -9'd leaves no writer behind), or when the trainer closes the connection. A process forked
+from the trainer (a DataLoader's workers) closes its copies of the connection and the arena's
+descriptor at once (``os.register_at_fork``), so no worker holds the writer's pipe open. The arena
+is an anonymous file: nothing is left in /dev/shm on any exit path; its pages are freed when the
+last process holding them ends.
 
 Not collective and knows nothing of ranks: the checkpointer makes one on rank 0 (where
 ``available()`` is False, not Linux, it writes from its thread as before: async_save.HostSnapshot).
@@ -54,6 +60,10 @@ from multiprocessing.connection import Connection
 
 # Seconds between the child's checks that its parent still lives.
 WATCH_S = 0.2
+# The writer's CPU priority (nice): the lowest. Where a core is free it runs at full speed;
+# where every core is busy, the training step goes first and a write that is not done by the
+# next save makes that save wait (its logged pause says so).
+NICE = 19
 # Arena buffers are aligned to this many bytes (a cache line; torch's CPU allocator uses 64).
 ALIGN = 64
 
@@ -385,6 +395,10 @@ def _child_main(conn, prep):
     for sig in _signals_blocked.SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, _signals_blocked.SIGNALS)
+    try:
+        os.nice(NICE - os.nice(0))
+    except OSError:
+        pass
     threading.Thread(target=_watch_parent, args=(prep["parent"],), name="parent-watch",
                      daemon=True).start()
     if prep["main"]:
