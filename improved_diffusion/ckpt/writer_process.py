@@ -31,13 +31,13 @@ Failure modes: a child that dies (kill -9, out of memory) is a ``CheckpointError
 and saying what is on disk (no manifest: the step does not count), never a hang; the next write
 starts a new child. The child ignores SIGTERM, SIGUSR1 and SIGINT (the trainer owns them,
 preemption.py; a cluster's SIGTERM to every process of the job must not end a write the preemption
-save waits for), runs at the lowest CPU priority (NICE: training goes first where no core is free),
-and ends itself, within WATCH_S, once the trainer is gone (its parent pid changes: a trainer that
-was kill -9'd leaves no writer behind), or when the trainer closes the connection. A process forked
-from the trainer (a DataLoader's workers) closes its copies of the connection and the arena's
-descriptor at once (``os.register_at_fork``), so no worker holds the writer's pipe open. The arena
-is an anonymous file: nothing is left in /dev/shm on any exit path; its pages are freed when the
-last process holding them ends.
+save waits for), runs at the trainer's CPU priority (not lower: a starved writer would hold up the
+preemption save; measured, docs/performance.md), and ends itself, within WATCH_S, once the trainer
+is gone (its parent pid changes: a trainer that was kill -9'd leaves no writer behind), or when the
+trainer closes the connection. A process forked from the trainer (a DataLoader's workers) closes
+its copies of the connection and the arena's descriptor at once (``os.register_at_fork``), so no
+worker holds the writer's pipe open. The arena is an anonymous file: nothing is left in /dev/shm on
+any exit path; its pages are freed when the last process holding them ends.
 
 Not collective and knows nothing of ranks: the checkpointer makes one on rank 0 (where
 ``available()`` is False, not Linux, it writes from its thread as before: async_save.HostSnapshot).
@@ -60,10 +60,6 @@ from multiprocessing.connection import Connection
 
 # Seconds between the child's checks that its parent still lives.
 WATCH_S = 0.2
-# The writer's CPU priority (nice): the lowest. Where a core is free it runs at full speed;
-# where every core is busy, the training step goes first and a write that is not done by the
-# next save makes that save wait (its logged pause says so).
-NICE = 19
 # Arena buffers are aligned to this many bytes (a cache line; torch's CPU allocator uses 64).
 ALIGN = 64
 
@@ -395,10 +391,6 @@ def _child_main(conn, prep):
     for sig in _signals_blocked.SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, _signals_blocked.SIGNALS)
-    try:
-        os.nice(NICE - os.nice(0))
-    except OSError:
-        pass
     threading.Thread(target=_watch_parent, args=(prep["parent"],), name="parent-watch",
                      daemon=True).start()
     if prep["main"]:
