@@ -20,6 +20,13 @@ state, as the trainer saves them), measured side by side in the same run, on the
   bytes, with the pause of each save (``pause_s``), the rest of the extra time
   (``extra_beyond_pause_s``: the steps slowed by the writer beside them) and the time its
   background write took;
+- ``save_every_10_steps_extra_wall_over_host_memcpy`` (goal <= 2, issue 31): the same extra
+  wall time per save over ``host_memcpy_s``, a copy of the step's bytes between preallocated
+  host buffers measured in the same run (the floor of a save that copies its bytes once), with
+  ``steps_slower_during_write`` (goal <= 0.05): the extra time beyond the pause over the
+  background write's duration, i.e. how much slower the steps beside the writer ran. With
+  ``--ranks 1,2`` the run figures are taken on one rank and then on two (mpiexec -n 2, gloo,
+  rank 0 writes; a run's time is its slowest rank's);
 - ``save_async_pause_s``: how long TrainLoop.save() holds training with --async_save True (the
   weights check, the RNG gather, the host copy into reused buffers; ``save_async_first_pause_s``:
   the first save, which allocates the buffers), beside ``host_memcpy_s``: a plain copy of the
@@ -38,6 +45,7 @@ One JSON line per figure, each with the command that reproduces it. Usage:
 
     python benchmarks/checkpoint.py [--sizes 10M,60M,250M] [--dir DIR] [--repeat 2]
                                     [--figures save,run,load] [--run_steps 40]
+                                    [--ranks 1,2]
 
 250M needs ~12 GB of free memory and ~15 GB of disk (a step is 4.4 GB): leave it out with
 --sizes 10M,60M.
@@ -249,33 +257,43 @@ def timed_run(loop, steps, save_interval):
     that one, as in a run whose --max_steps is a multiple of --save_interval (otherwise the final
     save, one step after an interval save, would wait for that one's background write). Returns
     (seconds, saves)."""
+    from improved_diffusion import dist_util
+
     loop.step = first = -(-loop.step // 10) * 10
     loop.config = dataclasses.replace(loop.config, max_steps=first + steps)
     loop.save_interval = save_interval
+    dist_util.barrier()
     t0 = time.perf_counter()
     loop.run_loop()
     took = time.perf_counter() - t0
     log_dir = loop.config.checkpoint.log_dir
-    for step in {int(n[5:11]) for n in os.listdir(log_dir) if n.startswith("model")}:
-        drop_step(log_dir, step)
+    if dist_util.get_rank() == 0:
+        for step in {int(n[5:11]) for n in os.listdir(log_dir) if n.startswith("model")}:
+            drop_step(log_dir, step)
+    dist_util.barrier()
     last = first + steps
     every = [s for s in range(first + 1, last + 1) if save_interval and s % save_interval == 0]
     return took, len(every) + (0 if every and every[-1] == last else 1)  # + run_loop's final save
 
 
 def bench_run(size, d, repeat, steps, cmd):
-    """What saves cost a whole run (in this process): run_loop saving every 10 steps against
-    saving once, alternating, on the compute-light model of ``size``."""
+    """What saves cost a whole run (in this process, one of the ranks under mpiexec): run_loop
+    saving every 10 steps against saving once, alternating, on the compute-light model of
+    ``size``; rank 0 prints the figures, with the references (a raw write, a memcpy of the
+    step's bytes) measured in the same run."""
     import torch as th
 
-    from improved_diffusion import logger
+    from improved_diffusion import dist_util, logger
 
     th.set_num_threads(1)
-    logger.configure(dir=d, format_strs=["log"])
+    dist_util.setup_dist()
+    rank, ranks = dist_util.get_rank(), dist_util.get_world_size()
+    logger.configure(dir=d if rank == 0 else os.path.join(d, f"rank{rank}"),
+                     format_strs=["log"] if rank == 0 else [])
     loop, batch = build_loop(size, d, light=True, keep_checkpoints=2)  # prunes as runs do
     params = sum(p.numel() for p in loop.model.parameters())
     timed_run(loop, 1, 0)  # warm: Adam moments, the writer's host buffers
-    buf = random_bytes()
+    buf = random_bytes() if rank == 0 else None
     runs = {10: [], 0: []}
     raws, saves = [], {}
     for _ in range(repeat):
@@ -284,31 +302,50 @@ def bench_run(size, d, repeat, steps, cmd):
             runs[interval].append(took)
         loop.step += 1
         loop.save(wait=True)  # one step's files, for the size of the raw write
-        sizes = [os.path.getsize(os.path.join(d, n)) for n in step_files(d, loop.step)]
-        drop_step(d, loop.step)
-        raws.append(raw_write(d, sizes, buf))
+        if rank == 0:
+            sizes = [os.path.getsize(os.path.join(d, n)) for n in step_files(d, loop.step)]
+            drop_step(d, loop.step)
+            raws.append(raw_write(d, sizes, buf))
+        dist_util.barrier()
     step_s = []
     for _ in range(3):
         t0 = time.perf_counter()
         loop.run_step(*batch)
         step_s.append(time.perf_counter() - t0)
+    # every rank's runs: the slowest rank's time is the run's
+    runs = {k: [max(r) for r in zip(*dist_util.all_gather_object(v))] for k, v in runs.items()}
+    loop.close()
+    if rank != 0:
+        return
     every, once, raw = (statistics.median(runs[10]), statistics.median(runs[0]),
                         statistics.median(raws))
+    memcpy = memcpy_s(sum(sizes))
     # the loop's own line per save: "saved step N to D in T s (training paused P s)"
     with open(os.path.join(d, "log.txt")) as f:
         logged = [tuple(map(float, m.groups())) for m in re.finditer(
             r"saved step \d+ to .* in ([\d.]+) s \(training paused ([\d.]+) s\)", f.read())]
     extra = (every - once) / (saves[10] - saves[0])
     pause = statistics.median(p for _, p in logged)
+    background = statistics.median(t for t, _ in logged)
     emit("save_every_10_steps_extra_wall_over_raw_write", extra / raw, "ratio", cmd, size=size,
-         params=params, step_bytes=sum(sizes), goal="<= 0.10", model="light (8x8 images)",
+         params=params, ranks=ranks, step_bytes=sum(sizes), goal="<= 0.10 (issue 20)",
+         model="light (8x8 images)",
          steps=steps, saves=[saves[10], saves[0]], extra_s_per_save=round(extra, 4),
          run_s_saving_every_10=round(every, 3), run_s_saving_once=round(once, 3),
          step_s=round(statistics.median(step_s), 4), raw_write_fsync_s=round(raw, 4),
          pause_s=round(pause, 4), pause_over_raw_write=round(pause / raw, 4),
-         extra_beyond_pause_s=round(extra - pause, 4),
-         background_write_s=round(statistics.median(t for t, _ in logged), 4),
+         extra_beyond_pause_s=round(extra - pause, 4), background_write_s=round(background, 4),
          async_save=loop.checkpointer.config.async_save, repeats=repeat)
+    emit("save_every_10_steps_extra_wall_over_host_memcpy", extra / memcpy, "ratio", cmd,
+         size=size, params=params, ranks=ranks, step_bytes=sum(sizes), goal="<= 2 (issue 31)",
+         model="light (8x8 images)", extra_s_per_save=round(extra, 4),
+         host_memcpy_s=round(memcpy, 4), pause_s=round(pause, 4),
+         pause_over_host_memcpy=round(pause / memcpy, 4),
+         extra_beyond_pause_s=round(extra - pause, 4), background_write_s=round(background, 4),
+         # the steps beside the background write: how much slower they ran (the extra time
+         # beyond the pause over the write's duration, which the steps overlap)
+         steps_slower_during_write=round(max(extra - pause, 0.0) / background, 4),
+         steps_slower_goal="<= 0.05", repeats=repeat)
 
 
 # ------------------------------------------------------------------------------------ loading
@@ -379,6 +416,9 @@ def main():
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--figures", default="save,run,load",
                     help="which: save (pause, sync save), run (saving every 10 steps), load")
+    ap.add_argument("--ranks", default="1",
+                    help="run figure: on these numbers of ranks, one after the other (1,2: "
+                         "also under mpiexec -n 2)")
     ap.add_argument("--run_steps", type=int, default=40,
                     help="steps of each run (run figure; a multiple of 10, >= 20)")
     ap.add_argument("--_save", help=argparse.SUPPRESS)
@@ -402,9 +442,13 @@ def main():
         os.makedirs(args.dir, exist_ok=True)
     root = tempfile.mkdtemp(dir=args.dir, prefix="bench_ckpt")
 
-    def child(*flags):
-        subprocess.run([sys.executable, os.path.abspath(__file__), *flags, "--repeat",
-                        str(args.repeat), "--cmd", cmd], check=True, timeout=3600)
+    def child(*flags, ranks=1):
+        py = [sys.executable, os.path.abspath(__file__), *flags, "--repeat", str(args.repeat),
+              "--cmd", cmd]
+        if ranks > 1:
+            mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+            py = [mpiexec if os.path.exists(mpiexec) else "mpiexec", "-n", str(ranks)] + py
+        subprocess.run(py, check=True, timeout=3600)
 
     try:
         for size in args.sizes.split(","):
@@ -418,9 +462,11 @@ def main():
                 bench_load(size, keep, args.repeat, cmd)
                 os.unlink(keep)
             if "run" in figures:
-                os.makedirs(d)
-                child("--_run", size, "--dir", d, "--run_steps", str(args.run_steps))
-                shutil.rmtree(d)
+                for ranks in map(int, args.ranks.split(",")):
+                    os.makedirs(d)
+                    child("--_run", size, "--dir", d, "--run_steps", str(args.run_steps),
+                          ranks=ranks)
+                    shutil.rmtree(d)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

@@ -19,7 +19,10 @@ The modules, from the file up:
                   verification of the candidate step, the resume plan (plan_resume),
                   refuse_overwrite, quarantine to incomplete/, pruning
     run_lock      one job per log dir (flock locally; a heartbeat object on gs:// / az://)
-    async_save    host copies of the payloads and the background writer thread
+    async_save    host copies of the payloads (to_host, HostSnapshot) and the background thread
+                  that waits for a write
+    writer_process  the background write out of the training process: the writer process,
+                  the shared-memory arena the host copy lands in (pack), its write_step there
     state_fit     "does this state dict fit this model, and which flag is likely wrong"
     model_change  resume into a changed model (--allow_model_change): kept and fresh tensors
     rng           one process's seeding and RNG state
@@ -69,9 +72,11 @@ What calls what on a save:
       -> the non-finite check (one all-gather); rng.get_rng_state gathered to rank 0
       -> dist_util.run_on_rank0: wait for the previous background save; step_files (the payloads
            of checkpoint and optim_state.named_optimizer_state)
-           -> async_save.HostSnapshot + BackgroundWriter (async) or now:
+           -> writer_process.WriterProcess.pack (the host copy, into shared memory) +
+              async_save.BackgroundWriter, whose thread waits for the writer process (async),
+              or now, in this process:
               run_dir.write_step -> file_writer.write_file per file, then the manifest
-              -> run_dir.prune (--keep_checkpoints)
+              -> run_dir.prune_lines (--keep_checkpoints)
       -> step_begins / stop_requested: one all-reduce of [preempted, save failed]; the flags
            preemption.training() sets
 """

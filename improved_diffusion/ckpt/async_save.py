@@ -1,15 +1,16 @@
 """
-Checkpoint saves that barely pause training: host copies of the payloads, and one background
-writer.
+Checkpoint saves that barely pause training: host copies of payloads, and the one background
+thread that waits for a write.
 
-At a save (checkpointer.Checkpointer.save, ``--async_save True``, the default), rank 0 copies the
-tensors of every payload (model, EMAs, optimizer, trainer state) to host memory with
-``HostSnapshot.copy`` -- into buffers kept from the previous save, pinned when the tensors live on
-CUDA -- and hands the copies to ``BackgroundWriter``, whose thread serialises and writes the files
-and the manifest (run_dir.write_step, manifest last) while training goes on. A synchronous save
-writes the same payloads through ``to_host`` (no copy at all for CPU tensors) in the calling
-thread. Both write the same bytes: a copy keeps each tensor's storage, offset, shape and strides,
-and the sharing between tensors and containers, that torch.save records.
+At a save with ``--async_save True`` (the default), rank 0 copies the tensors of every payload
+into the writer process's shared memory (writer_process.WriterProcess.pack) and hands them to
+``BackgroundWriter``, whose thread passes them to the writer process and waits for it: the
+serialising and writing run in that process (run_dir.write_step, manifest last) while training
+goes on. ``HostSnapshot.copy`` is the same host copy in this process (buffers kept from the
+previous copy, pinned when the tensors live on CUDA), for a caller without a writer process. A
+synchronous save writes the same payloads through ``to_host`` (no copy at all for CPU tensors)
+in the calling thread. All write the same bytes: a copy keeps each tensor's storage, offset,
+shape and strides, and the sharing between tensors and containers, that torch.save records.
 
 Nothing here is collective or knows about ranks: the checkpointer decides who snapshots (rank 0) and
 when every rank learns of a failed write.
@@ -38,13 +39,18 @@ class HostSnapshot:
     writer still reads the previous result (TrainLoop waits for the previous save first).
     """
 
-    def __init__(self):
+    def __init__(self, arena=None):
         self._buffers = {}
+        self._arena = arena
         self.nbytes = 0  # bytes held in buffers after the last copy
 
     def copy(self, obj):
         used = {}
-        out = _HostCopier(self._buffers, used).walk(obj)
+        arena = self._arena
+        if arena is not None and arena.high > 2 * self.nbytes + (1 << 20):
+            self._buffers = {}  # the arena holds more dropped buffers than live ones: start over
+            arena.reset()
+        out = _HostCopier(self._buffers, used, arena).walk(obj)
         self._buffers = used
         self.nbytes = sum(b.nbytes() for b in used.values())
         return out
@@ -59,9 +65,10 @@ def to_host(obj):
 class _HostCopier:
     """One walk over a payload; ``buffers``/``used`` None: a synchronous save's to_host."""
 
-    def __init__(self, buffers, used):
+    def __init__(self, buffers, used, arena=None):
         self._buffers = buffers
         self._used = used
+        self._arena = arena
         self._memo = {}  # id(source object) -> its copy (pickle records sharing: keep it)
         self._storages = {}  # source storage -> host storage, within this walk
         self._devices = set()  # the CUDA devices copied from without blocking
@@ -121,7 +128,9 @@ class _HostCopier:
         if self._buffers is None:
             return th.UntypedStorage(src.nbytes())
         buf = self._buffers.get(skey)
-        if buf is None:
+        if buf is None and self._arena is not None and src.nbytes():
+            buf = self._arena.alloc(src.nbytes(), pinned=src.device.type == "cuda")
+        elif buf is None:
             pin = src.device.type == "cuda"
             buf = th.empty(src.nbytes(), dtype=th.uint8, pin_memory=pin).untyped_storage()
         self._used[skey] = buf
@@ -143,9 +152,9 @@ def _bytes(storage):
 
 class BackgroundWriter:
     """
-    One background job at a time (a save's writes), in a non-daemon thread: a process that ends
-    for another reason still finishes the files it began (never killed half-way by the
-    interpreter's exit).
+    One background job at a time (waiting for the writer process's write of a save), in a
+    non-daemon thread: a process that ends for another reason still waits for the files it
+    began (the write is never cut half-way by the interpreter's exit).
 
     ``start(fn)`` runs ``fn()`` in the thread; ``poll()`` returns None while it runs or when there
     is nothing new, else ``("done", result)`` or ``("failed", exception)`` once (the exception

@@ -92,7 +92,9 @@ import torch as th
 
 from . import checkpoint, model_change, optim_state, preemption, rng, run_dir, state_fit
 from .. import dist_util, logger
+from . import writer_process
 from .async_save import BackgroundWriter, HostSnapshot, to_host
+from .writer_process import WriterProcess
 from ..config_check import by_rank
 from ..errors import UsageError, UserError
 from ..script_util import same_flag_value
@@ -207,8 +209,9 @@ class Checkpointer:
         self.resume_step = 0
         self.last_saved_step = None
         self.model_changes = []  # trainer["model_changes"]: the run's model changes so far
-        self._snapshot = None  # rank 0's HostSnapshot (async saves), made at the first save
-        self._writer = BackgroundWriter()
+        self._process = None  # rank 0's WriterProcess (async saves), made at the first save
+        # (a HostSnapshot where there is no writer process: writer_process.available())
+        self._writer = BackgroundWriter()  # the thread that waits for the writer process
         self._save_failure = None  # rank 0: a background save's exception, until raised
         self._signal = {"set": False, "signal": None}
         self._flags_pending = None
@@ -360,9 +363,11 @@ class Checkpointer:
             run_dir.write_step(self.config.log_dir, step, to_host(files))
             self._log_saved(step, time.perf_counter() - began, None, self._prune())
             return
-        if self._snapshot is None:
-            self._snapshot = HostSnapshot()
-        files = self._snapshot.copy(files)
+        if self._process is None:
+            # no memfd (not Linux): the same host copy in this process, written by the thread
+            self._process = WriterProcess() if writer_process.available() else HostSnapshot()
+        files = (self._process.pack(files) if isinstance(self._process, WriterProcess)
+                 else self._process.copy(files))  # the host copy (shared memory: the writer's)
         paused = time.perf_counter() - began
         self._writer.start(lambda: self._write_in_background(step, files, began, paused))
         if wait:
@@ -423,10 +428,15 @@ class Checkpointer:
         return state
 
     def _write_in_background(self, step, files, began, paused):
-        """The writer thread's job: the step's files and manifest, then the prune. Returns what
-        the main thread logs (no logging from this thread)."""
-        run_dir.write_step(self.config.log_dir, step, files)
-        return step, time.perf_counter() - began, paused, self._prune()
+        """The writer thread's job: hand the step to the writer process, which writes its files
+        and manifest, then prunes; wait for it. Returns what the main thread logs (no logging
+        from this thread)."""
+        if not isinstance(self._process, WriterProcess):
+            run_dir.write_step(self.config.log_dir, step, files)
+            return step, time.perf_counter() - began, paused, self._prune()
+        done, lines = self._process.write(self.config.log_dir, step, files,
+                                          self.config.keep_checkpoints)
+        return step, done - began, paused, lines
 
     def _collect_save(self, block):
         """Rank 0: log a finished background save and return (step, seconds, pause, log lines);
@@ -484,15 +494,20 @@ class Checkpointer:
         elsewhere (other ranks may be anywhere): rank 0 lets its save end (its files complete or
         removed, never half-written) and only reports a failure of it. Collective unless
         sync=False."""
-        if sync:
-            self.wait_for_save()
-            return
-        if self.rank != 0 or not self._writer.busy:
-            return
         try:
-            self._collect_save(block=True)
-        except Exception as e:  # the error that ends the run is another one: only report this
-            logger.warn(f"warning: the background save also failed: {e}")
+            if sync:
+                self.wait_for_save()
+                return
+            if self.rank != 0 or not self._writer.busy:
+                return
+            try:
+                self._collect_save(block=True)
+            except Exception as e:  # the error that ends the run is another one: only report it
+                logger.warn(f"warning: the background save also failed: {e}")
+        finally:
+            if isinstance(self._process, WriterProcess) and not self._writer.busy:
+                self._process.close()  # the writer process ends with the run (a later save
+                self._process = None  # starts a new one)
 
     def _refuse_non_finite_weights(self, step):
         """Raise NonFiniteError (same line on every rank) if the model, an EMA or a state's
@@ -524,17 +539,11 @@ class Checkpointer:
             f"resume from a saved step with a lower --lr")
 
     def _prune(self):
-        """Rank 0, once a save is complete: apply keep_checkpoints. Returns the lines to log
-        (it may run in the writer thread, which does not log)."""
-        keep = self.config.keep_checkpoints
-        if self.rank != 0 or not keep:
+        """Rank 0, once a synchronous save is complete: apply keep_checkpoints. Returns the
+        lines to log (the writer process prunes after a background save)."""
+        if self.rank != 0:
             return []
-        try:
-            deleted = run_dir.prune(self.config.log_dir, keep)
-        except (checkpoint.CheckpointError, OSError) as e:  # a failed delete must not kill a run
-            # that just saved (a bug still raises)
-            return [f"warning: --keep_checkpoints {keep}: prune failed: {e}"]
-        return [f"pruned {len(deleted)} old checkpoint file(s)"] if deleted else []
+        return run_dir.prune_lines(self.config.log_dir, self.config.keep_checkpoints)
 
 
 def saved_model_flags(log_dir, resume_checkpoint=""):
@@ -909,13 +918,22 @@ def copy_into(targets, values):
 
 
 def count_non_finite(tensors):
-    """How many floating-point tensors among ``tensors`` hold a NaN or Inf (one device sync).
+    """How many floating-point tensors among ``tensors`` hold a NaN or Inf (one device sync per
+    device and dtype).
 
-    A tensor's min and max are both finite exactly when all its values are (a NaN makes both
-    NaN): one pass per tensor without a temporary (isfinite().all() writes a bool tensor as large
-    as the weights, then reads it)."""
-    ends = [th.stack(th.aminmax(t.detach())).double() for t in tensors
-            if t.is_floating_point() and t.numel()]
+    First one fused 2-norm per tensor (torch._foreach_norm: one pass, no temporary): a finite
+    norm means every value is finite (a NaN or Inf makes it NaN or Inf). Only the tensors whose
+    norm is not finite (non-finite values, or squares that overflowed) get the exact check: a
+    tensor's min and max are both finite exactly when all its values are."""
+    groups = {}
+    for t in tensors:
+        if t.is_floating_point() and t.numel():
+            groups.setdefault((t.device, t.dtype), []).append(t.detach())
+    suspects = []
+    for group in groups.values():
+        bad = (~th.stack(th._foreach_norm(group, 2)).isfinite()).nonzero().flatten().tolist()
+        suspects += [group[i] for i in bad]
+    ends = [th.stack(th.aminmax(t)).double() for t in suspects]
     return int((~th.stack(ends).isfinite().all(dim=1)).sum()) if ends else 0
 
 

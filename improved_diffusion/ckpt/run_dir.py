@@ -685,6 +685,19 @@ def _prune_set_aside(log_dir, oldest_kept):
 _DELETE_ORDER = {"manifest": 0, "opt": 1, "ema": 2, "phema": 2, "model": 3}
 
 
+def prune_lines(log_dir, keep):
+    """After a complete save: ``prune(log_dir, keep)`` when ``keep`` (--keep_checkpoints), as
+    the lines to log (the writer process does not log). A failed delete is a warning line, not
+    an error: it must not kill a run that just saved (a bug still raises)."""
+    if not keep:
+        return []
+    try:
+        deleted = prune(log_dir, keep)
+    except (CheckpointError, OSError) as e:
+        return [f"warning: --keep_checkpoints {keep}: prune failed: {e}"]
+    return [f"pruned {len(deleted)} old checkpoint file(s)"] if deleted else []
+
+
 def prune(log_dir, keep, *, temp_age_s=60.0, snapshots=False):
     """
     Keep the newest ``keep`` complete steps; delete every file of steps older than the oldest

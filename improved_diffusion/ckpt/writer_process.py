@@ -1,0 +1,500 @@
+"""
+The background write out of the training process: one writer process per job, fed through
+shared memory.
+
+``WriterProcess`` owns two things of rank 0's: an ``Arena`` (an anonymous shared-memory file,
+``memfd_create``, that grows) and, from the first write on, a child process: a fresh interpreter
+(subprocess, as multiprocessing's "spawn" starts one; never a fork of the trainer: its threads,
+torch's and gloo's, do not survive one) given the trainer's sys.path, a socket and the arena's
+descriptor. Like spawn, it first runs the job's entry script under another name when that only
+defines things (``_importable_main``: a script whose work sits under ``if __name__ ==
+"__main__"``), so what such a script sets up at import holds in the writer too; any other script
+is not run.
+
+``pack(files)`` is the host copy of a save, the only pause of training: the payloads pickled (at
+C speed; only tensors reach Python code) with each tensor as a reference to an arena buffer
+(offset and size of its storage, dtype, storage offset, shape, strides; everything else pickled
+as it is, the sharing between objects kept), and every storage copied into its buffer in one
+pass (one foreach copy per device; buffers reused from the previous save; from CUDA into
+page-locked memory without blocking, then one synchronise per device). ``write(log_dir, step,
+packed, keep)`` hands it to the child and blocks until the child has written it with
+``run_dir.write_step`` (the files, fsync'd and renamed into place, then the manifest) and pruned
+(``run_dir.prune_lines``). It returns (the child's ``time.perf_counter()`` when it was done: the
+same clock in every process of the host, lines to log), or raises the child's error (its
+one-line CheckpointError as it is; any other keeps its type, with the child's traceback as its
+cause). The checkpointer calls it from its BackgroundWriter thread, which only waits: the
+serialisation, the checksums, the writes and the fsyncs run in the child, off the trainer's GIL
+and on a core of its own when there is one. The child rebuilds the tensors over the same shared
+pages (no copy), so its torch.save writes the bytes a synchronous save writes.
+
+Failure modes: a child that dies (kill -9, out of memory) is a ``CheckpointError`` naming the step
+and saying what is on disk (no manifest: the step does not count), never a hang; the next write
+starts a new child. The child ignores SIGTERM, SIGUSR1 and SIGINT (the trainer owns them,
+preemption.py; a cluster's SIGTERM to every process of the job must not end a write the preemption
+save waits for), runs at the trainer's CPU priority (not lower: a starved writer would hold up the
+preemption save; measured, docs/performance.md), and ends itself, within WATCH_S, once the trainer
+is gone (its parent pid changes: a trainer that was kill -9'd leaves no writer behind), or when the
+trainer closes the connection. A process forked from the trainer (a DataLoader's workers) closes
+its copies of the connection and the arena's descriptor at once (``os.register_at_fork``), so no
+worker holds the writer's pipe open. The arena is an anonymous file: nothing is left in /dev/shm on
+any exit path; its pages are freed when the last process holding them ends.
+
+Not collective and knows nothing of ranks: the checkpointer makes one on rank 0 (where
+``available()`` is False, not Linux, it writes from its thread as before: async_save.HostSnapshot).
+"""
+
+import copyreg
+import io
+import mmap
+import os
+import pickle
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import traceback
+import weakref
+from multiprocessing.connection import Connection
+
+# Seconds between the child's checks that its parent still lives.
+WATCH_S = 0.2
+# Arena buffers are aligned to this many bytes (a cache line; torch's CPU allocator uses 64).
+ALIGN = 64
+
+
+def available():
+    """Whether this platform has what the writer process needs (memfd_create: Linux)."""
+    return hasattr(os, "memfd_create") and hasattr(os, "register_at_fork")
+
+
+class Arena:
+    """
+    Shared memory for host copies: a memfd mapped in this process, grown as needed (the old
+    mappings stay valid while tensors view them; every mapping of the file shows the same
+    pages). ``alloc(n)`` returns (offset, a uint8 tensor over n new bytes at that offset);
+    ``reset()`` forgets all allocations (the caller guarantees none is in use). ``fd`` and
+    ``size`` are what a process needs to map it.
+    """
+
+    def __init__(self, initial=0):
+        self.fd = os.memfd_create("checkpoint-host-copy", os.MFD_CLOEXEC)
+        self.size = 0
+        self.high = 0  # bytes allocated so far (the bump pointer)
+        self._maps = []  # (base address, size, mmap): newest last
+        self._pinned = set()  # base addresses registered with CUDA
+        if initial:
+            self._grow(initial)
+
+    def alloc(self, nbytes, pinned=False):
+        """(offset, a flat uint8 tensor over the new n bytes); ``pinned``: page-locked for
+        CUDA copies."""
+        import torch as th
+
+        off = -(-self.high // ALIGN) * ALIGN
+        if off + nbytes > self.size:
+            self._grow(max(2 * self.size, off + nbytes))
+        self.high = off + nbytes
+        if pinned:
+            self._pin()
+        base, size, mm = self._maps[-1]
+        return off, th.frombuffer(mm, dtype=th.uint8, count=nbytes, offset=off)
+
+    def _pin(self):
+        """Page-lock the newest mapping for CUDA (cudaHostRegister), once: device-to-host copies
+        into it then run without blocking, as into pinned memory. A refusal leaves the copies
+        correct, only slower (pageable memory)."""
+        import torch as th
+
+        base, size, _ = self._maps[-1]
+        if base in self._pinned:
+            return
+        self._pinned.add(base)
+        try:
+            th.cuda.cudart().cudaHostRegister(base, size, 0)
+        except Exception:  # not fatal: the copy into pageable memory is synchronous
+            pass
+
+    def reset(self):
+        self.high = 0
+
+    def _grow(self, size):
+        import torch as th
+
+        size = -(-size // mmap.PAGESIZE) * mmap.PAGESIZE
+        os.ftruncate(self.fd, size)
+        mm = mmap.mmap(self.fd, size)
+        base = th.frombuffer(mm, dtype=th.uint8).data_ptr()
+        self._maps.append((base, size, mm))
+        self.size = size
+
+    def close_fd(self):
+        """Close the descriptor (the mappings stay until nothing views them)."""
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+class WriterProcess:
+    """The job's writer process and its arena (see the module docstring)."""
+
+    def __init__(self):
+        self.arena = Arena()
+        self._buffers = {}  # source storage key -> (offset, arena view, source bytes view)
+        self.nbytes = 0  # bytes of the buffers the last pack used
+        self._proc = None
+        self._conn = None
+        self._lock = threading.Lock()  # one write at a time; close() waits for it
+        self._finalizer = weakref.finalize(self, _shut_down, self.__dict__)
+        ref = weakref.ref(self)
+        os.register_at_fork(after_in_child=lambda: _forget_in_fork(ref))
+
+    @property
+    def pid(self):
+        return None if self._proc is None else self._proc.pid
+
+    def pack(self, files):
+        """The host copy of a save: ``files`` pickled for the child, with every tensor's storage
+        copied into its arena buffer (the one the last pack used for the same storage, else a
+        new one), in one pass (one foreach copy per device; from CUDA without blocking, then
+        one synchronise per device). Returns the packed payload for ``write``. Call it only once
+        the previous write is done (its buffers are reused)."""
+        import torch as th
+
+        if self.arena.high > 2 * self.nbytes + (1 << 20):
+            self._buffers = {}  # the arena holds more dropped buffers than live ones
+            self.arena.reset()
+        used = {}
+        total = [0]
+
+        def locate(storage):
+            key = (storage.device.type, storage.device.index, storage._cdata, storage.nbytes())
+            entry = used.get(key)
+            if entry is None:
+                entry = self._buffers.get(key)
+                if entry is None:
+                    off, view = self.arena.alloc(storage.nbytes(),
+                                                 pinned=storage.device.type == "cuda")
+                    src = th.empty(0, dtype=th.uint8, device=storage.device).set_(storage)
+                    entry = (off, view, src)
+                used[key] = entry
+                total[0] += storage.nbytes()
+            return entry[0]
+
+        buf = io.BytesIO()
+        _Packer(buf, locate).dump(files)
+        by_device = {}
+        for _, view, src in used.values():
+            by_device.setdefault(src.device, ([], []))
+            by_device[src.device][0].append(view)
+            by_device[src.device][1].append(src)
+        for device, (views, srcs) in by_device.items():
+            th._foreach_copy_(views, srcs, non_blocking=device.type == "cuda")
+        for device in sorted((d for d in by_device if d.type == "cuda"), key=str):
+            th.cuda.synchronize(device)
+        self._buffers = used
+        self.nbytes = total[0]
+        return self.arena.size, buf.getvalue()
+
+    def write(self, log_dir, step, packed, keep=0):
+        """Write ``step``'s files (``packed`` by ``pack``) into ``log_dir`` in the child, then
+        prune to ``keep`` complete steps; blocks until done (see the module docstring)."""
+        arena_size, payload = packed
+        with self._lock:
+            self._start()
+            header = pickle.dumps({"log_dir": os.fspath(log_dir), "step": int(step),
+                                   "keep": int(keep), "arena_size": arena_size})
+            try:
+                self._conn.send_bytes(header)
+                self._conn.send_bytes(payload)
+                reply = pickle.loads(self._conn.recv_bytes())
+            except (EOFError, OSError) as e:
+                raise self._died(log_dir, step) from e
+        kind, value = reply
+        if kind == "done":
+            return value
+        error, remote = value
+        raise error from _RemoteTraceback(remote)
+
+    def close(self):
+        """End the child (after the write in flight, if any) and free the arena."""
+        with self._lock:
+            self._finalizer()
+
+    def _start(self):
+        if self._proc is not None:
+            return
+        ours, theirs = socket.socketpair()
+        boot = ("import sys; from multiprocessing.connection import Connection; "
+                "c = Connection(int(sys.argv[1])); import pickle; p = pickle.loads(c.recv_bytes());"
+                " sys.path[:] = p['sys_path']; "
+                "from improved_diffusion.ckpt.writer_process import _child_main; _child_main(c, p)")
+        try:
+            with _signals_blocked():  # the child starts with them blocked, until it ignores them
+                proc = subprocess.Popen(
+                    [sys.executable, *subprocess._args_from_interpreter_flags(), "-c", boot,
+                     str(theirs.fileno())], pass_fds=(theirs.fileno(), self.arena.fd),
+                    stdin=subprocess.DEVNULL, close_fds=True)
+        finally:
+            theirs.close()
+        conn = Connection(ours.detach())
+        conn.send_bytes(pickle.dumps({"sys_path": list(sys.path), "parent": os.getpid(),
+                                      "arena_fd": self.arena.fd, "main": _importable_main()}))
+        self._proc, self._conn = proc, conn
+    def _died(self, log_dir, step):
+        """The CheckpointError of a child that ended during the write of ``step``."""
+        from . import checkpoint, run_dir
+
+        proc, conn = self._proc, self._conn
+        self._proc = self._conn = None  # the next write starts a new one
+        conn.close()
+        try:
+            code = proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            code = None
+        how = ("still running" if code is None else f"killed by signal {-code}" if code < 0
+               else f"exit code {code}")
+        manifest = checkpoint.join(log_dir, checkpoint.manifest_filename(step))
+        if checkpoint.exists(manifest):
+            kept = f"its manifest was written, so step {step} is complete on disk"
+        else:
+            kept = (f"step {step} has no manifest, so it does not count and a rerun resumes "
+                    f"from the last complete step")
+        return run_dir.CheckpointError(
+            f"{log_dir}: the checkpoint writer process (pid {proc.pid}) died ({how}) while "
+            f"saving step {step}; {kept}; see the job's log for why (out of memory? killed?)")
+
+
+def _shut_down(state):
+    """Close the connection (the child ends at once when idle), wait for the child, free the
+    arena's descriptor. Safe to call twice; also the finalizer at the interpreter's exit."""
+    conn, proc = state.get("_conn"), state.get("_proc")
+    state["_conn"] = state["_proc"] = None
+    if conn is not None:
+        conn.close()
+    if proc is not None:
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    arena = state.get("arena")
+    if arena is not None:
+        arena.close_fd()
+
+
+def _forget_in_fork(ref):
+    """In a process forked from the trainer (a loader worker): close this process's copies of
+    the connection and the arena's descriptor, leaving the parent's untouched."""
+    self = ref()
+    if self is None:
+        return
+    self._finalizer.detach()
+    if self._conn is not None:
+        try:
+            os.close(self._conn.fileno())
+        except OSError:
+            pass
+        self._conn._handle = None  # closed above; the object must not close the number again
+    self._conn = self._proc = None
+    self.arena.close_fd()
+
+
+class _signals_blocked:
+    """SIGTERM/SIGUSR1/SIGINT blocked in this thread while the child is started (a spawned
+    child inherits the mask, and ignores them before unblocking them)."""
+
+    SIGNALS = {signal.SIGTERM, signal.SIGUSR1, signal.SIGINT}
+
+    def __enter__(self):
+        self._old = signal.pthread_sigmask(signal.SIG_BLOCK, self.SIGNALS)
+
+    def __exit__(self, *exc):
+        signal.pthread_sigmask(signal.SIG_SETMASK, self._old)
+
+
+class _RemoteTraceback(Exception):
+    """The child's traceback of an error it handed back (the cause of the re-raised error)."""
+
+    def __str__(self):
+        return "\n" + self.args[0]
+
+
+# ------------------------------------------------------------------------- the wire format
+
+
+class _Packer(pickle.Pickler):
+    """Pickles a payload for the child: each CPU or CUDA tensor as a reference to the arena
+    buffer of its storage (``locate(storage)`` -> offset, which also records the copy to
+    make), everything else as it is. Only tensors reach Python code here (a dispatch table
+    entry for the tensor type): pickling the rest runs at C speed. The pickle memo keeps one
+    tensor object that appears twice one object in the child, as torch.save records it."""
+
+    def __init__(self, f, locate):
+        import torch as th
+
+        super().__init__(f, protocol=pickle.HIGHEST_PROTOCOL)
+        self._locate = locate
+        self.dispatch_table = copyreg.dispatch_table.copy()
+        self.dispatch_table[th.Tensor] = self._tensor
+
+    def _tensor(self, t):
+        storage = t.untyped_storage()
+        if storage.nbytes() == 0 or storage.device.type not in ("cpu", "cuda"):
+            return t.__reduce_ex__(pickle.HIGHEST_PROTOCOL)  # pickled whole
+        off = self._locate(storage)
+        return (_arena_tensor, (off, storage.nbytes(), str(t.dtype).rpartition(".")[2],
+                                t.storage_offset(), tuple(t.size()), t.stride()))
+
+
+def _arena_tensor(*args):
+    """The name a packed tensor is pickled under; the child's _Unpickler resolves it to its
+    own rebuild over the arena (never called)."""
+    raise RuntimeError("writer_process: an arena tensor unpickled outside the writer process")
+
+
+class _Unpickler(pickle.Unpickler):
+    """Rebuilds the packed tensors over the child's mapping of the arena: one storage per
+    (offset, size), so tensors that shared a storage share one again (no copy)."""
+
+    def __init__(self, f, mapping):
+        super().__init__(f)
+        self._mapping = mapping
+        self._storages = {}
+
+    def find_class(self, module, name):
+        if module == __name__ and name == "_arena_tensor":
+            return self._tensor
+        return super().find_class(module, name)
+
+    def _tensor(self, off, nbytes, dtype, offset, size, stride):
+        import torch as th
+
+        storage = self._storages.get((off, nbytes))
+        if storage is None:
+            storage = th.frombuffer(self._mapping, dtype=th.uint8, count=nbytes,
+                                    offset=off).untyped_storage()
+            self._storages[(off, nbytes)] = storage
+        return th.empty(0, dtype=getattr(th, dtype)).set_(storage, offset, size, stride)
+
+
+# ------------------------------------------------------------------------- the child
+
+
+def _child_main(conn, prep):
+    """The writer process (started by WriterProcess._start with ``prep``: the trainer's
+    sys.path, pid, the arena's descriptor, its main script when that is importable): ignore the
+    trainer's signals, watch the parent, run the main script as spawn would (so what it sets up
+    at import, a test's slow or recorded writes, holds here too), then serve writes until the
+    connection closes."""
+    for sig in _signals_blocked.SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _signals_blocked.SIGNALS)
+    threading.Thread(target=_watch_parent, args=(prep["parent"],), name="parent-watch",
+                     daemon=True).start()
+    if prep["main"]:
+        import runpy
+
+        runpy.run_path(prep["main"], run_name="__mp_main__")
+    fd = prep["arena_fd"]
+    maps = {}
+    while True:
+        try:
+            header = pickle.loads(conn.recv_bytes())
+            payload = conn.recv_bytes()
+        except (EOFError, OSError):
+            return
+        reply = _serve(header, payload, fd, maps)
+        try:
+            conn.send_bytes(reply)
+        except OSError:
+            return
+
+
+def _importable_main():
+    """The path of the script this interpreter was started with (``sys.orig_argv``: the outer
+    script also when it runs another one through runpy, as tests/slow_save_train.py runs
+    train.py) when running it again under another name does nothing but define things, as
+    ``multiprocessing``'s spawn would (its work sits under ``if __name__ == "__main__"``, and no
+    other top-level statement is a loop, a with/try block or a bare call): a test's script that
+    patches writes at import. Else None (``python -c``, ``-m``, pytest, a script that trains at
+    its top level: running it again would train)."""
+    import ast
+
+    path = _script_of(getattr(sys, "orig_argv", None) or [])
+    if path is None or not path.endswith(".py"):
+        return None
+    try:
+        with open(path) as f:
+            tree = ast.parse(f.read())
+    except (OSError, SyntaxError, ValueError):
+        return None
+    guarded = False
+    for node in tree.body:
+        if isinstance(node, ast.If) and ast.unparse(node.test).replace("'", '"') in (
+                '__name__ == "__main__"', '"__main__" == __name__'):
+            guarded = True
+        elif isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
+            continue  # a docstring
+        elif not isinstance(node, (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.ClassDef,
+                                   ast.AsyncFunctionDef, ast.Assign, ast.AnnAssign)):
+            return None
+    return os.path.abspath(path) if guarded else None
+
+
+def _script_of(argv):
+    """The script in an interpreter's command line (``python [options] script args``), or None
+    for ``-c``, ``-m``, stdin."""
+    i = 1
+    while i < len(argv):
+        a = argv[i]
+        if a in ("-c", "-m", "-"):
+            return None
+        if a in ("-W", "-X"):
+            i += 2
+        elif a.startswith("-"):
+            i += 1
+        else:
+            return a
+    return None
+
+
+def _watch_parent(parent_pid):
+    """End this process once its parent is gone (reparented: the trainer was killed)."""
+    while True:
+        if os.getppid() != parent_pid:
+            os._exit(1)
+        time.sleep(WATCH_S)
+
+
+def _serve(header, payload, fd, maps):
+    """One write; returns the pickled reply ("done", (time, lines)) or ("failed", (error,
+    traceback text))."""
+    try:
+        from . import run_dir
+
+        size = header["arena_size"]
+        if size not in maps:
+            maps.clear()  # older, smaller mappings: nothing views them any more
+            maps[size] = mmap.mmap(fd, size) if size else None
+        files = _Unpickler(io.BytesIO(payload), maps[size]).load()
+        run_dir.write_step(header["log_dir"], header["step"], files)
+        del files
+        lines = run_dir.prune_lines(header["log_dir"], header["keep"])
+        return pickle.dumps(("done", (time.perf_counter(), lines)))
+    except BaseException as e:  # handed to the trainer, which raises it
+        return pickle.dumps(("failed", (_portable(e), traceback.format_exc())))
+
+
+def _portable(e):
+    """``e`` if it survives a pickle round trip, else a RuntimeError with its type and text."""
+    try:
+        pickle.loads(pickle.dumps(e))
+        return e
+    except Exception:
+        return RuntimeError(f"{type(e).__name__}: {e}")
+
+
+if __name__ == "__main__":  # not a script: the writer is started by WriterProcess
+    sys.exit("improved_diffusion.ckpt.writer_process: started by the checkpointer, not by hand")

@@ -1,0 +1,244 @@
+"""The writer process (issue 31): the background write out of the training process.
+
+A writer that is killed mid-write ends the job with one line naming the step, never a hang, and
+the resume takes the previous step; a SIGTERM to every process of the job while the writer
+writes lets the write finish and the job exit 75 with its last step complete; the writer does
+not outlive a trainer that was kill -9'd; loader workers (--num_workers 2) neither inherit its
+connection nor break it; nothing is left in /dev/shm. Slow writes (tests/slow_save_train.py,
+whose patch of torch.save also runs in the writer process) keep a write open long enough.
+"""
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+import torch
+
+from conftest import PY, REPO, child_env, resumed_step, write_images
+from test_disk_faults import step_problem
+
+from improved_diffusion.ckpt import writer_process
+
+SLOW_SAVE_TRAIN = REPO / "tests" / "slow_save_train.py"
+TINY = ["--image_size", "8", "--num_channels", "32", "--num_res_blocks", "1",
+        "--attention_resolutions", "", "--diffusion_steps", "20", "--noise_schedule", "cosine",
+        "--batch_size", "2", "--seed", "0", "--log_interval", "100", "--ema_rate", "0.9999",
+        "--save_interval", "2"]
+BOUND_S = 120  # how long a test waits for something that should happen (a hang fails)
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory):
+    return write_images(tmp_path_factory.mktemp("images"), seed=12)
+
+
+def shm_names():
+    """/dev/shm's entries, less MPICH's (other mpiexec jobs on the machine make and remove them)."""
+    return {n for n in os.listdir("/dev/shm") if not n.startswith("mpich_shm")}
+
+
+@pytest.fixture
+def shm_unchanged():
+    before = shm_names()
+    yield
+    assert shm_names() <= before, sorted(shm_names() - before)
+
+
+def writer_pids(parent):
+    """Pids of the writer processes whose parent is ``parent``."""
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == parent and b"improved_diffusion.ckpt.writer_process" in cmdline:
+            found.append(int(name))
+    return found
+
+
+def alive(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def start_slow(log_dir, images, max_steps, *extra, session=False):
+    cmd = [PY, SLOW_SAVE_TRAIN, *TINY, "--data_dir", images, "--log_dir", log_dir,
+           "--max_steps", str(max_steps), *extra]
+    return subprocess.Popen([str(c) for c in cmd], cwd=REPO, env=child_env({"SLOW_SAVE_S": "0.5"}),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=session)
+
+
+def wait_for_write_of(proc, log_dir, step):
+    """Until the first file of ``step`` appears (its background write began); the writer's pid."""
+    end = time.monotonic() + BOUND_S
+    while not any(f"{step:06d}" in n and not n.startswith("manifest")
+                  for n in (os.listdir(log_dir) if log_dir.exists() else ())):
+        assert proc.poll() is None, proc.stdout.read()[-4000:]
+        assert time.monotonic() < end, f"step {step}'s save never began"
+        time.sleep(0.01)
+    pids = writer_pids(proc.pid)
+    assert len(pids) == 1, pids
+    return pids[0]
+
+
+def finish(proc):
+    try:
+        out, _ = proc.communicate(timeout=BOUND_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return out
+
+
+def resume(log_dir, images, max_steps):
+    cmd = [PY, SLOW_SAVE_TRAIN, *TINY, "--data_dir", images, "--log_dir", log_dir,
+           "--max_steps", str(max_steps)]
+    return subprocess.run([str(c) for c in cmd], cwd=REPO, env=child_env({"SLOW_SAVE_S": "0"}),
+                          timeout=BOUND_S, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True)
+
+
+@pytest.mark.timeout(400)
+def test_a_writer_killed_mid_write_ends_the_job_with_one_line_and_the_resume_takes_step_2(
+        tmp_path, images, shm_unchanged):
+    log_dir = tmp_path / "run"
+    proc = start_slow(log_dir, images, 50)
+    writer = wait_for_write_of(proc, log_dir, 4)
+    os.kill(writer, signal.SIGKILL)
+    out = finish(proc)
+    errors = [ln for ln in out.splitlines() if ln.startswith("error:")]
+    assert proc.returncode == 1, out[-4000:]
+    assert len(errors) == 1, out[-4000:]
+    assert "writer process" in errors[0] and "step 4" in errors[0], errors[0]
+    assert "killed by signal 9" in errors[0] and "no manifest" in errors[0], errors[0]
+    assert "Traceback" not in out, out[-4000:]
+    names = sorted(os.listdir(log_dir))
+    assert "manifest000004.json" not in names and step_problem(log_dir, 2) is None, names
+    res = resume(log_dir, images, 3)
+    assert res.returncode == 0, res.stdout[-4000:]
+    assert resumed_step(res.stdout) == 2, res.stdout[-3000:]
+    assert step_problem(log_dir, 3) is None
+
+
+@pytest.mark.timeout(400)
+def test_sigterm_to_every_process_while_the_writer_writes_exits_75_once_complete_on_disk(
+        tmp_path, images, shm_unchanged):
+    """As a cluster does: SIGTERM to the job's whole process group (trainer, writer, two loader
+    workers) while step 4 is written. The writer ignores it and finishes step 4; the trainer
+    saves the step it stops at and exits 75 only once that step is complete on disk."""
+    log_dir = tmp_path / "run"
+    proc = start_slow(log_dir, images, 50, "--num_workers", "2", session=True)
+    writer = wait_for_write_of(proc, log_dir, 4)
+    os.killpg(proc.pid, signal.SIGTERM)
+    out = finish(proc)
+    assert proc.returncode == 75, out[-4000:]
+    assert "Traceback" not in out and "error:" not in out, out[-4000:]
+    saved = [int(s) for s in __import__("re").findall(r"preempted .*: saved step (\d+)", out)]
+    assert len(saved) == 1 and saved[0] >= 4, out[-4000:]
+    assert step_problem(log_dir, 4) is None
+    assert step_problem(log_dir, saved[0]) is None
+    assert not [n for n in os.listdir(log_dir) if ".tmp" in n]
+    end = time.monotonic() + BOUND_S
+    while alive(writer):  # it ends with the job (the trainer closed its connection)
+        assert time.monotonic() < end, "the writer process outlived the job"
+        time.sleep(0.05)
+
+
+@pytest.mark.timeout(400)
+def test_the_writer_does_not_outlive_a_trainer_that_was_kill_9d(tmp_path, images, shm_unchanged):
+    log_dir = tmp_path / "run"
+    proc = start_slow(log_dir, images, 50)
+    writer = wait_for_write_of(proc, log_dir, 4)
+    proc.send_signal(signal.SIGKILL)
+    finish(proc)
+    end = time.monotonic() + BOUND_S
+    while alive(writer):
+        assert time.monotonic() < end, "the writer process outlived its trainer"
+        time.sleep(0.05)
+    assert "manifest000004.json" not in os.listdir(log_dir)
+
+
+def test_a_forked_process_closes_its_copies_of_the_writers_connection_and_arena(tmp_path):
+    """A DataLoader worker forked after the writer started holds neither its socket nor the
+    arena's descriptor, and the trainer's writer still works after the fork."""
+    from improved_diffusion.ckpt import run_dir
+
+    w = writer_process.WriterProcess()
+    try:
+        (tmp_path / "a").mkdir()
+        (tmp_path / "b").mkdir()
+        files = {"model000001.pt": {"w": torch.arange(6.0)}}
+        w.write(tmp_path / "a", 1, w.pack(files))
+        fds = (w._conn.fileno(), w.arena.fd)
+        pid = os.fork()
+        if pid == 0:  # the worker: both numbers closed, nothing of the writer kept
+            code = 0
+            for fd in fds:
+                try:
+                    os.fstat(fd)
+                    code = 1
+                except OSError:
+                    pass
+            os._exit(code if w._conn is None and w.arena.fd is None else 2)
+        assert os.waitpid(pid, 0)[1] == 0
+        w.write(tmp_path / "b", 1, w.pack(files))
+        assert [st.step for st in run_dir.list_steps(str(tmp_path / "b"), verify_checksums=True)
+                if st.complete] == [1]
+        assert (tmp_path / "a" / "model000001.pt").read_bytes() == \
+            (tmp_path / "b" / "model000001.pt").read_bytes()
+    finally:
+        child = w.pid
+        w.close()
+    assert child is not None and not alive(child)
+
+
+def test_where_there_is_no_writer_process_the_thread_writes_the_same_bytes(tmp_path, monkeypatch):
+    """Without memfd_create (not Linux) an async save copies in process and writes from its
+    thread: the same files as with the writer process."""
+    from test_async_save import step_names, tiny_loop
+
+    from improved_diffusion import logger
+
+    logger.configure(dir=str(tmp_path), format_strs=["log"])
+    for name, has in (("process", True), ("thread", False)):
+        monkeypatch.setattr(writer_process, "available", lambda: has)
+        (tmp_path / name).mkdir()
+        loop = tiny_loop(tmp_path / name, async_save=True, max_steps=3)
+        assert loop.run_loop() == 0
+        assert isinstance(loop.checkpointer._process, writer_process.WriterProcess) == has
+        loop.close()
+    for step in (2, 3):
+        for n in step_names(tmp_path / "process", step):
+            if not n.startswith("manifest"):
+                assert (tmp_path / "process" / n).read_bytes() == \
+                    (tmp_path / "thread" / n).read_bytes(), n
+
+
+def test_a_write_that_fails_in_the_writer_is_its_one_line_error_here_and_the_writer_lives_on(
+        tmp_path):
+    from improved_diffusion.ckpt.checkpoint import CheckpointError
+
+    w = writer_process.WriterProcess()
+    try:
+        files = {"model000001.pt": {"w": torch.arange(6.0)}}
+        with pytest.raises(CheckpointError, match="no longer exists") as e:
+            w.write(tmp_path / "gone", 1, w.pack(files))
+        assert "\n" not in str(e.value) and "step 1" in str(e.value)
+        pid = w.pid
+        (tmp_path / "here").mkdir()
+        w.write(tmp_path / "here", 1, w.pack(files))  # the same writer process writes on
+        assert w.pid == pid and (tmp_path / "here" / "manifest000001.json").exists()
+    finally:
+        w.close()
