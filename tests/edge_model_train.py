@@ -58,7 +58,7 @@ def build(args):
     diffusion = create_gaussian_diffusion(steps=args.diffusion_steps,
                                           noise_schedule=args.noise_schedule)
     data = load_data(data_dir=args.data_dir, batch_size=args.batch_size,
-                     image_size=args.image_size, seed=args.seed, num_workers=0)
+                     image_size=args.image_size, seed=args.seed, num_workers=args.num_workers)
     return train_job.Parts(model, diffusion, data, flags,
                            find_unused_parameters=True if args.parts_find_unused else None)
 

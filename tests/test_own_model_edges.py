@@ -22,7 +22,8 @@ from improved_diffusion.ckpt.ckpt_tool import main as ckpt_main
 DRIVER = REPO / "tests" / "edge_model_train.py"
 FLAGS = ["--image_size", "8", "--diffusion_steps", "20", "--noise_schedule", "cosine",
          "--batch_size", "2", "--log_interval", "1", "--seed", "0", "--ema_rate", "0.9",
-         "--save_interval", "2", "--phema_stds", "0.05,0.1", "--dist_timeout", "30"]
+         "--save_interval", "2", "--phema_stds", "0.05,0.1", "--dist_timeout", "30",
+         "--num_workers", "1"]  # loader workers: the GPU default
 BUFFERS = ("norm.running_mean", "norm.running_var", "norm.num_batches_tracked")
 
 
