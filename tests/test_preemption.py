@@ -176,9 +176,11 @@ def assert_preempted_before_training(job, rc, launcher, to_launcher=False):
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("launcher,target,sig", [
     ("mpiexec", "launcher", signal.SIGTERM),
-    ("mpiexec", 1, signal.SIGUSR1),
+    # make soak: SIGUSR1 (SIGUSR1 reaches the same handler in the import and load tests below)
+    pytest.param("mpiexec", 1, signal.SIGUSR1, marks=pytest.mark.slow),
     ("torchrun", 1, signal.SIGTERM),
-    ("torchrun", "launcher", signal.SIGUSR1),  # as SLURM's --signal=USR1@180 does
+    pytest.param("torchrun", "launcher", signal.SIGUSR1,  # as SLURM's --signal=USR1@180 does
+                 marks=pytest.mark.slow),
 ], ids=["mpiexec-sigterm-to-mpiexec", "mpiexec-sigusr1-to-rank1", "torchrun-sigterm-to-rank1",
         "torchrun-sigusr1-to-torchrun"])
 def test_a_requeued_job_waiting_for_its_predecessors_lock_exits_75_when_preempted(
