@@ -26,7 +26,9 @@ state, as the trainer saves them), measured side by side in the same run, on the
   ``steps_slower_during_write`` (goal <= 0.05): the extra time beyond the pause over the
   background write's duration, i.e. how much slower the steps beside the writer ran. With
   ``--ranks 1,2`` the run figures are taken on one rank and then on two (mpiexec -n 2, gloo,
-  rank 0 writes; a run's time is its slowest rank's);
+  rank 0 writes; a run's time is its slowest rank's); with ``--writers process,thread`` each
+  run figure is taken with the writer process and then with the in-process writer thread (its
+  fallback where there is no memfd_create), side by side (``writer`` in each line);
 - ``save_async_pause_s``: how long TrainLoop.save() holds training with --async_save True (the
   weights check, the RNG gather, the host copy into reused buffers; ``save_async_first_pause_s``:
   the first save, which allocates the buffers), beside ``host_memcpy_s``: a plain copy of the
@@ -45,7 +47,7 @@ One JSON line per figure, each with the command that reproduces it. Usage:
 
     python benchmarks/checkpoint.py [--sizes 10M,60M,250M] [--dir DIR] [--repeat 2]
                                     [--figures save,run,load] [--run_steps 40]
-                                    [--ranks 1,2]
+                                    [--ranks 1,2] [--writers process,thread]
 
 250M needs ~12 GB of free memory and ~15 GB of disk (a step is 4.4 GB): leave it out with
 --sizes 10M,60M.
@@ -276,14 +278,20 @@ def timed_run(loop, steps, save_interval):
     return took, len(every) + (0 if every and every[-1] == last else 1)  # + run_loop's final save
 
 
-def bench_run(size, d, repeat, steps, cmd):
+def bench_run(size, d, repeat, steps, cmd, writer="process"):
     """What saves cost a whole run (in this process, one of the ranks under mpiexec): run_loop
     saving every 10 steps against saving once, alternating, on the compute-light model of
     ``size``; rank 0 prints the figures, with the references (a raw write, a memcpy of the
-    step's bytes) measured in the same run."""
+    step's bytes) measured in the same run. ``writer``: "process" (the writer process, where
+    the platform has one) or "thread" (the host copy and the write in this process, as where it
+    has none: the reference of issue 31)."""
     import torch as th
 
     from improved_diffusion import dist_util, logger
+    from improved_diffusion.ckpt import writer_process
+
+    if writer == "thread":
+        writer_process.available = lambda: False  # the checkpointer's fallback, in this run only
 
     th.set_num_threads(1)
     dist_util.setup_dist()
@@ -335,7 +343,7 @@ def bench_run(size, d, repeat, steps, cmd):
          step_s=round(statistics.median(step_s), 4), raw_write_fsync_s=round(raw, 4),
          pause_s=round(pause, 4), pause_over_raw_write=round(pause / raw, 4),
          extra_beyond_pause_s=round(extra - pause, 4), background_write_s=round(background, 4),
-         async_save=loop.checkpointer.config.async_save, repeats=repeat)
+         async_save=loop.checkpointer.config.async_save, writer=writer, repeats=repeat)
     emit("save_every_10_steps_extra_wall_over_host_memcpy", extra / memcpy, "ratio", cmd,
          size=size, params=params, ranks=ranks, step_bytes=sum(sizes), goal="<= 2 (issue 31)",
          model="light (8x8 images)", extra_s_per_save=round(extra, 4),
@@ -345,7 +353,7 @@ def bench_run(size, d, repeat, steps, cmd):
          # the steps beside the background write: how much slower they ran (the extra time
          # beyond the pause over the write's duration, which the steps overlap)
          steps_slower_during_write=round(max(extra - pause, 0.0) / background, 4),
-         steps_slower_goal="<= 0.05", repeats=repeat)
+         steps_slower_goal="<= 0.05", writer=writer, repeats=repeat)
 
 
 # ------------------------------------------------------------------------------------ loading
@@ -419,6 +427,10 @@ def main():
     ap.add_argument("--ranks", default="1",
                     help="run figure: on these numbers of ranks, one after the other (1,2: "
                          "also under mpiexec -n 2)")
+    ap.add_argument("--writers", default="process",
+                    help="run figure: with these background writers, one after the other "
+                         "(process,thread: the writer process beside the in-process thread)")
+    ap.add_argument("--writer", default="process", help=argparse.SUPPRESS)
     ap.add_argument("--run_steps", type=int, default=40,
                     help="steps of each run (run figure; a multiple of 10, >= 20)")
     ap.add_argument("--_save", help=argparse.SUPPRESS)
@@ -435,7 +447,7 @@ def main():
     if args._save:
         return bench_save(args._save, args.dir, args.repeat, args.cmd, args.keep)
     if args._run:
-        return bench_run(args._run, args.dir, args.repeat, args.run_steps, args.cmd)
+        return bench_run(args._run, args.dir, args.repeat, args.run_steps, args.cmd, args.writer)
     cmd = "python benchmarks/checkpoint.py " + " ".join(sys.argv[1:])
     figures = set(args.figures.split(","))
     if args.dir:
@@ -463,10 +475,11 @@ def main():
                 os.unlink(keep)
             if "run" in figures:
                 for ranks in map(int, args.ranks.split(",")):
-                    os.makedirs(d)
-                    child("--_run", size, "--dir", d, "--run_steps", str(args.run_steps),
-                          ranks=ranks)
-                    shutil.rmtree(d)
+                    for writer in args.writers.split(","):
+                        os.makedirs(d)
+                        child("--_run", size, "--dir", d, "--run_steps", str(args.run_steps),
+                              "--writer", writer, ranks=ranks)
+                        shutil.rmtree(d)
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
