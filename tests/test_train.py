@@ -170,6 +170,9 @@ def test_ranks_asked_to_load_different_files_fail_with_a_clear_error_on_every_ra
     assert "Traceback" not in proc.stdout
 
 
+# make soak: torchrun's resume on two processes is in make test through test_restarts.py (torchrun
+# restarts that resume bitwise) and test_preemption.py's torchrun cases
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_torchrun_resumes_and_trains_on_two_processes_like_mpiexec(tmp_path):
     data = random_images(tmp_path / "data", 8, 8)
@@ -297,6 +300,9 @@ def _tree_digest(folder):
             if p.is_file() and p.name not in ("log.txt", "progress.csv")}
 
 
+# make soak: the corpus's one-line errors are in make test through load_file (test_checkpoint.py)
+# and the doctor (test_ckpt_tool.py); through train.py by the damaged-step resume (test_resume.py)
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_the_bad_file_corpus_as_resume_checkpoint_is_one_line_and_only_the_opt_slot_falls_back(
         tmp_path, capsys):
@@ -360,6 +366,9 @@ def _rewrite_in_step(run, name, obj):
     manifest.write_text(json.dumps(doc, indent=1) + "\n")
 
 
+# make soak: test_opt_file_holding_model_weights_warns_once... keeps the fallback through train.py,
+# test_optim_state.py the malformed payloads' validation
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_a_malformed_optimizer_payload_warns_once_and_training_finishes_with_a_fresh_optimizer(
         tmp_path, capsys):
