@@ -327,6 +327,26 @@ def train_cmd(images, log_dir, *extra, ranks=1):
             "--max_steps", 100000, "--save_interval", 5, *extra]
 
 
+def stop_group(pgid, timeout=30):
+    """SIGSTOP every process of the group ``pgid`` (a job started in its own session: the trainer
+    and its checkpoint writer process), and wait until each is stopped."""
+    os.killpg(pgid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        states = []
+        for d in Path("/proc").iterdir():
+            try:
+                fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            if int(fields[2]) == pgid:
+                states.append(fields[0])
+        if states and all(st in "Tt" for st in states):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"the processes of group {pgid} did not all stop")
+
+
 def saved(log_dir, step):
     return (Path(log_dir) / f"manifest{step:06d}.json").exists()
 
@@ -337,7 +357,7 @@ def test_a_second_train_job_on_a_held_log_dir_exits_1_naming_the_holder_and_touc
     log_dir = tmp_path / "run"
     first = procs.start(train_cmd(images, log_dir), "first")
     wait_for(lambda: saved(log_dir, 5), first, 120, "the first job's step 5")
-    os.kill(first.pid, signal.SIGSTOP)  # it writes nothing while the second job runs
+    stop_group(first.pid)  # it writes nothing while the second job runs (nor its writer process)
     try:
         before = snapshot(log_dir)
         holder = f"is in use by pid {first.pid} on host {socket.gethostname()}"
@@ -353,7 +373,7 @@ def test_a_second_train_job_on_a_held_log_dir_exits_1_naming_the_holder_and_touc
             assert "Traceback" not in out, out
             assert snapshot(log_dir) == before, f"the second job ({ranks} rank(s)) touched the dir"
     finally:
-        os.kill(first.pid, signal.SIGCONT)
+        os.killpg(first.pid, signal.SIGCONT)
     wait_for(lambda: saved(log_dir, 15), first, 120, "the first job's step 15")
     os.kill(first.pid, signal.SIGTERM)
     assert first.wait(timeout=60) == 75, output(first)
