@@ -107,6 +107,14 @@ def ddim_diffusion(diffusion, steps, flag):
     return respaced(diffusion, str(steps))
 
 
+def check_image_channels(shape, flag, what_to_do):
+    """UsageError unless samples of shape [C, H, W] ``shape`` are images (1 or 3 channels, not
+    latents): the one line names ``flag`` and ends with ``what_to_do``."""
+    if int(shape[0]) not in (1, 3):
+        raise UsageError(f"{flag}: the samples have {int(shape[0])} channels (latents?), not an "
+                         f"image's 1 or 3, so {what_to_do}")
+
+
 def grid_path(log_dir, step):
     """LOG_DIR/samples/grid_{step:06d}.png."""
     return bf.join(log_dir, "samples", f"grid_{step:06d}.png")
@@ -167,11 +175,10 @@ class SampleGrids:
         state it resumed: only when the file is missing). Not collective. Samples that are no
         image (latents: not 1 or 3 channels) are a UsageError, raised on every rank at the first
         step."""
-        if self.shape is None and int(shape[0]) not in (1, 3):
-            raise UsageError(
-                f"--sample_interval {self.interval}: the samples have {int(shape[0])} channels "
-                f"(latents?), not an image's 1 or 3, so no grid can show them; pass "
-                f"--sample_interval 0 and decode sample.py's latents (datasets/vae_latents.py)")
+        if self.shape is None:
+            check_image_channels(shape, f"--sample_interval {self.interval}",
+                                 "no grid can show them; pass --sample_interval 0 and decode "
+                                 "sample.py's latents (datasets/vae_latents.py)")
         self.shape = tuple(int(s) for s in shape)
         if not self.rank0 or step == 0 or step % self.interval:
             return None

@@ -54,7 +54,7 @@ import torch as th
 from . import dist_util, evaluation, logger, sampling
 from .ckpt.rng import get_rng_state, set_rng_state
 from .errors import UsageError
-from .sample_grids import copy_with_params, ddim_diffusion, label_count
+from .sample_grids import check_image_channels, copy_with_params, ddim_diffusion, label_count
 
 
 # Images per forward pass of the feature network over the reference batch.
@@ -252,11 +252,9 @@ class TrainEval:
         a preemption signal on some rank (``signal``: Checkpointer.watch_signals' flag)
         abandoned it, else True. Samples that are no image (not 1 or 3 channels) are a
         UsageError, raised on every rank at the first step. Collective."""
-        if self.shape is None and int(shape[0]) not in (1, 3):
-            raise UsageError(
-                f"--eval_interval {self.interval}: the samples have {int(shape[0])} channels "
-                f"(latents?), not an image's 1 or 3, so no feature network can score them; pass "
-                f"--eval_interval 0")
+        if self.shape is None:
+            check_image_channels(shape, f"--eval_interval {self.interval}",
+                                 "no feature network can score them; pass --eval_interval 0")
         self.shape = tuple(int(s) for s in shape)
         if not self.due(step) or (check_logged and self.logged(step)):
             return True
