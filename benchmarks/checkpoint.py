@@ -29,6 +29,12 @@ state, as the trainer saves them), measured side by side in the same run, on the
   rank 0 writes; a run's time is its slowest rank's); with ``--writers process,thread`` each
   run figure is taken with the writer process and then with the in-process writer thread (its
   fallback where there is no memfd_create), side by side (``writer`` in each line);
+- ``writer_process_start_s`` (figure ``start``, no size): what a job pays once for the writer
+  process (--save_writer process): the wall time of its first write of a tiny step (one 4 KiB
+  tensor) less that of a later one, and ``child_cpu_s``, the CPU the writer process used in all
+  (a fresh interpreter importing torch), beside ``thread_write_s``, the same tiny step written
+  by run_dir.write_step in this process (what --save_writer thread pays per save);
+  writer_process.PROCESS_MIN_BYTES weighs the two;
 - ``save_async_pause_s``: how long TrainLoop.save() holds training with --async_save True (the
   weights check, the RNG gather, the host copy into reused buffers; ``save_async_first_pause_s``:
   the first save, which allocates the buffers), beside ``host_memcpy_s``: a plain copy of the
@@ -47,7 +53,7 @@ One JSON line per figure, each with the command that reproduces it. Usage:
 
     python benchmarks/checkpoint.py [--sizes 10M,60M,250M] [--dir DIR] [--repeat 2]
                                     [--figures save,run,load] [--run_steps 40]
-                                    [--ranks 1,2] [--writers process,thread]
+                                    [--ranks 1,2] [--writers process,thread,auto]
 
 250M needs ~12 GB of free memory and ~15 GB of disk (a step is 4.4 GB): leave it out with
 --sizes 10M,60M.
@@ -227,7 +233,11 @@ def bench_save(size, d, repeat, cmd, keep_path):
     drop_step(d, step)
     nbytes = sum(sizes)
     med = {k: statistics.median(v) for k, v in rows.items()}
-    common = dict(size=size, params=params, step_bytes=nbytes, repeats=repeat)
+    from improved_diffusion.ckpt import writer_process
+
+    # --save_writer auto's choice for this size (the async figures are that writer's)
+    writer = "process" if writer_process.use_process("auto", nbytes) else "thread"
+    common = dict(size=size, params=params, step_bytes=nbytes, repeats=repeat, writer=writer)
     raw = med["raw"]
     memcpy = memcpy_s(nbytes)
     emit("save_async_pause_s", med["pause"], "s", cmd, **common,
@@ -282,23 +292,20 @@ def bench_run(size, d, repeat, steps, cmd, writer="process"):
     """What saves cost a whole run (in this process, one of the ranks under mpiexec): run_loop
     saving every 10 steps against saving once, alternating, on the compute-light model of
     ``size``; rank 0 prints the figures, with the references (a raw write, a memcpy of the
-    step's bytes) measured in the same run. ``writer``: "process" (the writer process, where
-    the platform has one) or "thread" (the host copy and the write in this process, as where it
-    has none: the reference of issue 31)."""
+    step's bytes) measured in the same run. ``writer``: --save_writer, "process" (the writer
+    process), "thread" (the host copy and the write in this process: the reference of issue 31)
+    or "auto" (the rule train.py uses by default)."""
     import torch as th
 
     from improved_diffusion import dist_util, logger
-    from improved_diffusion.ckpt import writer_process
-
-    if writer == "thread":
-        writer_process.available = lambda: False  # the checkpointer's fallback, in this run only
 
     th.set_num_threads(1)
     dist_util.setup_dist()
     rank, ranks = dist_util.get_rank(), dist_util.get_world_size()
     logger.configure(dir=d if rank == 0 else os.path.join(d, f"rank{rank}"),
                      format_strs=["log"] if rank == 0 else [])
-    loop, batch = build_loop(size, d, light=True, keep_checkpoints=2)  # prunes as runs do
+    loop, batch = build_loop(size, d, light=True, keep_checkpoints=2,  # prunes as runs do
+                             save_writer=writer)
     params = sum(p.numel() for p in loop.model.parameters())
     timed_run(loop, 1, 0)  # warm: Adam moments, the writer's host buffers
     buf = random_bytes() if rank == 0 else None
@@ -354,6 +361,44 @@ def bench_run(size, d, repeat, steps, cmd, writer="process"):
          # beyond the pause over the write's duration, which the steps overlap)
          steps_slower_during_write=round(max(extra - pause, 0.0) / background, 4),
          steps_slower_goal="<= 0.05", writer=writer, repeats=repeat)
+
+
+def bench_start(d, repeat, cmd):
+    """The writer process's cost per job (see the module docstring), in this process."""
+    import resource
+
+    import torch as th
+
+    from improved_diffusion.ckpt import run_dir, writer_process
+
+    files = {"model000001.pt": {"w": th.arange(1024.0)}}
+    firsts, laters, cpus, threads = [], [], [], []
+    for r in range(repeat):
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        w = writer_process.WriterProcess()
+        times = []
+        for step in (1, 2, 3):
+            sub = os.path.join(d, f"p{r}_{step}")
+            os.makedirs(sub)
+            t0 = time.perf_counter()
+            w.write(sub, 1, w.pack(files))
+            times.append(time.perf_counter() - t0)
+        w.close()  # waits for the child: its CPU is in RUSAGE_CHILDREN
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpus.append(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime)
+        firsts.append(times[0])
+        laters.append(statistics.median(times[1:]))
+        sub = os.path.join(d, f"t{r}")
+        os.makedirs(sub)
+        t0 = time.perf_counter()
+        run_dir.write_step(sub, 1, files)
+        threads.append(time.perf_counter() - t0)
+    later = statistics.median(laters)
+    emit("writer_process_start_s", statistics.median(firsts) - later, "s", cmd,
+         first_write_s=round(statistics.median(firsts), 4), later_write_s=round(later, 4),
+         child_cpu_s=round(statistics.median(cpus), 4),
+         thread_write_s=round(statistics.median(threads), 4), step_bytes=4096,
+         process_min_bytes=writer_process.PROCESS_MIN_BYTES, repeats=repeat)
 
 
 # ------------------------------------------------------------------------------------ loading
@@ -423,7 +468,8 @@ def main():
     ap.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--figures", default="save,run,load",
-                    help="which: save (pause, sync save), run (saving every 10 steps), load")
+                    help="which: save (pause, sync save), run (saving every 10 steps), load, start "
+                         "(the writer process's cost per job)")
     ap.add_argument("--ranks", default="1",
                     help="run figure: on these numbers of ranks, one after the other (1,2: "
                          "also under mpiexec -n 2)")
@@ -463,6 +509,9 @@ def main():
         subprocess.run(py, check=True, timeout=3600)
 
     try:
+        if "start" in figures:
+            os.makedirs(os.path.join(root, "start"))
+            bench_start(os.path.join(root, "start"), max(args.repeat, 3), cmd)
         for size in args.sizes.split(","):
             d = os.path.join(root, size)
             keep = os.path.join(root, f"opt_{size}.pt") if "load" in figures else ""

@@ -1,4 +1,5 @@
-"""The model sizes the benchmarks share: UNets of about 10M, 60M and 250M parameters.
+"""The model sizes the benchmarks share: UNets of about 10M, 60M and 250M parameters (and 30M:
+between the first two, where the checkpoint's writer changes, writer_process.PROCESS_MIN_BYTES).
 
 ``SIZES``: the models as trained (learn_sigma, the CIFAR-10 / ImageNet-64 recipes' shapes).
 ``LIGHT``: the same widths, levels and attention blocks (so the same parameters and the same
@@ -8,6 +9,7 @@ figures about what saves cost a run rather than about the step itself.
 
 SIZES = {
     "10M": dict(image_size=32, num_channels=64, num_res_blocks=2, attention_resolutions="16,8"),
+    "30M": dict(image_size=64, num_channels=64, num_res_blocks=3, attention_resolutions="16,8"),
     "60M": dict(image_size=64, num_channels=96, num_res_blocks=3, attention_resolutions="16,8"),
     "250M": dict(image_size=64, num_channels=192, num_res_blocks=3,
                  attention_resolutions="32,16,8"),
@@ -16,6 +18,7 @@ SIZES = {
 # attention at the same downsampling levels (image_size / resolution) as in SIZES
 LIGHT = {
     "10M": dict(SIZES["10M"], image_size=8, channel_mult="1,2,2,2", attention_resolutions="4,2"),
+    "30M": dict(SIZES["30M"], image_size=8, channel_mult="1,2,3,4", attention_resolutions="2,1"),
     "60M": dict(SIZES["60M"], image_size=8, channel_mult="1,2,3,4", attention_resolutions="2,1"),
     "250M": dict(SIZES["250M"], image_size=8, channel_mult="1,2,3,4",
                  attention_resolutions="4,2,1"),

@@ -30,7 +30,7 @@ from improved_diffusion.script_util import train_defaults  # noqa: E402
 from improved_diffusion.flags import create_parser  # noqa: E402
 
 FLAGS = ("data_dir", "log_dir", "batch_size", "lr", "max_steps", "save_interval", "log_interval",
-         "keep_checkpoints", "async_save", "resume_checkpoint", "seed", "lock_wait",
+         "keep_checkpoints", "async_save", "save_writer", "resume_checkpoint", "seed", "lock_wait",
          "dist_timeout")
 
 

@@ -21,6 +21,7 @@ Example::
 import argparse
 
 from .errors import UsageError
+from .ckpt import writer_process
 
 
 def add_dict_to_argparser(parser, default_dict):
@@ -198,6 +199,10 @@ FLAG_HELP = {
     "keep_checkpoints": ("checkpointing", "keep the newest K complete steps; 0 = keep all"),
     "async_save": ("checkpointing", "write checkpoints in a background thread; a save pauses "
                    "training only to copy the state to host memory"),
+    "save_writer": ("checkpointing", "where async saves are written: process (a writer "
+                    "process fed through shared memory, off the trainer's core), thread (a "
+                    "thread of the trainer), auto (the process for steps of "
+                    f"{writer_process.PROCESS_MIN_BYTES >> 20} MiB or more)"),
     "allow_model_change": ("checkpointing", "on resume, keep the tensors whose name and shape "
                            "fit the model of the flags and start the others fresh (off: a "
                            "one-line error)"),

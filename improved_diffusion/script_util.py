@@ -121,6 +121,9 @@ def train_defaults():
         # Write checkpoints in a background thread: a save pauses training only to copy the state
         # to host memory (False: write them before training goes on).
         async_save=True,
+        # Where async saves are written (writer_process.use_process): "process", "thread", or
+        # "auto" (the process for steps of writer_process.PROCESS_MIN_BYTES or more).
+        save_writer="auto",
         num_workers=-1,  # data-loading worker processes; -1: image_datasets.auto_num_workers()
         # torch.compile the model's forward/backward (off by default; see benchmarks/train.py).
         compile=False,
@@ -246,8 +249,9 @@ def classifier_sample_defaults():
 # The flags classifier_train.py shares with train.py (train_defaults()'s values): where to write,
 # how to save and resume, and how the job runs.
 CLASSIFIER_TRAIN_SHARED_FLAGS = (
-    "log_dir", "max_steps", "seed", "keep_checkpoints", "async_save", "allow_model_change",
-    "nan_policy", "lock_wait", "dist_timeout", "num_workers", "log_format", "fp16_scale_growth")
+    "log_dir", "max_steps", "seed", "keep_checkpoints", "async_save", "save_writer",
+    "allow_model_change", "nan_policy", "lock_wait", "dist_timeout", "num_workers", "log_format",
+    "fp16_scale_growth")
 
 
 def classifier_train_defaults():

@@ -24,7 +24,7 @@ SLOW_SAVE_TRAIN = REPO / "tests" / "slow_save_train.py"
 TINY = ["--image_size", "8", "--num_channels", "32", "--num_res_blocks", "1",
         "--attention_resolutions", "", "--diffusion_steps", "20", "--noise_schedule", "cosine",
         "--batch_size", "2", "--seed", "0", "--log_interval", "100", "--ema_rate", "0.9999",
-        "--save_interval", "2"]
+        "--save_interval", "2", "--save_writer", "process"]  # the process, whatever the size
 BOUND_S = 120  # how long a test waits for something that should happen (a hang fails)
 
 
@@ -204,26 +204,63 @@ def test_a_forked_process_closes_its_copies_of_the_writers_connection_and_arena(
     assert child is not None and not alive(child)
 
 
-def test_where_there_is_no_writer_process_the_thread_writes_the_same_bytes(tmp_path, monkeypatch):
-    """Without memfd_create (not Linux) an async save copies in process and writes from its
-    thread: the same files as with the writer process."""
+def test_the_thread_writes_the_bytes_the_writer_process_writes(tmp_path):
+    """--save_writer thread (the host copy in process, written from its thread) writes the same
+    files as --save_writer process."""
     from test_async_save import step_names, tiny_loop
 
     from improved_diffusion import logger
 
     logger.configure(dir=str(tmp_path), format_strs=["log"])
-    for name, has in (("process", True), ("thread", False)):
-        monkeypatch.setattr(writer_process, "available", lambda: has)
+    for name in ("process", "thread"):
         (tmp_path / name).mkdir()
-        loop = tiny_loop(tmp_path / name, async_save=True, max_steps=3)
+        loop = tiny_loop(tmp_path / name, async_save=True, max_steps=3, save_writer=name)
         assert loop.run_loop() == 0
-        assert isinstance(loop.checkpointer._process, writer_process.WriterProcess) == has
+        assert isinstance(loop.checkpointer._process, writer_process.WriterProcess) == \
+            (name == "process")
         loop.close()
     for step in (2, 3):
         for n in step_names(tmp_path / "process", step):
             if not n.startswith("manifest"):
                 assert (tmp_path / "process" / n).read_bytes() == \
                     (tmp_path / "thread" / n).read_bytes(), n
+
+
+@pytest.mark.parametrize("writer,platform_has,min_bytes,process", [
+    ("auto", True, writer_process.PROCESS_MIN_BYTES, False),  # a tiny step: the thread
+    ("auto", True, 1, True),  # a step of at least PROCESS_MIN_BYTES: the process
+    ("process", True, writer_process.PROCESS_MIN_BYTES, True),
+    ("process", False, 1, False),  # no memfd_create (not Linux): the thread, whatever is asked
+    ("auto", False, 1, False),
+])
+def test_save_writer_chooses_the_writer_at_the_first_async_save(
+        tmp_path, monkeypatch, writer, platform_has, min_bytes, process):
+    from test_async_save import tiny_loop
+
+    from improved_diffusion import logger
+
+    logger.configure(dir=str(tmp_path), format_strs=["log"])
+    monkeypatch.setattr(writer_process, "available", lambda: platform_has)
+    monkeypatch.setattr(writer_process, "PROCESS_MIN_BYTES", min_bytes)
+    loop = tiny_loop(tmp_path, async_save=True, max_steps=2, ema_rate="0.9999",
+                     save_writer=writer)
+    try:
+        assert loop.run_loop() == 0
+        assert isinstance(loop.checkpointer._process, writer_process.WriterProcess) == process
+    finally:
+        loop.close()
+    assert (tmp_path / "manifest000002.json").exists()
+
+
+def test_a_bad_save_writer_is_a_one_line_usage_error_before_anything_is_written(tmp_path):
+    res = subprocess.run([str(PY), "scripts/train.py", *TINY, "--data_dir", str(tmp_path),
+                          "--log_dir", str(tmp_path / "run"), "--save_writer", "disk"],
+                         cwd=REPO, env=child_env(), stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, timeout=BOUND_S)
+    assert res.returncode == 2, res.stdout[-3000:]
+    assert res.stdout.strip().splitlines()[-1] == \
+        "error: --save_writer must be one of auto, process, thread (got 'disk')", res.stdout
+    assert not (tmp_path / "run").exists()
 
 
 def test_a_write_that_fails_in_the_writer_is_its_one_line_error_here_and_the_writer_lives_on(

@@ -137,6 +137,26 @@ class _HostCopier:
         return buf
 
 
+def tensor_bytes(obj):
+    """Bytes of the tensor storages in ``obj`` (dicts, lists and tuples walked; a storage that
+    several tensors share counted once): what a host copy of ``obj`` copies.
+
+    >>> w = th.zeros(4, 4); tensor_bytes({"a": w, "b": [w.T, th.zeros(2, dtype=th.float64)]})
+    80
+    """
+    seen, stack = {}, [obj]
+    while stack:
+        o = stack.pop()
+        if isinstance(o, th.Tensor):
+            s = o.untyped_storage()
+            seen[(s.device.type, s.device.index, s._cdata)] = s.nbytes()
+        elif isinstance(o, dict):
+            stack.extend(o.values())
+        elif isinstance(o, (list, tuple)):
+            stack.extend(o)
+    return sum(seen.values())
+
+
 def wait_for_copies(devices):
     """Wait until the non-blocking copies from each CUDA device in ``devices`` are done: each is
     synchronised itself (th.cuda.synchronize() alone waits on the current device only, and a

@@ -59,7 +59,8 @@ seed, the data position, every rank's RNG, each state, the run's training flags,
 changes so far), the files the states add (save_files: train.py's post-hoc EMA snapshots),
 then ``manifest{S}.json`` last; a step counts only with its manifest. Rank 0
 alone writes. With ``async_save`` rank 0 copies everything to host memory and a background thread
-writes while training goes on; the files are byte for byte those of a synchronous save.
+writes while training goes on (through the writer process for large steps: ``save_writer``); the
+files are byte for byte those of a synchronous save.
 
 The resume, in order (``resume()``, or the same in steps through ``begin_resume()`` for a loop
 with upstream's hook names, train_util.TrainLoop):
@@ -90,9 +91,9 @@ from typing import Any, Dict, List, Optional
 
 import torch as th
 
-from . import checkpoint, model_change, optim_state, preemption, rng, run_dir, state_fit
+from . import (async_save, checkpoint, model_change, optim_state, preemption, rng, run_dir,
+               state_fit, writer_process)
 from .. import dist_util, logger
-from . import writer_process
 from .async_save import BackgroundWriter, HostSnapshot, to_host
 from .writer_process import WriterProcess
 from ..config_check import by_rank
@@ -133,6 +134,10 @@ class CheckpointConfig:
     async_save: write in a background thread; training pauses only for the host copy.
     allow_model_change: a checkpoint that does not fit the model keeps the tensors whose name
         and shape match and starts the others fresh (else a one-line error).
+    save_writer: where an async save's files are written, chosen at the run's first async save:
+        "process" (the writer process, off the trainer's GIL: writer_process), "thread" (a
+        thread of the trainer), "auto" (the process for a step of at least
+        writer_process.PROCESS_MIN_BYTES tensor bytes, else the thread).
     """
 
     log_dir: str
@@ -141,6 +146,7 @@ class CheckpointConfig:
     keep_checkpoints: int
     async_save: bool
     allow_model_change: bool
+    save_writer: str = "auto"
 
     def __post_init__(self):
         if not str(self.log_dir or ""):
@@ -148,6 +154,9 @@ class CheckpointConfig:
         for name in ("save_interval", "keep_checkpoints"):
             if getattr(self, name) < 0:
                 raise UsageError(f"--{name} must be >= 0 (got {getattr(self, name)})")
+        if self.save_writer not in writer_process.WRITERS:
+            raise UsageError(f"--save_writer must be one of {', '.join(writer_process.WRITERS)} "
+                             f"(got {self.save_writer!r})")
 
     @classmethod
     def from_flags(cls, flags, **overrides):
@@ -210,7 +219,7 @@ class Checkpointer:
         self.last_saved_step = None
         self.model_changes = []  # trainer["model_changes"]: the run's model changes so far
         self._process = None  # rank 0's WriterProcess (async saves), made at the first save
-        # (a HostSnapshot where there is no writer process: writer_process.available())
+        # (a HostSnapshot, written by the thread, where writer_process.use_process says so)
         self._writer = BackgroundWriter()  # the thread that waits for the writer process
         self._save_failure = None  # rank 0: a background save's exception, until raised
         self._signal = {"set": False, "signal": None}
@@ -363,9 +372,10 @@ class Checkpointer:
             run_dir.write_step(self.config.log_dir, step, to_host(files))
             self._log_saved(step, time.perf_counter() - began, None, self._prune())
             return
-        if self._process is None:
-            # no memfd (not Linux): the same host copy in this process, written by the thread
-            self._process = WriterProcess() if writer_process.available() else HostSnapshot()
+        if self._process is None:  # the thread: the same host copy, in this process
+            use = writer_process.use_process(self.config.save_writer,
+                                             async_save.tensor_bytes(files))
+            self._process = WriterProcess() if use else HostSnapshot()
         files = (self._process.pack(files) if isinstance(self._process, WriterProcess)
                  else self._process.copy(files))  # the host copy (shared memory: the writer's)
         paused = time.perf_counter() - began

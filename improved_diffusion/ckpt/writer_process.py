@@ -64,9 +64,36 @@ WATCH_S = 0.2
 ALIGN = 64
 
 
+# --save_writer's choices: where an async save's write runs.
+WRITERS = ("auto", "process", "thread")
+# "auto" writes a step of at least this many tensor bytes from the writer process, a smaller
+# one from the trainer's thread. Measured (docs/performance.md, benchmarks/checkpoint.py
+# --figures start,run --writers process,thread): the process costs a job ~2 s of wall and
+# ~2.5 s of CPU once (a fresh interpreter importing torch), the thread ~0.1 s more than the
+# process per save at 152 MiB (the GIL beside the step, roughly in proportion to the bytes) and
+# nothing at a few KiB (both write a tiny step in ~3 ms). At 64 MiB the thread's cost is
+# ~0.05 s a save: the process pays for itself only over tens of saves, below it hardly ever.
+PROCESS_MIN_BYTES = 64 << 20
+
+
 def available():
     """Whether this platform has what the writer process needs (memfd_create: Linux)."""
     return hasattr(os, "memfd_create") and hasattr(os, "register_at_fork")
+
+
+def use_process(writer, nbytes):
+    """Whether an async save of ``nbytes`` tensor bytes per step is written by the writer
+    process (else by the trainer's thread): ``writer`` is --save_writer ("process": where
+    available(); "thread": never; "auto": where available() and nbytes >= PROCESS_MIN_BYTES).
+
+    >>> use_process("auto", 4 << 20), use_process("thread", 1 << 40)
+    (False, False)
+    """
+    if writer not in WRITERS:
+        raise ValueError(f"save_writer must be one of {', '.join(WRITERS)} (got {writer!r})")
+    if writer == "thread" or not available():
+        return False
+    return writer == "process" or nbytes >= PROCESS_MIN_BYTES
 
 
 class Arena:
