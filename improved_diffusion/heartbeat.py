@@ -230,10 +230,11 @@ def set_error_line_hook(hook):
 
 
 def start(timeout, prefix):
-    """Start this rank's heartbeat when the process group's store is a TCPStore (best effort);
-    on NCCL it also watches for lost ranks (see _Heartbeat). ``prefix``: this launch's keys in
-    the store (a torchrun restart does not read the last attempt's beats). Called by
-    dist_util.setup_dist once the process group exists."""
+    """Start this rank's heartbeat when the process group's store is a TCPStore; on NCCL it also
+    watches for lost ranks (see _Heartbeat). Best effort: a store it cannot reach is one warning
+    line (lost ranks are then found by the timeout alone); any other exception is a bug, raised.
+    ``prefix``: this launch's keys in the store (a torchrun restart does not read the last
+    attempt's beats). Called by dist_util.setup_dist once the process group exists."""
     global _heartbeat
     stop("restarted")
     store = dist.distributed_c10d._get_default_store()
@@ -247,8 +248,11 @@ def start(timeout, prefix):
         _heartbeat = _Heartbeat(host, store.port, dist.get_rank(), dist.get_world_size(),
                                 timeout.total_seconds(),
                                 on_lost=_end_job_for_lost_ranks if watch else None, prefix=prefix)
-    except Exception:
+    except (RuntimeError, OSError) as e:  # the store unreachable (a bug in this module raises)
         _heartbeat = None  # no heartbeat: failures are still bounded by the timeout
+        why = str(e).splitlines()[0] if str(e) else type(e).__name__
+        print(f"warning: rank {dist.get_rank()}: no heartbeat ({why}); a lost rank is noticed "
+              f"only after --dist_timeout", file=sys.stderr, flush=True)
 
 
 def stop(state):

@@ -213,6 +213,34 @@ def test_the_heartbeat_watches_for_lost_ranks_on_nccl_only(store_server, monkeyp
     assert watching == {"nccl": heartbeat._end_job_for_lost_ranks, "gloo": None}
 
 
+def test_a_heartbeat_that_cannot_start_is_one_warning_and_a_bug_in_it_is_raised(
+        store_server, monkeypatch, capsys):
+    """A store the heartbeat cannot reach leaves the run to the timeout, with one warning line;
+    an exception of another kind (a typo in heartbeat.py once disabled it without a word) is
+    raised."""
+    monkeypatch.setattr(dist.distributed_c10d, "_get_default_store", lambda: store_server)
+    monkeypatch.setattr(dist, "get_rank", lambda: 1)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(dist, "get_backend", lambda: "gloo")
+
+    def unreachable(*a, **k):
+        raise RuntimeError("connect() timed out. Original timeout was 30000 ms.\nmore")
+
+    monkeypatch.setattr(heartbeat, "_Heartbeat", unreachable)
+    heartbeat.start(TIMEOUT, "test/")
+    assert heartbeat._heartbeat is None
+    assert capsys.readouterr().err.splitlines() == [
+        "warning: rank 1: no heartbeat (connect() timed out. Original timeout was 30000 ms.); a "
+        "lost rank is noticed only after --dist_timeout"]
+
+    def typo(*a, **k):
+        raise NameError("name 'watcH' is not defined")
+
+    monkeypatch.setattr(heartbeat, "_Heartbeat", typo)
+    with pytest.raises(NameError):
+        heartbeat.start(TIMEOUT, "test/")
+
+
 # ------------------------------------------------------------------------------ broadcasts
 
 
