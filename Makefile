@@ -17,8 +17,14 @@ $(STAMP): setup.py
 
 install: $(STAMP)
 
+# Two test files at a time (pytest-xdist): the suite's jobs wait on each other's ranks and on
+# the disk for about half of their time. Whole files (--dist loadfile): a module's fixtures
+# (the tiny demo's run, ...) are made once, and test_multihost's fixed host names are one
+# test's at a time. TEST_WORKERS=0 runs everything in this process, one test after another.
+TEST_WORKERS ?= 2
+
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 
 # The slow tests the default suite skips: 200 save/resume cycles with random kills
 # (SOAK_CYCLES=N to change the count).

@@ -10,7 +10,7 @@ setup(
     install_requires=["torch>=2.1", "numpy", "blobfile", "mpi4py", "pillow", "tqdm"],
     extras_require={
         "mpi": ["mpich"],
-        "test": ["pytest", "pytest-timeout"],
+        "test": ["pytest", "pytest-timeout", "pytest-xdist"],
         "demo": ["scikit-learn", "matplotlib"],  # the loss curve (progress_plot)
         "safetensors": ["safetensors"],
         "tensorboard": ["tensorboard"],  # --tensorboard True

@@ -27,6 +27,8 @@ from conftest import deep_diff, resumed_step, run_script, write_images
 from improved_diffusion import dist_util, heartbeat, rendezvous
 from test_train import error_lines
 
+# The simulated hosts have fixed names, addresses and disk paths: one test at a time (make
+# test's workers take whole files: --dist loadfile).
 PORT = 29400  # the rendezvous port on host 0 (the namespaces are fresh: always free)
 TINY = [*cs.TINY, "--seed", "0"]
 
