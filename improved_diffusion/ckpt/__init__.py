@@ -73,8 +73,10 @@ What calls what on a save:
       -> dist_util.run_on_rank0: wait for the previous background save; step_files (the payloads
            of checkpoint and optim_state.named_optimizer_state)
            -> writer_process.WriterProcess.pack (the host copy, into shared memory) +
-              async_save.BackgroundWriter, whose thread waits for the writer process (async),
-              or now, in this process:
+              async_save.BackgroundWriter, whose thread waits for the writer process (async,
+              --save_writer process or a large step), or async_save.HostSnapshot.copy + the
+              same thread writing (async, a small step: writer_process.use_process), or now,
+              in this process:
               run_dir.write_step -> file_writer.write_file per file, then the manifest
               -> run_dir.prune_lines (--keep_checkpoints)
       -> step_begins / stop_requested: one all-reduce of [preempted, save failed]; the flags

@@ -7,7 +7,9 @@ into the writer process's shared memory (writer_process.WriterProcess.pack) and 
 ``BackgroundWriter``, whose thread passes them to the writer process and waits for it: the
 serialising and writing run in that process (run_dir.write_step, manifest last) while training
 goes on. ``HostSnapshot.copy`` is the same host copy in this process (buffers kept from the
-previous copy, pinned when the tensors live on CUDA), for a caller without a writer process. A
+previous copy, pinned when the tensors live on CUDA), which the thread then writes itself:
+for steps below writer_process.PROCESS_MIN_BYTES (``tensor_bytes``), ``--save_writer thread``,
+or a platform without a writer process (writer_process.use_process). A
 synchronous save writes the same payloads through ``to_host`` (no copy at all for CPU tensors)
 in the calling thread. All write the same bytes: a copy keeps each tensor's storage, offset,
 shape and strides, and the sharing between tensors and containers, that torch.save records.
@@ -172,7 +174,7 @@ def _bytes(storage):
 
 class BackgroundWriter:
     """
-    One background job at a time (waiting for the writer process's write of a save), in a
+    One background job at a time (a save: waiting for the writer process, or writing itself), in a
     non-daemon thread: a process that ends for another reason still waits for the files it
     began (the write is never cut half-way by the interpreter's exit).
 

@@ -220,7 +220,7 @@ class Checkpointer:
         self.model_changes = []  # trainer["model_changes"]: the run's model changes so far
         self._process = None  # rank 0's WriterProcess (async saves), made at the first save
         # (a HostSnapshot, written by the thread, where writer_process.use_process says so)
-        self._writer = BackgroundWriter()  # the thread that waits for the writer process
+        self._writer = BackgroundWriter()  # the thread that waits for the writer (or writes)
         self._save_failure = None  # rank 0: a background save's exception, until raised
         self._signal = {"set": False, "signal": None}
         self._flags_pending = None
@@ -372,7 +372,7 @@ class Checkpointer:
             run_dir.write_step(self.config.log_dir, step, to_host(files))
             self._log_saved(step, time.perf_counter() - began, None, self._prune())
             return
-        if self._process is None:  # the thread: the same host copy, in this process
+        if self._process is None:  # once a job: the writer process, or the thread itself
             use = writer_process.use_process(self.config.save_writer,
                                              async_save.tensor_bytes(files))
             self._process = WriterProcess() if use else HostSnapshot()
