@@ -115,7 +115,7 @@ class _HostCopier:
         if self._buffers is None and t.device.type == "cpu":
             return t  # a synchronous save writes CPU tensors as they are
         src = t.untyped_storage()
-        skey = (src.device.type, src.device.index, src._cdata, src.nbytes())
+        skey = storage_key(src)
         host = self._storages.get(skey)
         if host is None:
             host = self._host_storage(skey, src)
@@ -139,6 +139,12 @@ class _HostCopier:
         return buf
 
 
+def storage_key(storage):
+    """What names ``storage`` among a payload's (its device, its address, its size): the key
+    under which host copies reuse a buffer from one save to the next."""
+    return (storage.device.type, storage.device.index, storage._cdata, storage.nbytes())
+
+
 def tensor_bytes(obj):
     """Bytes of the tensor storages in ``obj`` (dicts, lists and tuples walked; a storage that
     several tensors share counted once): what a host copy of ``obj`` copies.
@@ -151,7 +157,7 @@ def tensor_bytes(obj):
         o = stack.pop()
         if isinstance(o, th.Tensor):
             s = o.untyped_storage()
-            seen[(s.device.type, s.device.index, s._cdata)] = s.nbytes()
+            seen[storage_key(s)] = s.nbytes()
         elif isinstance(o, dict):
             stack.extend(o.values())
         elif isinstance(o, (list, tuple)):

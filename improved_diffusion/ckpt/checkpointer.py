@@ -146,7 +146,7 @@ class CheckpointConfig:
     keep_checkpoints: int
     async_save: bool
     allow_model_change: bool
-    save_writer: str = "auto"
+    save_writer: str
 
     def __post_init__(self):
         if not str(self.log_dir or ""):

@@ -189,6 +189,8 @@ class WriterProcess:
         the previous write is done (its buffers are reused)."""
         import torch as th
 
+        from .async_save import storage_key
+
         if self.arena.high > 2 * self.nbytes + (1 << 20):
             self._buffers = {}  # the arena holds more dropped buffers than live ones
             self.arena.reset()
@@ -196,7 +198,7 @@ class WriterProcess:
         total = [0]
 
         def locate(storage):
-            key = (storage.device.type, storage.device.index, storage._cdata, storage.nbytes())
+            key = storage_key(storage)
             entry = used.get(key)
             if entry is None:
                 entry = self._buffers.get(key)
