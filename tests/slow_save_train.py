@@ -2,7 +2,8 @@
 
 Usage: python tests/slow_save_train.py [train.py flags...]
 
-`torch.save` is replaced by a version that serialises to memory, writes the first half of the bytes
+The writer of a .pt file's bytes (`torch_zip.save`, the checkpoint writer's torch.save) is
+replaced by a version that serialises to memory (torch.save), writes the first half of the bytes
 to the target, flushes, sleeps SLOW_SAVE_S seconds (default 0.05), writes the rest, flushes and
 sleeps again. A SIGKILL during a save then often finds a half-written temp file, or a step with
 some of its files renamed into place and no manifest yet: the states a crash can leave behind.
@@ -15,13 +16,14 @@ import time
 import torch
 from train_driver import run_train_py  # tests/ (this script's folder)
 
+from improved_diffusion.ckpt import torch_zip
+
 PAUSE_S = float(os.environ.get("SLOW_SAVE_S", "0.05"))
-_original_save = torch.save
 
 
 def _slow_save(obj, f, *args, **kwargs):
     buf = io.BytesIO()
-    _original_save(obj, buf, *args, **kwargs)
+    torch.save(obj, buf)
     data = buf.getvalue()
     half = len(data) // 2
     own = isinstance(f, (str, bytes, os.PathLike))
@@ -38,7 +40,7 @@ def _slow_save(obj, f, *args, **kwargs):
     time.sleep(PAUSE_S)
 
 
-torch.save = _slow_save
+torch_zip.save = _slow_save
 
 if __name__ == "__main__":
     run_train_py()

@@ -320,14 +320,14 @@ def test_atomic_write_names_the_directory_of_a_full_disk(tmp_path, monkeypatch):
                          ids=["disk-nearly-full", "disk-has-room"])
 def test_torchs_wrapped_write_failure_counts_as_a_full_disk_only_when_statvfs_says_so(
         tmp_path, monkeypatch, free, mapped):
-    def save(obj, f):
+    def save(obj, f, *args):
         f.write(b"PK\x03\x04 partial")
         raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
 
     class Stat:
         f_bavail, f_frsize = free // 4096, 4096
 
-    monkeypatch.setattr(C.th, "save", save)
+    monkeypatch.setattr(W.torch_zip, "save", save)  # what writes a .pt file's bytes
     monkeypatch.setattr(C.os, "statvfs", lambda d: Stat)
     want = (C.CheckpointError, "no space left on device") if mapped else (
         RuntimeError, "unexpected pos")
@@ -337,14 +337,14 @@ def test_torchs_wrapped_write_failure_counts_as_a_full_disk_only_when_statvfs_sa
 
 
 def test_a_bug_during_a_save_keeps_its_type_and_leaves_no_file_of_the_step(tmp_path, monkeypatch):
-    real_save = torch.save
+    real_save = W.torch_zip.save
 
-    def save(obj, f):
+    def save(obj, f, *args):
         if obj.get("kind") == "opt":
             raise TypeError("a bug in a payload")
-        return real_save(obj, f)
+        return real_save(obj, f, *args)
 
-    monkeypatch.setattr(C.th, "save", save)
+    monkeypatch.setattr(W.torch_zip, "save", save)
     with pytest.raises(TypeError, match="a bug in a payload"):
         R.save_step(tmp_path, 4, _files(4))
     assert names_in(tmp_path) == []

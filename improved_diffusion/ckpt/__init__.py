@@ -14,6 +14,8 @@ The modules, from the file up:
                   as it is read, the zip's records, stand-ins for refused pickled objects
     file_writer   writing one file: the atomic writer (write_file, atomic_write), the checksums
                   a manifest lists (file_digest), the wording of disk faults
+    torch_zip     torch.save's file byte for byte, the records' CRC-32s computed in parallel
+                  with the write (else torch.save itself)
     optim_state   optimizer state keyed by parameter name; upstream's layouts in and out
     run_dir       a log dir of steps: write_step (files, then the manifest), listing, manifests,
                   verification of the candidate step, the resume plan (plan_resume),
@@ -77,7 +79,8 @@ What calls what on a save:
               --save_writer process or a large step), or async_save.HostSnapshot.copy + the
               same thread writing (async, a small step: writer_process.use_process), or now,
               in this process:
-              run_dir.write_step -> file_writer.write_file per file, then the manifest
+              run_dir.write_step -> file_writer.write_file per file (-> torch_zip.save), then
+              the manifest
               -> run_dir.prune_lines (--keep_checkpoints)
       -> step_begins / stop_requested: one all-reduce of [preempted, save failed]; the flags
            preemption.training() sets

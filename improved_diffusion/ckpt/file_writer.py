@@ -1,8 +1,8 @@
 """
 Writing one checkpoint file, and the checksums a manifest lists: the atomic writer (a temporary
 name, hashed while written, fsync, a no-overwrite link or rename, the directory fsynced), the
-CRC-32 of a file as it is written (``ChecksumWriter``, from the records' CRC-32s torch computes
-anyway), ``file_digest`` for a file on disk, and the one-line wording of disk faults (full,
+CRC-32 of a file as it is written (``ChecksumWriter``, from the records' CRC-32s in their data
+descriptors: torch_zip computes them), ``file_digest`` for a file on disk, and the one-line wording of disk faults (full,
 read-only, no permission, a vanished directory) for every writer of the log dir (run_dir,
 logger). What a file holds and how it is read is checkpoint.py's.
 """
@@ -18,9 +18,9 @@ import uuid
 import zlib
 
 import blobfile as bf
-import torch as th
 
 from ..errors import typed_one_line
+from . import torch_zip
 from .checkpoint import CheckpointError, CheckpointReadError, basename, dirname, exists, is_remote
 
 
@@ -29,7 +29,7 @@ from .checkpoint import CheckpointError, CheckpointReadError, basename, dirname,
 
 # The checksum a manifest lists for each file beside its size, under its own name: the CRC-32 of
 # the whole file (zlib's, as 8 hex digits), which the writer gets almost for free from the
-# records' CRC-32s torch computes anyway. Manifests of format version 1 list "sha256"; both are
+# records' CRC-32s the file holds anyway. Manifests of format version 1 list "sha256"; both are
 # read (CHECKSUMS).
 CHECKSUM = "crc32"
 CHECKSUMS = ("crc32", "sha256")
@@ -169,9 +169,10 @@ def atomic_write(path, obj):
                                              "nothing partial was left there")) from None
 
 
-def write_file(path, obj):
+def write_file(path, obj, crc_threads=None):
     """``atomic_write`` without the disk-fault messages (raises the OSError itself); for a caller
-    that words the fault itself (run_dir.save_step)."""
+    that words the fault itself (run_dir.save_step). ``crc_threads``: torch_zip.save's
+    ``threads``."""
     if exists(path):
         raise CheckpointError(f"{path}: already exists; refusing to overwrite a checkpoint "
                               f"(move it away or start from a later step)")
@@ -184,7 +185,7 @@ def write_file(path, obj):
                 return bytes(view[offset:offset + n])
 
         out = ChecksumWriter(buf, reread)
-        _save_into(obj, out)
+        _save_into(obj, out, crc_threads)
         info = out.digest()
         with bf.BlobFile(path, "wb") as f:
             f.write(buf.getbuffer())
@@ -196,7 +197,7 @@ def write_file(path, obj):
         with open(tmp, "wb") as f, open(tmp, "rb") as back:
             out = ChecksumWriter(f, reread=lambda offset, n: os.pread(back.fileno(), n, offset),
                                  writeback=f.fileno())
-            _save_into(obj, out)
+            _save_into(obj, out, crc_threads)
             f.flush()
             info = out.digest()
             os.fsync(f.fileno())
@@ -243,9 +244,9 @@ class ChecksumWriter:
     inline_container.cc] unexpected pos ..." without the errno; ``_save_into`` raises the
     remembered OSError instead.
 
-    The CRC of a tensor's bytes costs nothing here: torch's zip writer computes each record's
-    CRC-32 anyway and writes it in the data descriptor (``PK\x07\x08``) right after the
-    record's data. A large write (``LARGE`` bytes or more) where a record's data begins (after
+    The CRC of a tensor's bytes costs nothing here: each record's CRC-32 (torch_zip's, else
+    torch's zip writer's) is in the data descriptor (``PK\x07\x08``) right after the record's
+    data. A large write (``LARGE`` bytes or more) where a record's data begins (after
     a local header ``PK\x03\x04``, its name and extra field) is therefore not read; when the
     next write is the descriptor of a record of that size, its CRC is combined into the file's
     (crc32_combine), and any other pattern (a record written in pieces, another writer) reads
@@ -322,6 +323,14 @@ class ChecksumWriter:
     def flush(self):
         return self._f.flush()
 
+    def restart(self):
+        """Forget everything written: the file truncated to nothing, the CRC and size back to
+        0 (torch_zip.save writes a file again from the start this way)."""
+        self._f.flush()
+        self._f.seek(0)
+        self._f.truncate()
+        self._crc, self._pending, self._data_at, self._started, self.size = 0, None, None, 0, 0
+
     def digest(self):
         """{"size", CHECKSUM} of everything written so far (file_digest's format); call it while
         the file is open (a large last write is read back)."""
@@ -356,13 +365,15 @@ def sync_file_range():
     return _SYNC_FILE_RANGE[0]
 
 
-def _save_into(obj, out):
-    """Write ``obj`` (raw bytes as they are, else torch.save) into ``out`` (a ChecksumWriter)."""
+def _save_into(obj, out, crc_threads=None):
+    """Write ``obj`` (raw bytes as they are, else torch.save's file through torch_zip.save, its
+    records' CRCs computed on ``crc_threads`` threads, in parallel with the write) into ``out``
+    (a ChecksumWriter)."""
     if isinstance(obj, (bytes, bytearray)):
         out.write(obj)
         return
     try:
-        th.save(obj, out)
+        torch_zip.save(obj, out, crc32_combine, crc_threads)
     except RuntimeError:
         if out.error is not None:
             raise out.error from None

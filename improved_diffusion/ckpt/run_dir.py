@@ -587,10 +587,12 @@ def save_step(log_dir, step, files):
     dist_util.run_on_rank0(lambda: write_step(log_dir, step, files))
 
 
-def write_step(log_dir, step, files):
+def write_step(log_dir, step, files, crc_threads=None):
     """save_step's work, in this process only (not collective): rank 0's part, also run by the
     trainer's background writer (async_save). Each file's size and CRC-32 are computed while it
-    is written (file_writer.write_file), never read back."""
+    is written (file_writer.write_file), never read back. ``crc_threads``: threads for a large
+    record's CRC (torch_zip.save; None: torch_zip.workers(), for a save the training waits
+    for; a background write passes 1, beside the steps)."""
     log_dir, step = os.fspath(log_dir), int(step)
     kept = (f"step {step} was not saved (no manifest; its partial files were removed) and the "
             f"last complete step is intact, so a rerun resumes from it")
@@ -612,7 +614,8 @@ def write_step(log_dir, step, files):
         entries = {}
         for name in names:
             current = name
-            entries[name] = file_writer.write_file(ckpt.join(log_dir, name), files[name])
+            entries[name] = file_writer.write_file(ckpt.join(log_dir, name), files[name],
+                                                   crc_threads)
             written.append(name)
         current = manifest
         file_writer.write_file(ckpt.join(log_dir, manifest), _manifest_bytes(step, entries))
