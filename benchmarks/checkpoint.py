@@ -7,7 +7,9 @@ state, as the trainer saves them), measured side by side in the same run, on the
 
 - ``save_sync_bandwidth_over_raw_write`` (goal >= 0.70): the bytes of a step over the time of
   TrainLoop.save() with --async_save False (``save_sync_s``: the weights check, the RNG gather,
-  serialising, checksums, writing, fsyncs), against ``raw_write_fsync_s``, the reference:
+  serialising, checksums, writing, fsyncs; ``save_sync_torch_crc_s``: the same save with every
+  file written by torch.save itself, its CRCs torch's, on the saving thread: what torch_zip
+  saves), against ``raw_write_fsync_s``, the reference:
   writing the same number of bytes, in as many files, from memory with plain write() + fsync
   (+ the directory's fsync), in the same directory. ``raw_write_writeback_s``: the same raw write
   asking the kernel to start writeback every 32 MiB, as the checkpoint writer does (what the
@@ -53,7 +55,7 @@ One JSON line per figure, each with the command that reproduces it. Usage:
 
     python benchmarks/checkpoint.py [--sizes 10M,60M,250M] [--dir DIR] [--repeat 2]
                                     [--figures save,run,load] [--run_steps 40]
-                                    [--ranks 1,2] [--writers process,thread,auto]
+                                    [--ranks 1,2] [--writers process,thread,auto] [--threads 1]
 
 250M needs ~12 GB of free memory and ~15 GB of disk (a step is 4.4 GB): leave it out with
 --sizes 10M,60M.
@@ -176,6 +178,19 @@ def timed_save(loop, step, async_save):
     return time.perf_counter() - t0
 
 
+def timed_save_torch_crc(loop, step):
+    """timed_save(async_save=False) with every file written by torch.save itself, its CRCs
+    computed by torch on the saving thread (the reference of torch_zip)."""
+    from improved_diffusion.ckpt import torch_zip
+
+    learned = torch_zip.learned["fast"]
+    torch_zip.learned["fast"] = False
+    try:
+        return timed_save(loop, step, async_save=False)
+    finally:
+        torch_zip.learned["fast"] = learned
+
+
 def step_files(d, step):
     return [n for n in os.listdir(d) if n.endswith(f"{step:06d}.pt")]
 
@@ -203,8 +218,8 @@ def bench_save(size, d, repeat, cmd, keep_path):
         loop.run_step(*batch)
         step_alone.append(time.perf_counter() - t0)
     buf = random_bytes()
-    rows = {k: [] for k in ("pause", "total", "sync", "raw", "raw_writeback", "step_during",
-                            "first_pause")}
+    rows = {k: [] for k in ("pause", "total", "sync", "sync_torch_crc", "raw", "raw_writeback",
+                            "step_during", "first_pause")}
     step = 100
     for r in range(repeat + 1):  # the first async save allocates its buffers: not counted
         step += 1
@@ -221,7 +236,11 @@ def bench_save(size, d, repeat, cmd, keep_path):
         sync = timed_save(loop, step, async_save=False)
         if r < repeat:
             drop_step(d, step)
+        step += 1
+        sync_torch_crc = timed_save_torch_crc(loop, step)
+        drop_step(d, step)
         if r:
+            rows["sync_torch_crc"].append(sync_torch_crc)
             rows["total"].append(total)
             rows["step_during"].append(during)
             rows["sync"].append(sync)
@@ -233,10 +252,8 @@ def bench_save(size, d, repeat, cmd, keep_path):
     drop_step(d, step)
     nbytes = sum(sizes)
     med = {k: statistics.median(v) for k, v in rows.items()}
-    from improved_diffusion.ckpt import writer_process
-
-    # --save_writer auto's choice for this size (the async figures are that writer's)
-    writer = "process" if writer_process.use_process("auto", nbytes) else "thread"
+    # the writer --save_writer auto chose for this size here (the async figures are its)
+    writer = loop.checkpointer.save_writer_chosen
     common = dict(size=size, params=params, step_bytes=nbytes, repeats=repeat, writer=writer)
     raw = med["raw"]
     memcpy = memcpy_s(nbytes)
@@ -248,7 +265,10 @@ def bench_save(size, d, repeat, cmd, keep_path):
     emit("save_async_total_s", med["total"], "s", cmd, **common,
          over_raw_write=round(med["total"] / raw, 4))
     emit("save_sync_s", med["sync"], "s", cmd, **common,
-         bandwidth_over_raw_write=round(raw / med["sync"], 4))
+         bandwidth_over_raw_write=round(raw / med["sync"], 4),
+         over_torch_crc=round(med["sync"] / med["sync_torch_crc"], 4))
+    emit("save_sync_torch_crc_s", med["sync_torch_crc"], "s", cmd, **common,
+         bandwidth_over_raw_write=round(raw / med["sync_torch_crc"], 4))
     emit("raw_write_fsync_s", raw, "s", cmd, **common, mb_per_s=round(nbytes / raw / 1e6, 1))
     emit("raw_write_writeback_s", med["raw_writeback"], "s", cmd, **common,
          mb_per_s=round(nbytes / med["raw_writeback"] / 1e6, 1))
@@ -288,18 +308,19 @@ def timed_run(loop, steps, save_interval):
     return took, len(every) + (0 if every and every[-1] == last else 1)  # + run_loop's final save
 
 
-def bench_run(size, d, repeat, steps, cmd, writer="process"):
+def bench_run(size, d, repeat, steps, cmd, writer="process", threads=1):
     """What saves cost a whole run (in this process, one of the ranks under mpiexec): run_loop
     saving every 10 steps against saving once, alternating, on the compute-light model of
     ``size``; rank 0 prints the figures, with the references (a raw write, a memcpy of the
     step's bytes) measured in the same run. ``writer``: --save_writer, "process" (the writer
     process), "thread" (the host copy and the write in this process: the reference of issue 31)
-    or "auto" (the rule train.py uses by default)."""
+    or "auto" (the rule train.py uses by default). ``threads``: torch's threads per rank (1:
+    the writer has a core of its own on one rank of a 2-core machine; 2: none is left)."""
     import torch as th
 
     from improved_diffusion import dist_util, logger
 
-    th.set_num_threads(1)
+    th.set_num_threads(threads)
     dist_util.setup_dist()
     rank, ranks = dist_util.get_rank(), dist_util.get_world_size()
     logger.configure(dir=d if rank == 0 else os.path.join(d, f"rank{rank}"),
@@ -350,7 +371,8 @@ def bench_run(size, d, repeat, steps, cmd, writer="process"):
          step_s=round(statistics.median(step_s), 4), raw_write_fsync_s=round(raw, 4),
          pause_s=round(pause, 4), pause_over_raw_write=round(pause / raw, 4),
          extra_beyond_pause_s=round(extra - pause, 4), background_write_s=round(background, 4),
-         async_save=loop.checkpointer.config.async_save, writer=writer, repeats=repeat)
+         async_save=loop.checkpointer.config.async_save, writer=writer, threads=threads,
+         repeats=repeat)
     emit("save_every_10_steps_extra_wall_over_host_memcpy", extra / memcpy, "ratio", cmd,
          size=size, params=params, ranks=ranks, step_bytes=sum(sizes), goal="<= 2 (issue 31)",
          model="light (8x8 images)", extra_s_per_save=round(extra, 4),
@@ -360,7 +382,7 @@ def bench_run(size, d, repeat, steps, cmd, writer="process"):
          # the steps beside the background write: how much slower they ran (the extra time
          # beyond the pause over the write's duration, which the steps overlap)
          steps_slower_during_write=round(max(extra - pause, 0.0) / background, 4),
-         steps_slower_goal="<= 0.05", writer=writer, repeats=repeat)
+         steps_slower_goal="<= 0.05", writer=writer, threads=threads, repeats=repeat)
 
 
 def bench_start(d, repeat, cmd):
@@ -477,6 +499,8 @@ def main():
                     help="run figure: with these background writers, one after the other "
                          "(process,thread: the writer process beside the in-process thread)")
     ap.add_argument("--writer", default="process", help=argparse.SUPPRESS)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="run figure: torch's threads per rank (default 1)")
     ap.add_argument("--run_steps", type=int, default=40,
                     help="steps of each run (run figure; a multiple of 10, >= 20)")
     ap.add_argument("--_save", help=argparse.SUPPRESS)
@@ -493,7 +517,8 @@ def main():
     if args._save:
         return bench_save(args._save, args.dir, args.repeat, args.cmd, args.keep)
     if args._run:
-        return bench_run(args._run, args.dir, args.repeat, args.run_steps, args.cmd, args.writer)
+        return bench_run(args._run, args.dir, args.repeat, args.run_steps, args.cmd, args.writer,
+                         args.threads)
     cmd = "python benchmarks/checkpoint.py " + " ".join(sys.argv[1:])
     figures = set(args.figures.split(","))
     if args.dir:
@@ -527,7 +552,7 @@ def main():
                     for writer in args.writers.split(","):
                         os.makedirs(d)
                         child("--_run", size, "--dir", d, "--run_steps", str(args.run_steps),
-                              "--writer", writer, ranks=ranks)
+                              "--writer", writer, "--threads", str(args.threads), ranks=ranks)
                         shutil.rmtree(d)
     finally:
         shutil.rmtree(root, ignore_errors=True)

@@ -119,7 +119,7 @@ def _set_threads(local_world_size):
         th.set_num_threads(cpu_share(local_world_size))
 
 
-def _affinity():
+def usable_cores():
     """The cores this process may run on (its CPU affinity; all cores where unknown)."""
     if hasattr(os, "sched_getaffinity"):
         return len(os.sched_getaffinity(0))
@@ -130,7 +130,7 @@ def cpu_share(local_world_size, affinity=None, host_cpus=None):
     """The cores one of ``local_world_size`` ranks on this host may use: its own affinity when a
     launcher bound it to fewer cores than the host has (``srun --cpus-per-task=6``: that is its
     share already), else the host's cores divided among the ranks; at least 1."""
-    affinity = _affinity() if affinity is None else affinity
+    affinity = usable_cores() if affinity is None else affinity
     host_cpus = (os.cpu_count() or affinity) if host_cpus is None else host_cpus
     if affinity < host_cpus:
         return max(1, affinity)

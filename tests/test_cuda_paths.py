@@ -141,10 +141,10 @@ def test_cpu_threads_are_this_ranks_share_on_a_gpu_host_too(monkeypatch):
     monkeypatch.setattr(th.cuda, "is_available", lambda: True)
     monkeypatch.setattr(th, "set_num_threads", set_to.append)
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
-    monkeypatch.setattr(dist_util, "_affinity", lambda: 48)
+    monkeypatch.setattr(dist_util, "usable_cores", lambda: 48)
     monkeypatch.setattr(os, "cpu_count", lambda: 48)
     dist_util._set_threads(8)  # 8 ranks, no binding: 6 cores each, not all 48 for every rank
-    monkeypatch.setattr(dist_util, "_affinity", lambda: 6)
+    monkeypatch.setattr(dist_util, "usable_cores", lambda: 6)
     dist_util._set_threads(8)  # srun --cpus-per-task=6: the 6 it was given
     assert set_to == [6, 6]
 

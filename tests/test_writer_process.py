@@ -231,22 +231,28 @@ def test_the_thread_writes_the_bytes_the_writer_process_writes(tmp_path):
                     (tmp_path / "thread" / n).read_bytes(), n
 
 
-@pytest.mark.parametrize("writer,platform_has,min_bytes,process", [
-    ("auto", True, writer_process.PROCESS_MIN_BYTES, False),  # a tiny step: the thread
-    ("auto", True, 1, True),  # a step of at least PROCESS_MIN_BYTES: the process
-    ("process", True, writer_process.PROCESS_MIN_BYTES, True),
-    ("process", False, 1, False),  # no memfd_create (not Linux): the thread, whatever is asked
-    ("auto", False, 1, False),
+@pytest.mark.parametrize("writer,platform_has,min_bytes,threads,process", [
+    ("auto", True, writer_process.PROCESS_MIN_BYTES, 1, False),  # a tiny step: the thread
+    ("auto", True, 1, 1, True),  # a large step, a core left for the writer: the process
+    ("auto", True, 1, 4, False),  # a large step, every core runs a training thread: the thread
+    ("process", True, writer_process.PROCESS_MIN_BYTES, 4, True),
+    ("process", False, 1, 1, False),  # no memfd_create (not Linux): the thread, whatever is asked
+    ("auto", False, 1, 1, False),
 ])
 def test_save_writer_chooses_the_writer_at_the_first_async_save(
-        tmp_path, monkeypatch, writer, platform_has, min_bytes, process):
+        tmp_path, monkeypatch, writer, platform_has, min_bytes, threads, process):
+    """On a host of 4 cores (as this process sees it), one rank with ``threads`` torch threads."""
     from test_async_save import tiny_loop
 
-    from improved_diffusion import logger
+    from improved_diffusion import dist_util, logger
 
     logger.configure(dir=str(tmp_path), format_strs=["log"])
     monkeypatch.setattr(writer_process, "available", lambda: platform_has)
     monkeypatch.setattr(writer_process, "PROCESS_MIN_BYTES", min_bytes)
+    monkeypatch.setattr(dist_util, "usable_cores", lambda: 4)
+    monkeypatch.setattr(os, "cpu_count", lambda: 4)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
     loop = tiny_loop(tmp_path, async_save=True, max_steps=2, ema_rate="0.9999",
                      save_writer=writer)
     try:
@@ -254,6 +260,7 @@ def test_save_writer_chooses_the_writer_at_the_first_async_save(
         assert isinstance(loop.checkpointer._process, writer_process.WriterProcess) == process
     finally:
         loop.close()
+        torch.set_num_threads(before)
     assert (tmp_path / "manifest000002.json").exists()
 
 

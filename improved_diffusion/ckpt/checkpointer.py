@@ -137,7 +137,8 @@ class CheckpointConfig:
     save_writer: where an async save's files are written, chosen at the run's first async save:
         "process" (the writer process, off the trainer's GIL: writer_process), "thread" (a
         thread of the trainer), "auto" (the process for a step of at least
-        writer_process.PROCESS_MIN_BYTES tensor bytes, else the thread).
+        writer_process.PROCESS_MIN_BYTES tensor bytes when the training leaves a core free
+        for it, writer_process.core_free; else the thread).
     """
 
     log_dir: str
@@ -374,7 +375,7 @@ class Checkpointer:
             return
         if self._process is None:  # once a job: the writer process, or the thread itself
             use = writer_process.use_process(self.config.save_writer,
-                                             async_save.tensor_bytes(files))
+                                             async_save.tensor_bytes(files), self._core_free())
             self._process = WriterProcess() if use else HostSnapshot()
         files = (self._process.pack(files) if isinstance(self._process, WriterProcess)
                  else self._process.copy(files))  # the host copy (shared memory: the writer's)
@@ -382,6 +383,22 @@ class Checkpointer:
         self._writer.start(lambda: self._write_in_background(step, files, began, paused))
         if wait:
             self._collect_save(block=True)
+
+    @property
+    def save_writer_chosen(self):
+        """Which writer --save_writer chose at this run's first async save: "process" or
+        "thread" (None before it, and on ranks other than 0)."""
+        if self._process is None:
+            return None
+        return "process" if isinstance(self._process, WriterProcess) else "thread"
+
+    def _core_free(self):
+        """writer_process.core_free for this rank: its model's device, torch's threads, the
+        ranks on this host, the cores it may use."""
+        on_cpu = all(p.device.type == "cpu" for p in self.model.parameters())
+        return writer_process.core_free(on_cpu, th.get_num_threads(),
+                                        dist_util.get_local_world_size(),
+                                        dist_util.usable_cores(), os.cpu_count() or 1)
 
     def step_files(self, step, rngs):
         """{file name: payload} of ``step``, with the live tensors (the caller copies them).
@@ -442,7 +459,7 @@ class Checkpointer:
         and manifest, then prunes; wait for it. Returns what the main thread logs (no logging
         from this thread)."""
         if not isinstance(self._process, WriterProcess):
-            run_dir.write_step(self.config.log_dir, step, files)
+            run_dir.write_step(self.config.log_dir, step, files, crc_threads=1)  # beside steps
             return step, time.perf_counter() - began, paused, self._prune()
         done, lines = self._process.write(self.config.log_dir, step, files,
                                           self.config.keep_checkpoints)

@@ -81,19 +81,44 @@ def available():
     return hasattr(os, "memfd_create") and hasattr(os, "register_at_fork")
 
 
-def use_process(writer, nbytes):
+def use_process(writer, nbytes, free_core=True):
     """Whether an async save of ``nbytes`` tensor bytes per step is written by the writer
     process (else by the trainer's thread): ``writer`` is --save_writer ("process": where
-    available(); "thread": never; "auto": where available() and nbytes >= PROCESS_MIN_BYTES).
+    available(); "thread": never; "auto": where available(), nbytes >= PROCESS_MIN_BYTES and
+    ``free_core``: the training leaves a core for the writer, see ``core_free``).
 
     >>> use_process("auto", 4 << 20), use_process("thread", 1 << 40)
     (False, False)
+    >>> use_process("auto", 1 << 30, free_core=False)  # the ranks' threads fill every core
+    False
     """
     if writer not in WRITERS:
         raise ValueError(f"save_writer must be one of {', '.join(WRITERS)} (got {writer!r})")
     if writer == "thread" or not available():
         return False
-    return writer == "process" or nbytes >= PROCESS_MIN_BYTES
+    return writer == "process" or (nbytes >= PROCESS_MIN_BYTES and free_core)
+
+
+def core_free(on_cpu, threads, local_ranks, affinity, host_cpus):
+    """Whether the training leaves a core for the writer process (which inherits this
+    process's CPU affinity): on an accelerator, yes (the ranks' threads mostly wait on it); on
+    the CPU, when the torch threads of the ranks on this host (``threads`` each, ``local_ranks``
+    ranks) are fewer than the cores they run on: this process's ``affinity`` when a launcher
+    bound it to part of the host's ``host_cpus`` (that part is its own), else the host's.
+    Measured (docs/performance.md, "The writer by size"): where every core runs a training
+    thread, the writer process slows the steps more than the trainer's own thread does (60M:
+    2.07 against 1.22 s a save on 2 ranks of 2 cores).
+
+    >>> core_free(True, 1, 1, 2, 2), core_free(True, 2, 1, 2, 2), core_free(False, 16, 8, 96, 96)
+    (True, False, True)
+    >>> core_free(True, 1, 2, 2, 2), core_free(True, 5, 4, 6, 48)  # 2 ranks; bound to 6 cores
+    (False, True)
+    """
+    if not on_cpu:
+        return True
+    if affinity < host_cpus:
+        return threads < affinity
+    return threads * max(1, local_ranks) < affinity
 
 
 class Arena:
@@ -508,7 +533,7 @@ def _serve(header, payload, fd, maps):
             maps.clear()  # older, smaller mappings: nothing views them any more
             maps[size] = mmap.mmap(fd, size) if size else None
         files = _Unpickler(io.BytesIO(payload), maps[size]).load()
-        run_dir.write_step(header["log_dir"], header["step"], files)
+        run_dir.write_step(header["log_dir"], header["step"], files, crc_threads=1)  # beside steps
         del files
         lines = run_dir.prune_lines(header["log_dir"], header["keep"])
         return pickle.dumps(("done", (time.perf_counter(), lines)))
