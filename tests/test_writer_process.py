@@ -264,6 +264,23 @@ def test_save_writer_chooses_the_writer_at_the_first_async_save(
     assert (tmp_path / "manifest000002.json").exists()
 
 
+@pytest.mark.parametrize("on_cpu,threads,local_ranks,affinity,host_cpus,free", [
+    (True, 1, 1, 2, 2, True),  # this machine, OMP_NUM_THREADS=1: the second core is the writer's
+    (True, 2, 1, 2, 2, False),  # torch's default threads fill both cores
+    (True, 1, 2, 2, 2, False),  # two ranks of one thread each
+    (True, 4, 4, 16, 16, False),  # 4 ranks x 4 threads on 16 cores
+    (True, 3, 4, 16, 16, True),
+    (True, 5, 4, 6, 48, True),  # srun --cpus-per-task=6: its own 6 cores, 5 threads on them
+    (True, 6, 4, 6, 48, False),
+    (False, 16, 8, 96, 96, True),  # a GPU node: the ranks' threads mostly wait on the GPUs
+])
+def test_a_core_is_free_for_the_writer_unless_the_ranks_threads_fill_them(
+        on_cpu, threads, local_ranks, affinity, host_cpus, free):
+    assert writer_process.core_free(on_cpu, threads, local_ranks, affinity, host_cpus) is free
+    assert writer_process.use_process("auto", 1 << 30, free_core=free) is (
+        free and writer_process.available())
+
+
 def test_a_bad_save_writer_is_a_one_line_usage_error_before_anything_is_written(tmp_path):
     res = subprocess.run([str(PY), "scripts/train.py", *TINY, "--data_dir", str(tmp_path),
                           "--log_dir", str(tmp_path / "run"), "--save_writer", "disk"],

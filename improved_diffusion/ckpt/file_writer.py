@@ -2,9 +2,10 @@
 Writing one checkpoint file, and the checksums a manifest lists: the atomic writer (a temporary
 name, hashed while written, fsync, a no-overwrite link or rename, the directory fsynced), the
 CRC-32 of a file as it is written (``ChecksumWriter``, from the records' CRC-32s in their data
-descriptors: torch_zip computes them), ``file_digest`` for a file on disk, and the one-line wording of disk faults (full,
-read-only, no permission, a vanished directory) for every writer of the log dir (run_dir,
-logger). What a file holds and how it is read is checkpoint.py's.
+descriptors: torch_zip computes them), ``file_digest`` for a file on disk, and the one-line
+wording of disk faults (full, read-only, no permission, a vanished directory) for every writer
+of the log dir (run_dir, logger). What a file holds and how it is read is checkpoint.py's; the
+bytes of a .pt file are torch.save's, written by torch_zip.save.
 """
 
 import ctypes

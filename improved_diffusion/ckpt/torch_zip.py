@@ -150,8 +150,11 @@ class _CrcFiller:
         self._size = 0
         self._crc = 0
         self.unknown = None  # the LayoutUnknown raised, if any
+        self.discard = False
 
     def write(self, data):
+        if self.discard:  # torch's writer after a LayoutUnknown (its destructor finishing the
+            return memoryview(data).nbytes  # zip): nothing more reaches ``out``
         try:
             return self._write(data)
         except LayoutUnknown as e:
@@ -274,8 +277,9 @@ def save(obj, out, crc_combine, threads=None):
     when torch's layout is not the one followed here, and the file is written by torch.save).
     ``crc_combine``: file_writer.crc32_combine. ``threads``: threads for a large record's CRC
     (None: workers(), for a save the training waits for; 1: the writing thread alone, for a
-    background write beside the steps, where more threads would take cores from them). An error of ``out`` (a full disk) or of the
-    object (a type pickle refuses) is raised as torch.save would raise it."""
+    background write beside the steps, where more threads would take cores from them). An
+    error of ``out`` (a full disk) or of the object (a type pickle refuses) is raised as
+    torch.save would raise it."""
     zf = None
     if learned["fast"] is not False:
         filler = _CrcFiller(out, crc_combine, threads)
@@ -290,9 +294,10 @@ def save(obj, out, crc_combine, threads=None):
         save_records(obj, zf, pickle, th.serialization.DEFAULT_PROTOCOL, False)
         zf.write_end_of_file()
     except Exception as e:
-        unknown = filler.unknown or (e if isinstance(e, LayoutUnknown) else None)
-        if unknown is None:
-            raise
+        filler.discard = True  # torch's writer, destroyed later, may finish the zip: not in out
+        del zf
+        if filler.unknown is None and not isinstance(e, LayoutUnknown):
+            raise  # out's error (a full disk) or the object's: as torch.save raises it
         learned["fast"] = False  # this torch's layout is not the one followed here
         out.restart()
         th.save(obj, out)
