@@ -76,8 +76,9 @@ What calls what on a save:
            of checkpoint and optim_state.named_optimizer_state)
            -> writer_process.WriterProcess.pack (the host copy, into shared memory) +
               async_save.BackgroundWriter, whose thread waits for the writer process (async,
-              --save_writer process or a large step), or async_save.HostSnapshot.copy + the
-              same thread writing (async, a small step: writer_process.use_process), or now,
+              --save_writer process or a large step with a core free), or
+              async_save.HostSnapshot.copy + the same thread writing (async, a small step or
+              no core free: writer_process.use_process), or now,
               in this process:
               run_dir.write_step -> file_writer.write_file per file (-> torch_zip.save), then
               the manifest

@@ -8,8 +8,9 @@ into the writer process's shared memory (writer_process.WriterProcess.pack) and 
 serialising and writing run in that process (run_dir.write_step, manifest last) while training
 goes on. ``HostSnapshot.copy`` is the same host copy in this process (buffers kept from the
 previous copy, pinned when the tensors live on CUDA), which the thread then writes itself:
-for steps below writer_process.PROCESS_MIN_BYTES (``tensor_bytes``), ``--save_writer thread``,
-or a platform without a writer process (writer_process.use_process). A
+for steps below writer_process.PROCESS_MIN_BYTES (``tensor_bytes``), a training whose threads
+fill every core (writer_process.core_free), ``--save_writer thread``, or a platform without a
+writer process (writer_process.use_process). A
 synchronous save writes the same payloads through ``to_host`` (no copy at all for CPU tensors)
 in the calling thread. All write the same bytes: a copy keeps each tensor's storage, offset,
 shape and strides, and the sharing between tensors and containers, that torch.save records.

@@ -59,8 +59,8 @@ seed, the data position, every rank's RNG, each state, the run's training flags,
 changes so far), the files the states add (save_files: train.py's post-hoc EMA snapshots),
 then ``manifest{S}.json`` last; a step counts only with its manifest. Rank 0
 alone writes. With ``async_save`` rank 0 copies everything to host memory and a background thread
-writes while training goes on (through the writer process for large steps: ``save_writer``); the
-files are byte for byte those of a synchronous save.
+writes while training goes on (through the writer process for large steps where a core is free
+for it: ``save_writer``); the files are byte for byte those of a synchronous save.
 
 The resume, in order (``resume()``, or the same in steps through ``begin_resume()`` for a loop
 with upstream's hook names, train_util.TrainLoop):
