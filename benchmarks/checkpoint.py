@@ -37,6 +37,15 @@ state, as the trainer saves them), measured side by side in the same run, on the
   (a fresh interpreter importing torch), beside ``thread_write_s``, the same tiny step written
   by run_dir.write_step in this process (what --save_writer thread pays per save);
   writer_process.PROCESS_MIN_BYTES weighs the two;
+- ``steps_slower_beside_raw`` (figure ``beside``): the light model's steps (one thread)
+  while another process writes a step's bytes from memory (raw_write with writeback, no
+  serialising, no CRC) against the same steps alone: what the machine itself takes from the
+  steps beside any writer, the reference of ``steps_slower_during_write``; ``_crc``,
+  ``_memcpy``, ``_spin``: the same beside 3 s of zlib's CRC-32, of memcpys, of a busy loop
+  (which part of a writer's work slows the steps); ``steps_slower_beside_write`` (goal <= 0.05,
+  issue 31): the steps timed one by one while a real background save (each of ``--writers``)
+  is written, against the same steps alone: the goal measured directly, without the save's
+  other costs that ``steps_slower_during_write`` folds in;
 - ``save_async_pause_s``: how long TrainLoop.save() holds training with --async_save True (the
   weights check, the RNG gather, the host copy into reused buffers; ``save_async_first_pause_s``:
   the first save, which allocates the buffers), beside ``host_memcpy_s``: a plain copy of the
@@ -54,7 +63,7 @@ state, as the trainer saves them), measured side by side in the same run, on the
 One JSON line per figure, each with the command that reproduces it. Usage:
 
     python benchmarks/checkpoint.py [--sizes 10M,60M,250M] [--dir DIR] [--repeat 2]
-                                    [--figures save,run,load] [--run_steps 40]
+                                    [--figures save,run,load,start,beside] [--run_steps 40]
                                     [--ranks 1,2] [--writers process,thread,auto] [--threads 1]
 
 250M needs ~12 GB of free memory and ~15 GB of disk (a step is 4.4 GB): leave it out with
@@ -390,6 +399,130 @@ def bench_run(size, d, repeat, steps, cmd, writer="process", threads=1):
          repeats=repeat)
 
 
+BESIDE_LOADS = ("raw", "crc", "memcpy", "spin")
+LOAD_S = 3.0
+
+
+def raw_writer_child(d, sizes, load):
+    """The child of bench_beside: ready once its buffer exists, then, per "go" line, one load:
+    "raw" a raw write (with writeback, as the checkpoint writer) of files of ``sizes`` into
+    ``d``; for LOAD_S seconds: "crc" zlib's CRC-32 over a 64 MiB buffer again and again,
+    "memcpy" copies of it into another, "spin" a Python loop (one core, no memory traffic)."""
+    import zlib
+
+    import numpy as np
+
+    buf = random_bytes()
+    src, dst = np.frombuffer(buf, dtype=np.uint8), np.empty(len(buf), dtype=np.uint8)
+    print("ready", flush=True)
+    for line in sys.stdin:
+        if line.strip() != "go":
+            break
+        t0 = time.perf_counter()
+        if load == "raw":
+            raw_write(d, sizes, buf, writeback=True)
+        while load != "raw" and time.perf_counter() - t0 < LOAD_S:
+            if load == "crc":
+                zlib.crc32(buf)
+            elif load == "memcpy":
+                np.copyto(dst, src)
+        print(f"done {time.perf_counter() - t0}", flush=True)
+
+
+def bench_beside(size, d, repeat, cmd, load="raw"):
+    """How much slower the steps run beside another process's ``load`` (raw_writer_child):
+    a plain write of a step's bytes (no serialising, no CRC: the machine's share of issue 31's
+    5% goal), or for LOAD_S seconds the CRC, a memcpy, a busy loop; on the compute-light model of
+    ``size``, one thread, in this process."""
+    import select
+
+    import torch as th
+
+    from improved_diffusion import logger
+
+    th.set_num_threads(1)
+    logger.configure(dir=d, format_strs=["log"])
+    loop, batch = build_loop(size, d, light=True)
+    params = sum(p.numel() for p in loop.model.parameters())
+    sizes = [4 * params, 4 * params, 8 * params]  # model, EMA, opt (Adam's two moments)
+    child = subprocess.Popen(
+        [sys.executable, os.path.abspath(__file__), "--_rawwrite", ",".join(map(str, sizes)),
+         "--dir", d, "--mode", load], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert child.stdout.readline().strip() == "ready"
+    for _ in range(3):
+        loop.run_step(*batch)
+    alone, during, writes = [], [], []
+    for _ in range(repeat):
+        for _ in range(20):
+            t0 = time.perf_counter()
+            loop.run_step(*batch)
+            alone.append(time.perf_counter() - t0)
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        while True:
+            t0 = time.perf_counter()
+            loop.run_step(*batch)
+            took = time.perf_counter() - t0
+            if select.select([child.stdout], [], [], 0)[0]:
+                writes.append(float(child.stdout.readline().split()[1]))
+                break
+            during.append(took)
+    child.stdin.close()
+    child.wait(timeout=60)
+    slower = statistics.median(during) / statistics.median(alone) - 1
+    emit(f"steps_slower_beside_{load}", slower, "ratio", cmd, size=size, params=params,
+         step_bytes=sum(sizes), model="light (8x8 images)", threads=1, load=load,
+         step_s_alone=round(statistics.median(alone), 4),
+         step_s_during=round(statistics.median(during), 4), steps_during=len(during),
+         load_s=round(statistics.median(writes), 4), repeats=repeat,
+         goal_of_the_writer="<= 0.05 (issue 31)")
+
+
+def bench_beside_writer(size, d, repeat, cmd, writer):
+    """How much slower the steps run while a background save of ``writer`` (--save_writer) is
+    written, against the same steps alone, timed one by one (no other cost of a save is in
+    it: the pause, the wait, the pruning), on the compute-light model of ``size``, one
+    thread, in this process: issue 31's 5% goal, measured directly."""
+    import torch as th
+
+    from improved_diffusion import logger
+
+    th.set_num_threads(1)
+    logger.configure(dir=d, format_strs=["log"])
+    loop, batch = build_loop(size, d, light=True, save_writer=writer, keep_checkpoints=2)
+    params = sum(p.numel() for p in loop.model.parameters())
+    step = 100
+    timed_save(loop, step, async_save=True)  # the first: buffers, the writer process's start
+    loop.checkpointer.wait_for_save()
+    alone, during, writes = [], [], []
+    for _ in range(repeat):
+        for _ in range(10):
+            t0 = time.perf_counter()
+            loop.run_step(*batch)
+            alone.append(time.perf_counter() - t0)
+        step += 1
+        t_write = time.perf_counter()
+        timed_save(loop, step, async_save=True)
+        while loop.checkpointer.save_in_flight:
+            t0 = time.perf_counter()
+            loop.run_step(*batch)
+            took = time.perf_counter() - t0
+            if loop.checkpointer.save_in_flight:  # a step wholly beside the write
+                during.append(took)
+        writes.append(time.perf_counter() - t_write)
+        loop.checkpointer.wait_for_save()
+        loop.step = step
+    chosen = loop.checkpointer.save_writer_chosen
+    loop.close()
+    slower = statistics.median(during) / statistics.median(alone) - 1 if during else None
+    emit("steps_slower_beside_write", slower if slower is not None else float("nan"), "ratio",
+         cmd, size=size, params=params, model="light (8x8 images)", threads=1, writer=writer,
+         writer_chosen=chosen, step_s_alone=round(statistics.median(alone), 4),
+         step_s_during=round(statistics.median(during), 4) if during else None,
+         steps_during=len(during), write_s=round(statistics.median(writes), 4),
+         goal="<= 0.05 (issue 31)", repeats=repeat)
+
+
 def bench_start(d, repeat, cmd):
     """The writer process's cost per job (see the module docstring), in this process."""
     import resource
@@ -496,7 +629,8 @@ def main():
     ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--figures", default="save,run,load",
                     help="which: save (pause, sync save), run (saving every 10 steps), load, start "
-                         "(the writer process's cost per job)")
+                         "(the writer process's cost per job), beside (steps beside a raw write "
+                         "from another process)")
     ap.add_argument("--ranks", default="1",
                     help="run figure: on these numbers of ranks, one after the other (1,2: "
                          "also under mpiexec -n 2)")
@@ -511,6 +645,7 @@ def main():
     ap.add_argument("--_save", help=argparse.SUPPRESS)
     ap.add_argument("--_run", help=argparse.SUPPRESS)
     ap.add_argument("--_load", help=argparse.SUPPRESS)
+    ap.add_argument("--_rawwrite", help=argparse.SUPPRESS)
     ap.add_argument("--mode", help=argparse.SUPPRESS)
     ap.add_argument("--keep", help=argparse.SUPPRESS)
     ap.add_argument("--cmd", help=argparse.SUPPRESS)
@@ -519,6 +654,9 @@ def main():
         ap.error(f"--run_steps must be a multiple of 10, at least 20 (got {args.run_steps})")
     if args._load:
         return load_once(args._load, args.mode)
+    if args._rawwrite:
+        return raw_writer_child(args.dir, [int(n) for n in args._rawwrite.split(",")],
+                                args.mode)
     if args._save:
         return bench_save(args._save, args.dir, args.repeat, args.cmd, args.keep)
     if args._run:
@@ -552,6 +690,14 @@ def main():
             if "load" in figures:
                 bench_load(size, keep, args.repeat, cmd)
                 os.unlink(keep)
+            if "beside" in figures:
+                os.makedirs(d)
+                for load in BESIDE_LOADS:
+                    bench_beside(size, d, args.repeat, cmd, load)
+                for writer in args.writers.split(","):
+                    os.makedirs(os.path.join(d, writer))
+                    bench_beside_writer(size, os.path.join(d, writer), args.repeat, cmd, writer)
+                shutil.rmtree(d)
             if "run" in figures:
                 for ranks in map(int, args.ranks.split(",")):
                     for writer in args.writers.split(","):

@@ -61,6 +61,36 @@ def step_names(d, step):
 # ------------------------------------------------------------------------------ in process
 
 
+def test_save_in_flight_is_true_while_the_background_write_runs_and_false_once_it_ended(
+        tmp_path, monkeypatch):
+    from improved_diffusion.ckpt import torch_zip
+
+    logger.configure(dir=str(tmp_path), format_strs=["log"])
+    real_save = torch_zip.save
+
+    def slow_save(*args):  # every file of the step written 0.3 s late
+        time.sleep(0.3)
+        return real_save(*args)
+
+    monkeypatch.setattr(torch_zip, "save", slow_save)
+    loop = tiny_loop(tmp_path, async_save=True, max_steps=1, save_writer="thread")
+    try:
+        assert not loop.checkpointer.save_in_flight
+        loop.step = 1
+        loop.save()
+        assert loop.checkpointer.save_in_flight and not (tmp_path / "manifest000001.json").exists()
+        end = time.monotonic() + 30
+        while loop.checkpointer.save_in_flight:  # false once the write ended, not yet collected
+            assert time.monotonic() < end, "save_in_flight stayed true after the write"
+            time.sleep(0.01)
+        assert (tmp_path / "manifest000001.json").exists()
+        loop.checkpointer.wait_for_save()
+        assert not loop.checkpointer.save_in_flight
+        assert (tmp_path / "manifest000001.json").exists()
+    finally:
+        loop.close()
+
+
 def test_an_async_save_writes_the_bytes_a_synchronous_save_writes(tmp_path):
     """Step 2 is written while step 3 trains (the final save, 3, is waited for): the
     files equal a synchronous run's byte for byte, so nothing of a later step leaked in."""

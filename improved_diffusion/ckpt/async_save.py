@@ -198,6 +198,11 @@ class BackgroundWriter:
     def busy(self):
         return self._thread is not None
 
+    @property
+    def running(self):
+        """Whether the job still runs (busy stays True after it ends, until it is collected)."""
+        return self._thread is not None and self._thread.is_alive()
+
     def start(self, fn):
         if self._thread is not None:
             raise RuntimeError("BackgroundWriter.start: the previous job was not waited for")

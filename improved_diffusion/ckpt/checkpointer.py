@@ -385,6 +385,12 @@ class Checkpointer:
             self._collect_save(block=True)
 
     @property
+    def save_in_flight(self):
+        """Whether a background save is still being written (rank 0; False on the others).
+        Not collective and costs no wait."""
+        return self._writer.running
+
+    @property
     def save_writer_chosen(self):
         """Which writer --save_writer chose at this run's first async save: "process" or
         "thread" (None before it, and on ranks other than 0)."""
