@@ -143,8 +143,9 @@ class _CrcFiller:
         self._combine = crc_combine
         self._threads = threads
         self._records = []  # (name, data size, crc) in the order written
-        self._expect = "header"  # header | name | extra | data | central | tail
+        self._expect = "header"  # header | name | extra | data | tail (after the directory)
         self._need = 0  # bytes still expected in the name or extra field
+        self._extra = 0  # the extra field's length (after the name)
         self._name = b""
         self._flags = 0
         self._size = 0
@@ -225,8 +226,11 @@ class _CrcFiller:
             crcs = [crc for _, size, crc in self._records if size]
             view = memoryview(serialization_id(bytes(view), crcs))
         crc = crc32(view, self._combine, self._threads)
-        written = self._out.write(view)  # the CRC's threads run meanwhile
-        self._crc = self._combine(self._crc, crc(), view.nbytes)
+        try:
+            written = self._out.write(view)  # the CRC's threads run meanwhile
+        finally:
+            value = crc()  # they are done with the bytes before torch may free them
+        self._crc = self._combine(self._crc, value, view.nbytes)
         self._size += view.nbytes
         return written
 
