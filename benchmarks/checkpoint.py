@@ -187,6 +187,13 @@ def timed_save(loop, step, async_save):
     return time.perf_counter() - t0
 
 
+def step_seconds(loop, batch):
+    """Seconds of one loop.run_step(*batch)."""
+    t0 = time.perf_counter()
+    loop.run_step(*batch)
+    return time.perf_counter() - t0
+
+
 def timed_save_torch_crc(loop, step):
     """timed_save(async_save=False) with every file written by torch.save itself, its CRCs
     computed by torch on the saving thread (the reference of torch_zip)."""
@@ -453,16 +460,11 @@ def bench_beside(size, d, repeat, cmd, load="raw"):
         loop.run_step(*batch)
     alone, during, writes = [], [], []
     for _ in range(repeat):
-        for _ in range(20):
-            t0 = time.perf_counter()
-            loop.run_step(*batch)
-            alone.append(time.perf_counter() - t0)
+        alone += [step_seconds(loop, batch) for _ in range(20)]
         child.stdin.write("go\n")
         child.stdin.flush()
         while True:
-            t0 = time.perf_counter()
-            loop.run_step(*batch)
-            took = time.perf_counter() - t0
+            took = step_seconds(loop, batch)
             if select.select([child.stdout], [], [], 0)[0]:
                 writes.append(float(child.stdout.readline().split()[1]))
                 break
@@ -496,17 +498,12 @@ def bench_beside_writer(size, d, repeat, cmd, writer):
     loop.checkpointer.wait_for_save()
     alone, during, writes = [], [], []
     for _ in range(repeat):
-        for _ in range(10):
-            t0 = time.perf_counter()
-            loop.run_step(*batch)
-            alone.append(time.perf_counter() - t0)
+        alone += [step_seconds(loop, batch) for _ in range(10)]
         step += 1
         t_write = time.perf_counter()
         timed_save(loop, step, async_save=True)
         while loop.checkpointer.save_in_flight:
-            t0 = time.perf_counter()
-            loop.run_step(*batch)
-            took = time.perf_counter() - t0
+            took = step_seconds(loop, batch)
             if loop.checkpointer.save_in_flight:  # a step wholly beside the write
                 during.append(took)
         writes.append(time.perf_counter() - t_write)

@@ -267,12 +267,16 @@ class ChecksumWriter:
         self._f = f
         self._reread = reread
         self._writeback = writeback if sync_file_range() is not None else None
+        self.error = None
+        self._forget_written()
+
+    def _forget_written(self):
+        """The state of a file with nothing written yet."""
         self._crc = 0
         self._pending = None  # (offset, nbytes) of a large write whose CRC is not known yet
         self._data_at = None  # where the data of the record whose local header passed begins
         self._started = 0  # bytes handed to writeback so far
         self.size = 0
-        self.error = None
 
     def write(self, data):
         view = memoryview(data).cast("B")
@@ -330,7 +334,7 @@ class ChecksumWriter:
         self._f.flush()
         self._f.seek(0)
         self._f.truncate()
-        self._crc, self._pending, self._data_at, self._started, self.size = 0, None, None, 0, 0
+        self._forget_written()
 
     def digest(self):
         """{"size", CHECKSUM} of everything written so far (file_digest's format); call it while
