@@ -262,6 +262,15 @@ class FIDInceptionV3(nn.Module):
 # Loading
 
 
+def _skeleton():
+    """The network on the meta device: its keys, shapes and dtypes without storage, and without
+    the random initialisation its layers would draw from torch's global generator (the weights
+    are loaded over it anyway: building it for real moved a training job's RNG streams, issue
+    37)."""
+    with th.device("meta"):
+        return FIDInceptionV3()
+
+
 def _layout_problem(path, state, expected):
     """None when ``state`` (a dict) has exactly the expected keys and shapes (BatchNorm's
     num_batches_tracked optional), else one line naming the file and the difference."""
@@ -317,7 +326,7 @@ def check_weights_file(path=None):
             raise InceptionWeightsError(
                 f"{path}: not a loadable torch file ({type(e).__name__}: {first[:160]}); "
                 f"expected {WEIGHTS_NAME}") from None
-    problem = _layout_problem(path, state, FIDInceptionV3().state_dict())
+    problem = _layout_problem(path, state, _skeleton().state_dict())
     if problem:
         raise InceptionWeightsError(problem)
     return path
@@ -347,13 +356,15 @@ def load_inception(path=None, device="cpu", log=None):
             f"{path}: not a loadable torch file ({type(e).__name__}: {first[:160]}); expected "
             f"{WEIGHTS_NAME}") from None
     del data
-    net = FIDInceptionV3()
+    net = _skeleton()  # draws nothing: the file's tensors become its weights
     expected = net.state_dict()
     problem = _layout_problem(path, state, expected)
     if problem:
         raise InceptionWeightsError(problem)
-    full = {k: state[k].to(ref.dtype) if k in state else ref for k, ref in expected.items()}
-    net.load_state_dict(full, strict=True)
+    # BatchNorm's num_batches_tracked, when the file has none: 0, as a fresh BatchNorm's
+    full = {k: state[k].to(ref.dtype) if k in state else th.zeros(ref.shape, dtype=ref.dtype)
+            for k, ref in expected.items()}
+    net.load_state_dict(full, strict=True, assign=True)
     net.sha256 = digest
     net.to(device)
     if log is not None:

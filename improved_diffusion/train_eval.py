@@ -136,20 +136,26 @@ class TrainEval:
     @classmethod
     def of_training(cls, config, model, ema_params, diffusion, model_flags, sample_kwargs=None):
         """The evaluation of a TrainLoop (``config``: its TrainConfig), of its first EMA (the
-        model's parameters without --ema_rate), its reference prepared. Collective."""
+        model's parameters without --ema_rate), its reference prepared. Every rank's global RNG
+        states are as they were (the feature network draws none; any that a network of its own
+        might are put back, as after each evaluation). Collective."""
         params, key = ((ema_params[0], f"ema_{config.ema_rates[0]}") if ema_params
                        else (list(model.parameters()), "model"))
-        out = cls(model=model, params=params, key=key, diffusion=diffusion,
-                  ref_path=config.eval_ref_batch,
-                  features=evaluation.feature_network(config.eval_features,
-                                                      config.inception_weights or None,
-                                                      "--eval_features"),
-                  log_dir=config.checkpoint.log_dir, shape_hint=shape_of(model_flags),
-                  interval=config.eval_interval, num_samples=config.eval_num_samples,
-                  steps=config.sample_steps, batch_size=config.batch_size, seed=config.seed,
-                  model_kwargs=sample_kwargs,
-                  num_classes=None if sample_kwargs else label_count(model_flags))
-        out.prepare()
+        state = get_rng_state()
+        try:
+            out = cls(model=model, params=params, key=key, diffusion=diffusion,
+                      ref_path=config.eval_ref_batch,
+                      features=evaluation.feature_network(config.eval_features,
+                                                          config.inception_weights or None,
+                                                          "--eval_features"),
+                      log_dir=config.checkpoint.log_dir, shape_hint=shape_of(model_flags),
+                      interval=config.eval_interval, num_samples=config.eval_num_samples,
+                      steps=config.sample_steps, batch_size=config.batch_size, seed=config.seed,
+                      model_kwargs=sample_kwargs,
+                      num_classes=None if sample_kwargs else label_count(model_flags))
+            out.prepare()
+        finally:
+            set_rng_state(state)
         return out
 
     @property

@@ -136,19 +136,44 @@ def weights_file(tmp_path_factory):
     return path
 
 
-@pytest.mark.timeout(180)
-def test_the_inception_features_log_fid_and_is_on_one_rank(tmp_path, digits_data,
-                                                            weights_file):
+def test_loading_the_inception_draws_nothing_from_torchs_generator(weights_file):
+    """The root of issue 37's item 2: the layers' random initialisation (the weights are loaded
+    over it) moved torch's global generator, and with it a job's training noise."""
+    from improved_diffusion import inception
+
+    torch.manual_seed(5)
+    state = torch.get_rng_state()
+    inception.check_weights_file(weights_file)
+    net = inception.load_inception(weights_file)
+    assert torch.equal(torch.get_rng_state(), state)
+    tensors = list(net.state_dict().values())
+    assert not any(t.is_meta for t in tensors) and not any(p.requires_grad
+                                                          for p in net.parameters())
+
+
+@pytest.mark.timeout(420)
+def test_the_inception_evaluation_on_two_ranks_with_a_loader_worker_leaves_training_bitwise(
+        tmp_path, digits_data, weights_file):
+    """The users' path (issue 37, item 2): setting up the Inception drew from torch's global
+    generator, so the step-1 noise, and every tensor after, differed from the run without it."""
     data, _ = digits_data
     ref = tmp_path / "ref.npz"
     np.savez(ref, arr_0=np.random.default_rng(0).integers(0, 256, (4, 8, 8, 3), np.uint8))
-    log = tmp_path / "log"
-    run_script("train.py", "--data_dir", data, "--log_dir", log, *TINY, "--max_steps", "2",
-               *evals(ref, "inception", n=3), "--inception_weights", weights_file, timeout=150)
-    (row,) = rows(log)
-    assert row["step"] == "2" and np.isfinite(float(row[FID])) and float(row[IS]) >= 1
+    logs = {k: tmp_path / k for k in ("plain", "eval")}
+    flags = [*TINY, "--max_steps", "3", "--num_workers", "1"]  # trains after an evaluation
+    for name, extra in (("plain", []), ("eval", [*evals(ref, "inception", n=3),
+                                                 "--inception_weights", weights_file])):
+        _run([MPIEXEC, "-n", "2", PY, REPO / "scripts" / "train.py", "--data_dir", data,
+              "--log_dir", logs[name], *flags, *extra], 200)
+    assert not differences(logs["plain"], logs["eval"]), "the evaluation changed the training"
+    plain, evaluated = rows(logs["plain"]), rows(logs["eval"])
+    assert [r["step"] for r in evaluated] == [r["step"] for r in plain] == ["2", "3"]
+    for p, e in zip(plain, evaluated):  # the same losses
+        assert {k: v for k, v in e.items() if k in p} == p
+    row = evaluated[0]
+    assert np.isfinite(float(row[FID])) and float(row[IS]) >= 1 and not evaluated[1][FID]
     assert (tmp_path / "ref.acts.npz").exists()
-    record = json.loads((log / "eval" / "fid_000002.json").read_text())
+    record = json.loads((logs["eval"] / "eval" / "fid_000002.json").read_text())
     assert record["features"]["weights_sha256"] and record[FID] == float(row[FID])
 
 
