@@ -40,7 +40,8 @@ so an evaluation is neither lost nor logged twice. The checkpoint files are not 
 A failure (out of memory, a bug in a feature network) on any rank turns the evaluation off for
 the rest of the job on every rank, with the traceback logged; training goes on. The flags are
 checked at start-up (check_flags, check_inputs): UsageError naming the flag, or one line naming
-the file (EvaluationError, InceptionWeightsError).
+the file (EvaluationError, InceptionWeightsError), printed once for the job (on several ranks
+the files are checked once the ranks have met: rank 0's verdict, raised on every rank).
 """
 import json
 import os
@@ -87,9 +88,22 @@ def check_flags(config):
 def check_inputs(config):
     """The files the evaluation needs, checked before anything is written: the reference batch
     (EvaluationError naming --eval_ref_batch and the file) and, for the Inception, its weights
-    file (InceptionWeightsError: where to get it, or what is wrong with it). Not collective."""
+    file (InceptionWeightsError: where to get it, or what is wrong with it).
+
+    One verdict for the job, printed once: once the process group exists, rank 0's (raised on
+    every rank; collective then: call from all ranks); in a single process, its own. A process
+    started among several before their process group exists checks nothing here (each rank's
+    own error line would be printed once per rank): TrainEval.of_training checks again, after
+    the rendezvous."""
     if not config.eval_interval:
         return
+    if dist_util.is_distributed():
+        dist_util.run_on_rank0(lambda: _check_files(config))
+    elif _launch_size() <= 1:
+        _check_files(config)
+
+
+def _check_files(config):
     try:
         evaluation.open_batch(config.eval_ref_batch).close()
     except evaluation.EvaluationError as e:
@@ -98,6 +112,17 @@ def check_inputs(config):
         from . import inception
 
         inception.check_weights_file(config.inception_weights or None)
+
+
+def _launch_size():
+    """The number of processes the launcher started (torchrun's WORLD_SIZE, an MPI launcher's
+    size), 1 when none says so; read before the process group exists."""
+    for name in ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE"):
+        try:
+            return int(os.environ[name])
+        except (KeyError, ValueError):
+            continue
+    return 1
 
 
 class TrainEval:
@@ -141,6 +166,7 @@ class TrainEval:
         might are put back, as after each evaluation). Collective."""
         params, key = ((ema_params[0], f"ema_{config.ema_rates[0]}") if ema_params
                        else (list(model.parameters()), "model"))
+        check_inputs(config)  # rank 0's verdict: one line for the job
         state = get_rng_state()
         try:
             out = cls(model=model, params=params, key=key, diffusion=diffusion,

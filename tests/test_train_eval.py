@@ -241,6 +241,25 @@ def test_bad_eval_flags_and_files_are_one_line_before_anything_is_written(
     assert not log.exists()
 
 
+@pytest.mark.timeout(180)
+def test_bad_eval_files_on_two_ranks_are_one_line_for_the_job(tmp_path, digits_data):
+    """Issue 37, item 10: each rank checked the files before the ranks met and printed its own
+    line; the job's verdict is rank 0's, printed once."""
+    data, ref = digits_data
+    bad = _bad_batches(tmp_path / "bad")
+    for extra, words in [
+        (evals(tmp_path / "missing.npz"), "--eval_ref_batch"),
+        (evals(ref, "inception") + ["--inception_weights", bad / "other_keys.pt"],
+         "other_keys.pt: not the FID Inception weights"),
+    ]:
+        proc = _run([MPIEXEC, "-n", "2", PY, REPO / "scripts" / "train.py", "--data_dir", data,
+                     "--log_dir", tmp_path / "log", *TINY, *extra], 120, check=False)
+        errors = [ln for ln in proc.stdout.splitlines() if ln.startswith("error:")]
+        assert proc.returncode == 1 and len(errors) == 1, (extra, proc.stdout[-3000:])
+        assert words in errors[0] and "Traceback" not in proc.stdout, proc.stdout[-3000:]
+        assert not [p for p in (tmp_path / "log").glob("*") if p.suffix in (".pt", ".json")]
+
+
 # ------------------------------------------------------------------------ the post-hoc EMA
 
 
