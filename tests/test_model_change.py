@@ -268,6 +268,50 @@ def test_adapt_of_an_upstream_run_dir_matches_moments_by_the_files_own_names(fix
 
 
 @pytest.mark.timeout(120)
+def test_adapt_of_a_raw_file_without_its_flags_says_they_are_needed_and_writes_nothing(
+        fixtures_dir, tmp_path):
+    """Issue 37, item 5: `ckpt.py adapt` of upstream's raw files with one flag built the default
+    model for the rest, kept 1 of 166 tensors and wrote 368 MB, exit 0."""
+    out = tmp_path / "adapted"
+    proc = run_script("ckpt.py", "adapt", fixtures_dir / "upstream_run_small", "--flags",
+                      "--learn_sigma False", "--out", out, check=False)
+    assert proc.returncode == 1, proc.stdout
+    errors = [ln for ln in proc.stdout.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and "Traceback" not in proc.stdout, proc.stdout
+    assert re.search(r"model000010.pt: the model of these flags keeps only \d+ of the file's 204 "
+                     r"tensors \(\d+ reshaped \(time_embed.0.weight \[128, 32\] -> \[512, 128\]",
+                     errors[0]), errors[0]
+    assert ("the file stores no model flags, so those --flags does not give took their defaults: "
+            "give the flags it was trained with (likely") in errors[0]
+    assert "--num_channels (file: 32, model: 128)" in errors[0]
+    assert errors[0].endswith("or pass --force to write it anyway")
+    assert not out.exists()
+
+
+@pytest.mark.timeout(200)
+def test_adapt_keeping_less_than_half_of_the_tensors_is_refused_unless_forced(
+        one_rank, tmp_path):
+    """Issue 37, item 5: --num_channels 64 on a 32-channel run keeps 1 of its 70 tensors: one
+    line naming what did not fit, nothing written; `adapt --force` writes it anyway."""
+    wider = [*BASE, "--num_channels", "64"]
+    out = tmp_path / "adapted"
+    proc = run_script("ckpt.py", "adapt", one_rank / "base", "--flags", flag_text(wider),
+                      "--out", out, check=False)
+    assert proc.returncode == 1, proc.stdout
+    assert proc.stdout.count("error:") == 1 and "Traceback" not in proc.stdout, proc.stdout
+    assert re.search(r"^error: \S+model000001.pt: the model of these flags keeps only 1 of the "
+                     r"file's 70 tensors \(\d+ reshaped .*check --num_channels \(file: 32, "
+                     r"model: 64\).*, or pass --force to write it anyway$", proc.stdout, re.M), \
+        proc.stdout
+    assert not out.exists()
+    proc = run_script("ckpt.py", "adapt", one_rank / "base", "--flags", flag_text(wider),
+                      "--out", out, "--force")
+    assert "model change at step 1: 1 kept, 0 new, 0 dropped, 69 reshaped" in proc.stdout
+    assert load(out / "model000001.pt")["flags"]["num_channels"] == 64
+    assert (out / "manifest000001.json").exists()
+
+
+@pytest.mark.timeout(120)
 def test_adapt_of_a_combined_dict_gives_the_tensors_train_py_would_with_the_same_seed(one_rank,
                                                                                      tmp_path):
     base = one_rank / "base"

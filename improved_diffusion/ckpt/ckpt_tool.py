@@ -8,6 +8,7 @@ safetensors, and reconstruct post-hoc EMAs from a run's snapshots.
     python scripts/ckpt.py diff FILE (--flags "--image_size 32 ..." | --against FILE2) [--want ema]
     python scripts/ckpt.py convert SRC --to tagged|raw|safetensors --out DIR [--flags "..."]
     python scripts/ckpt.py adapt SRC --flags "..." --out DIR [--seed N] [--step N] [--data_dir D]
+        [--force]
     python scripts/ckpt.py prune DIR --keep K [--delete_snapshots]
     python scripts/ckpt.py phema DIR --std 0.07 [--std 0.1 ...] [--step S] --out FILE_OR_DIR
     python scripts/ckpt.py phema DIR --std 0.03,0.05,0.1 --evaluate REF.npz [--num_samples M]
@@ -937,7 +938,13 @@ def cmd_adapt(args, out):
     model = _build_model(flags)
     fresh = model.state_dict()
     change = model_change.plan_change(shapes_of(fresh), shapes_of(sd), c.flags, flags, step)
+    if change.keeps_too_little and not args.force:  # before anything is written
+        raise ToolError(model_change.too_little_kept_message(
+            plan.model, change, "--flags", "pass --force to write it anyway"))
     notes = [f"ignored non-model flags: {' '.join(ignored)}"] if ignored else []
+    if c.flags is None:
+        notes.append(f"{os.path.basename(plan.model)} stores no model flags: those --flags does "
+                     "not give are the defaults")
     notes.append(f"new and reshaped tensors: a fresh model built from the flags with --seed "
                  f"{seed}")
 
@@ -1206,6 +1213,9 @@ def build_parser():
     sp.add_argument("--data_dir", default="",
                     help="the training folder: a class-conditional model gets its class count "
                     "(as train.py counts it) unless --flags gives --num_classes")
+    sp.add_argument("--force", action="store_true",
+                    help="write the step even when the new model keeps less than half of the "
+                    "file's tensors (refused otherwise: flags of another model, most likely)")
     sp = sub.add_parser("prune", help="delete old steps, keeping the newest K complete ones "
                         "(and every post-hoc EMA snapshot)")
     sp.add_argument("dir", metavar="DIR")

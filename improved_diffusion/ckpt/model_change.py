@@ -10,6 +10,12 @@ tensor:
   keeps the fresh model's initialisation;
 - a tensor of the file that the model no longer has is **dropped**.
 
+A change that keeps less than half of the file's tensors (`ModelChange.keeps_too_little`) is
+refused by both, naming what did not fit (`too_little_kept_message`): such flags describe another
+model rather than a change of this one (a raw upstream file adapted without its flags built the
+default model and kept 1 of its 166 tensors). `ckpt.py adapt --force` writes it anyway; a resume
+starts from what that writes.
+
 The decision is made from names and shapes alone (state_fit.fit_state_dict), so every rank,
 given the same broadcast bytes, decides the same. A `ModelChange` carries it, its log block
 (`lines()`) and the record the next save keeps in the trainer state (`record()`, appended to
@@ -26,6 +32,9 @@ from . import optim_state, state_fit
 
 # How many names of each list the log block and `ckpt.py inspect` show.
 SHOWN = 4
+
+# A change that keeps fewer than this share of the file's tensors is refused unless forced.
+MIN_KEPT_SHARE = 0.5
 
 
 @dataclass
@@ -44,6 +53,8 @@ class ModelChange:
                index changed (their moments follow the name; hyperparameters are the run's).
     optimizer: one line on what became of the Adam moments (set by the caller).
     notes:     further lines for the log block (e.g. an EMA file that differs from the model's).
+    file_tensors: how many tensors the file's weights hold.
+    likely_flags: state_fit's hints at the flag that explains the change, most likely first.
     """
 
     kept: List[str] = field(default_factory=list)
@@ -55,11 +66,31 @@ class ModelChange:
     regrouped: Dict[str, Tuple[int, int]] = field(default_factory=dict)
     optimizer: Optional[str] = None
     notes: List[str] = field(default_factory=list)
+    file_tensors: int = 0
+    likely_flags: List[str] = field(default_factory=list)
 
     @property
     def changed(self) -> bool:
         """True when the model's tensors differ from the file's (names or shapes)."""
         return bool(self.new or self.dropped or self.reshaped)
+
+    @property
+    def keeps_too_little(self) -> bool:
+        """True when less than half (MIN_KEPT_SHARE) of the file's tensors are kept: flags that
+        describe another model, most likely, rather than a change of this one."""
+        return len(self.kept) < MIN_KEPT_SHARE * self.file_tensors
+
+    def misfit_text(self) -> str:
+        """What did not fit, for one line: "15 reshaped (a [64] -> [128], ...), 150 dropped
+        (b, c, ...), 140 new (d, ...)"."""
+        parts = []
+        if self.reshaped:
+            shown = [f"{k} {list(a)} -> {list(b)}" for k, (a, b) in self.reshaped.items()]
+            parts.append(f"{len(shown)} reshaped ({_first(shown, 2)})")
+        for label, names in (("dropped", self.dropped), ("new", self.new)):
+            if names:
+                parts.append(f"{len(names)} {label} ({_first(names, 2)})")
+        return ", ".join(parts)
 
     def counts(self) -> str:
         return (f"{len(self.kept)} kept, {len(self.new)} new, {len(self.dropped)} dropped, "
@@ -156,11 +187,33 @@ def plan_change(model_shapes, file_shapes, file_flags=None, run_flags=None,
     :param file_flags: the model flags stored in the file (None: none stored).
     :param run_flags: the flags the model was built from.
     """
-    fit = state_fit.fit_state_dict(model_shapes, file_shapes)
+    fit = state_fit.fit_state_dict(model_shapes, file_shapes, file_flags, run_flags)
     return ModelChange(
         kept=[k for k in model_shapes if k in file_shapes and k not in fit.reshaped],
         new=list(fit.missing), dropped=list(fit.unexpected), reshaped=dict(fit.reshaped),
-        flags=state_fit.differing_flags(file_flags, run_flags), step=step)
+        flags=state_fit.differing_flags(file_flags, run_flags), step=step,
+        file_tensors=len(file_shapes), likely_flags=list(fit.likely_flags))
+
+
+def too_little_kept_message(source, change, given, force):
+    """
+    The one line that refuses a change keeping less than half of the file's tensors
+    (``change.keeps_too_little``): what did not fit, the likely flag, and how to force it.
+
+    :param source: the file as the caller names it (a path, "--resume_checkpoint PATH").
+    :param given: where the model flags came from, e.g. "--flags" or "the command line".
+    :param force: the way to go ahead anyway, e.g. "pass --force to write it anyway".
+    """
+    likely = "; ".join(change.likely_flags)
+    if change.flags is None:  # upstream's raw files: every flag not given took its default
+        check = (f"the file stores no model flags, so those {given} does not give took their "
+                 f"defaults: give the flags it was trained with"
+                 + (f" (likely {likely})" if likely else ""))
+    else:
+        check = f"check {likely or given}"
+    return (f"{source}: the model of these flags keeps only {len(change.kept)} of the file's "
+            f"{change.file_tensors} tensors ({change.misfit_text()}): the flags of another "
+            f"model, most likely; {check}, or {force}")
 
 
 def take_matching(fresh, saved) -> dict:
@@ -185,3 +238,12 @@ def optimizer_by_name(payload, file_shapes, source="FILE"):
     if optim_state.is_named(payload):
         return payload
     return optim_state.convert_to_named(payload, list(file_shapes), source=source)
+
+
+def too_little_kept_for_resume(path, change):
+    """`too_little_kept_message` for a resume with --allow_model_change True (train.py): no flag
+    of its own forces it; `ckpt.py adapt --force` writes that step, and a resume from it fits."""
+    return too_little_kept_message(
+        path, change, "the command line",
+        f"to start from those tensors anyway, write that step with `ckpt.py adapt {path} --flags "
+        f"\"MODEL FLAGS\" --force --out DIR` and resume it (--resume_checkpoint DIR)")
