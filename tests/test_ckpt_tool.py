@@ -468,3 +468,29 @@ def test_inspect_names_what_is_malformed_in_an_optimizer_file(tmp_path, fault, e
     assert code == 1 and not err, err
     assert f"problem     {tmp_path / 'opt000001.pt'} holds malformed optimizer state: " in out
     assert expect in out
+
+
+@pytest.mark.timeout(120)
+def test_the_flags_md_recipe_runs_in_bash_as_written(tmp_path):
+    """Issue 37, item 11: docs/flags.md's recipe pasted inspect's flags as `sample.py ... $F`,
+    which hands `--timestep_respacing ''` to the script as two quote characters (exit 2)."""
+    import shlex
+    import subprocess
+
+    import numpy as np
+
+    from conftest import REPO, child_env
+    from test_cfg import tagged_file
+
+    section = (REPO / "docs" / "flags.md").read_text().split("## Flags from a checkpoint")[1]
+    recipe = re.search(r"```bash\n(.*?)```", section, re.S).group(1)
+    path = tagged_file(tmp_path)
+    assert "--timestep_respacing ''" in cli("inspect", path)[1]  # what the recipe must carry
+    proc = subprocess.run(
+        ["bash", "-e", "-o", "pipefail", "-c", recipe.replace("FILE", shlex.quote(str(path)))],
+        cwd=REPO, env=child_env({"OPENAI_LOGDIR": str(tmp_path / "samples")}), text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=110, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert "status      same" in proc.stdout  # diff --flags "$F": the flags describe the file
+    with np.load(tmp_path / "samples" / "samples_4x8x8x3.npz") as z:
+        assert z["arr_0"].shape == (4, 8, 8, 3)
