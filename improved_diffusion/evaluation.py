@@ -32,8 +32,10 @@ Batches and activations (what ``scripts/evaluate.py`` runs; see docs/evaluation.
 ``open_batch`` reads ``arr_0`` of an npz without loading it (memory-mapped when stored, as
 ``np.savez`` and ADM's reference batches store it; streamed otherwise), ``batch_activations``
 splits a batch's images across ranks and gathers the features, cached beside the batch in
-``NAME.acts.npz`` (keyed by the batch's size and mtime and the feature network's identity), and
-``evaluate`` gives the five figures.
+``NAME.acts.npz`` (keyed by the batch's size, mtime and content, its zip members' CRC-32s, and
+the feature network's identity; written atomically), and ``evaluate`` gives the five figures.
+A batch is checked when opened: arr_0's header against the bytes stored, images of at least
+1x1 pixel, precomputed statistics that are finite real arrays (never object arrays).
 """
 import os
 import sys
@@ -48,7 +50,7 @@ from .errors import UsageError, UserError
 __all__ = [
     "FIDStatistics", "compute_statistics", "compute_inception_score", "compute_prec_recall",
     "ManifoldEstimator", "EvaluationError", "open_batch", "read_statistics",
-    "batch_activations", "evaluate",
+    "batch_activations", "evaluate", "write_reference_batch",
 ]
 
 
@@ -336,10 +338,11 @@ class Batch:
     is stored (``np.savez``, ADM's reference batches), else read from the zip member (a
     ``savez_compressed`` file decompresses up to the slice asked for). ``read(start, stop)``."""
 
-    def __init__(self, path, shape, dtype, offset, member_name, stat):
+    def __init__(self, path, shape, dtype, offset, member_name, stat, members=()):
         self.path, self.shape, self.dtype = path, tuple(shape), dtype
         self.num = self.shape[0]
-        self.stat = stat  # (size, mtime_ns): the cache key
+        self.stat = stat  # (size, mtime_ns): part of the cache key (cache_key)
+        self.members = tuple(members)  # ((name, CRC-32, size), ...) of the zip: the content key
         self._offset, self._member_name = offset, member_name
         self._map = self._member = self._zip = None
         self._next = 0
@@ -361,6 +364,10 @@ class Batch:
             self._member.seek(self._member.tell() + start * per)  # forward: decompresses
         data = self._member.read((stop - start) * per)
         self._next = stop
+        if len(data) != (stop - start) * per:  # the zip's own sizes lied: a damaged file
+            raise EvaluationError(f"{self.path}: arr_0 ends after {start + len(data) // per} of "
+                                  f"its {self.num} images; the file is truncated or damaged: "
+                                  "write the batch again")
         return np.frombuffer(data, dtype=np.uint8).reshape((stop - start,) + self.shape[1:])
 
     def close(self):
@@ -421,47 +428,112 @@ def open_batch(path, min_images=2):
                 header_len = f.tell()
         except (ValueError, zipfile.BadZipFile, OSError, EOFError) as e:
             raise EvaluationError(f"{path}: arr_0 is not a readable array ({e})") from None
+        members = tuple((i.filename, i.CRC, i.file_size) for i in zf.infolist())
     desc = f"{dtype} [{', '.join(map(str, shape))}]"
     if dtype != np.uint8 or len(shape) != 4 or shape[-1] != 3 or fortran:
         raise EvaluationError(f"{path}: arr_0 is {desc}{' (Fortran order)' if fortran else ''}; "
                               "expected uint8 images [N, H, W, 3] (NHWC, 3 channels)")
+    if shape[1] < 1 or shape[2] < 1:
+        raise EvaluationError(f"{path}: arr_0 is {desc}: images of {shape[1]}x{shape[2]} "
+                              "pixels; expected uint8 images [N, H, W, 3] with H, W >= 1")
     if shape[0] < min_images:
         raise EvaluationError(f"{path}: holds {shape[0]} image{'s' if shape[0] != 1 else ''}; "
                               f"at least {min_images} are needed")
+    st = os.stat(path)
+    per = int(np.prod(shape[1:]))
+    stored = zinfo.file_size - header_len  # the member's bytes after its npy header
     offset = None
     if zinfo.compress_type == zipfile.ZIP_STORED:
         local = _local_header_size(path, zinfo)
         if local is not None:
             offset = zinfo.header_offset + local + header_len
-    st = os.stat(path)
-    return Batch(path, shape, dtype, offset, "arr_0.npy", (st.st_size, st.st_mtime_ns))
+            stored = min(stored, st.st_size - offset)  # a zip directory that claims too much
+    if stored != shape[0] * per:
+        held = (f"only {stored // per} image{'s' if stored // per != 1 else ''}"
+                if stored < shape[0] * per else f"{stored - shape[0] * per} bytes more")
+        raise EvaluationError(f"{path}: arr_0's header says {desc} but the file holds {held}: "
+                              "a truncated or damaged batch; write it again")
+    _check_statistics(path)
+    return Batch(path, shape, dtype, offset, "arr_0.npy", (st.st_size, st.st_mtime_ns), members)
 
 
 STAT_KEYS = ("mu", "sigma", "mu_s", "sigma_s")
 
 
+def _load_statistic(z, path, name):
+    """The array ``name`` of the open npz ``z`` (of ``path``), a finite real one: EvaluationError
+    naming the file otherwise (an object array, which would need pickle to load, included)."""
+    try:
+        a = z[name]
+    except ValueError as e:
+        if "allow_pickle" not in str(e):
+            raise EvaluationError(f"{path}: {name} is not a readable array ({e})") from None
+        raise EvaluationError(f"{path}: {name} is stored as an object array, which only "
+                              "pickle loads (never done here: a file could run code); store the "
+                              "statistics as float arrays (np.savez(..., mu=mu.astype("
+                              "np.float64), ...))") from None
+    except (OSError, EOFError, zipfile.BadZipFile) as e:
+        raise EvaluationError(f"{path}: {name} is not a readable array ({e})") from None
+    if not (np.issubdtype(a.dtype, np.floating) or np.issubdtype(a.dtype, np.integer)):
+        raise EvaluationError(f"{path}: {name} is {a.dtype}; expected float statistics")
+    if not np.isfinite(a).all():
+        raise EvaluationError(f"{path}: {name} holds {int(np.size(a) - np.isfinite(a).sum())} "
+                              "values that are not finite (NaN or inf): these precomputed "
+                              "statistics give no FID; remove them from the batch (its "
+                              "activations are then used) or compute them again")
+    return a
+
+
+def _statistics(path):
+    """The precomputed statistics the batch at ``path`` holds: {"mu": (mu, sigma), "mu_s":
+    (mu_s, sigma_s)} for each pair present, each a finite real array of a Gaussian's shape;
+    EvaluationError naming the file otherwise (one of a pair, an object array, NaN). Not
+    collective."""
+    out = {}
+    with np.load(path) as z:
+        files = set(z.files)
+        for m, s in (("mu", "sigma"), ("mu_s", "sigma_s")):
+            if m not in files and s not in files:
+                continue
+            if m not in files or s not in files:
+                have, lack = (m, s) if m in files else (s, m)
+                raise EvaluationError(f"{path}: holds {have} but no {lack}")
+            mu, sigma = _load_statistic(z, path, m), _load_statistic(z, path, s)
+            d = mu.shape[0] if mu.ndim == 1 else None
+            if d is None or sigma.shape != (d, d):
+                raise EvaluationError(
+                    f"{path}: precomputed statistics {m} {list(mu.shape)} / {s} "
+                    f"{list(sigma.shape)} are not a mean [D] and a covariance [D, D]")
+            out[m] = (mu, sigma)
+    return out
+
+
+def _check_statistics(path):
+    """EvaluationError naming the file unless the batch's precomputed statistics, if any, can
+    be used (``_statistics``). Not collective."""
+    _statistics(path)
+
+
 def read_statistics(path, pool_dim, spatial_dim):
     """
     The precomputed statistics of a reference batch, as ADM's ``read_statistics`` uses them:
-    ``(FIDStatistics(mu, sigma) or None, FIDStatistics(mu_s, sigma_s) or None)``, checked against
-    the feature widths (EvaluationError naming the file otherwise). Not collective.
+    ``(FIDStatistics(mu, sigma) or None, FIDStatistics(mu_s, sigma_s) or None)``, checked
+    (finite real arrays, not object arrays, in pairs) and against the feature widths
+    (EvaluationError naming the file otherwise). Not collective.
     """
-    with np.load(path) as z:
-        files = set(z.files)
-        out = []
-        for (m, s), dim in ((("mu", "sigma"), pool_dim), (("mu_s", "sigma_s"), spatial_dim)):
-            if m not in files:
-                out.append(None)
-                continue
-            if s not in files:
-                raise EvaluationError(f"{path}: holds {m} but no {s}")
-            mu, sigma = z[m], z[s]
-            if mu.shape != (dim,) or sigma.shape != (dim, dim):
-                raise EvaluationError(
-                    f"{path}: precomputed statistics {m} {list(mu.shape)} / {s} "
-                    f"{list(sigma.shape)} are of another width than the features ({dim}); "
-                    "they belong to another feature network")
-            out.append(FIDStatistics(mu, sigma))
+    found = _statistics(path)
+    out = []
+    for (m, s), dim in ((("mu", "sigma"), pool_dim), (("mu_s", "sigma_s"), spatial_dim)):
+        if m not in found:
+            out.append(None)
+            continue
+        mu, sigma = found[m]
+        if mu.shape != (dim,) or sigma.shape != (dim, dim):
+            raise EvaluationError(
+                f"{path}: precomputed statistics {m} {list(mu.shape)} / {s} "
+                f"{list(sigma.shape)} are of another width than the features ({dim}); "
+                "they belong to another feature network")
+        out.append(FIDStatistics(mu, sigma))
     return tuple(out)
 
 
@@ -528,16 +600,23 @@ FEATURES = ("inception", "digits")
 
 def cached_activations(path, features, batch_size=64):
     """
-    The activations ``(pool, spatial, logits)`` of the batch at ``path`` on rank 0 (None on the
-    other ranks): from its cache (NAME.acts.npz) when that matches, else computed across the
-    ranks (batch_activations) and the cache written by rank 0. EvaluationError for a bad batch.
+    The activations ``(pool, spatial, logits)`` of the reference batch at ``path`` on rank 0
+    (None on the other ranks): from its cache (NAME.acts.npz) when that matches, else computed
+    across the ranks (batch_activations) and the cache written by rank 0 once they passed
+    check_reference. EvaluationError for a bad batch (its precomputed statistics included) or
+    a reference ``features`` cannot score against; nothing is cached then.
 
     Collective: call from all ranks with the same arguments.
     """
     from . import dist_util
 
     path = os.fspath(path)
-    dist_util.run_on_rank0(lambda: open_batch(path).close())  # the same verdict on every rank
+
+    def check():  # the same verdict on every rank
+        open_batch(path).close()
+        read_statistics(path, *features.dims[:2])
+
+    dist_util.run_on_rank0(check)
     batch = open_batch(path)
     try:
         found = {}
@@ -548,13 +627,44 @@ def cached_activations(path, features, batch_size=64):
 
         if dist_util.run_on_rank0(probe):
             _note(f"activations of {path} from {cache_path(path, features)}")
-            return found.get("acts")
-        acts = batch_activations(batch, features, batch_size)
-        if acts is not None:
-            write_cache(batch, features, acts)
+            acts, fresh = found.get("acts"), False
+        else:
+            acts, fresh = batch_activations(batch, features, batch_size), True
+
+        def accept():
+            check_reference(path, features, acts)
+            if fresh:
+                write_cache(batch, features, acts)
+
+        dist_util.run_on_rank0(accept)
         return acts
     finally:
         batch.close()
+
+
+# The digits classifier's mean confidence (its largest class probability) on a reference batch
+# below which its figures are refused: about 0.96 on the bundled digits at any size, 0.2-0.26 on
+# noise, shapes, blobs, gradients, flat images and inverted digits (docs/evaluation.md).
+DIGITS_MIN_CONFIDENCE = 0.5
+
+
+def check_reference(path, features, acts):
+    """
+    EvaluationError naming the batch when ``features`` cannot give meaningful figures against
+    the reference at ``path`` of activations ``acts``: the digits features (the demo's, a
+    classifier of 8x8 digits) on images that are not digits, told by the classifier's mean
+    confidence on the batch (below DIGITS_MIN_CONFIDENCE). The Inception takes any images. Not
+    collective.
+    """
+    if features.name != "digits":
+        return
+    confidence = float(np.mean(np.exp(np.max(acts[2], axis=1))))  # logits: log probabilities
+    if confidence < DIGITS_MIN_CONFIDENCE:
+        raise EvaluationError(
+            f"{path}: not digits: the digits features' classifier is {confidence:.2f} sure of "
+            f"these images on average (about 0.96 on the bundled digits, 0.2 on other images; "
+            f"{DIGITS_MIN_CONFIDENCE} needed), so their FID, precision and recall would mean "
+            "nothing; score them with the Inception features (--features inception)")
 
 
 def _note(message):
@@ -576,8 +686,9 @@ def batch_activations(batch, features, batch_size=64, progress_every=10.0, out=N
     in the batch's order) on rank 0, None on the other ranks: each rank computes a contiguous
     share of the images, ``batch_size`` at a time, and rank 0 gathers them. Rank 0 writes a
     progress line (images/s, ETA) to ``out`` (stderr) after the first batch, then every
-    ``progress_every`` seconds, and one when done. Non-finite activations on any rank:
-    EvaluationError on every rank.
+    ``progress_every`` seconds, and one when done. Non-finite activations, or images that
+    cannot be read (a batch damaged after it was opened), on any rank: EvaluationError on every
+    rank.
 
     Collective: call from all ranks with the same arguments.
     """
@@ -590,14 +701,22 @@ def batch_activations(batch, features, batch_size=64, progress_every=10.0, out=N
     lo, hi = batch.num * rank // world, batch.num * (rank + 1) // world
     parts = [[] for _ in features.dims]
     t0 = last = time.time()
-    first, finite = True, True
+    first, problem = True, None
     for start in range(lo, hi, batch_size):
-        images = batch.read(start, min(start + batch_size, hi))
+        try:
+            images = batch.read(start, min(start + batch_size, hi))
+        except EvaluationError as e:
+            problem = str(e)
+            break  # this rank's verdict is made: the others learn it below
         for p, a in zip(parts, features(images)):
             p.append(np.ascontiguousarray(a, dtype=np.float32))
-            finite = finite and bool(np.isfinite(p[-1]).all())
-        if not finite:
-            break  # this rank's verdict is made: the others learn it below
+            if problem is None and not np.isfinite(p[-1]).all():
+                what = getattr(features, "weights_path", None)
+                problem = (f"{batch.path}: the {features.name} activations are not finite (NaN "
+                           "or inf)" + (f" with the weights {what}; check that file" if what
+                                        else ""))
+        if problem is not None:
+            break
         now = time.time()
         if rank == 0 and (first or now - last >= progress_every):
             done = min(batch.num, (start + len(images) - lo) * world)
@@ -606,11 +725,9 @@ def batch_activations(batch, features, batch_size=64, progress_every=10.0, out=N
                       f"{rate:.1f} images/s, ETA {_clock((batch.num - done) / rate)}\n")
             out.flush()
             first, last = False, now
-    if dist_util.any_rank(not finite):
-        what = getattr(features, "weights_path", None)
-        raise EvaluationError(
-            f"{batch.path}: the {features.name} activations are not finite (NaN or inf)"
-            + (f" with the weights {what}; check that file" if what else ""))
+    problems = [p for p in dist_util.all_gather_object(problem) if p is not None]
+    if problems:
+        raise EvaluationError(problems[0])
     local = [np.concatenate(p, axis=0) if p else np.zeros((0, d), np.float32)
              for p, d in zip(parts, features.dims)]
     gathered = []
@@ -629,7 +746,7 @@ def batch_activations(batch, features, batch_size=64, progress_every=10.0, out=N
 # ----------------------------------------------------------------------------------------------
 # The activation cache: NAME.acts.npz beside NAME.npz
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: the key holds the zip members' CRC-32s (1: size and mtime only)
 _ACT_NAMES = ("pool", "spatial", "logits")
 
 
@@ -640,16 +757,23 @@ def cache_path(batch_path, features):
 
 
 def cache_key(batch, features):
+    """What the cached activations of ``batch`` depend on, as a string: the feature network's
+    identity, the file's size and mtime, and its content: the CRC-32 and size of each zip
+    member (arr_0 and any statistics), which the zip's central directory holds (np.savez
+    computed them over every byte), so a batch written again with other images of the same
+    size and mtime has another key, and nothing is read to know it."""
     import json
 
     size, mtime_ns = batch.stat
     return json.dumps({"version": CACHE_VERSION, "size": size, "mtime_ns": mtime_ns,
-                       "num": batch.num, **features.identity}, sort_keys=True)
+                       "num": batch.num, "members": [list(m) for m in batch.members],
+                       **features.identity}, sort_keys=True)
 
 
 def read_cache(batch, features):
-    """The cached activations of ``batch`` when the cache beside it matches the batch's size,
-    mtime and the feature network (else None: it is recomputed). Not collective."""
+    """The cached activations of ``batch`` when the cache beside it matches the batch (its size,
+    mtime and content: cache_key) and the feature network (else None: it is recomputed). Not
+    collective."""
     path = cache_path(batch.path, features)
     if not os.path.isfile(path):
         return None
@@ -722,9 +846,10 @@ def evaluate(ref_path, sample_path, features, batch_size=64, fid_method="auto"):
     """
     Score ``sample_path`` against ``ref_path`` (npz batches, arr_0 uint8 NHWC): both batches
     checked first (nothing computed or written for a bad one), the activations of each read
-    from its cache or computed across the ranks, the caches written (rank 0, only once both
-    batches' activations are finite), the figures computed on rank 0. Returns the dict of
-    compute_metrics plus the batch sizes on every rank.
+    from its cache or computed across the ranks, the figures computed on rank 0, then the
+    caches written (rank 0, only once both batches' activations are finite, the reference
+    passed check_reference and FID and sFID are numbers). Returns the dict of compute_metrics
+    plus the batch sizes on every rank.
 
     Collective: call from all ranks with the same arguments.
     """
@@ -754,16 +879,106 @@ def evaluate(ref_path, sample_path, features, batch_size=64, fid_method="auto"):
             fresh.append(name)
 
     def finish():
+        stats = read_statistics(ref_path, pool_dim, spatial_dim)
+        check_reference(ref_path, features, acts["ref"])
+        out = compute_metrics(acts["ref"], acts["sample"], stats, fid_method)
+        for key in ("fid", "sfid"):
+            if not np.isfinite(out[key]):
+                raise EvaluationError(
+                    f"{sample_path}: its {key.upper()} against {ref_path} is {out[key]}, not a "
+                    f"number (statistics that are not finite?); nothing was cached")
         for name in fresh:
             write_cache(batches[name], features, acts[name])
-        stats = read_statistics(ref_path, pool_dim, spatial_dim)
-        return compute_metrics(acts["ref"], acts["sample"], stats, fid_method)
+        return out
 
     result = dist_util.run_on_rank0(finish)
     for b in batches.values():
         b.close()
     result.update(num_ref=batches["ref"].num, num_samples=batches["sample"].num)
     return result
+
+
+# ----------------------------------------------------------------------------------------------
+# A reference batch of one's own data (scripts/evaluate.py --data_dir DIR --image_size N REF.npz)
+
+
+def write_reference_batch(data_dir, image_size, path, num_images=0, seed=0, batch_size=64,
+                          out=None):
+    """
+    Write ``path`` (a new .npz): ADM's reference batch of the images in ``data_dir``, each as
+    ``train.py --data_dir DATA_DIR --image_size IMAGE_SIZE`` trains on it: the folder listed
+    and checked by image_datasets.load_data and every image loaded by its ImageDataset (the
+    box-halving, bicubic resize and centre crop of upstream), back to uint8 (exact: the
+    training's float is ``u / 127.5 - 1``). ``arr_0`` uint8 [N, H, W, 3] in file order, or a
+    seeded random subset of ``num_images`` (still in file order), stored uncompressed (as
+    np.savez and ADM's batches: memory-mapped when read) and written a batch at a time under a
+    temporary name, then renamed: never half-written under its name, never over a file.
+    Progress goes to ``out`` (stderr). Returns the number of images. Run in one process.
+
+    UsageError for a bad flag; DataError for the folder (missing, empty, unreadable image);
+    EvaluationError for a folder of latents or an existing ``path``.
+    """
+    import torch as th
+
+    from . import image_datasets
+
+    out = out or sys.stderr
+    path = os.fspath(path)
+    if image_size is None or image_size < 1:
+        raise UsageError("--data_dir needs --image_size N (at least 1): the side the training "
+                         "resizes the images to (train.py's --image_size)")
+    if num_images < 0:
+        raise UsageError(f"--num_images {num_images}: must be 0 (all the images) or more")
+    if not path.endswith(".npz"):
+        raise UsageError(f"{path}: the reference batch to write must be named *.npz")
+    if os.path.lexists(path):
+        raise EvaluationError(f"{path}: already exists; refusing to overwrite it (remove it or "
+                              "give another name)")
+    loader = image_datasets.load_data(data_dir=data_dir, batch_size=1, image_size=image_size,
+                                      deterministic=True, rank=0, world_size=1, num_workers=0)
+    dataset = loader.dataset
+    loader.close()
+    if not isinstance(dataset, image_datasets.ImageDataset):
+        raise EvaluationError(f"--data_dir {data_dir}: holds latents, not images; a reference "
+                              "batch is images (make it from the images the latents were "
+                              "encoded from)")
+    n = len(dataset)
+    if num_images > n:
+        raise UsageError(f"--num_images {num_images}: {data_dir} holds only {n} images")
+    indices = (np.sort(np.random.default_rng(seed).choice(n, num_images, replace=False))
+               if num_images else np.arange(n))
+    if len(indices) < 2:
+        raise EvaluationError(f"--data_dir {data_dir}: holds {len(indices)} image; a reference "
+                              "batch needs at least 2")
+    shape = (len(indices), image_size, image_size, 3)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    t0 = last = time.time()
+    try:
+        with open(tmp, "wb") as raw:
+            with zipfile.ZipFile(raw, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
+                with zf.open("arr_0.npy", "w", force_zip64=True) as f:
+                    np.lib.format.write_array_header_1_0(
+                        f, {"descr": np.lib.format.dtype_to_descr(np.dtype(np.uint8)),
+                            "fortran_order": False, "shape": shape})
+                    for start in range(0, len(indices), batch_size):
+                        part = [dataset[int(i)][0] for i in indices[start:start + batch_size]]
+                        x = th.from_numpy(np.stack(part))  # float32 [B, 3, H, W] in [-1, 1]
+                        u = ((x + 1) * 127.5).round().clamp(0, 255).to(th.uint8)
+                        f.write(np.ascontiguousarray(u.permute(0, 2, 3, 1).numpy()).tobytes())
+                        now, done = time.time(), min(start + batch_size, len(indices))
+                        if now - last >= 10.0 or done == len(indices):
+                            out.write(f"{path}: {done}/{len(indices)} images, "
+                                      f"{done / max(now - t0, 1e-9):.1f} images/s\n")
+                            out.flush()
+                            last = now
+            raw.flush()
+            os.fsync(raw.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return len(indices)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -775,11 +990,13 @@ precision and recall, the numbers of guided-diffusion's evaluations/evaluator.py
 
     python scripts/evaluate.py REF_BATCH SAMPLE_BATCH [--inception_weights PATH]
     mpiexec -n 4 python scripts/evaluate.py ...   # the activations split across ranks
+    python scripts/evaluate.py --data_dir DIR --image_size N REF_BATCH   # write a reference
 
 REF_BATCH: an ADM reference batch (VIRTUAL_imagenet64_labeled.npz, ...: arr_0 uint8 NHWC, and
 mu/sigma/mu_s/sigma_s, used instead of recomputing them) or any npz with arr_0 uint8 NHWC;
 SAMPLE_BATCH: e.g. sample.py's samples_NxHxWx3.npz. Activations are cached beside each batch
-(NAME.acts.npz). See docs/evaluation.md.
+(NAME.acts.npz). With --data_dir: write REF_BATCH from the training images instead, resized as
+train.py --data_dir DIR --image_size N resizes them. See docs/evaluation.md.
 """
 
 
@@ -790,8 +1007,19 @@ def create_parser():
 
     p = FlagParser(prog="evaluate.py", description=USAGE,
                    formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("ref_batch", help="reference batch (npz, arr_0 uint8 NHWC)")
-    p.add_argument("sample_batch", help="sample batch (npz, arr_0 uint8 NHWC)")
+    p.add_argument("ref_batch", help="reference batch (npz, arr_0 uint8 NHWC); with "
+                   "--data_dir: the reference batch to write")
+    p.add_argument("sample_batch", nargs="?", default=None,
+                   help="sample batch (npz, arr_0 uint8 NHWC)")
+    p.add_argument("--data_dir", default=None,
+                   help="write REF_BATCH from this image folder (train.py's --data_dir) instead "
+                        "of scoring: each image resized as the training resizes it")
+    p.add_argument("--image_size", type=int, default=None,
+                   help="with --data_dir: the side the images are resized to (train.py's)")
+    p.add_argument("--num_images", type=int, default=0,
+                   help="with --data_dir: a random subset of this many images (0: all)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="with --data_dir --num_images: the subset's seed")
     p.add_argument("--inception_weights", default=None,
                    help="the FID Inception's weights (weights-inception-2015-12-05-6726825d.pth;"
                         " default $ID_INCEPTION_WEIGHTS)")
@@ -805,6 +1033,21 @@ def create_parser():
     p.add_argument("--dist_timeout", type=float, default=600.0,
                    help="seconds any rank waits for the others")
     return p
+
+
+def make_reference(args):
+    """evaluate.py --data_dir DIR --image_size N REF_BATCH: write_reference_batch, one line on
+    stdout. Returns 0."""
+    if args.sample_batch is not None:
+        raise UsageError(f"--data_dir writes one batch: got {args.ref_batch} and "
+                         f"{args.sample_batch}; give only the reference batch to write")
+    n = write_reference_batch(args.data_dir, args.image_size, args.ref_batch,
+                              num_images=args.num_images, seed=args.seed,
+                              batch_size=args.batch_size)
+    print(f"wrote {args.ref_batch}: {n} images of {args.image_size}x{args.image_size} from "
+          f"{args.data_dir}, as train.py --image_size {args.image_size} sees them")
+    sys.stdout.flush()
+    return 0
 
 
 def main(argv=None, feature_factories=None):
@@ -822,6 +1065,15 @@ def main(argv=None, feature_factories=None):
     args = create_parser().parse_args(argv)
     if args.batch_size < 1:
         raise UsageError(f"--batch_size {args.batch_size}: must be at least 1")
+    if args.data_dir is not None:
+        return make_reference(args)
+    for flag in ("image_size", "num_images", "seed"):
+        if getattr(args, flag) != create_parser().get_default(flag):
+            raise UsageError(f"--{flag} is for writing a reference batch: give --data_dir DIR "
+                             "too")
+    if args.sample_batch is None:
+        raise UsageError("evaluate.py needs REF_BATCH SAMPLE_BATCH (or --data_dir DIR "
+                         "--image_size N REF_BATCH to write a reference batch); see --help")
     cli.check_dist_timeout(args.dist_timeout)
     if args.features == "inception":
         inception.resolve_weights_path(args.inception_weights)  # before anything else

@@ -733,8 +733,10 @@ def sample_for_fid(model, diffusion, flags, num_samples, batch_size=64, seed=0):
     return images
 
 
-def fid_and_is(images, features, ref_stats, batch_size=64):
-    """(FID against ``ref_stats``, Inception Score) of uint8 images by ``features``."""
+def fid_and_is(images, features, ref_stats, batch_size=64, what="the samples"):
+    """(FID against ``ref_stats``, Inception Score) of uint8 images by ``features``.
+    EvaluationError (one line naming ``what``) when the activations or the FID are not finite:
+    a NaN would silently lose the sweep's best."""
     from . import evaluation
 
     pools, logits = [], []
@@ -743,7 +745,15 @@ def fid_and_is(images, features, ref_stats, batch_size=64):
         pools.append(pool)
         logits.append(logit)
     pool, logit = np.concatenate(pools), np.concatenate(logits)
+    weights = getattr(features, "weights_path", None)
+    if not (np.isfinite(pool).all() and np.isfinite(logit).all()):
+        raise evaluation.EvaluationError(
+            f"{what}: the {features.name} activations are not finite (NaN or inf)"
+            + (f" with the weights {weights}; check that file" if weights else ""))
     fid = evaluation.compute_statistics(pool).frechet_distance(ref_stats, method="auto")
+    if not np.isfinite(fid):
+        raise evaluation.EvaluationError(f"{what}: the FID is {fid}, not a number (reference "
+                                         "statistics that are not finite?)")
     return fid, evaluation.compute_inception_score(logit)
 
 
@@ -773,7 +783,8 @@ def evaluate_stds(plan, ref_path, features, num_samples, sample_steps, batch_siz
         del payload
         images = sample_for_fid(model, diffusion, flags, num_samples, batch_size, seed)
         del model
-        fid, score = fid_and_is(images, features, ref_stats, batch_size)
+        fid, score = fid_and_is(images, features, ref_stats, batch_size,
+                                what=f"std {std_str(std)}'s samples")
         rows.append(SweepRow(std=float(std), fid=float(fid), inception_score=float(score),
                              profile_error=float(plan.errors[plan.stds.index(std)])))
         if log is not None:

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import FIXTURES, REPO, run_mpi
+from conftest import FIXTURES, PY, REPO, _run, run_mpi, write_images
 
 from improved_diffusion import evaluation, inception
 
@@ -177,11 +177,11 @@ def test_no_weights_says_where_to_get_them(monkeypatch):
 # ---------------------------------------------------------------- scripts/evaluate.py
 
 
-def _load_script():
+def _load_script(name="evaluate.py"):
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("evaluate_script", REPO / "scripts" /
-                                                  "evaluate.py")
+    spec = importlib.util.spec_from_file_location(name[:-3] + "_script", REPO / "scripts" /
+                                                  name)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -202,6 +202,32 @@ def run_inproc(script, capsys, *args):
     return code, out.out, out.err
 
 
+@pytest.fixture(scope="module")
+def digits():
+    """datasets/digits.py (the bundled real digits)."""
+    import sys
+
+    sys.path.insert(0, str(REPO / "datasets"))
+    import digits
+
+    return digits
+
+
+@pytest.fixture(scope="module")
+def digits_folder(digits, tmp_path_factory):
+    """The 1797 real digits as a training folder of 8x8 PNGs."""
+    d = tmp_path_factory.mktemp("digits") / "data"
+    digits.write_digits_folder(str(d), size=8, log=lambda *a: None)
+    return d
+
+
+def real_digits(digits, n, start=0, size=8):
+    """``n`` of the real digits from ``start`` on, as uint8 [n, size, size, 3]."""
+    x, _ = digits.load_real_digits()
+    return np.stack([np.asarray(digits.digit_to_image(v, size=size).convert("RGB"))
+                     for v in x[start:start + n]])
+
+
 def write_batch(path, n, size=12, seed=0, **extra):
     rng = np.random.default_rng(seed)
     np.savez(path, arr_0=rng.integers(0, 256, (n, size, size, 3), dtype=np.uint8), **extra)
@@ -213,6 +239,11 @@ def listing(d):
 
 
 FIGURES = ("inception_score", "fid", "sfid", "precision", "recall")
+# a tiny train.py run (test_train_eval.py's)
+TINY_TRAIN = ["--image_size", "8", "--num_channels", "32", "--num_res_blocks", "1",
+              "--attention_resolutions", "", "--diffusion_steps", "10", "--noise_schedule",
+              "cosine", "--batch_size", "2", "--log_interval", "2", "--sample_steps", "3",
+              "--max_steps", "2"]
 
 
 def test_evaluate_one_rank_and_two_ranks_agree_and_the_cache_is_reused(
@@ -261,7 +292,7 @@ class _FakeFeatures:
     identity = {"features": "fake", "weights_sha256": "abc"}
 
 
-def test_the_cache_is_keyed_by_size_mtime_and_weights(tmp_path):
+def test_the_cache_is_keyed_by_size_mtime_content_and_weights(tmp_path):
     path = write_batch(tmp_path / "b.npz", 3)
     batch = evaluation.open_batch(path)
     acts = tuple(np.full((3, d), i, np.float32) for i, d in enumerate(_FakeFeatures.dims))
@@ -275,6 +306,11 @@ def test_the_cache_is_keyed_by_size_mtime_and_weights(tmp_path):
     assert evaluation.read_cache(evaluation.open_batch(path), feats) is None  # touched since
     write_batch(path, 3, seed=9)
     assert evaluation.read_cache(evaluation.open_batch(path), feats) is None  # rewritten
+    # other images of the same size, the mtime put back: the zip's CRC-32 tells them apart
+    os.utime(path, ns=batch.stat[1:] * 2)
+    again = evaluation.open_batch(path)
+    assert again.stat == batch.stat and again.members != batch.members
+    assert evaluation.read_cache(again, feats) is None
 
 
 def test_a_compressed_batch_streams_from_the_zip_member(tmp_path):
@@ -289,8 +325,12 @@ def test_a_compressed_batch_streams_from_the_zip_member(tmp_path):
         batch.close()
 
 
-def test_digits_features_give_the_five_figures(tmp_path, evaluate_script, capsys):
-    write_batch(tmp_path / "ref.npz", 6, size=16, seed=4)
+def test_digits_features_give_the_five_figures(tmp_path, digits_folder, evaluate_script,
+                                               capsys):
+    # the newcomer's path: a reference batch of the training folder, then the samples scored
+    code, out, err = run_inproc(evaluate_script, capsys, "--data_dir", digits_folder,
+                                "--image_size", 16, "--num_images", 30, tmp_path / "ref.npz")
+    assert code == 0 and out.startswith(f"wrote {tmp_path / 'ref.npz'}: 30 images"), err
     write_batch(tmp_path / "samples.npz", 5, size=16, seed=5)
     code, out, err = run_inproc(evaluate_script, capsys, tmp_path / "ref.npz",
                                 tmp_path / "samples.npz", "--features", "digits", "--json")
@@ -386,3 +426,363 @@ def test_usage_errors_exit_2(tmp_path, evaluate_script, capsys):
     assert code == 2 and err.count("\n") == 1 and "--batch_size" in err
     code, _, err = run_inproc(evaluate_script, capsys, "a.npz", "b.npz", "--batch_sise", 4)
     assert code == 2 and "--batch_size" in err
+
+
+# ---------------------------------------------------------------- issue 37: hostile batches
+
+
+def _lying_npz(path, compression, claimed=10, held=4, size=8):
+    """An npz whose arr_0 header claims ``claimed`` images while its member holds ``held``."""
+    import io
+    import zipfile
+
+    buf = io.BytesIO()
+    np.lib.format.write_array_header_1_0(
+        buf, {"descr": "|u1", "fortran_order": False, "shape": (claimed, size, size, 3)})
+    buf.write(np.zeros((held, size, size, 3), np.uint8).tobytes())
+    with zipfile.ZipFile(path, "w", compression=compression) as z:
+        z.writestr("arr_0.npy", buf.getvalue())
+
+
+HOSTILE = ["claims_more_stored", "claims_more_deflated", "object_statistics", "zero_pixels",
+           "nan_statistics"]
+
+
+def _hostile(kind, d, digits):
+    """(the bad batch, words its error line must hold) in ``d``, beside a good ref.npz and
+    samples.npz of real digits: the bad one replaces the reference for its statistics, the
+    samples otherwise."""
+    import zipfile
+
+    d.mkdir(exist_ok=True)
+    ref, samples = d / "ref.npz", d / "samples.npz"
+    np.savez(ref, arr_0=real_digits(digits, 40))
+    np.savez(samples, arr_0=real_digits(digits, 6, start=100))
+    if kind.startswith("claims_more"):
+        _lying_npz(samples, zipfile.ZIP_STORED if kind.endswith("stored")
+                   else zipfile.ZIP_DEFLATED)
+        return samples, ["header says uint8 [10, 8, 8, 3]", "only 4 images", "write it again"]
+    if kind == "object_statistics":
+        np.savez(ref, arr_0=real_digits(digits, 40),
+                 mu=np.array([np.zeros(45), None], dtype=object), sigma=np.eye(45))
+        return ref, ["mu is stored as an object array", "float arrays"]
+    if kind == "zero_pixels":
+        np.savez(samples, arr_0=np.zeros((4, 0, 0, 3), np.uint8))
+        return samples, ["uint8 [4, 0, 0, 3]", "0x0 pixels"]
+    if kind == "nan_statistics":
+        np.savez(ref, arr_0=real_digits(digits, 40), mu=np.full(45, np.nan), sigma=np.eye(45))
+        return ref, ["mu holds 45 values that are not finite"]
+    raise AssertionError(kind)
+
+
+def _one_error_line(err, words, path):
+    lines = [line for line in err.strip().splitlines() if line.startswith("error: ")]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    for w in [str(path), *words]:
+        assert w in lines[0], (w, lines[0])
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("kind", HOSTILE)
+def test_a_hostile_batch_is_one_line_exit_1_in_every_entry_point_and_nothing_is_cached(
+        kind, tmp_path, digits, evaluate_script, capsys):
+    """Issue 37, item 8: a header that claims more images than stored (a traceback), statistics
+    stored as object arrays (a traceback), 0x0 images (figures, exit 0), NaN statistics (`FID:
+    nan`, exit 0; phema's `best:` line lost): evaluate.py, train.py --eval_ref_batch and
+    `ckpt.py phema --evaluate` each say it in one line, exit 1, and cache nothing."""
+    from improved_diffusion.ckpt import ckpt_tool
+
+    d = tmp_path / "batches"
+    bad, words = _hostile(kind, d, digits)
+    before = listing(d)
+    code, out, err = run_inproc(evaluate_script, capsys, d / "ref.npz", d / "samples.npz",
+                                "--features", "digits")
+    assert code == 1 and out == "", (out, err)
+    _one_error_line(err, words, bad)
+    assert listing(d) == before
+
+    # the reference of the other entry points (a bad batch is a bad reference there too)
+    if bad.name == "samples.npz":
+        os.replace(bad, d / "ref.npz")
+        before = listing(d)
+    capsys.readouterr()
+    code = ckpt_tool.main(["phema", str(tmp_path), "--std", "0.05", "--evaluate",
+                           str(d / "ref.npz"), "--features", "digits", "--num_samples", "4"])
+    err = capsys.readouterr().err
+    assert code == 1, err
+    _one_error_line(err, words, d / "ref.npz")
+    assert listing(d) == before
+
+    log = tmp_path / "log"
+    capsys.readouterr()
+    code = _load_script("train.py").main([str(a) for a in [
+        "--data_dir", write_images(tmp_path / "data", n=4), "--log_dir", log, *TINY_TRAIN,
+        "--eval_interval", 2, "--eval_ref_batch", d / "ref.npz", "--eval_num_samples", 4,
+        "--eval_features", "digits"]])
+    err = capsys.readouterr().err
+    assert code == 1, err
+    _one_error_line(err, words, d / "ref.npz")
+    assert listing(d) == before and not log.exists()
+
+
+def test_the_phema_sweep_refuses_a_fid_that_is_not_a_number():
+    """The sweep's `best:` line was lost without a word when FIDs were NaN: a width's activations
+    or FID that are not finite are one line (EvaluationError) naming the width."""
+    from improved_diffusion import phema
+
+    class Features:
+        name, dims = "fake", (3, 2, 4)
+
+        def __init__(self, fill):
+            self.fill = fill
+
+        def __call__(self, images):
+            n = len(images)
+            return (np.full((n, 3), self.fill) + np.arange(3 * n).reshape(n, 3) ** 2,
+                    np.zeros((n, 2)), np.zeros((n, 4)))
+
+    images = np.zeros((5, 4, 4, 3), np.uint8)
+    ref = evaluation.FIDStatistics(np.zeros(3), np.eye(3))
+    fid, score = phema.fid_and_is(images, Features(0.0), ref)
+    assert np.isfinite(fid) and score == pytest.approx(1.0)
+    with pytest.raises(evaluation.EvaluationError, match=r"std 0\.05's samples: the fake "
+                                                         r"activations are not finite"):
+        phema.fid_and_is(images, Features(np.nan), ref, what="std 0.05's samples")
+    with pytest.raises(evaluation.EvaluationError, match=r"the FID is nan, not a number"):
+        phema.fid_and_is(images, Features(0.0), evaluation.FIDStatistics(np.full(3, np.nan),
+                                                                         np.eye(3)))
+
+
+def _score(script, capsys, ref, samples, *extra):
+    code, out, err = run_inproc(script, capsys, ref, samples, "--features", "digits", "--json",
+                                *extra)
+    assert code == 0, err
+    return json.loads(out), err
+
+
+def test_a_batch_rewritten_with_the_same_size_and_mtime_is_scored_afresh(
+        tmp_path, digits, evaluate_script, capsys):
+    """Issue 37, item 12: the cache was keyed by the batch's size and mtime only, so other
+    images of the same shape written under the same mtime got the old batch's figures."""
+    ref, samples = tmp_path / "ref.npz", tmp_path / "samples.npz"
+    np.savez(ref, arr_0=real_digits(digits, 40))
+    np.savez(samples, arr_0=real_digits(digits, 8, start=100))
+    first, _ = _score(evaluate_script, capsys, ref, samples)
+    st = samples.stat()
+    np.savez(samples, arr_0=real_digits(digits, 8, start=300))  # other digits, the same size
+    os.utime(samples, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert (samples.stat().st_size, samples.stat().st_mtime_ns) == (st.st_size, st.st_mtime_ns)
+    second, err = _score(evaluate_script, capsys, ref, samples)
+    assert f"activations of {samples}: 8 images in" in err  # computed, not read from the cache
+    fresh = tmp_path / "fresh"  # the same batches without any cache
+    fresh.mkdir()
+    for p in (ref, samples):
+        (fresh / p.name).write_bytes(p.read_bytes())
+    third, _ = _score(evaluate_script, capsys, fresh / "ref.npz", fresh / "samples.npz")
+    assert second["fid"] != first["fid"]
+    assert all(second[k] == third[k] for k in FIGURES), (second, third)
+
+
+@pytest.mark.timeout(120)
+def test_a_cache_write_killed_midway_leaves_no_file_under_the_caches_name(
+        tmp_path, digits, evaluate_script, capsys):
+    """Issue 37, item 18 (a promise): the activations cache is written under a temporary name
+    and renamed, so a job killed while writing it leaves no half-written NAME.acts.npz (which
+    the next run would have to recognise as damaged)."""
+    ref, samples = tmp_path / "ref.npz", tmp_path / "samples.npz"
+    np.savez(ref, arr_0=real_digits(digits, 40))
+    np.savez(samples, arr_0=real_digits(digits, 8, start=100))
+    kill_midway = f"""
+import io, os, runpy, signal, sys
+import numpy as np
+savez = np.savez
+def half_then_killed(file, *args, **kwargs):  # the cache's write: half its bytes, then SIGKILL
+    buf = io.BytesIO()
+    savez(buf, *args, **kwargs)
+    file.write(buf.getvalue()[:len(buf.getvalue()) // 2])
+    file.flush()
+    os.fsync(file.fileno())
+    os.kill(os.getpid(), signal.SIGKILL)
+np.savez = half_then_killed
+sys.argv = ["evaluate.py", {str(ref)!r}, {str(samples)!r}, "--features", "digits"]
+runpy.run_path({str(REPO / "scripts" / "evaluate.py")!r}, run_name="__main__")
+"""
+    proc = _run([PY, "-c", kill_midway], 90, check=False)
+    assert proc.returncode == -9, proc.stdout
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert not [n for n in names if n.endswith(".acts.npz")], names
+    assert [n for n in names if ".acts.npz.tmp" in n], names  # it was killed while writing
+    # the next run computes the activations again and caches them whole
+    first, err = _score(evaluate_script, capsys, ref, samples)
+    assert "images in" in err and (tmp_path / "ref.digits.acts.npz").exists()
+    again, err = _score(evaluate_script, capsys, ref, samples)
+    assert "images in" not in err and again == first
+
+
+def test_the_inception_score_of_evaluate_py_is_the_mean_over_adms_splits_of_5000(
+        tmp_path, digits, evaluate_script, capsys):
+    """Issue 37, item 16 (a promise): ADM's IS is exp(mean KL) per split of 5000 samples,
+    averaged; 5003 samples whose last 3 are one image give a second split of IS 1, so the mean
+    over splits (about 5) is far from the IS of the whole batch (about 9)."""
+    ref, samples = tmp_path / "ref.npz", tmp_path / "samples.npz"
+    np.savez(ref, arr_0=real_digits(digits, 40))
+    real = real_digits(digits, 1797)
+    images = np.concatenate([np.resize(real, (5000,) + real.shape[1:]),
+                             np.repeat(real[:1], 3, axis=0)])
+    np.savez(samples, arr_0=images)
+    r, _ = _score(evaluate_script, capsys, ref, samples, "--batch_size", 1024)
+    logits = evaluation.digits_features()(images)[2]
+    adm = evaluation.compute_inception_score(logits, split_size=5000)
+    assert abs(r["inception_score"] - adm) <= 1e-6 * adm, (r["inception_score"], adm)
+    whole = evaluation.compute_inception_score(logits, split_size=len(images))
+    assert abs(whole - adm) > 2, (whole, adm)
+
+
+def test_a_reference_batchs_own_statistics_are_used_as_they_are(tmp_path, digits,
+                                                                evaluate_script, capsys):
+    """Issue 37, item 17 (a promise): ADM's reference batches carry mu/sigma and mu_s/sigma_s,
+    its published statistics; FID and sFID use them, not those of the batch's images."""
+    features = evaluation.digits_features()
+    other = features(real_digits(digits, 300, start=1000))  # statistics of other digits
+    pool, spatial = (evaluation.compute_statistics(a) for a in other[:2])
+    ref, samples = tmp_path / "ref.npz", tmp_path / "samples.npz"
+    ref_images, sample_images = real_digits(digits, 60), real_digits(digits, 60, start=300)
+    np.savez(ref, arr_0=ref_images, mu=pool.mu, sigma=pool.sigma, mu_s=spatial.mu,
+             sigma_s=spatial.sigma)
+    np.savez(samples, arr_0=sample_images)
+    r, _ = _score(evaluate_script, capsys, ref, samples)
+    mine, theirs = features(sample_images), features(ref_images)
+    for key, i, published in (("fid", 0, pool), ("sfid", 1, spatial)):
+        ours = evaluation.compute_statistics(mine[i])
+        expected = ours.frechet_distance(evaluation.FIDStatistics(published.mu, published.sigma),
+                                         method="auto")
+        recomputed = ours.frechet_distance(evaluation.compute_statistics(theirs[i]),
+                                           method="auto")
+        assert abs(r[key] - expected) <= 1e-6 * expected, (key, r[key], expected)
+        assert abs(recomputed - expected) > 0.05 * expected, (key, recomputed, expected)
+
+
+def _shapes(n, size=16, seed=0):
+    """``n`` images of a filled ellipse or rectangle on a flat background: not digits."""
+    from PIL import Image, ImageDraw
+
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        im = Image.new("RGB", (size, size), tuple(int(c) for c in rng.integers(0, 256, 3)))
+        x0, y0 = (int(v) for v in rng.integers(0, size // 2, 2))
+        box = [x0, y0, x0 + int(rng.integers(3, size // 2)), y0 + int(rng.integers(3, size // 2))]
+        fill = tuple(int(c) for c in rng.integers(0, 256, 3))
+        (ImageDraw.Draw(im).ellipse if i % 2 else ImageDraw.Draw(im).rectangle)(box, fill=fill)
+        out.append(np.asarray(im))
+    return np.stack(out)
+
+
+@pytest.mark.timeout(120)
+def test_the_digits_features_refuse_a_reference_that_is_not_digits(tmp_path, evaluate_script,
+                                                                  capsys):
+    """Issue 37, item 13: `--features digits` on shapes gave FID 1.51 and precision 1.0 without
+    a word. The digits classifier's mean confidence on the reference tells: about 0.96 on the
+    bundled digits, about 0.2 on shapes; below 0.5 it is one line, exit 1, nothing cached,
+    in evaluate.py and in train.py --eval_features digits."""
+    d = tmp_path / "batches"
+    d.mkdir()
+    np.savez(d / "ref.npz", arr_0=_shapes(30))
+    np.savez(d / "samples.npz", arr_0=_shapes(20, seed=1))
+    code, out, err = run_inproc(evaluate_script, capsys, d / "ref.npz", d / "samples.npz",
+                                "--features", "digits")
+    assert code == 1 and out == "", out
+    words = ["not digits", "0.2", "--features inception"]
+    _one_error_line(err, words, d / "ref.npz")
+    assert sorted(p.name for p in d.iterdir()) == ["ref.npz", "samples.npz"]
+
+    log = tmp_path / "log"
+    capsys.readouterr()
+    code = _load_script("train.py").main([str(a) for a in [
+        "--data_dir", write_images(tmp_path / "data", n=4), "--log_dir", log, *TINY_TRAIN,
+        "--eval_interval", 2, "--eval_ref_batch", d / "ref.npz", "--eval_num_samples", 4,
+        "--eval_features", "digits"]])
+    err = capsys.readouterr().err
+    assert code == 1, err
+    _one_error_line(err, words, d / "ref.npz")
+    assert sorted(p.name for p in d.iterdir()) == ["ref.npz", "samples.npz"]
+    assert not (log / "eval").exists() and not list(log.glob("*.pt"))
+
+
+# ---------------------------------------------------------------- a reference batch of one's data
+
+
+def _mixed_folder(d):
+    """Images as a user's folder holds them: RGB of another aspect (box-halved, then cropped),
+    gray, RGBA, a palette image and a JPEG in a subfolder."""
+    from PIL import Image
+
+    rng = np.random.default_rng(3)
+    d.mkdir(parents=True)
+    (d / "sub").mkdir()
+    Image.fromarray(rng.integers(0, 256, (24, 40, 3), np.uint8)).save(d / "a_wide.png")
+    Image.fromarray(rng.integers(0, 256, (9, 9), np.uint8), mode="L").save(d / "b_gray.png")
+    Image.fromarray(rng.integers(0, 256, (10, 12, 4), np.uint8), mode="RGBA").save(
+        d / "c_rgba.png")
+    Image.fromarray(rng.integers(0, 256, (30, 17, 3), np.uint8)).convert("P").save(
+        d / "d_palette.gif")
+    Image.fromarray(rng.integers(0, 256, (16, 16, 3), np.uint8)).save(d / "sub" / "e.jpg")
+    return d
+
+
+@pytest.mark.timeout(120)
+def test_a_reference_batch_of_ones_own_folder_holds_the_images_the_training_sees(
+        tmp_path, evaluate_script, capsys):
+    """Issue 37, item 14: `evaluate.py --data_dir DIR --image_size N REF.npz` writes ADM's
+    reference batch (arr_0 uint8 NHWC) of the training folder, each image as train.py's loader
+    gives it (image_datasets' own loading and resizing), to the bit."""
+    from improved_diffusion import image_datasets
+
+    data, ref = _mixed_folder(tmp_path / "data"), tmp_path / "ref.npz"
+    code, out, err = run_inproc(evaluate_script, capsys, "--data_dir", data, "--image_size", 8,
+                                ref)
+    assert code == 0 and out.strip() == (f"wrote {ref}: 5 images of 8x8 from {data}, as "
+                                         "train.py --image_size 8 sees them"), err
+    with np.load(ref) as z:
+        assert z.files == ["arr_0"]
+        images = z["arr_0"]
+    assert images.dtype == np.uint8 and images.shape == (5, 8, 8, 3)
+    loader = image_datasets.load_data(data_dir=str(data), batch_size=5, image_size=8,
+                                      deterministic=True, rank=0, world_size=1, num_workers=0)
+    trained, _ = next(iter(loader))  # what train.py --data_dir DATA --image_size 8 trains on
+    loader.close()
+    as_trained = np.transpose(images.astype(np.float32) / 127.5 - 1, [0, 3, 1, 2])
+    assert np.array_equal(as_trained, trained.numpy())
+    batch = evaluation.open_batch(ref)
+    assert batch._offset is not None and np.array_equal(batch.read(0, 5), images)  # mmap
+    batch.close()
+
+    # a seeded subset, in file order
+    sub = tmp_path / "sub.npz"
+    code, _, err = run_inproc(evaluate_script, capsys, "--data_dir", data, "--image_size", 8,
+                              "--num_images", 3, "--seed", 1, sub)
+    assert code == 0, err
+    with np.load(sub) as z:
+        picked = z["arr_0"]
+    rows = [i for i in range(5) for j in range(3) if np.array_equal(images[i], picked[j])]
+    assert len(rows) == 3 and rows == sorted(rows)
+
+    # refusals: one line, nothing written, nothing overwritten
+    latents = tmp_path / "latents"
+    latents.mkdir()
+    np.save(latents / "x.npy", np.zeros((4, 8, 8), np.float32))
+    before = listing(tmp_path)
+    for argv, code_, words in [
+        (["--data_dir", data, "--image_size", 8, ref], 1, f"{ref}: already exists"),
+        (["--data_dir", latents, "--image_size", 8, tmp_path / "l.npz"], 1, "holds latents"),
+        (["--data_dir", data, tmp_path / "n.npz"], 2, "--image_size"),
+        (["--data_dir", data, "--image_size", 8, "--num_images", 9, tmp_path / "n.npz"], 2,
+         "holds only 5 images"),
+        (["--data_dir", data, "--image_size", 8, ref, tmp_path / "n.npz"], 2, "one batch"),
+        (["--image_size", 8, ref, ref], 2, "--data_dir"),
+        ([ref], 2, "REF_BATCH SAMPLE_BATCH"),
+    ]:
+        got, out, err = run_inproc(evaluate_script, capsys, *argv)
+        assert got == code_ and out == "", (argv, err)
+        assert err.count("\n") == 1 and words in err, (argv, err)
+    assert listing(tmp_path) == before
