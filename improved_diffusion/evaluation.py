@@ -403,8 +403,10 @@ def _local_header_size(path, zinfo):
 def open_batch(path, min_images=2):
     """
     The ``arr_0`` of the npz at ``path`` as a Batch, checked: a readable npz holding ``arr_0``,
-    uint8 NHWC with 3 channels, at least ``min_images`` images. EvaluationError (one line
-    naming the file) otherwise. Not collective.
+    uint8 NHWC with 3 channels, images of at least 1x1 pixel, at least ``min_images`` of them,
+    as many bytes stored as its header says (stored or compressed), and precomputed statistics,
+    if any, that can be used (``_statistics``: loaded, so a few tens of MB for ADM's). One
+    line (EvaluationError naming the file) otherwise. Not collective.
     """
     path = os.fspath(path)
     if not os.path.isfile(path):

@@ -5,6 +5,8 @@ evaluations/evaluator.py, in PyTorch): Inception Score, FID, sFID, precision, re
     python scripts/evaluate.py REF_BATCH SAMPLE_BATCH [--inception_weights PATH] [--batch_size N]
         [--json] [--features inception|digits] [--fid_method auto|sqrtm|eigh]
     mpiexec -n 4 python scripts/evaluate.py ...     # the activations split across ranks
+    python scripts/evaluate.py --data_dir DIR --image_size N REF_BATCH [--num_images N]
+                                 # a reference batch of the training images, as train.py sees them
 
 The logic lives in improved_diffusion/evaluation.py (and inception.py); docs/evaluation.md.
 """

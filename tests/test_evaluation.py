@@ -525,6 +525,29 @@ def test_a_hostile_batch_is_one_line_exit_1_in_every_entry_point_and_nothing_is_
     assert listing(d) == before and not log.exists()
 
 
+def test_a_zip_directory_that_claims_more_bytes_than_the_member_holds_is_one_line(
+        tmp_path, digits, evaluate_script, capsys):
+    """The header and the zip's sizes agree, but the compressed member ends early: the images
+    that are not there are found missing while reading, on whichever rank reads them."""
+    import struct
+    import zipfile
+
+    ref, samples = tmp_path / "ref.npz", tmp_path / "samples.npz"
+    np.savez(ref, arr_0=real_digits(digits, 40))
+    _lying_npz(samples, zipfile.ZIP_DEFLATED)
+    data = bytearray(samples.read_bytes())
+    claimed = 128 + 10 * 8 * 8 * 3  # the npy header (128 bytes) and 10 images
+    for sig, at in ((b"PK\x01\x02", 24), (b"PK\x03\x04", 22)):  # central, local header
+        i = data.index(sig) + at
+        data[i:i + 4] = struct.pack("<I", claimed)
+    samples.write_bytes(bytes(data))
+    before = listing(tmp_path)
+    code, out, err = run_inproc(evaluate_script, capsys, ref, samples, "--features", "digits")
+    assert code == 1 and out == ""
+    _one_error_line(err, ["arr_0 ends after 4 of its 10 images"], samples)
+    assert listing(tmp_path) == before
+
+
 def test_the_phema_sweep_refuses_a_fid_that_is_not_a_number():
     """The sweep's `best:` line was lost without a word when FIDs were NaN: a width's activations
     or FID that are not finite are one line (EvaluationError) naming the width."""
