@@ -35,6 +35,10 @@ def mean_flat(tensor):
     return tensor.mean(dim=list(range(1, len(tensor.shape))))
 
 
+# The largest beta of a named schedule: a beta of 1 leaves no signal in x_t (alpha_bar 0).
+MAX_BETA = 0.999
+
+
 def get_named_beta_schedule(schedule_name, num_diffusion_timesteps):
     """
     Get a pre-defined beta schedule for the given name.
@@ -50,7 +54,13 @@ def get_named_beta_schedule(schedule_name, num_diffusion_timesteps):
         scale = 1000 / num_diffusion_timesteps
         beta_start = scale * 0.0001
         beta_end = scale * 0.02
-        return np.linspace(beta_start, beta_end, num_diffusion_timesteps, dtype=np.float64)
+        betas = np.linspace(beta_start, beta_end, num_diffusion_timesteps, dtype=np.float64)
+        # 20 steps end at beta 1 (0.02 * 1000 / 20): alpha_bar_T = 0, so x_0's prediction at
+        # t = T divides by sqrt(alpha_bar_T) and every sample is nan (upstream's too). Capped as
+        # the cosine schedule caps its betas (max_beta 0.999, Nichol & Dhariwal: "to prevent
+        # singularities at the end of the diffusion process"). Fewer steps give betas above 1,
+        # left as they are for the caller to refuse (script_util names --diffusion_steps).
+        return np.where(betas <= 1, np.minimum(betas, MAX_BETA), betas)
     elif schedule_name == "cosine":
         return betas_for_alpha_bar(
             num_diffusion_timesteps,
@@ -61,7 +71,7 @@ def get_named_beta_schedule(schedule_name, num_diffusion_timesteps):
     )
 
 
-def betas_for_alpha_bar(num_diffusion_timesteps, alpha_bar, max_beta=0.999):
+def betas_for_alpha_bar(num_diffusion_timesteps, alpha_bar, max_beta=MAX_BETA):
     """
     Discretize alpha_bar(t), the cumulative product of (1 - beta) over t in [0, 1], into betas.
 

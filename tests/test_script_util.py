@@ -202,3 +202,30 @@ def test_a_linear_schedule_too_short_for_its_betas_is_one_line_naming_the_flags(
         create_gaussian_diffusion(steps=4, noise_schedule="linear")
     assert create_gaussian_diffusion(steps=4, noise_schedule="cosine").num_timesteps == 4
     assert create_gaussian_diffusion(steps=20, noise_schedule="linear").num_timesteps == 20
+
+
+@pytest.mark.timeout(120)
+def test_the_shortest_linear_schedule_samples_finite_images_without_a_warning(tmp_path):
+    """Issue 37, item 15: 20 linear steps end at beta 1 (alpha_bar 0), whose 1/alpha_bar was
+    two divide-by-zero RuntimeWarnings and made every ancestral sample nan (pixel value 0)."""
+    import warnings
+
+    import numpy as np
+
+    from conftest import run_script
+    from improved_diffusion.ckpt import checkpoint, file_writer
+    from improved_diffusion.script_util import create_gaussian_diffusion
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        d = create_gaussian_diffusion(steps=20, noise_schedule="linear")
+    assert d.betas.max() < 1 and np.isfinite(d.sqrt_recip_alphas_cumprod).all()
+    assert np.isfinite(d.sqrt_recipm1_alphas_cumprod).all()
+    flags = dict(model_and_diffusion_defaults(), **dict(TINY, diffusion_steps=20))
+    model, _ = create_model_and_diffusion(**flags)
+    path = tmp_path / "model000001.pt"
+    file_writer.atomic_write(str(path), checkpoint.model_payload(1, model.state_dict(), flags))
+    run_script("sample.py", "--model_path", path, "--num_samples", "2", "--log_dir",
+               tmp_path / "s", "--progress", "False")
+    with np.load(tmp_path / "s" / "samples_2x8x8x3.npz") as z:
+        assert len(np.unique(z["arr_0"])) > 2  # not one value (nan: 0 everywhere)
