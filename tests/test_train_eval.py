@@ -5,6 +5,7 @@ evaluation cut short by SIGTERM is done once after the resume; bad input is one 
 nothing written; `ckpt.py phema --evaluate` scores reconstructed widths and plots the sweep."""
 import csv
 import json
+import shutil
 import sys
 
 import numpy as np
@@ -82,13 +83,23 @@ def offline_fid(ema_file, ref, n=8, steps=3):
 # ------------------------------------------------------------------------ while training
 
 
-@pytest.mark.timeout(180)
-def test_a_run_with_evaluations_is_bitwise_the_run_without_them(tmp_path, digits_data):
+@pytest.fixture(scope="module")
+def eval_run(tmp_path_factory, digits_data):
+    """A one-rank run of 4 steps that logs the digits FID at steps 2 and 4 (saves at 2 and 4):
+    (its log dir, its output)."""
     data, ref = digits_data
-    logs = {k: tmp_path / k for k in ("plain", "eval")}
+    log = tmp_path_factory.mktemp("eval_run") / "eval"
+    out = run_script("train.py", "--data_dir", data, "--log_dir", log, *TINY, *evals(ref),
+                     timeout=150).stdout
+    return log, out
+
+
+@pytest.mark.timeout(180)
+def test_a_run_with_evaluations_is_bitwise_the_run_without_them(tmp_path, digits_data, eval_run):
+    data, ref = digits_data
+    logs = {"plain": tmp_path / "plain", "eval": eval_run[0]}
     run_script("train.py", "--data_dir", data, "--log_dir", logs["plain"], *TINY, timeout=150)
-    out = run_script("train.py", "--data_dir", data, "--log_dir", logs["eval"], *TINY,
-                     *evals(ref), timeout=150).stdout
+    out = eval_run[1]
     assert not differences(logs["plain"], logs["eval"]), "the evaluation changed the training"
     plain, evaluated = rows(logs["plain"]), rows(logs["eval"])
     assert [r["step"] for r in evaluated] == [r["step"] for r in plain] == ["2", "4"]
@@ -99,6 +110,30 @@ def test_a_run_with_evaluations_is_bitwise_the_run_without_them(tmp_path, digits
     records = sorted(p.name for p in (logs["eval"] / "eval").iterdir())
     assert records == ["fid_000002.json", "fid_000004.json"]
     assert (ref.parent / "ref.digits.acts.npz").exists()  # the reference's, computed once
+
+
+@pytest.mark.timeout(180)
+def test_a_resume_before_a_logged_evaluation_does_not_log_it_again(tmp_path, digits_data,
+                                                                   eval_run):
+    """A job killed after logging step 4's figures but before step 4 was saved resumes at step
+    2: neither step 2's evaluation (at_resume) nor step 4's (at_step) is done or logged again."""
+    data, ref = digits_data
+    log = tmp_path / "run"
+    shutil.copytree(eval_run[0], log)
+    for name in ("model000004.pt", "ema_0.9999_000004.pt", "opt000004.pt",
+                 "manifest000004.json"):
+        (log / name).unlink()
+    records = {p.name: p.read_bytes() for p in (log / "eval").iterdir()}
+    before = rows(log)
+    out = run_script("train.py", "--data_dir", data, "--log_dir", log, *TINY, *evals(ref),
+                     timeout=150).stdout
+    assert "resumed at step 2" in out and "evaluation of step" not in out, out[-3000:]
+    assert {p.name: p.read_bytes() for p in (log / "eval").iterdir()} == records
+    figures = [(r["step"], r[FID]) for r in rows(log) if r.get(FID)]
+    assert figures == [(r["step"], r[FID]) for r in before], rows(log)  # each step's once
+    for name in ("model000004.pt", "ema_0.9999_000004.pt", "opt000004.pt"):  # and the
+        assert not deep_diff(*(torch.load(d / name, weights_only=True)  # straight run's tensors
+                               for d in (eval_run[0], log))), name
 
 
 @pytest.mark.timeout(240)
