@@ -160,6 +160,10 @@ def train_defaults():
         eval_num_samples=1000,
         eval_features="inception",  # or "digits" (the demo's classifier, datasets/digits.py)
         inception_weights="",  # the FID Inception's weights; "": $ID_INCEPTION_WEIGHTS
+        # A resume whose --data_dir classes differ from the class names of its checkpoint: "check"
+        # refuses it, "keep" keeps the checkpoint's labels by name, "data" takes the folder's
+        # (image_datasets.CLASS_MAPS).
+        class_map="check",
     )
 
 
@@ -251,7 +255,7 @@ def classifier_sample_defaults():
 CLASSIFIER_TRAIN_SHARED_FLAGS = (
     "log_dir", "max_steps", "seed", "keep_checkpoints", "async_save", "save_writer",
     "allow_model_change", "nan_policy", "lock_wait", "dist_timeout", "num_workers", "log_format",
-    "fp16_scale_growth")
+    "fp16_scale_growth", "class_map")
 
 
 def classifier_train_defaults():
@@ -288,15 +292,43 @@ def nll_defaults():
                 log_dir="", seed=0, weights="auto", dist_timeout=600.0)
 
 
+# Flags of one job rather than of the run: where its data and log dir are, which checkpoint to
+# start from, how long to wait for ranks and for a held log dir, this machine's loader workers,
+# how this job's terminal shows progress, a one-time permission, per-rank diagnostics, the model
+# a classifier is checked against. A resume never takes these from a checkpoint; every other
+# training flag it does (run_flag_keys).
+JOB_FLAGS = ("data_dir", "log_dir", "resume_checkpoint", "allow_model_change", "lock_wait",
+             "dist_timeout", "num_workers", "log_format", "log_sample_indices",
+             "diffusion_from")
+
+
+def run_flag_keys(defaults):
+    """The training flags of a script's ``defaults`` (train_defaults(), classifier_train_
+    defaults()) that are the run's settings: every one but JOB_FLAGS. Checkpoints record them
+    ("run_flags"), and a resume takes back each one the command line leaves out.
+
+    >>> "lr" in run_flag_keys(train_defaults()), "log_dir" in run_flag_keys(train_defaults())
+    (True, False)
+    """
+    return tuple(k for k in defaults if k not in JOB_FLAGS)
+
+
 def model_flag_keys():
     """The keys of model_and_diffusion_defaults(): the flags a checkpoint stores as "flags"."""
     return list(MODEL_FLAG_KEYS)
 
 
-def normalize_flag_value(v):
+# Flags whose comma-separated values are a set: their order means nothing (the UNet asks "is
+# this resolution in it"), so "16,8" and "8,16" are the same value.
+SET_FLAGS = ("attention_resolutions",)
+
+
+def normalize_flag_value(v, key=None):
     """
     A comparable form of a flag value, however it was written: ``True`` / ``"true"`` / ``"yes"``,
-    ``16`` / ``"16"`` / ``16.0``, ``"16, 8"`` / ``"16,8"`` / ``(16, 8)`` compare equal.
+    ``16`` / ``"16"`` / ``16.0``, ``"16, 8"`` / ``"16,8"`` / ``(16, 8)``, ``"1,2"`` /
+    ``"1.0,2.0"`` compare equal; for a flag of SET_FLAGS (``key``) the order of the list does
+    not count either (``"8,16"`` == ``"16,8"``).
     """
     if isinstance(v, bool):
         return v
@@ -312,15 +344,20 @@ def normalize_flag_value(v):
         try:
             return float(s)
         except ValueError:
-            return ",".join(p.strip() for p in s.split(","))
+            pass
+        if "," not in s:
+            return s
+        v = s.split(",")
     if isinstance(v, (list, tuple)):
-        return ",".join(str(normalize_flag_value(p)) for p in v)
+        parts = [str(normalize_flag_value(p.strip() if isinstance(p, str) else p)) for p in v]
+        return ",".join(sorted(parts) if key in SET_FLAGS else parts)
     return v
 
 
-def same_flag_value(a, b):
-    """True when two flag values mean the same (``True`` == ``"True"``, ``16`` == ``16.0``)."""
-    return normalize_flag_value(a) == normalize_flag_value(b)
+def same_flag_value(a, b, key=None):
+    """True when two values of flag ``key`` mean the same (``True`` == ``"True"``, ``16`` ==
+    ``16.0``, ``"1,2"`` == ``"1.0,2.0"``; a set flag's ``"16,8"`` == ``"8,16"``)."""
+    return normalize_flag_value(a, key) == normalize_flag_value(b, key)
 
 
 def _check_image_size(image_size, flag="--image_size"):

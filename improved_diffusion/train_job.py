@@ -3,8 +3,8 @@ A training job from parsed flags to an exit code: what scripts/train.py and
 scripts/super_res_train.py share, so that no script imports another.
 
     args = parser.parse_args(argv)          # script_util.train_defaults() + the model's flags
-    check_train_args(args)
-    return run_training(args, build)        # build(args) -> Parts(model, diffusion, data, flags)
+    given = explicit_args(parser, argv)     # a resume takes the others from its checkpoint
+    return run_training(args, build, given, check=check_train_args)  # build(args) -> Parts
 
 The story of a job: the process group (bounded by --dist_timeout), the log dir's lock (one job per
 log dir, --lock_wait), the logger, the model and data (``build``), the TrainLoop (which resumes),
@@ -18,9 +18,10 @@ import shlex
 from typing import Any, Callable, NamedTuple
 
 from . import cli, dist_util, image_datasets, logger, train_eval, train_util
-from .ckpt import checkpoint, checkpointer, preemption, run_lock
+from .ckpt import checkpoint, checkpointer, preemption, run_dir, run_lock
 from .errors import UsageError, UserError
-from .script_util import same_flag_value
+from .script_util import (DIFFUSION_FLAG_KEYS, JOB_FLAGS, run_flag_keys, same_flag_value,
+                          train_defaults)
 
 
 class Parts(NamedTuple):
@@ -39,25 +40,55 @@ class Parts(NamedTuple):
     find_unused_parameters: Any = None
 
 
-def check_train_args(args):
-    """Resolve --log_dir and check the values argparse cannot (raises UsageError): the job's
-    flags here, the training settings by building their TrainConfig (its one check of each)."""
+def check_job_flags(args):
+    """Resolve --log_dir and check the job's own flags (script_util.JOB_FLAGS, never taken from
+    a checkpoint), which the job needs before it starts (raises UsageError)."""
     args.log_dir = args.log_dir or os.environ.get("OPENAI_LOGDIR", "")
     if not args.log_dir:
         raise UsageError("no log directory: pass --log_dir DIR (or set OPENAI_LOGDIR)")
-    if not args.data_dir:
-        raise UsageError("--data_dir is required: a folder of images")
     if args.lock_wait < 0:
         raise UsageError(f"--lock_wait must be >= 0 (got {args.lock_wait})")
     if args.num_workers < -1:
         raise UsageError(f"--num_workers must be -1 (auto) or >= 0 (got {args.num_workers})")
     if getattr(args, "log_format", "progress") not in ("progress", "table"):
         raise UsageError(f"--log_format must be progress or table (got {args.log_format!r})")
+    cli.check_dist_timeout(args.dist_timeout)
+
+
+def check_train_args(args):
+    """Check the values argparse cannot (raises UsageError): the job's flags (check_job_flags),
+    then the training settings by building their TrainConfig (its one check of each)."""
+    check_job_flags(args)
+    if not args.data_dir:
+        raise UsageError("--data_dir is required: a folder of images")
     if args.microbatch == 0 or args.microbatch < -1:
         raise UsageError(f"--microbatch must be -1 (off) or >= 1 (got {args.microbatch})")
-    cli.check_dist_timeout(args.dist_timeout)
     config = train_util.TrainConfig.from_flags(args)
     train_eval.check_inputs(config)  # its files, before the log dir is touched
+
+
+def check_before_start(args, check):
+    """Run ``check(args)`` (a script's flag checks) before the job touches anything. When it
+    fails and the command may resume a checkpoint (run_dir.may_resume: names only, on this
+    rank), the flags the command left out are the checkpoint's, not the defaults the check saw
+    (a resume typing --large_size 16 is no error against the default --small_size 64): the
+    check is left for run_training, which runs it again once they are taken. Raises the check's
+    error for a fresh start; the job's own flags (check_job_flags) are checked first in any
+    case. Not collective."""
+    check_job_flags(args)
+    try:
+        check(args)
+    except UsageError:
+        if not run_dir.may_resume(args.log_dir, getattr(args, "resume_checkpoint", "")):
+            raise
+
+
+def run_flags(args, defaults=None):
+    """{flag: value} of ``args``'s run settings: the flags of ``defaults`` (train_defaults())
+    but the job's own (script_util.run_flag_keys), which checkpoints record for a resume to
+    take back."""
+    return {k: getattr(args, k) for k in run_flag_keys(defaults or train_defaults())
+            if hasattr(args, k)}
 
 
 def num_classes(args):
@@ -108,52 +139,83 @@ class FlagClashError(UserError):
 
 def take_checkpoint_flags(args, given, kinds=("model", "ema"), resolved_later=("num_classes",)):
     """
-    A resume needs no model flag retyped: each model or diffusion flag that the command line did
-    not give (not in ``given``, the names typed) takes the value the checkpoint to resume records
-    (the ``flags`` of its file, of one of ``kinds``), logged in one line (``resume: from the
-    checkpoint (model000100.pt): --diffusion_steps 100 ...``); one given with another value than
-    the checkpoint's is a FlagClashError naming both, unless --allow_model_change True (then the
-    resume's change summary follows). The class count (``resolved_later``, when not given) is
-    left to num_classes() / classifier_num_classes(), which take the checkpoint's and check it
-    against --data_dir. Nothing happens for a fresh start or a file without flags. Changes
-    ``args`` in place. Collective: call from all ranks with the same arguments.
+    A resume needs no flag retyped. Each flag the command line did not give (not in ``given``,
+    the names typed) takes the value the checkpoint to resume records: the model and diffusion
+    flags (the ``flags`` of its file, of one of ``kinds``) and the run's settings (its
+    ``run_flags``: --lr, --batch_size, --ema_rate, --max_steps, the intervals, ... all but
+    script_util.JOB_FLAGS), from the step the resume will load (run_dir.likely_resume_model),
+    logged in one line (``resume: from the checkpoint (model000100.pt): --diffusion_steps 100
+    --lr 0.002 ...``). A model flag typed with another value than the file's is a
+    FlagClashError naming both, unless --allow_model_change True (then the resume's change
+    summary follows); a run setting typed with another value is the resume's to use, and the
+    resume logs it (``resume: --lr A -> B``, Checkpointer). The class count (``resolved_later``,
+    when not given) is left to num_classes() / classifier_num_classes(), which take the
+    checkpoint's and check it against --data_dir. Nothing happens for a fresh start or a file
+    without flags (upstream's: every flag as typed or its default, as upstream). Changes
+    ``args`` in place; returns the flags taken ({name: value}) or None.
+    Collective: call from all ranks with the same arguments.
     """
-    found = checkpointer.saved_model_file_flags(args.log_dir, args.resume_checkpoint, kinds)
+    found = checkpointer.saved_file_flags(args.log_dir, args.resume_checkpoint, kinds)
     if found is None:
-        return
-    path, saved = found
+        return None
+    path, saved, saved_run = found
     skip = {k for k in resolved_later if k not in given}
     taken = adopt_flags(args, given, {k: v for k, v in saved.items() if k not in skip},
                         f"resume from {path}", "a resume takes its model flags from the file",
-                        allow=args.allow_model_change, allow_hint="--allow_model_change True to "
-                        "change the model")
+                        allow=args.allow_model_change, allow_hint=_allow_hint)
     if getattr(args, "class_cond", False) and "num_classes" not in given:
         args.num_classes = None  # num_classes(): the checkpoint's, checked against --data_dir
+    for k, v in saved_run.items():
+        if (k not in JOB_FLAGS and k not in given and hasattr(args, k)
+                and not same_flag_value(getattr(args, k), v, k)):
+            setattr(args, k, v)
+            taken[k] = v
     if taken:
         logger.log(f"resume: from the checkpoint ({checkpoint.basename(path)}): "
                    f"{flags_text(taken)}")
+    if "deterministic" in taken:  # start_job applied the default: apply the run's now
+        dist_util.set_deterministic(args.deterministic)
     return taken
 
 
-def adopt_flags(args, given, saved, where, why, allow=False, allow_hint=None):
+def _allow_hint(clash):
+    """The --allow_model_change hint of a model-flag clash ({name: (typed, file's)}): a change
+    of the model's tensors, or (diffusion flags alone) of the noise process its weights train
+    under, which every tensor still fits."""
+    if set(clash) <= set(DIFFUSION_FLAG_KEYS):
+        return ("--allow_model_change True to train these weights on under the new noise "
+                "process (every tensor still fits; the change is logged and recorded)")
+    return "--allow_model_change True to change the model"
+
+
+def adopt_flags(args, given, saved, where, why, allow=False, allow_hint=None, sources=None):
     """Give each flag of ``saved`` ({name: value}) that ``args`` has and the command line did
     not give (``given``) the saved value; one given with another value is a FlagClashError
-    naming both (``where``: the file, ``why``: the rule), unless ``allow``. Returns the flags
-    taken ({name: value}). Not collective."""
+    naming both (``where``: the file, ``why``: the rule), unless ``allow``. ``sources``:
+    {name: where its value came from} for the names in ``given`` that were not typed but taken
+    from another file (a resumed checkpoint): the error names that file instead of telling to
+    leave the flag out. ``allow_hint``: text, or a function of the clash ({name: (value, saved
+    value)}) giving it. Returns the flags taken ({name: value}). Not collective."""
     taken, clash = {}, {}
+    sources = sources or {}
     for k, v in saved.items():
-        if not hasattr(args, k) or same_flag_value(getattr(args, k), v):
+        if not hasattr(args, k) or same_flag_value(getattr(args, k), v, k):
             continue
         if k in given:
             clash[k] = (getattr(args, k), v)
         else:
             taken[k] = v
     if clash and not allow:
-        shown = ", ".join(f"--{k} {shlex.quote(str(a))} (the file's: {shlex.quote(str(b))})"
-                          for k, (a, b) in clash.items())
-        hint = f", or pass {allow_hint}" if allow_hint else ""
-        raise FlagClashError(f"{where}: {shown}; leave the flag out to take the file's value "
-                             f"({why}){hint}")
+        typed = {k: ab for k, ab in clash.items() if k not in sources}
+        shown = ", ".join(
+            f"--{k} {shlex.quote(str(a))}" + (f" (from {sources[k]})" if k in sources else "")
+            + f" (the file's: {shlex.quote(str(b))})" for k, (a, b) in clash.items())
+        hint = allow_hint(clash) if callable(allow_hint) else allow_hint
+        hint = f", or pass {hint}" if hint else ""
+        advice = ("leave the flag out to take the file's value" if typed
+                  else "the two files disagree: give one that agrees, or start a new run in "
+                       "another --log_dir")
+        raise FlagClashError(f"{where}: {shown}; {advice} ({why}){hint}")
     for k, v in taken.items():
         setattr(args, k, v)
     return taken
@@ -186,14 +248,15 @@ def start_job(args):
 
 
 def make_loop(args, parts):
-    """The TrainLoop of ``parts`` with the training settings of ``args`` (resumes; collective)."""
+    """The TrainLoop of ``parts`` with the training settings of ``args`` (resumes; collective);
+    its checkpoints record the run's settings (run_flags) for a resume to take back."""
     overrides = ({} if parts.find_unused_parameters is None
                  else {"find_unused_parameters": bool(parts.find_unused_parameters)})
     config = train_util.TrainConfig.from_flags(args, **overrides)
     return train_util.TrainLoop(
         model=parts.model, diffusion=parts.diffusion, data=parts.data,
         schedule_sampler=parts.schedule_sampler, model_flags=parts.model_flags,
-        sample_kwargs=parts.sample_kwargs, **config.flags())
+        sample_kwargs=parts.sample_kwargs, run_flags=run_flags(args), **config.flags())
 
 
 def run_and_close(loop):
@@ -208,17 +271,23 @@ def run_and_close(loop):
     return code
 
 
-def run_training(args, build: Callable[[Any], Parts], given=None):
+def run_training(args, build: Callable[[Any], Parts], given=None, check=None):
     """The whole job (see the module docstring); returns 0, or 75 after a preemption save.
     ``given``: the flags typed on the command line (flags.explicit_args); then a resume
-    takes the others' values from the checkpoint first (take_checkpoint_flags).
+    takes the others' values from the checkpoint first (take_checkpoint_flags). ``check``: the
+    script's flag checks (check_train_args, or its own), run before the job starts (see
+    check_before_start) and again on the flags the resume took.
 
     Collective: call from all ranks with the same arguments.
     """
+    if check is not None:
+        check_before_start(args, check)
     lock = start_job(args)
     try:
         if given is not None:
             take_checkpoint_flags(args, given)
+        if check is not None:
+            check(args)
         parts = build(args)
         preemption.check()
         loop = make_loop(args, parts)

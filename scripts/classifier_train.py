@@ -53,8 +53,7 @@ def train(argv=None):
     given = explicit_args(parser, argv)  # the others: the resumed file's, --diffusion_from's
     if "classifier_num_classes" not in given:
         args.classifier_num_classes = None  # the resumed file's, else --data_dir's
-    classifier_train.check_args(args)
-    return classifier_train.run_job(args, given)
+    return classifier_train.run_job(args, given)  # checks the flags first (check_args)
 
 
 def main(argv=None):

@@ -112,6 +112,12 @@ def train(argv=None):
     given = explicit_args(parser, argv)  # a resume takes the others from the checkpoint
     if args.class_cond and "num_classes" not in given:
         args.num_classes = None  # build(): the resumed checkpoint's, else --data_dir's
+    return train_job.run_training(args, build, given, check=check_args)
+
+
+def check_args(args):
+    """train.py's checks and the super-resolution ones (raises UsageError); run on the flags as
+    typed and again on those a resume took (train_job.run_training)."""
     if args.eval_interval:
         raise UsageError(
             f"--eval_interval {args.eval_interval}: FID while training is train.py's (a "
@@ -121,7 +127,6 @@ def train(argv=None):
     if args.small_size >= args.large_size:
         raise UsageError(
             f"--small_size {args.small_size} must be smaller than --large_size {args.large_size}")
-    return train_job.run_training(args, build, given)
 
 
 def main(argv=None):

@@ -71,8 +71,7 @@ def train(argv=None):
     given = explicit_args(parser, argv)  # a resume takes the others from the checkpoint
     if args.class_cond and "num_classes" not in given:
         args.num_classes = None  # build(): the resumed checkpoint's, else --data_dir's
-    train_job.check_train_args(args)
-    return train_job.run_training(args, build, given)
+    return train_job.run_training(args, build, given, check=train_job.check_train_args)
 
 
 def main(argv=None):

@@ -46,8 +46,11 @@ the model's kind, diffusion. What it is given:
   the save, naming the label); ``resume_without_state(step)``: called instead of starting it
   fresh when the resumed step holds no state for it (raise a UserError to refuse the resume).
   train_util's post-hoc EMA (phema.RunTracker) is such a state.
-- ``run_flags``: {flag: value} of the settings the training math depends on (--lr, ...). They are
-  recorded, and a resume with other values logs one line for each (``resume: --lr A -> B``).
+- ``run_flags``: {flag: value} of the run's settings (--lr, --max_steps, ...: train.py passes
+  every training flag but the job's own, script_util.run_flag_keys). They are recorded in the
+  trainer state and in every model file ("run_flags"), so that a resume that leaves them out
+  takes them back (train_job.take_checkpoint_flags), and a resume with other values logs one
+  line for each (``resume: --lr A -> B``).
 - ``model_flags``: the model's flags, stored in every weights file (sampling needs no flags).
 - ``model_kind``: what the model file of a step is tagged as: "model" (a diffusion model) or
   "classifier" (guided-diffusion's noised classifier, classifier_train.py); a resume takes a
@@ -413,7 +416,10 @@ class Checkpointer:
         sd = {k: v.detach() for k, v in self.model.state_dict().items()}
         payload = (checkpoint.classifier_payload if self.model_kind == "classifier"
                    else checkpoint.model_payload)
-        files = {checkpoint.model_filename(step): {**payload(step, sd, flags), **self.file_tags}}
+        model_file = {**payload(step, sd, flags), **self.file_tags}
+        if self.run_flags:  # the run's settings: a resume that leaves them out takes them back
+            model_file["run_flags"] = dict(self.run_flags)
+        files = {checkpoint.model_filename(step): model_file}
         for rate, params in self.emas.items():
             ema_sd = {k: v.detach() for k, v in self._params_to_state_dict(params).items()}
             files[checkpoint.ema_filename(rate, step)] = {
@@ -581,10 +587,10 @@ class Checkpointer:
 
 def saved_model_flags(log_dir, resume_checkpoint=""):
     """The model flags stored in the file a resume of ``log_dir`` (with ``resume_checkpoint``)
-    would most likely start from, read without its tensors; None for a fresh start or a file that
-    stores none (run_dir.likely_resume_model, checkpoint.read_flags). For what must be known
-    before the model is built, e.g. the class count of a class-conditional resume. Collective
-    (rank 0 reads; every rank gets the same answer)."""
+    will start from, read without its tensors; None for a fresh start or a file that stores
+    none (run_dir.likely_resume_model: the step the plan chooses; checkpoint.read_flags). For
+    what must be known before the model is built, e.g. the class count of a class-conditional
+    resume. Collective (rank 0 reads; every rank gets the same answer)."""
     found = saved_model_file_flags(log_dir, resume_checkpoint)
     return None if found is None else found[1]
 
@@ -592,10 +598,19 @@ def saved_model_flags(log_dir, resume_checkpoint=""):
 def saved_model_file_flags(log_dir, resume_checkpoint="", kinds=None):
     """``(path, flags)`` of that file (saved_model_flags), or None; ``kinds``: only a file of
     one of these kinds counts (checkpoint.read_flags). Collective."""
+    found = saved_file_flags(log_dir, resume_checkpoint, kinds)
+    return None if found is None else found[:2]
+
+
+def saved_file_flags(log_dir, resume_checkpoint="", kinds=None):
+    """``(path, model flags, run flags)`` of that file, or None when it stores no model flags;
+    the run flags (the run's settings, Checkpointer's ``run_flags``) are {} for a file that
+    records none (written before they were recorded). Collective."""
     def peek():
         path = run_dir.likely_resume_model(log_dir, resume_checkpoint)
-        flags = None if path is None else checkpoint.read_flags(path, kinds=kinds)
-        return None if not flags else (path, flags)
+        found = (None if path is None
+                 else checkpoint.read_flags(path, kinds=kinds, keys=("flags", "run_flags")))
+        return None if not found else (path, found[0], found[1] or {})
     return dist_util.run_on_rank0(peek)
 
 
@@ -640,12 +655,14 @@ class Resume:
         c = self._load(path)
         if c.kind not in MODEL_FILE_KINDS[ckpt.model_kind]:
             classifier = ckpt.model_kind == "classifier"
-            if self.plan.source == "auto":  # found in --log_dir: no --resume_checkpoint given
+            if self.plan.source == "auto":  # a run dir's newest step: --log_dir's or another's
                 run = ("a diffusion model's run (train.py's)" if classifier
                        else "a noised classifier's run (classifier_train.py's)")
+                flag, where = (("--log_dir", ckpt.config.log_dir) if self.plan.in_log_dir
+                               else ("--resume_checkpoint", checkpoint.dirname(path)))
                 raise ResumeError(
-                    f"--log_dir {ckpt.config.log_dir}: its newest step ({checkpoint.basename(path)}) "
-                    f"holds {checkpoint.describe(c)}: this is {run}; give another --log_dir")
+                    f"{flag} {where}: its newest step ({checkpoint.basename(path)}) holds "
+                    f"{checkpoint.describe(c)}: this is {run}; give another {flag}")
             want = ("a noised classifier's weights; pass a model file of a classifier run"
                     if classifier else "model weights; pass a model file")
             raise ResumeError(f"--resume_checkpoint {path}: holds {checkpoint.describe(c)}, not "
@@ -665,6 +682,8 @@ class Resume:
         else:
             self.change = model_change.plan_change(
                 state_fit.shapes_of(mine), self.file_shapes, c.flags, ckpt.model_flags)
+            if self.change.keeps_too_little:  # another model's flags, most likely
+                raise ResumeError(model_change.too_little_kept_for_resume(path, self.change))
             ckpt.model.load_state_dict(model_change.take_matching(mine, sd), strict=True)
         self.step = c.step if c.step is not None else checkpoint.parse_step(path)
         if self.change is not None:
@@ -873,8 +892,19 @@ def _log_changes(ckpt, trainer):
         logger.log(f"resume: --ema_rate {','.join(old_rates)} -> {','.join(ckpt.emas)}")
     old_flags = trainer.get("flags") if isinstance(trainer.get("flags"), dict) else {}
     for k, v in ckpt.run_flags.items():
-        if k in old_flags and not same_flag_value(old_flags[k], v):
-            logger.log(f"resume: --{k} {old_flags[k]} -> {v}")
+        if k in OWN_LINES or k not in old_flags or same_flag_value(old_flags[k], v, k):
+            continue
+        logger.log(f"resume: --{k} {_shown(old_flags[k])} -> {_shown(v)}")
+
+
+# run_flags that _log_changes words in lines of their own (above), not as "--k A -> B" again.
+OWN_LINES = ("batch_size", "seed", "ema_rate")
+
+
+def _shown(value):
+    """A flag value as a log line shows it ('' for an empty string, so that a value that was
+    cleared is seen)."""
+    return "''" if value == "" else value
 
 
 def restore_rng(ckpt, rngs, old_world_size, step):

@@ -273,12 +273,42 @@ def _check_manifest(st, log_dir):
     return None
 
 
+# Steps whose checksums matched in this process: {identity: True} (_identity). A start-up reads
+# a step's checksums once even when several choices ask for the same step (the flags a resume
+# takes, its class count, the plan): a file written again, touched or replaced changes its
+# inode, size, mtime or ctime, so it is read anew. Bounded: cleared when it grows past this.
+_VERIFIED: Dict[tuple, bool] = {}
+_VERIFIED_MAX = 64
+
+
+def _identity(st, log_dir):
+    """What verifying ``st`` depends on: its manifest and every listed file's inode, size, mtime
+    and ctime (ctime: no utime can set it back); None for a remote log dir (never remembered)
+    or a file that cannot be stat'ed."""
+    if ckpt.is_remote(log_dir):
+        return None
+    files = []
+    for name in sorted(st.manifest["files"]):
+        try:
+            s = os.stat(ckpt.join(log_dir, name))
+        except OSError:
+            return None
+        files.append((name, s.st_ino, s.st_size, s.st_mtime_ns, s.st_ctime_ns))
+    return (os.path.abspath(log_dir), st.step, json.dumps(st.manifest, sort_keys=True),
+            tuple(files))
+
+
 def verify_step(st, log_dir):
     """Read every file of a complete step and compare its checksum with the manifest's (crc32,
     or sha256 in a version-1 manifest); sets ``st.complete``/``st.problem``/``st.verified``.
-    Upstream steps have no checksums (verified means "loadable sizes"). Raises
+    Upstream steps have no checksums (verified means "loadable sizes"). A step that matched
+    earlier in this process, its files unchanged since, is not read again (_VERIFIED). Raises
     CheckpointReadError when a read fails."""
     doc = st.manifest
+    key = None if doc is None else _identity(st, log_dir)
+    if key is not None and key in _VERIFIED:
+        st.verified = True
+        return st
     if doc is not None:
         for name, info in doc["files"].items():
             algorithm, want = file_writer.checksum_of(info)
@@ -292,6 +322,10 @@ def verify_step(st, log_dir):
                     f"{name} does not match its {algorithm} in the manifest (corrupt)")
                 return st
     st.verified = True
+    if key is not None:
+        if len(_VERIFIED) >= _VERIFIED_MAX:
+            _VERIFIED.clear()
+        _VERIFIED[key] = True
     return st
 
 
@@ -424,19 +458,36 @@ def plan_resume(log_dir, resume_checkpoint=""):
 
 
 def likely_resume_model(log_dir, resume_checkpoint=""):
-    """The model file a resume would most likely load, found cheaply (names and manifests, no
-    checksums): the ``resume_checkpoint`` file itself, else the newest step with a manifest of
-    the run dir it names or of ``log_dir``; None when there is none or the listing fails. For
-    choices that must precede the model (train.py's class count); plan_resume decides for real.
-    Not collective."""
+    """The model file a resume will load, for the choices that must precede the model (the
+    flags a resume takes, train.py's class count): the ``resume_checkpoint`` file itself, else
+    the step plan_resume chooses in the run dir it names or in ``log_dir``, the newest whose
+    checksums match (a newer step that fails them is skipped here as there, so the flags come
+    from the step actually resumed; verify_step remembers the match, so the plan does not read
+    the step again). None when there is none or a read fails (the plan then says why). Not
+    collective."""
     arg = os.fspath(resume_checkpoint or "")
     try:
         if arg and arg != "auto" and not _is_dir(arg):
             return arg
-        steps = list_steps(arg if arg and arg != "auto" else os.fspath(log_dir))
+        st = latest_complete_step(arg if arg and arg != "auto" else os.fspath(log_dir),
+                                  warn=None, verify_checksums=True)
     except CheckpointError:
         return None
-    return next((st.model_path for st in steps if st.complete and st.model_path), None)
+    return None if st is None else st.model_path
+
+
+def may_resume(log_dir, resume_checkpoint=""):
+    """Whether a start with these flags could be a resume, from names alone (a file or
+    directory given to resume, or a step in ``log_dir`` that was once saved completely): the
+    flags a command leaves out may then be the checkpoint's rather than the defaults. Cheap,
+    never raises. Not collective."""
+    arg = os.fspath(resume_checkpoint or "")
+    if arg and arg != "auto":
+        return True
+    try:
+        return bool(log_dir) and any(st.has_history for st in list_steps(os.fspath(log_dir)))
+    except (CheckpointError, OSError):
+        return False
 
 
 def _choose(plan, where, steps, announce):

@@ -140,7 +140,7 @@ def differing_flags(file_flags, run_flags) -> Optional[Dict[str, Tuple[Any, Any]
     keys = [k for k in SHAPE_FLAGS if k in run_flags]
     keys += [k for k in run_flags if k not in SHAPE_FLAGS]
     return {k: (file_flags[k], run_flags[k]) for k in keys
-            if k in file_flags and not same_flag_value(file_flags[k], run_flags[k])}
+            if k in file_flags and not same_flag_value(file_flags[k], run_flags[k], k)}
 
 
 def _layout_hints(have, want, other):
