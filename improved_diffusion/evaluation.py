@@ -666,7 +666,8 @@ def check_reference(path, features, acts):
             f"{path}: not digits: the digits features' classifier is {confidence:.2f} sure of "
             f"these images on average (about 0.96 on the bundled digits, 0.2 on other images; "
             f"{DIGITS_MIN_CONFIDENCE} needed), so their FID, precision and recall would mean "
-            "nothing; score them with the Inception features (--features inception)")
+            "nothing; use the Inception features (--features inception; train.py: "
+            "--eval_features inception)")
 
 
 def _note(message):
