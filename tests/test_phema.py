@@ -532,3 +532,25 @@ def test_a_snapshot_damaged_after_the_plan_says_to_run_the_reconstruction_again(
         list(P.reconstruct(plan))
     assert "CRC mismatch" in str(e.value) and "run the reconstruction again" in str(e.value)
     assert "resume from another step" not in str(e.value)
+
+
+def test_a_snapshot_its_steps_manifest_does_not_list_leaves_the_step_out(tmp_path):
+    """Issue 37, item 22 (a promise): a snapshot beside a complete step that its manifest does not
+    list (written after it, or copied in) is no part of that step: the step is left out, named
+    in one warning, and the reconstruction is made of the others (scripts/ckpt.py phema)."""
+    d = str(tmp_path / "run")
+    _steps_with_snapshots(d, [1, 2, 3])
+    lin = th.nn.Linear(8, 2, bias=False)
+    stray = P.PowerFunctionEMA(lin.named_parameters(), [0.20])
+    stray.update(lin.parameters(), 8, 4)
+    for name, payload in stray.snapshot_payloads(2, TINY_FLAGS, lin.state_dict()).items():
+        W.atomic_write(os.path.join(d, name), payload)
+    proc = run_script("ckpt.py", "phema", d, "--std", "0.07", "--out", tmp_path / "out",
+                      "--json")
+    assert proc.returncode == 0, proc.stdout
+    assert ("warning: post-hoc EMA snapshots: step 2 left out: phema_0.200_000002.pt is not in "
+            "manifest000002.json") in proc.stdout.splitlines()
+    rep = json.loads(proc.stdout[proc.stdout.index("{"):])
+    assert rep["left_out"] == [{"step": 2, "why": "phema_0.200_000002.pt is not in "
+                                                  "manifest000002.json"}]
+    assert not any(name.endswith("000002.pt") for name in rep["inputs"]), rep["inputs"]
