@@ -528,6 +528,7 @@ def test_a_hostile_batch_is_one_line_exit_1_in_every_entry_point_and_nothing_is_
     assert listing(d) == before and not log.exists()
 
 
+@pytest.mark.timeout(200)
 def test_a_zip_directory_that_claims_more_bytes_than_the_member_holds_is_one_line(
         tmp_path, digits, evaluate_script, capsys):
     """The header and the zip's sizes agree, but the compressed member ends early: the images
@@ -548,6 +549,12 @@ def test_a_zip_directory_that_claims_more_bytes_than_the_member_holds_is_one_lin
     code, out, err = run_inproc(evaluate_script, capsys, ref, samples, "--features", "digits")
     assert code == 1 and out == ""
     _one_error_line(err, ["arr_0 ends after 4 of its 10 images"], samples)
+    assert listing(tmp_path) == before
+    # on 2 ranks rank 0 finds it (images 0-4 of 10), and rank 1 does not wait for it in vain
+    proc = run_mpi(2, "evaluate.py", ref, samples, "--features", "digits", "--dist_timeout", 60,
+                   timeout=150, check=False)
+    assert proc.returncode == 1, proc.stdout
+    _one_error_line(proc.stdout, ["arr_0 ends after 4 of its 10 images"], samples)
     assert listing(tmp_path) == before
 
 
