@@ -309,8 +309,39 @@ def test_flags_come_from_the_model_to_guide_and_from_the_resumed_classifier(tmp_
     assert "--diffusion_steps 20 (the file's: 30)" in errors[0]
     assert not (tmp_path / "clf2").exists() or not list((tmp_path / "clf2").glob("*.pt"))
 
-    proc = _run([PY, SCRIPT, "--data_dir", train_dir, "--log_dir", log_dir, "--iterations",
-                 "4", "--batch_size", "4"], 150, check=False)
+    # A resume takes the run's settings too (issue 37, item 1): --iterations 4 from the file,
+    # and --max_steps 2 unless typed (then the change is logged).
+    proc = _run([PY, SCRIPT, "--data_dir", train_dir, "--log_dir", log_dir, "--max_steps", "4"],
+                150, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:]
-    assert "resume: from the checkpoint (model000002.pt)" in proc.stdout
+    line = next(ln for ln in proc.stdout.splitlines()
+                if ln.startswith("resume: from the checkpoint (model000002.pt)"))
+    assert "--iterations 4" in line and "--classifier_width 32" in line, line
+    assert "resume: --max_steps 2 -> 4" in proc.stdout, proc.stdout[-3000:]
     assert load(log_dir / "model000004.pt")["flags"] == flags
+    assert load(log_dir / "model000004.pt")["run_flags"]["iterations"] == 4
+
+    # Issue 37, items 23 and 12: --diffusion_from a model of another noise process than the
+    # resumed classifier's is refused, naming where each value came from (nothing was typed).
+    other = tmp_path / "model_run_20"
+    run_script("train.py", "--image_size", "8", "--num_channels", "32", "--num_res_blocks",
+               "1", "--attention_resolutions", "", "--diffusion_steps", "20",
+               "--noise_schedule", "cosine", "--batch_size", "2", "--data_dir",
+               tmp_path / "imgs", "--log_dir", other, "--max_steps", 1)
+    proc = _run([PY, SCRIPT, "--data_dir", train_dir, "--log_dir", log_dir, "--diffusion_from",
+                 other], 150, check=False)
+    errors = [ln for ln in proc.stdout.splitlines() if ln.startswith("error:")]
+    assert proc.returncode == 1 and len(errors) == 1, proc.stdout[-3000:]
+    assert ("--diffusion_steps 30 (from the resumed classifier's checkpoint) (the file's: 20)"
+            in errors[0] and "leave the flag out" not in errors[0]), errors[0]
+    assert not (log_dir / "model000005.pt").exists()
+
+    # Issue 37, item 12: a classifier run given to train.py's --resume_checkpoint is named as
+    # that flag's (not --log_dir's).
+    proc = run_script("train.py", "--data_dir", tmp_path / "imgs", "--log_dir",
+                      tmp_path / "unet_from_clf", "--resume_checkpoint", log_dir, check=False)
+    errors = [ln for ln in proc.stdout.splitlines() if ln.startswith("error:")]
+    assert proc.returncode == 1 and len(errors) == 1, proc.stdout[-3000:]
+    assert errors[0].startswith(f"error: --resume_checkpoint {log_dir}: its newest step"), \
+        errors[0]
+    assert "noised classifier's run" in errors[0] and "--log_dir" not in errors[0], errors[0]
