@@ -937,6 +937,10 @@ def write_reference_batch(data_dir, image_size, path, num_images=0, seed=0, batc
     if os.path.lexists(path):
         raise EvaluationError(f"{path}: already exists; refusing to overwrite it (remove it or "
                               "give another name)")
+    inside = os.path.realpath(os.path.dirname(os.path.abspath(path)))
+    if (inside + os.sep).startswith(os.path.realpath(data_dir) + os.sep):
+        raise UsageError(f"{path}: inside --data_dir {data_dir}, where the training would take "
+                         "the .npz for a latent; write the reference batch elsewhere")
     loader = image_datasets.load_data(data_dir=data_dir, batch_size=1, image_size=image_size,
                                       deterministic=True, rank=0, world_size=1, num_workers=0)
     dataset = loader.dataset

@@ -812,6 +812,7 @@ def test_a_reference_batch_of_ones_own_folder_holds_the_images_the_training_sees
         (["--data_dir", data, "--image_size", 8, "--num_images", 9, tmp_path / "n.npz"], 2,
          "holds only 5 images"),
         (["--data_dir", data, "--image_size", 8, ref, tmp_path / "n.npz"], 2, "one batch"),
+        (["--data_dir", data, "--image_size", 8, data / "sub" / "n.npz"], 2, "inside --data_dir"),
         (["--image_size", 8, ref, ref], 2, "--data_dir"),
         ([ref], 2, "REF_BATCH SAMPLE_BATCH"),
     ]:
