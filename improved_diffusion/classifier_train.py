@@ -33,13 +33,12 @@ Where it differs from guided's:
   validates on the batches a straight run would.
 """
 import contextlib
-import os
 
 import torch as th
 import torch.nn.functional as F
 from torch.nn.parallel.distributed import DistributedDataParallel as DDP
 
-from . import amp, cli, dist_util, logger, train_job
+from . import amp, dist_util, logger, train_job
 from .ckpt import checkpoint, checkpointer, preemption
 from .ckpt.checkpointer import CheckpointConfig, Checkpointer
 from .config_check import check_config_on_all_ranks, data_fingerprint, show_fingerprint
@@ -50,21 +49,17 @@ from .ckpt.rng import seed_rngs
 from .script_util import (
     DIFFUSION_FLAG_KEYS,
     classifier_and_diffusion_defaults,
+    classifier_train_defaults,
     create_classifier_and_diffusion,
 )
 from .flags import args_to_dict
 from .train_util import (NAN_POLICIES, _poison_if_not_finite, grad_norm, grads_finite,
                          keep_model_state, log_loss_dict, make_adamw, non_finite_step)
 
-# The settings of the training math that opt files record (a resume with others says so).
-RECORDED = ("lr", "weight_decay", "anneal_lr", "iterations", "noised", "microbatch",
-            "nan_policy", "fp16_scale_growth")
-
-
 def check_args(args):
-    """Resolve --log_dir and check the values argparse cannot (raises UsageError naming the
-    flag)."""
-    args.log_dir = args.log_dir or os.environ.get("OPENAI_LOGDIR", "")
+    """Check the values argparse cannot (raises UsageError naming the flag): the job's own
+    (train_job.check_job_flags: --log_dir resolved), then the classifier's."""
+    train_job.check_job_flags(args)
     if not args.data_dir:
         raise UsageError("--data_dir is required: a folder of labelled images (the class of a "
                          "file is its name before the first '_')")
@@ -82,13 +77,6 @@ def check_args(args):
     if args.nan_policy not in NAN_POLICIES:
         raise UsageError(f"--nan_policy must be one of {', '.join(NAN_POLICIES)} "
                          f"(got {args.nan_policy!r})")
-    if args.lock_wait < 0:
-        raise UsageError(f"--lock_wait must be >= 0 (got {args.lock_wait})")
-    if args.num_workers < -1:
-        raise UsageError(f"--num_workers must be -1 (auto) or >= 0 (got {args.num_workers})")
-    if args.log_format not in ("progress", "table"):
-        raise UsageError(f"--log_format must be progress or table (got {args.log_format!r})")
-    cli.check_dist_timeout(args.dist_timeout)
     CheckpointConfig.from_flags(args)  # --log_dir, --save_interval, --keep_checkpoints
 
 
@@ -119,7 +107,9 @@ def take_flags(args, given):
     saved = {k: flags[k] for k in GUIDED_MODEL_FLAGS if k in flags}
     adopted = train_job.adopt_flags(
         args, set(given) | set(taken or {}), saved, f"--diffusion_from {path}",
-        "the classifier must see the noise process of the model it guides")
+        "the classifier must see the noise process of the model it guides",
+        sources={k: "the resumed classifier's checkpoint" for k in taken or {}
+                 if k not in given})
     logger.log(f"--diffusion_from {checkpoint.basename(path)}: {train_job.flags_text(saved)}"
                + (f" (taken: {', '.join('--' + k for k in adopted)})" if adopted else ""))
 
@@ -135,10 +125,12 @@ def run_job(args, given=None):
     save. ``given``: the flags typed on the command line (flags.explicit_args): a resume
     then takes the others from its classifier file, and --diffusion_from the noise process of
     the model to guide (take_flags). Collective: call from all ranks with the same arguments."""
+    train_job.check_before_start(args, check_args)
     lock = train_job.start_job(args)
     try:
         if given is not None:
             take_flags(args, given)
+        check_args(args)  # again: on the flags a resume took
         loop = ClassifierLoop(args)
         try:
             preemption.check()  # a signal during the build or the resume: 75, nothing saved
@@ -186,7 +178,8 @@ class ClassifierLoop:
         self.checkpointer = Checkpointer(
             CheckpointConfig.from_flags(args), model=self.model, optimizer=self.opt,
             data=self.data, batch_size=args.batch_size, seed=args.seed, model_flags=self.flags,
-            run_flags={k: getattr(args, k) for k in RECORDED}, model_kind="classifier",
+            run_flags=train_job.run_flags(args, classifier_train_defaults()),
+            model_kind="classifier",
             states={"schedule_sampler": self.sampler, "grad_scaler": self.grad_scaler,
                     "val_data": self.val_data})
         self.step = self.resume_step = self.checkpointer.resume()

@@ -120,10 +120,9 @@ class TrainConfig:
 
     # Settings that may differ between ranks (each rank's own diagnostics).
     PER_RANK = ("log_sample_indices",)
-    # Settings of the training math that checkpoints record, so that a resume with other values
-    # says so (seed, ema_rate and the batch size have lines of their own). Where to write, how
-    # long to run and how to save may differ between the segments of a run whose files are
-    # byte for byte those of a straight run: they are not recorded.
+    # Settings of the training math that checkpoints record when the loop is given no run_flags
+    # (a TrainLoop built by hand), so that a resume with other values says so (seed, ema_rate
+    # and the batch size have lines of their own). train.py records every run setting.
     RECORDED = ("lr", "weight_decay", "lr_anneal_steps", "microbatch", "use_fp16",
                 "fp16_scale_growth", "nan_policy")
 
@@ -215,6 +214,9 @@ class TrainLoop:
     sample_kwargs: for --sample_interval, ``indices (int64 [n]) -> {name: tensor [n, ...]}``, the
     keyword arguments of the model for the grid's samples (default: the labels ``i % num_classes``
     when model_flags say class_cond, else none).
+    run_flags: {flag: value} of the run's settings as on the command line (train_job passes every
+    training flag but the job's own: script_util.run_flag_keys); checkpoints record them, so
+    that a resume which leaves them out takes them back. Default: the RECORDED settings.
 
     Construction resolves and loads the resume checkpoint (if any): a collective, so construct it
     on every rank with the same arguments.
@@ -224,7 +226,7 @@ class TrainLoop:
                  log_interval, save_interval, resume_checkpoint, use_fp16=False,
                  fp16_scale_growth=1e-3, schedule_sampler=None, weight_decay=0.0,
                  lr_anneal_steps=0, log_dir=None, model_flags=None, sample_kwargs=None,
-                 **settings):
+                 run_flags=None, **settings):
         if log_dir is None:  # upstream's TrainLoop wrote to get_blob_logdir()
             log_dir = get_blob_logdir()
         self.config = cfg = TrainConfig.from_flags(_settings(settings, dict(
@@ -274,7 +276,7 @@ class TrainLoop:
             cfg.checkpoint, model=self.model, optimizer=self.opt,
             emas=dict(zip(cfg.ema_rates, self.ema_params)), data=data, batch_size=batch_size,
             seed=cfg.seed, model_flags=self.model_flags,
-            run_flags={k: getattr(cfg, k) for k in TrainConfig.RECORDED},
+            run_flags={**{k: getattr(cfg, k) for k in TrainConfig.RECORDED}, **(run_flags or {})},
             states={"schedule_sampler": self.schedule_sampler, "grad_scaler": self.grad_scaler,
                     "phema": self.phema})
         names = getattr(data, "class_names", None)  # image_datasets.load_data's, in label order
