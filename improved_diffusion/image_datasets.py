@@ -4,7 +4,8 @@ A --data_dir holds images (.png, .jpg, .jpeg, .gif) or precomputed latents (.npy
 float array [C, H, W] per image, e.g. VAE latents for DiT; datasets/README.md says how to make
 them), never both. With --class_cond True a file's class is its top folder's name when every
 file lies in one of at least two subfolders (one folder per class, DIR/cat/*.png, torchvision's
-ImageFolder), else its base name before the first "_" (upstream's rule); see `class_labels`.
+ImageFolder), else its base name before the first "_" (upstream's rule); see `class_labels`. A
+resume checks the folder's classes against the checkpoint's (--class_map, `resumed_class_names`).
 
 The order in which samples are visited is a pure function of (seed, epoch, global index): the
 global position p (samples consumed by all ranks together since the start of the run) lies in
@@ -39,22 +40,40 @@ class DataError(UserError):
     """The data directory is missing, empty, or holds unusable files (one-line message)."""
 
 
-def list_image_files(data_dir, extensions=IMAGE_EXTENSIONS):
+def list_image_files(data_dir, extensions=IMAGE_EXTENSIONS, _above=()):
     """
     All image files under `data_dir`, recursively, sorted.
 
     :param data_dir: a local or blobfile path.
     :param extensions: the file extensions to list (any case); LATENT_EXTENSIONS lists latents.
     :return: a sorted list of paths with extension jpg, jpeg, png or gif (any case).
+    :raises DataError: (local folders) a symbolic link back to a folder above it (a loop, which
+        was walked until the OS gave up), a file link whose target is missing or a loop, a
+        folder that cannot be listed: one line naming it.
     """
+    local = "://" not in str(data_dir)
+    if local:
+        real = os.path.realpath(data_dir)
+        if real in _above:
+            raise DataError(f"{data_dir}: a symbolic link back to {real}, a folder above it (a "
+                            f"loop); remove the link or point it outside the data folder")
+        _above = (*_above, real)
+    try:
+        entries = sorted(os.listdir(data_dir) if local else bf.listdir(data_dir))
+    except OSError as e:
+        raise DataError(f"cannot list {data_dir}: {e.strerror or e}; fix it or leave it out of "
+                        f"the data folder") from None
     results = []
-    for entry in sorted(bf.listdir(data_dir)):
+    for entry in entries:
         full_path = bf.join(data_dir, entry)
         ext = entry.split(".")[-1]
         if "." in entry and ext.lower() in extensions:
+            if local and not os.path.exists(full_path):
+                raise DataError(f"{full_path}: a symbolic link to nothing (its target is "
+                                f"missing, or a loop); remove it or point it at the file")
             results.append(full_path)
         elif bf.isdir(full_path):
-            results.extend(list_image_files(full_path, extensions))
+            results.extend(list_image_files(full_path, extensions, _above))
     return sorted(results)
 
 
@@ -95,24 +114,37 @@ def class_labels(data_dir, paths):
     rules: "folders" when every file lies in a subfolder and there are at least two of them (the
     class is the top folder's name: DIR/cat/*.png, torchvision's ImageFolder), "prefix" (the
     base name before the first "_", upstream's rule: DIR/cat_001.png) otherwise, or when the
-    folders are one class and every file name has a prefix. Class indices follow sorted names.
+    folders are one class and every file name has a prefix. Class indices follow the names in
+    ``sorted()`` order (code points: "Zebra" before "ant"), as torchvision's ImageFolder.
 
     :return: (rule, names: sorted class names, labels: the index of each path's class).
     :raises DataError: as many classes as files (more than one): no rule found a class shared
-        by two files (names without "_", each its own class, were taken silently before); or
+        by two files (names without "_", each its own class, were taken silently before);
         subfolders and file-name prefixes that name different classes (DIR/train/cat_1.png,
-        DIR/test/dog_2.png), where either reading could be meant.
+        DIR/test/dog_2.png), where either reading could be meant; files beside the class
+        folders of a folder-per-class tree (DIR/IMG_1.jpg next to DIR/cat/, DIR/dog/), which
+        would switch the whole tree to the prefix rule (unless every file has a prefix and the
+        folders' files agree with it: then the prefix rule reads them all).
     """
     prefixes = class_names_from_paths(paths)[0]
     tops = [_relative(p, data_dir).split("/") for p in paths]
-    folders = [t[0] for t in tops] if all(len(t) > 1 for t in tops) else None
+    nested = [i for i, t in enumerate(tops) if len(t) > 1]  # the files in subfolders
+    classes = [tops[i][0] for i in nested]
+    folders = classes if len(nested) == len(paths) else None
+    all_prefixed = all("_" in bf.basename(p) for p in paths)
+    show = lambda xs: ", ".join(sorted(set(xs))[:4]) + (", ..." if len(set(xs)) > 4 else "")
+    if folders is None and len(set(classes)) >= 2 and not (
+            all_prefixed and _same_partition(classes, [prefixes[i] for i in nested])):
+        stray = ["/".join(t) for t in tops if len(t) == 1]
+        raise DataError(
+            f"--data_dir {data_dir}: --class_cond True: {len(stray)} file(s) lie beside its "
+            f"class folders ({show(classes)}), in no class folder: {show(stray)}; move them "
+            "into their class's folder or out of --data_dir")
     if folders is None or len(set(folders)) < 2:
         rule, per_file = "prefix", prefixes
-    elif _same_partition(folders, prefixes) or not all(
-            "_" in bf.basename(p) for p in paths) or len(set(prefixes)) < 2:
+    elif _same_partition(folders, prefixes) or not all_prefixed or len(set(prefixes)) < 2:
         rule, per_file = "folders", folders
     else:
-        show = lambda xs: ", ".join(sorted(set(xs))[:4]) + (", ..." if len(set(xs)) > 4 else "")
         raise DataError(
             f"--data_dir {data_dir}: --class_cond True: its subfolders ({show(folders)}) and its "
             f"file-name prefixes ({show(prefixes)}) name different classes; pass a --data_dir "
@@ -172,6 +204,93 @@ def resolve_num_classes(data_dir, num_classes, log=print, who="--class_cond True
     log(f"{who}: {len(names)} classes in --data_dir {data_dir} ({shown}); "
         f"{flag}={len(names)} (stored in the checkpoints' flags)")
     return len(names)
+
+
+# --class_map: how the classes of a resume's --data_dir meet the class names its checkpoint
+# stores (train.py's "class_names", in label order); `resumed_class_names`.
+CLASS_MAPS = {
+    "check": "refuse a resume whose classes differ from the checkpoint's (removed, added, "
+             "renamed, relabelled), naming the differences",
+    "keep": "the checkpoint's labels, matched by class name; a class new to it takes the next "
+            "free label (room in --num_classes); its classes without images are not trained",
+    "data": "the folder's own labels (0..K-1 in sorted order), as a fresh start would take; "
+            "the checkpoint's names are replaced (fine-tuning on other classes)",
+}
+
+
+def resumed_class_names(saved, names, class_map="check", *, data_dir, source, num_classes=None,
+                        flag="--class_map", num_classes_flag="--num_classes"):
+    """
+    The class names a resumed run trains with, in label order (label i is the i-th name), when
+    the classes of its --data_dir (``names``: sorted, the labels `class_labels` gives) meet the
+    class names its checkpoint stores (``saved``, in label order; None for a file that stores
+    none: an older or upstream file). A pure function of its arguments: call it on every rank
+    with the same values and every rank decides alike.
+
+    ``class_map`` (CLASS_MAPS): "check" returns ``names`` when they equal ``saved`` (or nothing
+    is stored) and refuses any difference; "keep" returns ``saved`` plus the folder's classes
+    new to it (sorted), each keeping its label by name; "data" returns ``names``.
+
+    :param data_dir, source: the folder and the checkpoint file, for the messages.
+    :param num_classes: the model's class count (its flag: ``num_classes_flag``): "keep"
+        needing more labels is refused.
+    :return: (label names, note: a line for the log, or "").
+    :raises DataError: one line naming the differences and the --class_map that maps them.
+    """
+    if class_map not in CLASS_MAPS:  # the flag's value is checked where it is parsed
+        raise ValueError(f"class_map must be one of {', '.join(CLASS_MAPS)}, got {class_map!r}")
+    names = [str(n) for n in names]
+    if not (isinstance(saved, (list, tuple)) and saved and all(isinstance(n, str) for n in saved)):
+        if class_map == "keep":
+            raise DataError(f"{flag} keep: the checkpoint {source} stores no class names to keep "
+                            f"(an older or upstream file); leave {flag} out to take the labels of "
+                            f"--data_dir {data_dir}")
+        return names, ""
+    saved = list(saved)
+    if names == saved:
+        return names, ""
+    shown = lambda xs: ", ".join(xs[:5]) + (f", ... ({len(xs)} in all)" if len(xs) > 5 else "")
+    labels = lambda xs: " ".join(f"{i}={x}" for i, x in enumerate(xs[:8])) + (
+        f" ... ({len(xs)} in all)" if len(xs) > 8 else "")
+    if class_map == "data":
+        return names, (f"{flag} data: the labels of --data_dir {data_dir} ({labels(names)}) "
+                       f"replace the checkpoint's ({labels(saved)})")
+    gone = [n for n in saved if n not in names]
+    new = [n for n in names if n not in saved]
+    if class_map == "keep":
+        label_names = saved + new
+        if num_classes is not None and len(label_names) > num_classes:
+            raise DataError(
+                f"{flag} keep: the checkpoint's {len(saved)} classes and the {len(new)} new in "
+                f"--data_dir {data_dir} ({shown(new)}) need {len(label_names)} labels, but the "
+                f"model has {num_classes_flag} {num_classes}; pass {num_classes_flag} "
+                f"{len(label_names)} --allow_model_change True to grow it")
+        untrained = f"; not in --data_dir, not trained: {shown(gone)}" if gone else ""
+        return label_names, (f"{flag} keep: labels by name, as the checkpoint's: "
+                             f"{labels(label_names)}{untrained}")
+    moved = [f"{n} {saved.index(n)}->{i}" for i, n in enumerate(names)
+             if n in saved and saved.index(n) != i]
+    diffs = ([f"not in --data_dir: {shown(gone)}"] if gone else []) + (
+        [f"new: {shown(new)}"] if new else []) + (
+        [f"labels changed: {shown(moved)}"] if moved else []) or ["another order"]
+    raise DataError(
+        f"--data_dir {data_dir}: its classes differ from those {source} was trained on "
+        f"({labels(saved)}): {'; '.join(diffs)}; pass {flag} keep to keep the checkpoint's "
+        f"labels by name, or {flag} data to take the folder's ({labels(names)})")
+
+
+def relabel(loader, label_names):
+    """Give the files of a class-conditional ``loader`` (load_data's) the labels of
+    ``label_names`` (label i is the i-th name; every class of the loader among them), by class
+    name, and make them its ``class_names``. Before the first batch (a resume)."""
+    old = list(loader.class_names)
+    if old == list(label_names):
+        return
+    index = {n: i for i, n in enumerate(label_names)}
+    to_new = [index[n] for n in old]
+    loader.dataset.local_classes = [to_new[c] for c in loader.dataset.local_classes]
+    loader.class_names = list(label_names)
+    loader.close()  # workers started with the old labels (none before the first batch)
 
 
 class _FileDataset(Dataset):

@@ -1,4 +1,5 @@
 """The image-folder dataset and its resumable, rank-sharded sample order."""
+import os
 import warnings
 
 import numpy as np
@@ -232,3 +233,92 @@ def test_train_py_reads_one_folder_per_class_logs_the_rule_and_sampling_names_th
         "file-name prefix before the first '_', one class per file; put each class in its own "
         "folder (DIR/cat/*.png) or name the files CLASS_anything.png")
     assert not list((tmp_path / "run2").glob("*.pt"))
+
+
+@pytest.mark.timeout(200)
+def test_train_py_refuses_a_stray_file_beside_the_class_folders_and_a_symlink_loop_in_one_line(
+        tmp_path):
+    """Issue 37, item 4: one IMG_0001.jpg beside cat/ and dog/ switched the whole tree to the
+    prefix rule (`1 classes: 0=IMG`, exit 0); a symbolic link back up the tree was a traceback
+    (OSError: too many levels of symbolic links)."""
+    from conftest import run_script
+
+    tiny = ["--image_size", "8", "--num_channels", "32", "--num_res_blocks", "1",
+            "--attention_resolutions", "", "--channel_mult", "1,2", "--diffusion_steps", "10",
+            "--noise_schedule", "cosine", "--class_cond", "True", "--batch_size", "2",
+            "--num_workers", "0", "--max_steps", "1"]
+    data = tmp_path / "data"
+    for cls in ("cat", "dog"):
+        make_folder(data / cls, labels=("IMG",), per_class=2, size=8)
+    make_folder(data, labels=("IMG",), per_class=1, size=8)  # data/IMG_000.png: a stray
+    proc = run_script("train.py", *tiny, "--data_dir", data, "--log_dir", tmp_path / "r1",
+                      check=False)
+    assert proc.returncode == 1, proc.stdout[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == (
+        f"error: --data_dir {data}: --class_cond True: 1 file(s) lie beside its class folders "
+        "(cat, dog), in no class folder: IMG_000.png; move them into their class's folder or "
+        "out of --data_dir"), proc.stdout[-3000:]
+    (data / "IMG_000.png").unlink()
+    (data / "dog" / "back").symlink_to("..")
+    proc = run_script("train.py", *tiny, "--data_dir", data, "--log_dir", tmp_path / "r2",
+                      check=False)
+    assert proc.returncode == 1, proc.stdout[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == (
+        f"error: {data}/dog/back: a symbolic link back to {os.path.realpath(data)}, a folder "
+        "above it (a loop); remove the link or point it outside the data folder"), (
+            proc.stdout[-3000:])
+    assert "Traceback" not in proc.stdout
+    assert not list(tmp_path.glob("r*/*.pt"))
+
+
+def test_files_beside_class_folders_are_refused_unless_every_prefix_agrees_with_the_folders(
+        tmp_path):
+    from improved_diffusion.image_datasets import class_labels
+
+    d = str(tmp_path)
+    with pytest.raises(DataError, match=r"2 file\(s\) lie beside its class folders \(cat, dog\), "
+                                        r"in no class folder: a.png, b.png; move"):
+        class_labels(d, [f"{d}/a.png", f"{d}/b.png", f"{d}/cat/1.png", f"{d}/dog/2.png"])
+    # every file has a prefix and the folders' files agree with it: the prefix rule reads all
+    paths = [f"{d}/cat/cat_{i}.png" for i in (1, 2)] + [f"{d}/dog/dog_1.png", f"{d}/owl_1.png",
+                                                        f"{d}/owl_2.png"]
+    assert class_labels(d, paths) == ("prefix", ["cat", "dog", "owl"], [0, 0, 1, 2, 2])
+    # one subfolder beside flat files: no folder-per-class tree, upstream's prefix rule
+    assert class_labels(d, [f"{d}/cat_1.png", f"{d}/cat_2.png", f"{d}/more/dog_1.png",
+                            f"{d}/more/dog_2.png"]) == ("prefix", ["cat", "dog"], [0, 0, 1, 1])
+    # a broken file link is one line naming it (its stat was a traceback in the fingerprint)
+    (tmp_path / "cat").mkdir()
+    (tmp_path / "cat" / "gone.png").symlink_to(tmp_path / "nowhere.png")
+    with pytest.raises(DataError, match="gone.png: a symbolic link to nothing"):
+        list_image_files(d)
+
+
+# Promises of issue 29 that no test guarded (issue 37, items 24 and 25)
+
+def test_class_labels_follow_sorted_order_of_the_names_uppercase_first(tmp_path):
+    """Item 24: class indices follow sorted() (code points, torchvision's ImageFolder order):
+    Zebra/ before ant/, and the batches carry those labels."""
+    from improved_diffusion.image_datasets import class_labels
+
+    d = str(tmp_path)
+    paths = [f"{d}/ant/1.png", f"{d}/ant/2.png", f"{d}/Zebra/1.png", f"{d}/Zebra/2.png"]
+    assert class_labels(d, sorted(paths)) == ("folders", ["Zebra", "ant"], [0, 0, 1, 1])
+    assert class_labels(d, [f"{d}/ant_1.png", f"{d}/Zebra_1.png", f"{d}/ant_2.png"])[1:] == (
+        ["Zebra", "ant"], [1, 0, 1])
+    for cls in ("ant", "Zebra"):
+        make_folder(tmp_path / "data" / cls, labels=("x",), per_class=2, size=8)
+    loader = load_data(data_dir=str(tmp_path / "data"), batch_size=4, image_size=8,
+                       class_cond=True, deterministic=True, rank=0, world_size=1)
+    assert loader.class_names == ["Zebra", "ant"]
+    files = list_image_files(str(tmp_path / "data"))
+    assert next(loader)[1]["y"].tolist() == [0 if "/Zebra/" in f else 1 for f in files]
+
+
+def test_subfolders_and_prefixes_that_name_different_classes_are_refused(tmp_path):
+    """Item 25: DIR/train/cat_1.png and DIR/test/dog_2.png could mean classes train/test or
+    cat/dog: refused, naming both readings (through load_data, as train.py reads a folder)."""
+    for split, labels in (("train", ("cat", "dog")), ("test", ("cat", "dog"))):
+        make_folder(tmp_path / "data" / split, labels=labels, per_class=1, size=8)
+    with pytest.raises(DataError, match=r"its subfolders \(test, train\) and its file-name "
+                                        r"prefixes \(cat, dog\) name different classes"):
+        load_data(data_dir=str(tmp_path / "data"), batch_size=2, image_size=8, class_cond=True)
