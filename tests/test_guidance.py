@@ -208,3 +208,35 @@ def test_without_cond_fn_the_samplers_are_unchanged_and_the_guided_one_differs()
     assert th.equal(results[0]["sample"], plain["sample"])
     assert not th.allclose(results[1]["sample"], plain["sample"], rtol=0, atol=1e-3)
     assert th.equal(results[1]["pred_xstart"], plain["pred_xstart"])  # ancestral: mean only
+
+
+@pytest.mark.timeout(150)
+def test_a_guidance_overflow_is_raised_on_every_rank_each_ending_with_exit_2(tmp_path):
+    """Issue 37, item 26 (a promise): the overflow of guided samples is raised on every rank alike
+    (a broadcast), so that each rank ends with its own usage error; one rank raising while the
+    others go on ends the job by an abort, which the job's exit code and its one error line do
+    not show. A shell prints each rank's own exit code after sample.py (2 ranks)."""
+    import re
+    import subprocess
+
+    from conftest import MPIEXEC, PY, REPO, child_env
+    from test_cfg import tagged_file
+
+    path = tagged_file(tmp_path, class_dropout_prob=0.2)
+    each_rank = '"$0" "$@"; echo "rank $PMI_RANK exit $?"'
+    proc = subprocess.run(
+        [str(a) for a in (MPIEXEC, "-n", 2, "sh", "-c", each_rank, PY, REPO / "scripts" /
+                          "sample.py", "--model_path", path, "--num_samples", 2, "--batch_size",
+                          1, "--guidance_scale", "1e38", "--clip_denoised", "False",
+                          "--log_dir", tmp_path / "s", "--progress", "False")],
+        cwd=REPO, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        timeout=120, stdin=subprocess.DEVNULL)
+    assert sorted(re.findall(r"^rank (\d) exit (\d+)$", proc.stdout, re.M)) == [
+        ("0", "2"), ("1", "2")], proc.stdout
+    errors = [line for line in proc.stdout.splitlines() if line.startswith("error:")]
+    assert errors == [
+        "error: --guidance_scale 1e+38: the guided samples overflowed to inf/nan (in the batch "
+        "from sample 0), the scale is too large for this model; use a smaller one "
+        "(guided-diffusion's classifier scales are 1-10, DiT's 1.5-4)"], proc.stdout
+    assert "aborting" not in proc.stdout and "Traceback" not in proc.stdout
+    assert not list((tmp_path / "s").glob("samples_*"))
