@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import FIXTURES, MPIEXEC, PY, REPO, _run, deep_diff, run_script
+from conftest import (FIXTURES, MPIEXEC, PY, REPO, _run, deep_diff, run_script,
+                      write_class_folder)
 
 from improved_diffusion import evaluation, sampling
 from improved_diffusion.ckpt import ckpt_tool
@@ -160,6 +161,34 @@ def test_sigterm_on_one_of_two_ranks_during_an_evaluation_saves_and_the_resume_l
     last = rows(log)[-1]
     assert abs(float(last[FID]) - fid) <= 1e-6 * fid
     assert abs(float(last[IS]) - score) <= 1e-6 * score
+
+
+@pytest.mark.timeout(240)
+def test_the_evaluations_labels_are_i_mod_num_classes_as_sample_pys_on_two_ranks(tmp_path):
+    """Sample i of a class-conditional model's evaluation is labelled i % num_classes, on any
+    rank and in any batch: the labels (and images) of sample.py --classes 0,1,2 of the EMA."""
+    data = write_class_folder(tmp_path / "data", classes=("ant", "bee", "cat"), per_class=2)
+    ref = tmp_path / "ref.npz"
+    np.savez(ref, arr_0=np.random.default_rng(0).integers(0, 256, (4, 8, 8, 3), np.uint8))
+    log, drawn, n = tmp_path / "log", tmp_path / "drawn", 7  # rank 0: [0 2] [4 6], 1: [1 3] [5]
+    _run([MPIEXEC, "-n", "2", PY, REPO / "tests" / "train_eval_labels.py", drawn,
+          "--data_dir", data, "--log_dir", log, *TINY, "--max_steps", "2", "--class_cond", "True",
+          *evals(ref, n=n)], 150)
+    assert rows(log)[-1][FID]
+    got = [np.load(drawn / f"rank{r}.npz") for r in range(2)]
+    indices = np.concatenate([g["indices"] for g in got])
+    order = np.argsort(indices)
+    assert indices[order].tolist() == list(range(n))
+    labels = np.concatenate([g["labels"] for g in got])[order]
+    assert labels.tolist() == [i % 3 for i in range(n)]
+    out = tmp_path / "sampled"
+    run_script("sample.py", "--model_path", log / "ema_0.9999_000002.pt", "--num_samples", n,
+               "--batch_size", 3, "--use_ddim", "True", "--timestep_respacing", 3, "--classes",
+               "0,1,2", "--log_dir", out, "--progress", "False", timeout=120)
+    with np.load(out / f"samples_{n}x8x8x3.npz") as z:
+        assert z["arr_1"].tolist() == labels.tolist()
+        images = np.concatenate([g["images"] for g in got])[order]
+        assert np.abs(z["arr_0"].astype(int) - images).max() <= 1
 
 
 @pytest.fixture(scope="module")
