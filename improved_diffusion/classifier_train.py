@@ -38,12 +38,12 @@ import torch as th
 import torch.nn.functional as F
 from torch.nn.parallel.distributed import DistributedDataParallel as DDP
 
-from . import amp, dist_util, logger, train_job
+from . import amp, dist_util, image_datasets, logger, train_job
 from .ckpt import checkpoint, checkpointer, preemption
 from .ckpt.checkpointer import CheckpointConfig, Checkpointer
 from .config_check import check_config_on_all_ranks, data_fingerprint, show_fingerprint
 from .errors import UsageError
-from .image_datasets import load_data
+from .image_datasets import CLASS_MAPS, load_data
 from .resample import create_named_schedule_sampler
 from .ckpt.rng import seed_rngs
 from .script_util import (
@@ -77,6 +77,9 @@ def check_args(args):
     if args.nan_policy not in NAN_POLICIES:
         raise UsageError(f"--nan_policy must be one of {', '.join(NAN_POLICIES)} "
                          f"(got {args.nan_policy!r})")
+    if args.class_map not in CLASS_MAPS:
+        raise UsageError(f"--class_map must be one of {', '.join(CLASS_MAPS)} "
+                         f"(got {args.class_map!r})")
     CheckpointConfig.from_flags(args)  # --log_dir, --save_interval, --keep_checkpoints
 
 
@@ -164,6 +167,7 @@ class ClassifierLoop:
         self.num_classes = self.flags["classifier_num_classes"]
         self.data = self._load(args.data_dir)
         self.val_data = self._load(args.val_data_dir) if args.val_data_dir else None
+        self._label_val_data()
         self.sampler = (create_named_schedule_sampler(args.schedule_sampler, self.diffusion)
                         if args.noised else None)
         fingerprint = data_fingerprint(self.data)
@@ -182,7 +186,8 @@ class ClassifierLoop:
             model_kind="classifier",
             states={"schedule_sampler": self.sampler, "grad_scaler": self.grad_scaler,
                     "val_data": self.val_data})
-        self.step = self.resume_step = self.checkpointer.resume()
+        self.checkpointer.file_tags["class_names"] = list(self.data.class_names)
+        self.step = self.resume_step = self._resume()
         self.microbatch = args.microbatch if args.microbatch > 0 else args.batch_size
         self.ddp_model = self._wrap_ddp() if self.world_size > 1 else self.model
         self._ddp_primed = self.world_size == 1
@@ -193,6 +198,49 @@ class ClassifierLoop:
         return load_data(data_dir=data_dir, batch_size=a.batch_size, image_size=a.image_size,
                          class_cond=True, num_classes=self.num_classes, seed=a.seed,
                          num_workers=a.num_workers)
+
+    def _resume(self):
+        """Checkpointer.resume() (the classifier has no EMA), with the class names checked
+        once the model file is read, before anything of the log dir changes; returns the step
+        (0 on a fresh start). Collective."""
+        r = self.checkpointer.begin_resume()
+        if r is None:
+            return 0
+        r.load_model()
+        self._match_class_names(r)
+        r.load_optimizer()
+        return r.finish()
+
+    def _match_class_names(self, resuming):
+        """A resume whose --data_dir classes differ from the class names its classifier file
+        stores stops with one line naming them, unless --class_map maps them (as train.py's,
+        image_datasets.resumed_class_names); the training and validation data are relabelled
+        to the names trained with, and the files store them. The same on every rank."""
+        raw = resuming.model_file.raw
+        names, note = image_datasets.resumed_class_names(
+            raw.get("class_names") if isinstance(raw, dict) else None, self.data.class_names,
+            self.args.class_map, data_dir=self.args.data_dir, source=str(resuming.plan.model),
+            num_classes=self.num_classes, num_classes_flag="--classifier_num_classes")
+        image_datasets.relabel(self.data, names)
+        self._label_val_data()
+        self.checkpointer.file_tags["class_names"] = list(names)
+        if note:
+            logger.log(f"resume: {note}")
+
+    def _label_val_data(self):
+        """Label --val_data_dir's images as the training data's classes, by name (its own
+        sorted names would label "cherry" 1 beside a training folder where it is 2); a
+        validation class the training data lacks is refused."""
+        if self.val_data is None:
+            return
+        names = list(self.data.class_names)
+        unknown = [n for n in self.val_data.class_names if n not in names]
+        if unknown:
+            raise image_datasets.DataError(
+                f"--val_data_dir {self.args.val_data_dir}: classes the training data "
+                f"(--data_dir {self.args.data_dir}) lacks: {', '.join(unknown[:5])}; give a "
+                f"validation folder of the training classes")
+        image_datasets.relabel(self.val_data, names)
 
     def _rank_flags(self):
         """What every rank must agree on (--log_dir and the data paths excepted: the data is

@@ -213,6 +213,10 @@ FLAG_HELP = {
     "phema_interval": ("checkpointing", "post-hoc EMA snapshots every this many steps (a "
                        "multiple of --save_interval) and at the last step; 0 = every save"),
     "lock_wait": ("checkpointing", "seconds to wait for another job holding --log_dir"),
+    "class_map": ("checkpointing", "a class-conditional resume whose --data_dir classes differ "
+                  "from the checkpoint's class names: check (refuse, naming the differences), "
+                  "keep (the checkpoint's labels by class name; a new class takes the next free "
+                  "label), data (the folder's labels, the stored names replaced)"),
     "model_path": ("checkpointing", "model or EMA file to load (ours or upstream's)"),
     "weights": ("checkpointing", "which weights of a combined file: auto, model or ema"),
     # logging

@@ -294,12 +294,12 @@ def nll_defaults():
 
 # Flags of one job rather than of the run: where its data and log dir are, which checkpoint to
 # start from, how long to wait for ranks and for a held log dir, this machine's loader workers,
-# how this job's terminal shows progress, a one-time permission, per-rank diagnostics, the model
-# a classifier is checked against. A resume never takes these from a checkpoint; every other
-# training flag it does (run_flag_keys).
+# how this job's terminal shows progress, one-time permissions (a model change, a class map),
+# per-rank diagnostics, the model a classifier is checked against. A resume never takes these
+# from a checkpoint; every other training flag it does (run_flag_keys).
 JOB_FLAGS = ("data_dir", "log_dir", "resume_checkpoint", "allow_model_change", "lock_wait",
              "dist_timeout", "num_workers", "log_format", "log_sample_indices",
-             "diffusion_from")
+             "diffusion_from", "class_map")
 
 
 def run_flag_keys(defaults):

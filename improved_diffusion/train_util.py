@@ -34,7 +34,7 @@ import torch as th
 from torch.nn.parallel.distributed import DistributedDataParallel as DDP
 from torch.optim import AdamW
 
-from . import amp, dist_util, guidance, logger, phema
+from . import amp, dist_util, guidance, image_datasets, logger, phema
 from .ckpt import checkpoint, run_dir
 from .ckpt.checkpointer import (PREEMPTED_EXIT_CODE, CheckpointConfig, Checkpointer, NonFiniteError,
                                 ResumeError, copy_into, fields_from_flags)
@@ -87,6 +87,9 @@ class TrainConfig:
         eval_num_samples images of the EMA (DDIM, sample_steps) and rank 0 logs their FID and
         IS against eval_ref_batch (0: off; train_eval.py). eval_features: "inception" (the FID
         Inception, weights from inception_weights or $ID_INCEPTION_WEIGHTS) or "digits".
+    class_map: how a resume's class labels meet the class names its checkpoint stores: "check"
+        (refuse a difference), "keep" (the checkpoint's labels, by name), "data" (the folder's);
+        image_datasets.CLASS_MAPS, TrainLoop._match_class_names.
     checkpoint: the checkpointer's settings (log_dir, resume, saving; CheckpointConfig).
     """
 
@@ -116,6 +119,7 @@ class TrainConfig:
     eval_num_samples: int
     eval_features: str
     inception_weights: str
+    class_map: str
     checkpoint: CheckpointConfig
 
     # Settings that may differ between ranks (each rank's own diagnostics).
@@ -143,6 +147,9 @@ class TrainConfig:
                              "pip install -e '.[tensorboard]')")
         phema.check_flags(self.phema_stds, self.phema_interval, self.checkpoint.save_interval)
         check_eval_flags(self)
+        if self.class_map not in image_datasets.CLASS_MAPS:
+            raise UsageError(f"--class_map must be one of {', '.join(image_datasets.CLASS_MAPS)} "
+                             f"(got {self.class_map!r})")
 
     @classmethod
     def from_flags(cls, flags, **overrides):
@@ -465,6 +472,7 @@ class TrainLoop:
         if self._resuming is None:
             return
         self._load_and_sync_parameters()
+        self._match_class_names()  # before anything of the log dir changes
         if self.phema is not None:
             self.phema.check_resume(self._resuming)
         self.step = self.resume_step = self._resuming.step
@@ -473,6 +481,27 @@ class TrainLoop:
         self._load_optimizer_state()
         self._resuming.finish()
         self._resuming = None
+
+    def _match_class_names(self):
+        """A class-conditional resume whose --data_dir classes differ from the class names its
+        model file stores stops here with one line naming the differences, unless --class_map
+        maps them (image_datasets.resumed_class_names); the data is relabelled to the names
+        trained with, and the files store them. Every rank decides alike: the same file, the
+        same data (its fingerprint was compared)."""
+        names = getattr(self.data, "class_names", None)
+        if not names:
+            return
+        raw = self._resuming.model_file.raw
+        label_names, note = image_datasets.resumed_class_names(
+            raw.get("class_names") if isinstance(raw, dict) else None, names,
+            self.config.class_map, data_dir=getattr(getattr(self.data, "dataset", None), "root",
+                                                    None),
+            source=str(self._resuming.plan.model),
+            num_classes=self.model_flags.get("num_classes"))
+        image_datasets.relabel(self.data, label_names)
+        self.checkpointer.file_tags["class_names"] = [str(n) for n in label_names]
+        if note:
+            logger.log(f"resume: {note}")
 
     def _load_and_sync_parameters(self):
         """Upstream's name: load the model weights of the resume step (collective; every rank
