@@ -19,11 +19,16 @@
   with ``arr_0`` the float32 NCHW latents, for a VAE to decode, and no grid.
 
 Errors made by the user (missing file, bad or contradicting flags) raise `SampleError` with a
-one-line message that names the flag or file; scripts print it as ``error: ...``.
+one-line message that names the file and the input: the command-line flag while a sampling
+script runs (``--guidance_scale 3.0``, `run_script`), the argument of the Python API's calls
+(``guidance_scale=3.0``, `named`); scripts print it as ``error: ...``.
 """
 
+import contextvars
+import functools
 import math
 import os
+import re
 
 import numpy as np
 import torch as th
@@ -37,6 +42,14 @@ from .ckpt.state_fit import fit_state_dict, shapes_of
 # Model/diffusion flags that may legitimately differ from the training run at sampling time.
 SAMPLE_TIME_FLAGS = ("timestep_respacing", "use_checkpoint", "dropout")
 
+# Whether a sampling script runs (run_script), and whether a call of the Python API does
+# (`_api`, outside a script): its errors then name the API's arguments, not the flags.
+_SCRIPT = contextvars.ContextVar("improved_diffusion_sampling_script", default=False)
+_API = contextvars.ContextVar("improved_diffusion_sampling_api", default=False)
+
+# The Python API's argument of a flag, where the names differ (docs/sampling_api.md).
+API_ARGUMENTS = {"model_path": "path", "weights": "want", "classifier_path": "path"}
+
 
 class SampleError(UserError):
     """A user mistake in sampling input (a file, its contents); the message is one line (exit 1).
@@ -45,6 +58,41 @@ class SampleError(UserError):
 
 class FlagConflictError(FlagError):
     """An explicit command-line flag contradicts the flags stored in the model file."""
+
+
+# ----------------------------------------------------------------------------------------------
+# How errors name the input
+
+
+def named(flag, value=None):
+    """How an error names the input ``flag`` (with its ``value``): the flag as typed,
+    ``--guidance_scale 3.0``, except inside a call of the Python API (load_for_sampling,
+    sample_images, load_classifier, save_samples), which names its argument,
+    ``guidance_scale=3.0`` (``want='best'`` for --weights)."""
+    if not _API.get():
+        return f"--{flag}" if value is None else f"--{flag} {value}"
+    name = API_ARGUMENTS.get(flag, flag)
+    return name if value is None else f"{name}={value!r}"
+
+
+def _unflagged(text):
+    """``text`` (hints that name flags, e.g. state_fit's "--num_channels (file: 32, ...)") with
+    the flags named as the Python API's arguments inside one of its calls."""
+    return re.sub(r"--(\w+)", lambda m: API_ARGUMENTS.get(m.group(1), m.group(1)),
+                  text) if _API.get() else text
+
+
+def _api(fn):
+    """An entry point of the Python API: its errors name its arguments (`named`), unless a
+    sampling script called it (`run_script`: they name the flags)."""
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        token = _API.set(not _SCRIPT.get())
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _API.reset(token)
+    return call
 
 
 # ----------------------------------------------------------------------------------------------
@@ -76,8 +124,13 @@ def start_script(parser, argv=None):
 
 def run_script(main, argv=None):
     """Entry point of the sampling scripts: a UserError becomes one `error: ...` line and its exit
-    code (FlagError: 2); anything else keeps its traceback (cli.run_main)."""
-    return cli.run_main(main, argv)
+    code (FlagError: 2); anything else keeps its traceback (cli.run_main). Errors name the
+    command-line flags meanwhile (`named`)."""
+    token = _SCRIPT.set(True)
+    try:
+        return cli.run_main(main, argv)
+    finally:
+        _SCRIPT.reset(token)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -94,7 +147,7 @@ def check_scale(flag, value):
     samples become pixel value 0, silently. A finite scale whose guided samples overflow is
     refused as they do (`generate`'s ``guided_by``)."""
     if not (math.isfinite(float(value)) and abs(float(value)) <= FLOAT32_MAX):
-        raise FlagError(f"--{flag} {value}: must be a finite number (1: no guidance; "
+        raise FlagError(f"{named(flag, value)}: must be a finite number (1: no guidance; "
                         "guided-diffusion's classifier scales are 1-10, DiT's 1.5-4)")
 
 
@@ -140,9 +193,11 @@ def reconcile_flags(file_flags, explicit, defaults, *, source="the model file",
             continue
         if k in file_flags and k not in sample_time:
             if not same_flag_value(explicit[k], file_flags[k]):
+                drop = (f"leave {k} out of the explicit flags" if _API.get()
+                        else f"drop --{k}")
                 raise FlagConflictError(
-                    f"--{k} {explicit[k]} contradicts {source}, which was trained with "
-                    f"{k}={file_flags[k]}; drop --{k} (the file's flags are used)"
+                    f"{named(k, explicit[k])} contradicts {source}, which was trained with "
+                    f"{k}={file_flags[k]}; {drop} (the file's flags are used)"
                 )
             continue
         flags[k] = explicit[k]
@@ -150,7 +205,7 @@ def reconcile_flags(file_flags, explicit, defaults, *, source="the model file",
 
 
 def parse_classes(text, num_classes):
-    """``"3,7"`` -> [3, 7]; validates against `num_classes` (raises SampleError naming --classes)."""
+    """``"3,7"`` -> [3, 7]; validates against `num_classes` (raises FlagError naming --classes)."""
     if text is None or str(text).strip() == "":
         return None
     try:
@@ -159,11 +214,17 @@ def parse_classes(text, num_classes):
         raise FlagError(f"--classes {text!r}: expected comma-separated integers, e.g. 3,7")
     if not classes:
         raise FlagError(f"--classes {text!r}: expected comma-separated integers, e.g. 3,7")
+    return check_classes(classes, num_classes, text)
+
+
+def check_classes(classes, num_classes, given=None):
+    """``classes`` (ints) if each is a label of a model of `num_classes` classes, else a
+    FlagError naming the input (``given``: as typed; default the list)."""
     bad = [c for c in classes if not 0 <= c < num_classes]
     if bad:
         raise FlagError(
-            f"--classes {text}: class {bad[0]} is out of range for a model with "
-            f"num_classes={num_classes} (use 0..{num_classes - 1})"
+            f"{named('classes', classes if given is None else given)}: class {bad[0]} is out of "
+            f"range for a model with num_classes={num_classes} (use 0..{num_classes - 1})"
         )
     return classes
 
@@ -184,17 +245,19 @@ def load_weights(path, want="auto"):
     from .ckpt import checkpoint
 
     if want not in ("auto", "ema", "model"):
-        raise FlagError(f"--weights {want}: expected auto, ema or model")
-    ckpt = _read(path, "--model_path")
+        raise FlagError(f"{named('weights', want)}: expected auto, ema or model")
+    ckpt = _read(path, "model_path")
     if ckpt.kind == "opt":
         raise SampleError(
-            f"--model_path {path} holds optimizer state, not model weights; pass a model*.pt or "
-            f"ema_*.pt file"
+            f"{named('model_path', path)} holds optimizer state, not model weights; pass a "
+            f"model*.pt or ema_*.pt file"
         )
     if ckpt.kind == "classifier":
+        guide = ("load_classifier and guidance.classifier_cond_fn (docs/sampling_api.md)"
+                 if _API.get() else "classifier_sample.py --classifier_path")
         raise SampleError(
-            f"--model_path {path} holds {checkpoint.describe(ckpt)}, not a diffusion model; "
-            "guide with it through classifier_sample.py --classifier_path"
+            f"{named('model_path', path)} holds {checkpoint.describe(ckpt)}, not a diffusion "
+            f"model; guide with it through {guide}"
         )
     sd = None
     if ckpt.kind == "combined":
@@ -212,38 +275,44 @@ def load_weights(path, want="auto"):
         sd = ckpt.state_dict
     if not sd:
         raise SampleError(
-            f"--model_path {path} holds no model weights (kind {ckpt.kind}); pass a model*.pt or "
-            f"ema_*.pt file"
+            f"{named('model_path', path)} holds no model weights (kind {ckpt.kind}); pass a "
+            f"model*.pt or ema_*.pt file"
         )
     return sd, ckpt
 
 
 def _read(path, flag):
-    """checkpoint.load_file_collective, its errors one-line SampleErrors naming ``flag``.
-    Collective: call from all ranks with the same arguments."""
+    """checkpoint.load_file_collective, its errors one-line SampleErrors naming ``flag`` (a
+    script's; the Python API's message names the file alone). Collective: call from all ranks
+    with the same arguments."""
     from .ckpt import checkpoint
 
+    prefix = "" if _API.get() else f"--{flag} "
     try:
         return checkpoint.load_file_collective(path)
     except checkpoint.CheckpointError as e:
         msg = str(e)
-        raise SampleError(msg if msg.startswith("--") else f"{flag} {msg}") from None
+        raise SampleError(msg if msg.startswith("--") else f"{prefix}{msg}") from None
     except (OSError, EOFError) as e:
-        raise SampleError(f"{flag} {path}: {e}") from None
+        raise SampleError(f"{prefix}{path}: {e}") from None
 
 
 def _fit_error(path, fit, from_file):
     """A one-line SampleError saying why the weights of `path` do not fit (a state_fit.Fit)."""
+    give = ("give the model flags it was trained with as the explicit flags" if _API.get()
+            else "pass the model flags it was trained with")
     if from_file:
         hint = "the flags stored in the file do not match its weights"
     elif fit.likely_flags:
-        hint = f"pass the model flags it was trained with (likely {'; '.join(fit.likely_flags)})"
+        hint = f"{give} (likely {_unflagged('; '.join(fit.likely_flags))})"
     else:
-        hint = ("pass the model flags it was trained with (e.g. --image_size, --num_channels, "
-                "--num_res_blocks, --learn_sigma, --class_cond)")
-    return SampleError(f"--model_path {path} does not fit the model: {fit.summary()}; {hint}")
+        hint = _unflagged(f"{give} (e.g. --image_size, --num_channels, --num_res_blocks, "
+                          "--learn_sigma, --class_cond)")
+    return SampleError(f"{named('model_path', path)} does not fit the model: {fit.summary()}; "
+                       f"{hint}")
 
 
+@_api
 def load_for_sampling(path, explicit=None, *, defaults=None, create=None, want="auto",
                       device=None):
     """Build the model and diffusion for `path` and load its weights (eval mode, on `device`).
@@ -270,7 +339,12 @@ def load_for_sampling(path, explicit=None, *, defaults=None, create=None, want="
     if file_flags is None and ckpt.kind == "combined" and isinstance(ckpt.raw, dict):
         file_flags = ckpt.raw.get("flags") if isinstance(ckpt.raw.get("flags"), dict) else None
     flags = reconcile_flags(file_flags, explicit, defaults, source=f"{path}")
-    model, diffusion = create(**flags)  # a bad flag value is a FlagError naming the flag
+    try:
+        model, diffusion = create(**flags)  # a bad flag value is a FlagError naming the flag
+    except FlagError as e:
+        if not _API.get():
+            raise
+        raise FlagError(_unflagged(str(e))) from None  # named as the explicit dict's key
     fit = fit_state_dict(shapes_of(model.state_dict()), shapes_of(sd))
     if not fit.ok:
         raise _fit_error(path, fit, file_flags is not None)
@@ -382,6 +456,7 @@ def label_names_line(labels, names=None):
 NOISE_PROCESS_FLAGS = ("diffusion_steps", "noise_schedule")
 
 
+@_api
 def load_classifier(path, explicit, model_flags, device=None):
     """Build guided-diffusion's noised classifier for ``--classifier_path`` and load its weights
     (eval mode, on ``device``).
@@ -403,12 +478,12 @@ def load_classifier(path, explicit, model_flags, device=None):
     from .ckpt import checkpoint
 
     if not path:
-        raise FlagError("--classifier_path is required (a noised classifier: ours, or "
+        raise FlagError(f"{named('classifier_path')} is required (a noised classifier: ours, or "
                         "guided-diffusion's e.g. 64x64_classifier.pt)")
-    ckpt = _read(path, "--classifier_path")
+    ckpt = _read(path, "classifier_path")
     if ckpt.kind != "classifier":
         raise SampleError(
-            f"--classifier_path {path} holds {checkpoint.describe(ckpt)}, not a noised "
+            f"{named('classifier_path', path)} holds {checkpoint.describe(ckpt)}, not a noised "
             "classifier; pass a classifier file (guided-diffusion's *_classifier.pt, or a "
             "model*.pt of a classifier run)"
         )
@@ -423,15 +498,16 @@ def load_classifier(path, explicit, model_flags, device=None):
             flags[k] = file_flags[k]
     if flags["image_size"] != model_flags["image_size"]:
         raise SampleError(
-            f"--classifier_path {path} classifies {flags['image_size']}x{flags['image_size']} "
-            f"images, the model makes {model_flags['image_size']}x{model_flags['image_size']}; "
-            "pass a classifier trained at the model's --image_size"
+            f"{named('classifier_path', path)} classifies {flags['image_size']}x"
+            f"{flags['image_size']} images, the model makes {model_flags['image_size']}x"
+            f"{model_flags['image_size']}; pass a classifier trained at the model's "
+            f"{named('image_size')}"
         )
     differ = [k for k in NOISE_PROCESS_FLAGS
               if k in flags and not same_flag_value(flags[k], model_flags[k])]
     if differ:
         raise SampleError(
-            f"--classifier_path {path} was trained on another noise process ("
+            f"{named('classifier_path', path)} was trained on another noise process ("
             + ", ".join(f"{k}={flags[k]}" for k in differ) + ") than the model ("
             + ", ".join(f"{k}={model_flags[k]}" for k in differ) + "), so its timesteps mean "
             "other noise levels; pass a classifier trained with the model's"
@@ -440,10 +516,10 @@ def load_classifier(path, explicit, model_flags, device=None):
     fit = fit_state_dict(shapes_of(classifier.state_dict()), shapes_of(ckpt.state_dict))
     if not fit.ok:
         hint = ("the flags stored in the file do not match its weights" if file_flags else
-                "pass the classifier flags it was trained with (--classifier_width, "
-                "--classifier_depth, --classifier_attention_resolutions, --classifier_pool, "
-                "--classifier_num_classes, ...)")
-        raise SampleError(f"--classifier_path {path} does not fit the classifier: "
+                _unflagged("pass the classifier flags it was trained with (--classifier_width, "
+                           "--classifier_depth, --classifier_attention_resolutions, "
+                           "--classifier_pool, --classifier_num_classes, ...)"))
+        raise SampleError(f"{named('classifier_path', path)} does not fit the classifier: "
                           f"{fit.summary('classifier')}; {hint}")
     classifier.load_state_dict(ckpt.state_dict)
     classifier.to(device if device is not None else dist_util.dev())
@@ -474,8 +550,9 @@ def sampling_forward(model, flags, guidance_scale=1.0):
         flags.get("class_dropout_prob") or 0) > 0 else None
     if scale != 1.0 and null is None:
         raise FlagError(
-            f"--guidance_scale {guidance_scale}: classifier-free guidance needs a model trained "
-            "with --class_dropout_prob > 0 (it has no null label); use --guidance_scale 1"
+            f"{named('guidance_scale', guidance_scale)}: classifier-free guidance needs a model "
+            f"trained with --class_dropout_prob > 0 (it has no null label); use "
+            f"{named('guidance_scale', 1)}"
         )
     if not flags.get("class_cond"):
         return lambda x, t, y=None, **kw: model(x, t, **kw)
@@ -486,6 +563,7 @@ def sampling_forward(model, flags, guidance_scale=1.0):
     return guidance.cfg_forward(model, scale, null, mean_channels=mean)
 
 
+@_api
 def sample_images(model, diffusion, flags, num_samples, *, batch_size=16, seed=0,
                   use_ddim=False, clip_denoised=True, classes=None, guidance_scale=1.0,
                   cond_fn=None, progress=False):
@@ -511,16 +589,22 @@ def sample_images(model, diffusion, flags, num_samples, *, batch_size=16, seed=0
     check_scale("guidance_scale", guidance_scale)
     num_classes = flags["num_classes"] if flags.get("class_cond") else None
     if classes is not None and num_classes:
-        classes = parse_classes(",".join(str(int(c)) for c in classes), num_classes)
+        try:
+            classes = [int(c) for c in classes]
+        except (TypeError, ValueError):
+            raise FlagError(f"{named('classes', classes)}: expected a list of integer class "
+                            f"labels, e.g. [3, 7]") from None
+        classes = check_classes(classes, num_classes) if classes else None
     shape = (flags["in_channels"], flags["image_size"], flags["image_size"])
-    guided = ("" if float(guidance_scale) == 1 else f"--guidance_scale {guidance_scale}") + (
-        " (classifier guidance)" if cond_fn is not None else "")
+    guided = " and ".join(
+        ([named("guidance_scale", guidance_scale)] if float(guidance_scale) != 1 else [])
+        + ([named("cond_fn") + " (classifier guidance)"] if cond_fn is not None else []))
     return generate(
         model, diffusion, num_samples=num_samples, batch_size=batch_size, shape=shape, seed=seed,
         use_ddim=use_ddim, clip_denoised=clip_denoised, num_classes=num_classes,
         classes=classes, progress=progress, as_images=shape[0] == 3,
         forward=sampling_forward(model, flags, guidance_scale), cond_fn=cond_fn,
-        guided_by=guided.strip())
+        guided_by=guided)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -586,9 +670,9 @@ def shard_batches(num_samples, batch_size, rank=0, world_size=1):
     same number of batches (some may be empty) and no batch exceeds `batch_size`.
     """
     if num_samples < 1:
-        raise FlagError(f"--num_samples {num_samples}: must be at least 1")
+        raise FlagError(f"{named('num_samples', num_samples)}: must be at least 1")
     if batch_size < 1:
-        raise FlagError(f"--batch_size {batch_size}: must be at least 1")
+        raise FlagError(f"{named('batch_size', batch_size)}: must be at least 1")
     n_batches = math.ceil(num_samples / (batch_size * world_size)) * world_size
     batches = np.array_split(np.arange(num_samples, dtype=np.int64), n_batches)
     return batches[rank::world_size]
@@ -740,6 +824,7 @@ def sample_paths(log_dir, shape_nhwc):
             os.path.join(log_dir, f"samples_{shape_str}.png"))
 
 
+@_api
 def save_samples(log_dir, images, labels=None, *, ncol=None, grid=True, overwrite=False,
                  extra=None):
     """Write ``samples_{N}x{H}x{W}x{C}.npz`` (+ ``.png`` grid) into `log_dir` (call on rank 0);
@@ -753,8 +838,8 @@ def save_samples(log_dir, images, labels=None, *, ncol=None, grid=True, overwrit
 
     npz_path, png_path = sample_paths(log_dir, images.shape)
     if not overwrite and bf.exists(npz_path):
-        raise SampleError(
-            f"{npz_path} already exists; pass another --log_dir or --overwrite True")
+        raise SampleError(f"{npz_path} already exists; pass another {named('log_dir')} or "
+                          f"{named('overwrite', True)}")
     bf.makedirs(log_dir)
     arrays = {"arr_0": images}
     if labels is not None:
