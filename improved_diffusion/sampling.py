@@ -192,7 +192,7 @@ def reconcile_flags(file_flags, explicit, defaults, *, source="the model file",
         if k not in explicit:
             continue
         if k in file_flags and k not in sample_time:
-            if not same_flag_value(explicit[k], file_flags[k]):
+            if not same_flag_value(explicit[k], file_flags[k], k):
                 drop = (f"leave {k} out of the explicit flags" if _API.get()
                         else f"drop --{k}")
                 raise FlagConflictError(
@@ -504,7 +504,7 @@ def load_classifier(path, explicit, model_flags, device=None):
             f"{named('image_size')}"
         )
     differ = [k for k in NOISE_PROCESS_FLAGS
-              if k in flags and not same_flag_value(flags[k], model_flags[k])]
+              if k in flags and not same_flag_value(flags[k], model_flags[k], k)]
     if differ:
         raise SampleError(
             f"{named('classifier_path', path)} was trained on another noise process ("
