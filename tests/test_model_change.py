@@ -312,6 +312,24 @@ def test_adapt_keeping_less_than_half_of_the_tensors_is_refused_unless_forced(
 
 
 @pytest.mark.timeout(120)
+def test_a_resume_into_a_model_keeping_less_than_half_of_the_tensors_is_refused(one_rank,
+                                                                                tmp_path):
+    """Issue 37, item 5: train.py --allow_model_change True, the same rule as adapt's, one line
+    naming what did not fit and the way to force it (`ckpt.py adapt --force`)."""
+    wider = [*BASE, "--num_channels", "64"]
+    log = tmp_path / "log"
+    proc = run_script("train.py", *wider, "--data_dir", one_rank / "data", "--log_dir", log,
+                      "--resume_checkpoint", one_rank / "base", "--allow_model_change", "True",
+                      "--max_steps", 2, check=False)
+    errors = [ln for ln in proc.stdout.splitlines() if ln.startswith("error:")]
+    assert proc.returncode == 1 and len(errors) == 1, proc.stdout[-3000:]
+    assert "keeps only 1 of the file's 70 tensors" in errors[0]
+    assert "check --num_channels (file: 32, model: 64)" in errors[0]
+    assert "--force --out DIR` and resume it (--resume_checkpoint DIR)" in errors[0]
+    assert not list(log.glob("*.pt")) and not list(log.glob("manifest*"))
+
+
+@pytest.mark.timeout(120)
 def test_adapt_of_a_combined_dict_gives_the_tensors_train_py_would_with_the_same_seed(one_rank,
                                                                                      tmp_path):
     base = one_rank / "base"
