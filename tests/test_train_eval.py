@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from conftest import (FIXTURES, MPIEXEC, PY, REPO, _run, deep_diff, run_script,
-                      write_class_folder)
+                      write_class_folder, write_images)
 
 from improved_diffusion import evaluation, sampling
 from improved_diffusion.ckpt import ckpt_tool
@@ -217,10 +217,10 @@ def test_loading_the_inception_draws_nothing_from_torchs_generator(weights_file)
 
 @pytest.mark.timeout(420)
 def test_the_inception_evaluation_on_two_ranks_with_a_loader_worker_leaves_training_bitwise(
-        tmp_path, digits_data, weights_file):
+        tmp_path, weights_file):
     """The users' path (issue 37, item 2): setting up the Inception drew from torch's global
     generator, so the step-1 noise, and every tensor after, differed from the run without it."""
-    data, _ = digits_data
+    data = write_images(tmp_path / "data", n=8)
     ref = tmp_path / "ref.npz"
     np.savez(ref, arr_0=np.random.default_rng(0).integers(0, 256, (4, 8, 8, 3), np.uint8))
     logs = {k: tmp_path / k for k in ("plain", "eval")}
@@ -309,7 +309,8 @@ def test_bad_eval_flags_and_files_are_one_line_before_anything_is_written(
 def test_bad_eval_files_on_two_ranks_are_one_line_for_the_job(tmp_path, digits_data):
     """Issue 37, item 10: each rank checked the files before the ranks met and printed its own
     line; the job's verdict is rank 0's, printed once."""
-    data, ref = digits_data
+    _, ref = digits_data
+    data = write_images(tmp_path / "data", n=8)
     bad = _bad_batches(tmp_path / "bad")
     for extra, words in [
         (evals(tmp_path / "missing.npz"), "--eval_ref_batch"),
