@@ -331,12 +331,10 @@ def prepare_data(out, s):
     sys.path.insert(0, os.path.join(REPO, "datasets"))
     import digits  # datasets/digits.py
 
-    t0 = time.time()
     try:
         digits.write_digits_folder(data_dir, s["image_size"])
     except ValueError as e:
         raise UsageError(f"--image_size {s['image_size']}: {e}") from None
-    print(f"[data: {time.time() - t0:.0f} s]", flush=True)
     return data_dir
 
 
@@ -628,7 +626,6 @@ def evaluate(npz, out, data_dir, s, batches=None):
     label gets) and "adm" ({"samples": five figures, "real": five figures, "ref_batch"})."""
     import digits  # datasets/digits.py (on the path: prepare_data)
 
-    t0 = time.time()
     print(f"$ python scripts/eval_digits.py {npz}   (run in-process)", flush=True)
     fig = _score(npz)
     print(digits.format_report(fig), flush=True)
@@ -649,7 +646,6 @@ def evaluate(npz, out, data_dir, s, batches=None):
                   "ref_batch": os.path.relpath(ref_npz, out)}
     with open(os.path.join(out, "eval.json"), "w") as f:
         json.dump(fig, f, indent=1)
-    print(f"[evaluate: {time.time() - t0:.0f} s]", flush=True)
     return fig
 
 
@@ -892,9 +888,12 @@ def main(argv=None):
     clock = [time.time()]
 
     def took(name):
+        """The stage's time, as demo.json records it (the whole stage: evaluate's includes the
+        post-hoc EMA sweep)."""
         now = time.time()
         seconds[name] = round(now - clock[0], 1)
         clock[0] = now
+        print(f"[{name} stage: {seconds[name]} s]", flush=True)
 
     stage(1, total, f"data: scikit-learn digits as {s['image_size']}px images")
     data_dir = prepare_data(out, s)
@@ -919,7 +918,7 @@ def main(argv=None):
     stage(6, total, "summary")
     seconds["total"] = round(time.time() - t0, 1)
     write_record(out, s, info, guided[1], seconds, run_dir)
-    lines = summary_lines(out, png, npz, fig, info, s, time.time() - t0, curve, guided,
+    lines = summary_lines(out, png, npz, fig, info, s, seconds["total"], curve, guided,
                           (training_fids(run_dir), sweep))
     with open(summary_path + ".tmp", "w") as f:
         f.write("\n".join(lines) + "\n")

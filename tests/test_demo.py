@@ -108,6 +108,12 @@ def test_tiny_demo_scores_real_digits_the_same_way_and_reports_adms_five_metrics
     # the page: what was trained, from the demo's own record, above the figures
     record = json.loads((out / "demo.json").read_text())
     assert record["model"]["parameters"] > 0 and record["seconds"]["train"] > 0
+    # each stage's printed time is demo.json's (issue 37, item 15: `[evaluate: 5 s]` was printed
+    # before the post-hoc EMA sweep, and demo.json said 495 s), evaluate's after the sweep
+    printed = {k: float(v) for k, v in re.findall(r"^\[(\w+) stage: ([\d.]+) s\]$", text, re.M)}
+    assert printed == {k: v for k, v in record["seconds"].items() if k != "total"}, printed
+    assert text.index("$ python scripts/ckpt.py phema") < text.index("[evaluate stage:")
+    assert f"demo finished in {record['seconds']['total'] / 60:.1f} min" in text
     page = (out / "index.html").read_text()
     lead = page[:page.index("<h2>")]
     for said in ("class-conditional UNet", f"{record['model']['parameters'] // 1000} k param",
