@@ -1,12 +1,13 @@
 """The order and atomicity of a save, recorded while scripts/train.py really saves (issue 25).
 
 tests/record_io_train.py records, at the os/io level, every write, fsync, link/rename and removal
-in the log dir while train.py saves every step with --keep_checkpoints 1. The record is then
-read as the story of the directory: no checkpoint file is ever opened for writing under its
-final name (only a temporary name, fsynced, then renamed into place, the directory fsynced after),
-each step's manifest appears after all of its data files, and from the first complete step on the
-directory never holds fewer than one complete step, also while pruning (whose manifests go
-first).
+in the log dir while train.py saves every step with --keep_checkpoints 1 (synchronously, from the
+trainer's thread, and from the writer process, whose operations the recorder records too). The
+record is then read as the story of the directory: no checkpoint file is ever opened for writing
+under its final name (only a temporary name, fsynced, then renamed into place, the directory
+fsynced after), each step's manifest appears after all of its data files, and from the first
+complete step on the directory never holds fewer than one complete step, also while pruning
+(whose manifests go first).
 """
 import json
 import os
@@ -103,10 +104,15 @@ def complete_over_time(events, log):
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("async_save", ["True", "False"], ids=["async", "sync"])
+@pytest.mark.parametrize("writer", [["--async_save", "True", "--save_writer", "thread"],
+                                    ["--async_save", "True", "--save_writer", "process"],
+                                    ["--async_save", "False"]],
+                         ids=["async-thread", "async-process", "sync"])
 def test_a_save_writes_temporary_files_renames_them_in_order_manifest_last_and_prunes_after(
-        tmp_path, async_save):
-    events, log = recorded_save(tmp_path, "--async_save", async_save)
+        tmp_path, writer):
+    """Each writer: the trainer's thread, the writer process (which runs the recorder too, as it
+    runs a job's importable entry script: writer_process._importable_main), the trainer itself."""
+    events, log = recorded_save(tmp_path, *writer)
 
     assert not in_place_writes(events, log)
     appeared, problems = renames_into_place(events, log)
