@@ -246,6 +246,8 @@ def test_a_log_dir_removed_while_the_job_runs_ends_every_rank_with_one_line_and_
     log_dir = tmp_path / "run"
     rc, out = run_into_fault(tmp_path, images, log_dir, lambda: shutil.rmtree(log_dir))
     assert_one_line_on_every_rank(rc, out, log_dir, "the log dir no longer exists")
+    error = next(ln for ln in out.splitlines() if ln.startswith("error:"))
+    assert "nothing of it is intact" in error and "step is intact" not in error, error
     assert not log_dir.exists(), names_in(log_dir)  # an empty log dir would hide the loss
 
 

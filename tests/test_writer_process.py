@@ -3,11 +3,14 @@
 A writer that is killed mid-write ends the job with one line naming the step, never a hang, and
 the resume takes the previous step; a SIGTERM to every process of the job while the writer
 writes lets the write finish and the job exit 75 with its last step complete; the writer does
-not outlive a trainer that was kill -9'd; loader workers (--num_workers 2) neither inherit its
-connection nor break it; nothing is left in /dev/shm. Slow writes (tests/slow_save_train.py,
+not outlive a trainer that was kill -9'd, keeps the log dir's lock held while it lives and puts
+nothing in place after the trainer died (issue 37), nor after its job let the lock go; a log dir
+removed mid-write is said to be gone with all its steps; loader workers (--num_workers 2) neither
+inherit its connection nor break it; nothing is left in /dev/shm. Slow writes (tests/slow_save_train.py,
 whose patch of torch.save also runs in the writer process) keep a write open long enough.
 """
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -18,7 +21,7 @@ import torch
 from conftest import PY, REPO, child_env, resumed_step, write_images
 from test_disk_faults import step_problem
 
-from improved_diffusion.ckpt import writer_process
+from improved_diffusion.ckpt import run_lock, writer_process
 
 SLOW_SAVE_TRAIN = REPO / "tests" / "slow_save_train.py"
 TINY = ["--image_size", "8", "--num_channels", "32", "--num_res_blocks", "1",
@@ -68,12 +71,17 @@ def writer_pids(parent):
     return found
 
 
-def alive(pid):
+def state(pid):
+    """The process's state letter (R, S, D, T, Z, ...), or None when there is no such process."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+            return f.read().rsplit(")", 1)[1].split()[0]
     except OSError:
-        return False
+        return None
+
+
+def alive(pid):
+    return state(pid) not in (None, "Z", "X")
 
 
 def start_slow(log_dir, images, max_steps, *extra, session=False):
@@ -162,17 +170,87 @@ def test_sigterm_to_every_process_while_the_writer_writes_exits_75_once_complete
 
 
 @pytest.mark.timeout(400)
-def test_the_writer_does_not_outlive_a_trainer_that_was_kill_9d(tmp_path, images, shm_unchanged):
+def test_a_trainer_kill_9d_mid_write_leaves_no_writer_and_puts_nothing_in_place_after_it(
+        tmp_path, images, shm_unchanged):
+    """kill -9 of the trainer while its writer writes step 4, the writer frozen (SIGSTOP) across
+    the kill: a writer that does not get the CPU (or the GIL) in time to see its trainer go. The
+    log dir's lock is never free while the writer lives (no other job can take the log dir under
+    it), the writer ends (the kernel's kill, or its own checks once it runs again), and nothing
+    is put in place in the log dir after the trainer died."""
     log_dir = tmp_path / "run"
     proc = start_slow(log_dir, images, 50)
     writer = wait_for_write_of(proc, log_dir, 4)
-    proc.send_signal(signal.SIGKILL)
-    finish(proc)
+    os.kill(writer, signal.SIGSTOP)
+    try:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=BOUND_S)  # the trainer is dead and reaped (the writer shares its stdout)
+        at_death = set(os.listdir(log_dir))
+        lock_free = run_lock.live_holder(log_dir) is None
+        # still stopped now, so stopped (holding all its descriptors) when the lock was looked at
+        frozen = state(writer) in ("T", "t")
+        assert not (lock_free and frozen), "the log dir's lock is free while its writer lives"
+    finally:
+        if alive(writer):
+            os.kill(writer, signal.SIGCONT)
+        finish(proc)
     end = time.monotonic() + BOUND_S
     while alive(writer):
         assert time.monotonic() < end, "the writer process outlived its trainer"
         time.sleep(0.05)
-    assert "manifest000004.json" not in os.listdir(log_dir)
+    late = sorted(n for n in set(os.listdir(log_dir)) - at_death if ".tmp" not in n)
+    assert not late, f"put in place after the trainer died: {late}"
+    assert "manifest000004.json" not in at_death
+    assert run_lock.live_holder(log_dir) is None  # the writer's copy of the lock went with it
+
+
+@pytest.mark.timeout(400)
+def test_a_log_dir_removed_mid_write_says_nothing_of_it_is_intact_and_is_not_recreated(
+        tmp_path, images):
+    """The log dir removed (for real: rm -r) while the writer writes step 4: one line saying
+    that the log dir is gone and nothing of it is intact (not "the last complete step is
+    intact": step 2 went with it), exit 1, and the log dir is not recreated."""
+    log_dir = tmp_path / "run"
+    proc = start_slow(log_dir, images, 50)
+    wait_for_write_of(proc, log_dir, 4)
+    end = time.monotonic() + BOUND_S
+    while log_dir.exists():  # the writer may add a temp file while rmtree empties the directory
+        shutil.rmtree(log_dir, ignore_errors=True)
+        assert time.monotonic() < end, "the log dir could not be removed"
+    out = finish(proc)
+    errors = [ln for ln in out.splitlines() if ln.startswith("error:")]
+    assert proc.returncode == 1 and len(errors) == 1, out[-4000:]
+    assert "the log dir no longer exists" in errors[0] and "step 4" in errors[0], errors[0]
+    assert "nothing of it is intact" in errors[0] and "step is intact" not in errors[0], errors[0]
+    assert "Traceback" not in out, out[-4000:]
+    assert not log_dir.exists()  # an empty log dir would hide the loss
+
+
+def test_a_writer_whose_job_no_longer_holds_the_log_dirs_lock_puts_nothing_in_place(tmp_path):
+    """The writer holds a copy of the job's lock and checks, before each file is put in place,
+    that the log dir's lock file is still the one its job locked: after the job let the lock go
+    and another job took it, the next write puts no file of its step in place, and the
+    trainer's error says why in one line."""
+    from improved_diffusion.ckpt.checkpoint import CheckpointError
+
+    log_dir = tmp_path / "run"
+    lock = run_lock.LogDirLock(log_dir, wait_s=0).acquire()
+    w = writer_process.WriterProcess()
+    other = None
+    try:
+        files = {f"model{s:06d}.pt": {"w": torch.arange(6.0)} for s in (1, 2)}
+        w.write(log_dir, 1, w.pack({"model000001.pt": files["model000001.pt"]}))
+        assert (log_dir / "manifest000001.json").exists()
+        lock.release()
+        other = run_lock.LogDirLock(log_dir, wait_s=0).acquire()  # the next job's lock
+        with pytest.raises(CheckpointError, match="lock file is no longer the one") as e:
+            w.write(log_dir, 2, w.pack({"model000002.pt": files["model000002.pt"]}))
+        assert "\n" not in str(e.value) and "step 2" in str(e.value), str(e.value)
+        assert not [n for n in os.listdir(log_dir) if "000002" in n and ".tmp" not in n]
+    finally:
+        w.close()
+        lock.release()
+        if other is not None:
+            other.release()
 
 
 def test_a_forked_process_closes_its_copies_of_the_writers_connection_and_arena(tmp_path):

@@ -145,6 +145,13 @@ def _fsync_dir(d):
         os.close(fd)
 
 
+# Called with a file's final path just before the file is put in place (linked or renamed there,
+# or uploaded); None, or a check that ends this process when it may no longer write into that
+# directory. Only the checkpoint writer process sets one (writer_process._PublishGuard: a write
+# whose trainer is gone, or whose job no longer holds the log dir's lock, puts nothing in place).
+publish_check = None
+
+
 def atomic_write(path, obj):
     """
     Write ``obj`` (torch.save'd; raw ``bytes`` are written as they are) to ``path`` so that the
@@ -188,6 +195,8 @@ def write_file(path, obj, crc_threads=None):
         out = ChecksumWriter(buf, reread)
         _save_into(obj, out, crc_threads)
         info = out.digest()
+        if publish_check is not None:
+            publish_check(path)
         with bf.BlobFile(path, "wb") as f:
             f.write(buf.getbuffer())
         return info
@@ -202,6 +211,8 @@ def write_file(path, obj, crc_threads=None):
             f.flush()
             info = out.digest()
             os.fsync(f.fileno())
+        if publish_check is not None:
+            publish_check(path)
         try:
             os.link(tmp, path)
         except FileExistsError:
@@ -404,6 +415,9 @@ _FAULTS = {
 _GONE = ("the log dir no longer exists (removed while the job ran?)",
          "it is not recreated, since an empty log dir would hide the lost checkpoints: restore it "
          "and rerun, or rerun with a new --log_dir to start over")
+# What is left of a log dir that is gone (in place of the caller's ``kept``, which speaks of the
+# steps in it: the last complete one went with it too).
+_GONE_KEPT = "nothing of it is intact: the steps saved in it went with it"
 # torch.save's text for a write that failed below it (the errno is lost on the way).
 _TORCH_WRITE_FAILED = re.compile(r"inline_container|PytorchStreamWriter|unexpected pos|"
                                  r"file write failed", re.I)
@@ -442,8 +456,11 @@ def _free_bytes(directory):
 def _fault_message(fault, directory, doing, kept, free_at_failure=None):
     """One line: "<dir>: <what happened> while <doing>[ (free space)]; <kept>; <what to do>".
     The free space is the one when the write failed (``free_at_failure``, measured before the
-    partial files were removed), else the one now, said as such."""
+    partial files were removed), else the one now, said as such. For a log dir that is gone,
+    ``kept`` gives way to _GONE_KEPT: nothing in it can be intact."""
     what, todo = fault
+    if fault == _GONE:
+        kept = _GONE_KEPT
     where = ""
     if fault in (_FAULTS[errno.ENOSPC], _FAULTS[errno.EDQUOT]):
         if free_at_failure is not None:
@@ -473,5 +490,6 @@ def write_fault_message(e, directory, doing, kept):
 
 
 def gone_message(directory, doing, kept):
-    """The one-line message for a log dir that no longer exists."""
+    """The one-line message for a log dir that no longer exists (``kept`` gives way to what is
+    true of a log dir that is gone: nothing of it is intact)."""
     return _fault_message(_GONE, directory, doing, kept)

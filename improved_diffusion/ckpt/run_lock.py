@@ -10,14 +10,16 @@ read-only mount, no permission, a path under a regular file) fails at once, touc
 Two flavours, chosen by the path:
 
 * local paths: an exclusive ``fcntl.flock`` on ``{log_dir}/.lock``. The kernel drops it when the
-  holder dies, even by ``kill -9``, so a dead job never blocks the next. The holder writes an owner
-  record (host, pid, job id, start time) into the file so that a waiting job can name it, and
-  removes the file when it lets go (a killed job leaves it; harmless). A job that locked a file
-  which was removed meanwhile sees that its inode is no longer the path's and tries again, so two
-  jobs never hold "the" lock on two files. A forked child (a data loader worker) closes its copy
-  of the descriptor, so the lock dies with the holder alone. On NFS, Linux maps flock to NFS
-  byte-range locks (held across clients; a dead client's lock ends with its lease); Lustre needs
-  the ``flock`` mount option, else taking the lock fails with a ``LockError``.
+  holder dies, even by ``kill -9``, so a dead job never blocks the next (the job's checkpoint
+  writer process holds a copy of the descriptor, ``held_locks``: the lock then stays held until
+  the writer, which the kernel ends with the holder, is gone too: writer_process). The holder
+  writes an owner record (host, pid, job id, start time) into the file so that a waiting job can
+  name it, and removes the file when it lets go (a killed job leaves it; harmless). A job that
+  locked a file which was removed meanwhile sees that its inode is no longer the path's and tries
+  again, so two jobs never hold "the" lock on two files. A forked child (a data loader worker)
+  closes its copy of the descriptor, so no worker keeps the lock. On NFS, Linux maps flock to
+  NFS byte-range locks (held across clients; a dead client's lock ends with its lease); Lustre
+  needs the ``flock`` mount option, else taking the lock fails with a ``LockError``.
 * remote paths (anything with ``://``: ``gs://``, ``az://``, via blobfile): a lock object
   ``{log_dir}/lock.json`` with the owner's host, pid, job id, a random token and a heartbeat time
   that a daemon thread refreshes every ``heartbeat_s``. A lock whose heartbeat is older than
@@ -314,7 +316,7 @@ class LogDirLock:
         except OSError:  # gone, or a read-only / vanished log dir: the flock still drops below,
             pass  # and a stale .lock file blocks nobody (it is never locked)
         finally:
-            os.close(fd)  # drops the flock
+            os.close(fd)  # drops the flock (once a writer process's copy is closed too)
 
     def _forget_in_child(self):
         """In a forked child (a data loader worker, say): hold nothing. Its copy of the flock's
@@ -458,6 +460,15 @@ def drop_local_locks():
                 lock._release_flock()
             except OSError:
                 pass
+
+
+def held_locks():
+    """[(lock file path, descriptor)] of the local locks this process holds: what a helper
+    process of the job inherits (the checkpoint writer, writer_process), so that the lock stays
+    held while that process lives, even after this one is gone (a flock belongs to the open
+    file, which the kernel releases only once every descriptor of it is closed). Not
+    collective."""
+    return [(lock.path, lock._fd) for lock in _FORK_HOLDERS if lock._fd is not None]
 
 
 def _forget_in_forked_children(lock):

@@ -3,13 +3,13 @@ The background write out of the training process: one writer process per job, fe
 shared memory.
 
 ``WriterProcess`` owns two things of rank 0's: an ``Arena`` (an anonymous shared-memory file,
-``memfd_create``, that grows) and, from the first write on, a child process: a fresh interpreter
+``memfd_create``, that grows) and, from the first pack on, a child process: a fresh interpreter
 (subprocess, as multiprocessing's "spawn" starts one; never a fork of the trainer: its threads,
-torch's and gloo's, do not survive one) given the trainer's sys.path, a socket and the arena's
-descriptor. Like spawn, it first runs the job's entry script under another name when that only
-defines things (``_importable_main``: a script whose work sits under ``if __name__ ==
-"__main__"``), so what such a script sets up at import holds in the writer too; any other script
-is not run.
+torch's and gloo's, do not survive one) given the trainer's sys.path, a socket, the arena's
+descriptor and copies of the job's lock descriptors. Like spawn, it first runs the job's entry
+script under another name when that only defines things (``_importable_main``: a script whose
+work sits under ``if __name__ == "__main__"``), so what such a script sets up at import holds in
+the writer too; any other script is not run.
 
 ``pack(files)`` is the host copy of a save, the only pause of training: the payloads pickled (at
 C speed; only tensors reach Python code) with each tensor as a reference to an arena buffer
@@ -32,12 +32,37 @@ and saying what is on disk (no manifest: the step does not count), never a hang;
 starts a new child. The child ignores SIGTERM, SIGUSR1 and SIGINT (the trainer owns them,
 preemption.py; a cluster's SIGTERM to every process of the job must not end a write the preemption
 save waits for), runs at the trainer's CPU priority (not lower: a starved writer would hold up the
-preemption save; measured, docs/performance.md), and ends itself, within WATCH_S, once the trainer
-is gone (its parent pid changes: a trainer that was kill -9'd leaves no writer behind), or when the
-trainer closes the connection. A process forked from the trainer (a DataLoader's workers) closes
-its copies of the connection and the arena's descriptor at once (``os.register_at_fork``), so no
-worker holds the writer's pipe open. The arena is an anonymous file: nothing is left in /dev/shm on
-any exit path; its pages are freed when the last process holding them ends.
+preemption save; measured, docs/performance.md), and ends when the trainer closes the connection.
+
+A trainer that dies (kill -9) leaves no writer behind, and its writer never puts a file into a log
+dir that another job may own. Three guards, the first two the kernel's; none relies on the child
+getting the CPU or the GIL in time (a thread that polls the parent pid does: a long C call, such as
+torch's pickling of a large state, holds the GIL, and a loaded host delays the thread; so did
+this writer before: it outlived its trainer by 0.1-0.2 s at 11 MB a step, 0.4-0.6 s at 590 MB
+here, 2.3-3.4 s as reported, and could put a file in place after the lock was free):
+
+- the child holds a copy of the descriptor of the job's local lock (run_lock.held_locks,
+  inherited): a flock belongs to the open file, which the kernel releases only once every
+  descriptor of it is closed, so the log dir's lock stays held while the writer lives, even after
+  the trainer is gone, and no other job can take the log dir while the writer could still write;
+- the kernel kills the child (SIGKILL, ``PR_SET_PDEATHSIG``) as its trainer ends, when the
+  trainer started it from its main thread (the signal follows the thread that started it: pack()
+  starts it, on the checkpointer's main thread); the poll of the parent pid every WATCH_S
+  remains for a child started from another thread;
+- before each file is put in place (linked or renamed into the log dir: file_writer's
+  publish_check) and before pruning, the child ends at once, putting nothing in place and
+  removing nothing, if its trainer is gone (its parent pid changed) or if the log dir's lock file
+  is no longer the one the job locked (the job let the lock go, or the file was removed: another
+  job may own the log dir); a trainer that lives reports the latter (EXIT_LOCK_LOST).
+
+What a killed writer leaves is what a kill -9 inside a synchronous save leaves: a temp file, or a
+step with files and no manifest (set aside by the resume). A remote log dir has no descriptor to
+hold: its lock object goes stale (run_lock) long after the killed writer is gone.
+
+A process forked from the trainer (a DataLoader's workers) closes its copies of the connection and
+the arena's descriptor at once (``os.register_at_fork``), so no worker holds the writer's pipe open
+(run_lock closes a worker's copy of the lock's). The arena is an anonymous file: nothing is left in
+/dev/shm on any exit path; its pages are freed when the last process holding them ends.
 
 Not collective and knows nothing of ranks: the checkpointer makes one on rank 0 (where
 ``available()`` is False, not Linux, it writes from its thread as before: async_save.HostSnapshot).
@@ -58,8 +83,15 @@ import traceback
 import weakref
 from multiprocessing.connection import Connection
 
-# Seconds between the child's checks that its parent still lives.
+# Seconds between the child's checks that its parent still lives (the fallback where the kernel
+# does not end it with its trainer: see the module docstring).
 WATCH_S = 0.2
+# The child's exit codes when it ends itself before putting a file in place: its trainer is gone;
+# the log dir's lock is no longer the job's.
+EXIT_TRAINER_GONE = 70
+EXIT_LOCK_LOST = 71
+# prctl(2)'s PR_SET_PDEATHSIG: the signal this process gets when the thread that started it ends.
+_PR_SET_PDEATHSIG = 1
 # Arena buffers are aligned to this many bytes (a cache line; torch's CPU allocator uses 64).
 ALIGN = 64
 
@@ -211,8 +243,13 @@ class WriterProcess:
         copied into its arena buffer (the one the last pack used for the same storage, else a
         new one), in one pass (one foreach copy per device; from CUDA without blocking, then
         one synchronise per device). Returns the packed payload for ``write``. Call it only once
-        the previous write is done (its buffers are reused)."""
+        the previous write is done (its buffers are reused). Starts the child when there is
+        none: from the thread that packs (the checkpointer's main thread), whose end the kernel
+        ties the child's to (the module docstring)."""
         import torch as th
+
+        with self._lock:
+            self._start()
 
         from .async_save import storage_key
 
@@ -251,14 +288,16 @@ class WriterProcess:
         self.nbytes = total[0]
         return self.arena.size, buf.getvalue()
 
-    def write(self, log_dir, step, packed, keep=0):
+    def write(self, log_dir, step, packed, keep=0, settings=None):
         """Write ``step``'s files (``packed`` by ``pack``) into ``log_dir`` in the child, then
-        prune to ``keep`` complete steps; blocks until done (see the module docstring)."""
+        prune to ``keep`` complete steps; blocks until done (see the module docstring).
+        ``settings``: the run's settings for the step's manifest (run_dir.write_step)."""
         arena_size, payload = packed
         with self._lock:
             self._start()
             header = pickle.dumps({"log_dir": os.fspath(log_dir), "step": int(step),
-                                   "keep": int(keep), "arena_size": arena_size})
+                                   "keep": int(keep), "arena_size": arena_size,
+                                   "settings": settings})
             try:
                 self._conn.send_bytes(header)
                 self._conn.send_bytes(payload)
@@ -277,8 +316,14 @@ class WriterProcess:
             self._finalizer()
 
     def _start(self):
+        """Start the child when there is none: it inherits the socket, the arena and copies of
+        the job's lock descriptors (run_lock.held_locks), and the kernel ends it with this
+        thread when this is the main thread (see the module docstring)."""
         if self._proc is not None:
             return
+        from . import run_lock
+
+        locks = run_lock.held_locks()
         ours, theirs = socket.socketpair()
         boot = ("import sys; from multiprocessing.connection import Connection; "
                 "c = Connection(int(sys.argv[1])); import pickle; p = pickle.loads(c.recv_bytes());"
@@ -288,14 +333,18 @@ class WriterProcess:
             with _signals_blocked():  # the child starts with them blocked, until it ignores them
                 proc = subprocess.Popen(
                     [sys.executable, *subprocess._args_from_interpreter_flags(), "-c", boot,
-                     str(theirs.fileno())], pass_fds=(theirs.fileno(), self.arena.fd),
+                     str(theirs.fileno())],
+                    pass_fds=(theirs.fileno(), self.arena.fd, *(fd for _, fd in locks)),
                     stdin=subprocess.DEVNULL, close_fds=True)
         finally:
             theirs.close()
         conn = Connection(ours.detach())
-        conn.send_bytes(pickle.dumps({"sys_path": list(sys.path), "parent": os.getpid(),
-                                      "arena_fd": self.arena.fd, "main": _importable_main()}))
+        conn.send_bytes(pickle.dumps({
+            "sys_path": list(sys.path), "parent": os.getpid(), "arena_fd": self.arena.fd,
+            "main": _importable_main(), "locks": locks,
+            "die_with_parent": threading.current_thread() is threading.main_thread()}))
         self._proc, self._conn = proc, conn
+
     def _died(self, log_dir, step):
         """The CheckpointError of a child that ended during the write of ``step``."""
         from . import checkpoint, run_dir
@@ -315,6 +364,12 @@ class WriterProcess:
         else:
             kept = (f"step {step} has no manifest, so it does not count and a rerun resumes "
                     f"from the last complete step")
+        if code == EXIT_LOCK_LOST:
+            return run_dir.CheckpointError(
+                f"{log_dir}: the checkpoint writer process (pid {proc.pid}) stopped while "
+                f"saving step {step}, before putting a file in place: the log dir's lock file is "
+                f"no longer the one this job locked (removed, or the lock let go), so another "
+                f"job may own the log dir; {kept}; check that no other job writes this log dir")
         return run_dir.CheckpointError(
             f"{log_dir}: the checkpoint writer process (pid {proc.pid}) died ({how}) while "
             f"saving step {step}; {kept}; see the job's log for why (out of memory? killed?)")
@@ -438,15 +493,25 @@ class _Unpickler(pickle.Unpickler):
 
 def _child_main(conn, prep):
     """The writer process (started by WriterProcess._start with ``prep``: the trainer's
-    sys.path, pid, the arena's descriptor, its main script when that is importable): ignore the
-    trainer's signals, watch the parent, run the main script as spawn would (so what it sets up
-    at import, a test's slow or recorded writes, holds here too), then serve writes until the
-    connection closes."""
+    sys.path, pid, the arena's descriptor, its main script when that is importable, the job's
+    lock descriptors, whether the kernel may end it with the thread that started it): end with
+    the trainer (the kernel's signal, else a watch of the parent pid), ignore the trainer's
+    signals, guard every file put in place (_PublishGuard), run the main script as spawn would
+    (so what it sets up at import, a test's slow or recorded writes, holds here too), then serve
+    writes until the connection closes."""
+    from . import file_writer
+
+    if prep["die_with_parent"]:
+        _die_with_parent()
+    if os.getppid() != prep["parent"]:  # the trainer ended before the line above took effect
+        os._exit(EXIT_TRAINER_GONE)
     for sig in _signals_blocked.SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, _signals_blocked.SIGNALS)
     threading.Thread(target=_watch_parent, args=(prep["parent"],), name="parent-watch",
                      daemon=True).start()
+    guard = _PublishGuard(prep["parent"], prep["locks"])
+    file_writer.publish_check = guard
     if prep["main"]:
         import runpy
 
@@ -459,7 +524,7 @@ def _child_main(conn, prep):
             payload = conn.recv_bytes()
         except (EOFError, OSError):
             return
-        reply = _serve(header, payload, fd, maps)
+        reply = _serve(header, payload, fd, maps, guard)
         try:
             conn.send_bytes(reply)
         except OSError:
@@ -514,15 +579,64 @@ def _script_of(argv):
     return None
 
 
+def _die_with_parent():
+    """Ask the kernel to SIGKILL this process as the thread that started it ends (prctl's
+    PR_SET_PDEATHSIG); nothing where there is no prctl (then _watch_parent does it, slower)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
 def _watch_parent(parent_pid):
-    """End this process once its parent is gone (reparented: the trainer was killed)."""
+    """End this process once its parent is gone (reparented: the trainer was killed). The
+    fallback of _die_with_parent: a Python thread, which a long C call holding the GIL delays."""
     while True:
         if os.getppid() != parent_pid:
-            os._exit(1)
+            os._exit(EXIT_TRAINER_GONE)
         time.sleep(WATCH_S)
 
 
-def _serve(header, payload, fd, maps):
+class _PublishGuard:
+    """The child's check before it puts a file in place in a log dir (file_writer.publish_check,
+    called with the file's final path) or prunes one (``check_dir``): this process ends at once,
+    putting nothing more in place and removing nothing, when its trainer is gone (its parent pid
+    is no longer the trainer's: EXIT_TRAINER_GONE) or when the log dir's lock file is no longer
+    the file the job locked (the job let the lock go, or the file was removed: another job may
+    own the log dir now; EXIT_LOCK_LOST, which a living trainer reports). ``locks``: [(lock file
+    path, descriptor)] of the job's local locks, whose copies this process holds. A log dir that
+    is gone is left to the write's own error (file_writer's one line)."""
+
+    def __init__(self, parent, locks):
+        self.parent = parent
+        self.locks = {os.path.realpath(os.path.dirname(path)): (path, fd) for path, fd in locks}
+
+    def __call__(self, path):
+        self.check_dir(os.path.dirname(os.fspath(path)))
+
+    def check_dir(self, directory):
+        if os.getppid() != self.parent:
+            os._exit(EXIT_TRAINER_GONE)
+        if "://" in directory:
+            return  # a remote log dir: its lock object goes stale once the trainer is gone
+        lock = self.locks.get(os.path.realpath(directory))
+        if lock is None:
+            return
+        path, fd = lock
+        try:
+            here = os.stat(path)
+        except FileNotFoundError:
+            if not os.path.isdir(directory):
+                return  # the log dir is gone: putting the file there fails, and says so
+            os._exit(EXIT_LOCK_LOST)
+        mine = os.fstat(fd)
+        if (mine.st_dev, mine.st_ino) != (here.st_dev, here.st_ino):
+            os._exit(EXIT_LOCK_LOST)
+
+
+def _serve(header, payload, fd, maps, guard):
     """One write; returns the pickled reply ("done", (time, lines)) or ("failed", (error,
     traceback text))."""
     try:
@@ -533,8 +647,10 @@ def _serve(header, payload, fd, maps):
             maps.clear()  # older, smaller mappings: nothing views them any more
             maps[size] = mmap.mmap(fd, size) if size else None
         files = _Unpickler(io.BytesIO(payload), maps[size]).load()
-        run_dir.write_step(header["log_dir"], header["step"], files, crc_threads=1)  # beside steps
+        run_dir.write_step(header["log_dir"], header["step"], files, crc_threads=1,  # beside steps
+                           settings=header.get("settings"))
         del files
+        guard.check_dir(header["log_dir"])  # pruning removes files: the same guard
         lines = run_dir.prune_lines(header["log_dir"], header["keep"])
         return pickle.dumps(("done", (time.perf_counter(), lines)))
     except BaseException as e:  # handed to the trainer, which raises it
