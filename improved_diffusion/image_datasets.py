@@ -266,8 +266,10 @@ def resumed_class_names(saved, names, class_map="check", *, data_dir, source, nu
                 f"model has {num_classes_flag} {num_classes}; pass {num_classes_flag} "
                 f"{len(label_names)} --allow_model_change True to grow it")
         untrained = f"; not in --data_dir, not trained: {shown(gone)}" if gone else ""
+        again = ("" if label_names == names else
+                 f" (not the folder's own labels: its later resumes take {flag} keep too)")
         return label_names, (f"{flag} keep: labels by name, as the checkpoint's: "
-                             f"{labels(label_names)}{untrained}")
+                             f"{labels(label_names)}{untrained}{again}")
     moved = [f"{n} {saved.index(n)}->{i}" for i, n in enumerate(names)
              if n in saved and saved.index(n) != i]
     diffs = ([f"not in --data_dir: {shown(gone)}"] if gone else []) + (

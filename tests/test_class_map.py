@@ -74,7 +74,8 @@ def test_a_resume_without_a_class_is_refused_on_2_ranks_and_class_map_keep_maps_
     out = run_mpi(2, "train.py", *TINY, "--data_dir", data, "--log_dir", run, "--max_steps", 2,
                   "--class_map", "keep").stdout
     assert ("resume: --class_map keep: labels by name, as the checkpoint's: 0=apple 1=banana "
-            "2=cherry; not in --data_dir, not trained: banana") in out, out[-3000:]
+            "2=cherry; not in --data_dir, not trained: banana (not the folder's own labels: "
+            "its later resumes take --class_map keep too)") in out, out[-3000:]
     for name in ("model000002.pt", "ema_0.9999_000002.pt"):
         assert stored_names(run / name) == ["apple", "banana", "cherry"], name
 
@@ -103,7 +104,8 @@ def test_classifier_train_stores_its_class_names_and_refuses_a_resume_whose_clas
     out = run_script("classifier_train.py", *CLASSIFIER, "--data_dir", fewer, "--log_dir", run,
                      "--max_steps", 2, "--class_map", "keep").stdout
     assert ("resume: --class_map keep: labels by name, as the checkpoint's: 0=cat 1=dog 2=owl; "
-            "not in --data_dir, not trained: dog") in out, out[-3000:]
+            "not in --data_dir, not trained: dog (not the folder's own labels: its later "
+            "resumes take --class_map keep too)") in out, out[-3000:]
     assert stored_names(run / "model000002.pt") == ["cat", "dog", "owl"]
     # a validation folder is labelled by the training folder's names: a class it lacks is refused
     val = write_class_folder(tmp_path / "val", classes=("cat", "yak"))
@@ -136,7 +138,13 @@ def test_each_difference_is_named_and_each_class_map_gives_its_label_order():
         resumed_class_names(["b", "a"], ["a", "b"], **where)
     # keep: the checkpoint's labels by name, new classes after them (room needed)
     assert resumed_class_names(saved, ["apple", "blueberry", "cherry"], "keep", num_classes=4,
-                               **where)[0] == saved + ["blueberry"]
+                               **where) == (saved + ["blueberry"], (
+        "--class_map keep: labels by name, as the checkpoint's: 0=apple 1=banana 2=cherry "
+        "3=blueberry; not in --data_dir, not trained: banana (not the folder's own labels: its "
+        "later resumes take --class_map keep too)"))
+    assert resumed_class_names(saved, saved + ["date"], "keep", num_classes=4, **where) == (
+        saved + ["date"], "--class_map keep: labels by name, as the checkpoint's: 0=apple "
+        "1=banana 2=cherry 3=date")  # the folder's own labels: a later resume needs no flag
     with pytest.raises(DataError, match="need 4 labels, but the model has --num_classes 3; "
                                         "pass --num_classes 4 --allow_model_change True"):
         resumed_class_names(saved, ["apple", "blueberry"], "keep", num_classes=3, **where)
