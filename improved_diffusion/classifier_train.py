@@ -56,6 +56,12 @@ from .flags import args_to_dict
 from .train_util import (NAN_POLICIES, _poison_if_not_finite, grad_norm, grads_finite,
                          keep_model_state, log_loss_dict, make_adamw, non_finite_step)
 
+# The settings of the training math that opt files record (a resume with others says so); every
+# setting of the run goes to the manifests (settings).
+RECORDED = ("lr", "weight_decay", "anneal_lr", "iterations", "noised", "microbatch",
+            "nan_policy", "fp16_scale_growth")
+
+
 def check_args(args):
     """Check the values argparse cannot (raises UsageError naming the flag): the job's own
     (train_job.check_job_flags: --log_dir resolved), then the classifier's."""
@@ -182,7 +188,8 @@ class ClassifierLoop:
         self.checkpointer = Checkpointer(
             CheckpointConfig.from_flags(args), model=self.model, optimizer=self.opt,
             data=self.data, batch_size=args.batch_size, seed=args.seed, model_flags=self.flags,
-            run_flags=train_job.run_flags(args, classifier_train_defaults()),
+            run_flags={k: getattr(args, k) for k in RECORDED},
+            settings=train_job.run_flags(args, classifier_train_defaults()),
             model_kind="classifier",
             states={"schedule_sampler": self.sampler, "grad_scaler": self.grad_scaler,
                     "val_data": self.val_data})

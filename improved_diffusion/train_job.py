@@ -85,8 +85,8 @@ def check_before_start(args, check):
 
 def run_flags(args, defaults=None):
     """{flag: value} of ``args``'s run settings: the flags of ``defaults`` (train_defaults())
-    but the job's own (script_util.run_flag_keys), which checkpoints record for a resume to
-    take back."""
+    but the job's own (script_util.run_flag_keys), which the steps' manifests record for a
+    resume to take back."""
     return {k: getattr(args, k) for k in run_flag_keys(defaults or train_defaults())
             if hasattr(args, k)}
 
@@ -249,14 +249,15 @@ def start_job(args):
 
 def make_loop(args, parts):
     """The TrainLoop of ``parts`` with the training settings of ``args`` (resumes; collective);
-    its checkpoints record the run's settings (run_flags) for a resume to take back."""
+    its steps' manifests record the run's settings (run_flags) for a resume to take back."""
     overrides = ({} if parts.find_unused_parameters is None
                  else {"find_unused_parameters": bool(parts.find_unused_parameters)})
     config = train_util.TrainConfig.from_flags(args, **overrides)
     return train_util.TrainLoop(
         model=parts.model, diffusion=parts.diffusion, data=parts.data,
         schedule_sampler=parts.schedule_sampler, model_flags=parts.model_flags,
-        sample_kwargs=parts.sample_kwargs, run_flags=run_flags(args), **config.flags())
+        sample_kwargs=parts.sample_kwargs, run_settings=run_flags(args),
+        **config.flags())
 
 
 def run_and_close(loop):

@@ -124,9 +124,10 @@ class TrainConfig:
 
     # Settings that may differ between ranks (each rank's own diagnostics).
     PER_RANK = ("log_sample_indices",)
-    # Settings of the training math that checkpoints record when the loop is given no run_flags
-    # (a TrainLoop built by hand), so that a resume with other values says so (seed, ema_rate
-    # and the batch size have lines of their own). train.py records every run setting.
+    # Settings of the training math that the trainer state records, so that a resume with other
+    # values says so (seed, ema_rate and the batch size have lines of their own). Every setting
+    # of the run (run_settings) goes to the manifests, not to the checkpoint files: runs that
+    # differ in where to write, how to save or what to log write the same bytes.
     RECORDED = ("lr", "weight_decay", "lr_anneal_steps", "microbatch", "use_fp16",
                 "fp16_scale_growth", "nan_policy")
 
@@ -221,9 +222,10 @@ class TrainLoop:
     sample_kwargs: for --sample_interval, ``indices (int64 [n]) -> {name: tensor [n, ...]}``, the
     keyword arguments of the model for the grid's samples (default: the labels ``i % num_classes``
     when model_flags say class_cond, else none).
-    run_flags: {flag: value} of the run's settings as on the command line (train_job passes every
-    training flag but the job's own: script_util.run_flag_keys); checkpoints record them, so
-    that a resume which leaves them out takes them back. Default: the RECORDED settings.
+    run_settings: {flag: value} of the run's settings as on the command line (train_job passes
+    every training flag but the job's own: script_util.run_flag_keys); each step's manifest
+    records them, so that a resume which leaves them out takes them back (Checkpointer's
+    ``settings``).
 
     Construction resolves and loads the resume checkpoint (if any): a collective, so construct it
     on every rank with the same arguments.
@@ -233,7 +235,7 @@ class TrainLoop:
                  log_interval, save_interval, resume_checkpoint, use_fp16=False,
                  fp16_scale_growth=1e-3, schedule_sampler=None, weight_decay=0.0,
                  lr_anneal_steps=0, log_dir=None, model_flags=None, sample_kwargs=None,
-                 run_flags=None, **settings):
+                 run_settings=None, **settings):
         if log_dir is None:  # upstream's TrainLoop wrote to get_blob_logdir()
             log_dir = get_blob_logdir()
         self.config = cfg = TrainConfig.from_flags(_settings(settings, dict(
@@ -283,7 +285,8 @@ class TrainLoop:
             cfg.checkpoint, model=self.model, optimizer=self.opt,
             emas=dict(zip(cfg.ema_rates, self.ema_params)), data=data, batch_size=batch_size,
             seed=cfg.seed, model_flags=self.model_flags,
-            run_flags={**{k: getattr(cfg, k) for k in TrainConfig.RECORDED}, **(run_flags or {})},
+            run_flags={k: getattr(cfg, k) for k in TrainConfig.RECORDED},
+            settings=run_settings,
             states={"schedule_sampler": self.schedule_sampler, "grad_scaler": self.grad_scaler,
                     "phema": self.phema})
         names = getattr(data, "class_names", None)  # image_datasets.load_data's, in label order

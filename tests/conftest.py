@@ -147,16 +147,6 @@ def resumed_step(output):
     return int(found[-1]) if found else None
 
 
-def without_settings(ckpt):
-    """A loaded checkpoint file without the record of the run's settings (the model file's
-    "run_flags", the opt file's trainer "flags"): for comparing the state of two runs whose
-    segments were deliberately run with other settings (--async_save, --keep_checkpoints)."""
-    out = {k: v for k, v in ckpt.items() if k != "run_flags"}
-    if isinstance(out.get("trainer"), dict):
-        out["trainer"] = {k: v for k, v in out["trainer"].items() if k != "flags"}
-    return out
-
-
 def deep_diff(a, b, path="", out=None):
     """Paths where nested dicts/lists/tensors a and b differ (tensors: torch.equal, dtype too)."""
     out = [] if out is None else out

@@ -319,7 +319,8 @@ def test_flags_come_from_the_model_to_guide_and_from_the_resumed_classifier(tmp_
     assert "--iterations 4" in line and "--classifier_width 32" in line, line
     assert "resume: --max_steps 2 -> 4" in proc.stdout, proc.stdout[-3000:]
     assert load(log_dir / "model000004.pt")["flags"] == flags
-    assert load(log_dir / "model000004.pt")["run_flags"]["iterations"] == 4
+    manifest = json.loads((log_dir / "manifest000004.json").read_text())
+    assert manifest["run_flags"]["iterations"] == 4
 
     # Issue 37, items 23 and 12: --diffusion_from a model of another noise process than the
     # resumed classifier's is refused, naming where each value came from (nothing was typed).

@@ -6,6 +6,7 @@ settings come from the step the resume loads (not from a newer step it then skip
 on the resume overrides the file's and is logged, and a check between flags runs on the flags
 the resume took, not on the defaults. Through the real scripts, on 2 ranks with a loader worker.
 """
+import json
 import shutil
 
 import pytest
@@ -82,9 +83,10 @@ def test_a_flag_typed_on_the_resume_overrides_the_checkpoints_and_is_logged(
         out[-3000:]
     line = next(ln for ln in out.splitlines() if "resume: from the checkpoint" in ln)
     assert "--lr" not in line and "--max_steps" not in line and "--batch_size 4" in line, line
-    model = load(run / "model000004.pt")
-    assert model["run_flags"]["lr"] == 1e-3 and model["run_flags"]["max_steps"] == 4
-    assert model["run_flags"]["batch_size"] == 4 and "log_dir" not in model["run_flags"]
+    settings = json.loads((run / "manifest000004.json").read_text())["run_flags"]
+    assert settings["lr"] == 1e-3 and settings["max_steps"] == 4
+    assert settings["batch_size"] == 4 and "log_dir" not in settings
+    assert "run_flags" not in load(run / "model000004.pt")  # the manifest's, not the weights'
     assert not step_files(run, 5)
 
 

@@ -944,12 +944,11 @@ def model_state_from(ckpt, want="model"):
         f"{ckpt.path}: holds {describe(ckpt)}, not model weights; give a model or EMA file")
 
 
-def read_flags(path, kinds=None, keys=("flags",)):
+def read_flags(path, kinds=None):
     """The model flags a local tagged model/EMA file stores, read without loading its tensors
     (torch.load with mmap), or None: an untagged, remote or unreadable file, one without
-    flags, or one whose kind is not in ``kinds`` (when given). With more ``keys`` (e.g.
-    ``("flags", "run_flags")``): a tuple of each key's dict (None for one the file lacks), or
-    None as above. Not collective; never raises (for a peek before the real, checked load)."""
+    flags, or one whose kind is not in ``kinds`` (when given). Not collective; never raises
+    (for a peek before the real, checked load)."""
     path = os.fspath(path)
     if is_remote(path):
         return None
@@ -961,10 +960,8 @@ def read_flags(path, kinds=None, keys=("flags",)):
         return None
     if kinds is not None and obj.get("kind") not in kinds:
         return None
-    found = tuple(dict(obj[k]) if isinstance(obj.get(k), dict) else None for k in keys)
-    if found[0] is None:
-        return None
-    return found[0] if len(keys) == 1 else found
+    flags = obj.get("flags")
+    return dict(flags) if isinstance(flags, dict) else None
 
 
 def combined_ema_or_none(ckpt):

@@ -46,11 +46,15 @@ the model's kind, diffusion. What it is given:
   the save, naming the label); ``resume_without_state(step)``: called instead of starting it
   fresh when the resumed step holds no state for it (raise a UserError to refuse the resume).
   train_util's post-hoc EMA (phema.RunTracker) is such a state.
-- ``run_flags``: {flag: value} of the run's settings (--lr, --max_steps, ...: train.py passes
-  every training flag but the job's own, script_util.run_flag_keys). They are recorded in the
-  trainer state and in every model file ("run_flags"), so that a resume that leaves them out
-  takes them back (train_job.take_checkpoint_flags), and a resume with other values logs one
-  line for each (``resume: --lr A -> B``).
+- ``run_flags``: {flag: value} of the settings the training math depends on (--lr, ...). They are
+  recorded in the trainer state, and a resume with other values logs one line for each
+  (``resume: --lr A -> B``).
+- ``settings``: {flag: value} of every setting of the run (train.py passes every training flag
+  but the job's own, script_util.run_flag_keys: --max_steps, the intervals, ...). Each step's
+  manifest records them (``run_flags``), so that a resume that leaves them out takes them back
+  (train_job.take_checkpoint_flags); a resume with other values logs one line for each. In the
+  manifest, not in the checkpoint files: a run with other side settings (--eval_interval,
+  --async_save, ...) writes the same bytes.
 - ``model_flags``: the model's flags, stored in every weights file (sampling needs no flags).
 - ``model_kind``: what the model file of a step is tagged as: "model" (a diffusion model) or
   "classifier" (guided-diffusion's noised classifier, classifier_train.py); a resume takes a
@@ -194,7 +198,7 @@ class Checkpointer:
 
     def __init__(self, config: CheckpointConfig, *, model, optimizer, emas=None, data=None,
                  batch_size=None, seed=0, states=None, model_flags=None, run_flags=None,
-                 model_kind="model"):
+                 settings=None, model_kind="model"):
         if model_kind not in MODEL_FILE_KINDS:
             raise ValueError(f"Checkpointer: model_kind must be one of {sorted(MODEL_FILE_KINDS)}, "
                              f"not {model_kind!r}")
@@ -212,6 +216,7 @@ class Checkpointer:
         self.model_flags = dict(model_flags or {})
         self.file_tags = {}  # more top-level keys of the weights files (TrainLoop: class_names)
         self.run_flags = dict(run_flags or {})
+        self.settings = dict(settings or {})
         self.seed = int(seed)
         self.rank = dist_util.get_rank()
         self.world_size = dist_util.get_world_size()
@@ -373,7 +378,7 @@ class Checkpointer:
         self._collect_save(block=True)
         files = self.step_files(step, rngs)
         if not self.config.async_save:
-            run_dir.write_step(self.config.log_dir, step, to_host(files))
+            run_dir.write_step(self.config.log_dir, step, to_host(files), settings=self.settings)
             self._log_saved(step, time.perf_counter() - began, None, self._prune())
             return
         if self._process is None:  # once a job: the writer process, or the thread itself
@@ -416,10 +421,7 @@ class Checkpointer:
         sd = {k: v.detach() for k, v in self.model.state_dict().items()}
         payload = (checkpoint.classifier_payload if self.model_kind == "classifier"
                    else checkpoint.model_payload)
-        model_file = {**payload(step, sd, flags), **self.file_tags}
-        if self.run_flags:  # the run's settings: a resume that leaves them out takes them back
-            model_file["run_flags"] = dict(self.run_flags)
-        files = {checkpoint.model_filename(step): model_file}
+        files = {checkpoint.model_filename(step): {**payload(step, sd, flags), **self.file_tags}}
         for rate, params in self.emas.items():
             ema_sd = {k: v.detach() for k, v in self._params_to_state_dict(params).items()}
             files[checkpoint.ema_filename(rate, step)] = {
@@ -471,10 +473,11 @@ class Checkpointer:
         and manifest, then prunes; wait for it. Returns what the main thread logs (no logging
         from this thread)."""
         if not isinstance(self._process, WriterProcess):
-            run_dir.write_step(self.config.log_dir, step, files, crc_threads=1)  # beside steps
+            run_dir.write_step(self.config.log_dir, step, files, crc_threads=1,  # beside steps
+                               settings=self.settings)
             return step, time.perf_counter() - began, paused, self._prune()
         done, lines = self._process.write(self.config.log_dir, step, files,
-                                          self.config.keep_checkpoints)
+                                          self.config.keep_checkpoints, self.settings)
         return step, done - began, paused, lines
 
     def _collect_save(self, block):
@@ -604,13 +607,13 @@ def saved_model_file_flags(log_dir, resume_checkpoint="", kinds=None):
 
 def saved_file_flags(log_dir, resume_checkpoint="", kinds=None):
     """``(path, model flags, run flags)`` of that file, or None when it stores no model flags;
-    the run flags (the run's settings, Checkpointer's ``run_flags``) are {} for a file that
-    records none (written before they were recorded). Collective."""
+    the run flags are the settings its step's manifest records (Checkpointer's ``settings``,
+    run_dir.step_settings; {} for a step that records none: upstream's, or written before
+    settings were recorded). Collective."""
     def peek():
         path = run_dir.likely_resume_model(log_dir, resume_checkpoint)
-        found = (None if path is None
-                 else checkpoint.read_flags(path, kinds=kinds, keys=("flags", "run_flags")))
-        return None if not found else (path, found[0], found[1] or {})
+        flags = None if path is None else checkpoint.read_flags(path, kinds=kinds)
+        return None if not flags else (path, flags, run_dir.step_settings(path))
     return dist_util.run_on_rank0(peek)
 
 
@@ -631,6 +634,7 @@ class Resume:
         self.opt_note = ""
         self.opt_summary = ""
         self.regrouped: Dict[str, Any] = {}
+        self.saved_settings: Dict[str, Any] = {}  # the step's manifest's run_flags
 
     def _load(self, path):
         """checkpoint.load_file_collective(path); a file gone from a source run that a live job
@@ -671,6 +675,7 @@ class Resume:
         if not sd:
             raise ResumeError(f"--resume_checkpoint {path}: no model weights found in the file")
         self.model_file = c
+        self.saved_settings = dist_util.run_on_rank0(lambda: run_dir.step_settings(path))
         mine = ckpt.model.state_dict()
         self.file_shapes = state_fit.shapes_of(sd)
         fit = state_fit.fit_state_dict(state_fit.shapes_of(mine), self.file_shapes, c.flags,
@@ -801,7 +806,7 @@ class Resume:
         the log dir (only once every file of the step was read); returns the step. Collective."""
         ckpt, step = self.ckpt, self.step
         ckpt.resume_step = step
-        restore_trainer_state(ckpt, self.trainer, step)
+        restore_trainer_state(ckpt, self.trainer, step, self.saved_settings)
         self._record_model_change()
         ckpt._tidy(self.plan, step)
         ckpt.last_saved_step = step if self.plan.in_log_dir else None
@@ -827,9 +832,10 @@ class Resume:
 # ---------------------------------------------------------------------- the trainer state
 
 
-def restore_trainer_state(ckpt, trainer, step):
-    """Data position, RNG and states from the trainer dict (or guesses when there is none).
-    Collective (the RNG notes are gathered to rank 0's log)."""
+def restore_trainer_state(ckpt, trainer, step, saved_settings=None):
+    """Data position, RNG and states from the trainer dict (or guesses when there is none);
+    ``saved_settings``: the step manifest's, for the lines of what changed. Collective (the
+    RNG notes are gathered to rank 0's log)."""
     if not trainer or set(trainer) <= {"model_changes"}:  # e.g. `ckpt.py adapt` of upstream's
         position = step * (ckpt.global_batch or 0)
         _load_data_state(ckpt, _guess_data_state(ckpt.data, position), step)
@@ -842,7 +848,7 @@ def restore_trainer_state(ckpt, trainer, step):
             if hasattr(obj, "resume_without_state"):
                 obj.resume_without_state(step)
         return
-    _log_changes(ckpt, trainer)
+    _log_changes(ckpt, trainer, saved_settings)
     data_state = trainer.get("data")
     if not isinstance(data_state, dict) or "position" not in data_state:
         data_state = _guess_data_state(ckpt.data, step * (ckpt.global_batch or 0))
@@ -871,9 +877,10 @@ def _load_data_state(ckpt, state, step):
     return False
 
 
-def _log_changes(ckpt, trainer):
+def _log_changes(ckpt, trainer, saved_settings=None):
     """One log line for each setting that differs from the checkpoint's: world size and batch,
-    --seed, --ema_rate, and each of the run_flags that the file recorded (trainer["flags"])."""
+    --seed, --ema_rate, and each of the run_flags and settings that the step recorded
+    (trainer["flags"], the manifest's ``saved_settings``)."""
     old_ws, old_gb = trainer.get("world_size"), trainer.get("global_batch")
     if old_ws != ckpt.world_size:
         logger.log(
@@ -891,13 +898,14 @@ def _log_changes(ckpt, trainer):
     if old_rates is not None and list(old_rates) != list(ckpt.emas):
         logger.log(f"resume: --ema_rate {','.join(old_rates)} -> {','.join(ckpt.emas)}")
     old_flags = trainer.get("flags") if isinstance(trainer.get("flags"), dict) else {}
-    for k, v in ckpt.run_flags.items():
+    old_flags = {**old_flags, **(saved_settings or {})}
+    for k, v in {**ckpt.run_flags, **ckpt.settings}.items():
         if k in OWN_LINES or k not in old_flags or same_flag_value(old_flags[k], v, k):
             continue
         logger.log(f"resume: --{k} {_shown(old_flags[k])} -> {_shown(v)}")
 
 
-# run_flags that _log_changes words in lines of their own (above), not as "--k A -> B" again.
+# Settings that _log_changes words in lines of their own (above), not as "--k A -> B" again.
 OWN_LINES = ("batch_size", "seed", "ema_rate")
 
 

@@ -476,6 +476,24 @@ def likely_resume_model(log_dir, resume_checkpoint=""):
     return None if st is None else st.model_path
 
 
+def step_settings(model_path):
+    """The run's settings ({flag: value}, the manifest's ``run_flags``) of the step of
+    ``model_path``, read from the manifest beside it; {} when there is none (upstream's steps,
+    a file copied alone, a manifest written before settings were recorded) or it cannot be
+    read (the resume's own checks word a bad step). Not collective; never raises."""
+    try:
+        path = os.fspath(model_path)
+        info = ckpt.name_info(ckpt.basename(path))
+        if info is None or info.step is None:
+            return {}
+        doc = json.loads(ckpt.read_bytes(ckpt.join(ckpt.dirname(path),
+                                                   ckpt.manifest_filename(info.step))))
+    except Exception:  # a peek: anything unreadable is "no settings"
+        return {}
+    found = doc.get("run_flags") if isinstance(doc, dict) else None
+    return dict(found) if isinstance(found, dict) else {}
+
+
 def may_resume(log_dir, resume_checkpoint=""):
     """Whether a start with these flags could be a resume, from names alone (a file or
     directory given to resume, or a step in ``log_dir`` that was once saved completely): the
@@ -616,7 +634,7 @@ def _quarantine(log_dir, step, files):
 # writing a step
 
 
-def save_step(log_dir, step, files):
+def save_step(log_dir, step, files, settings=None):
     """
     Write one step's checkpoint files, then its manifest LAST.
 
@@ -632,18 +650,22 @@ def save_step(log_dir, step, files):
     quota, read-only, permission, vanished log dir: one-line CheckpointError naming the log dir
     and what to do; anything else keeps its type), the files already written for this step are
     removed, so no partial step is left and the previous complete step stays the newest.
+    ``settings``: {flag: value} of the run's settings, recorded in the manifest (write_step).
 
     Collective: call from all ranks with the same arguments.
     """
-    dist_util.run_on_rank0(lambda: write_step(log_dir, step, files))
+    dist_util.run_on_rank0(lambda: write_step(log_dir, step, files, settings=settings))
 
 
-def write_step(log_dir, step, files, crc_threads=None):
+def write_step(log_dir, step, files, crc_threads=None, settings=None):
     """save_step's work, in this process only (not collective): rank 0's part, also run by the
     trainer's background writer (async_save). Each file's size and CRC-32 are computed while it
     is written (file_writer.write_file), never read back. ``crc_threads``: threads for a large
     record's CRC (torch_zip.save; None: torch_zip.workers(), for a save the training waits
-    for; a background write passes 1, beside the steps)."""
+    for; a background write passes 1, beside the steps). ``settings``: {flag: value} of the
+    run's settings, the manifest's ``run_flags`` (step_settings reads them back): in the
+    manifest, not in the checkpoint files, so that two runs of the same training with other
+    side settings (--eval_interval, --async_save, ...) write the same bytes."""
     log_dir, step = os.fspath(log_dir), int(step)
     kept = (f"step {step} was not saved (no manifest; its partial files were removed) and the "
             f"last complete step is intact, so a rerun resumes from it")
@@ -669,7 +691,7 @@ def write_step(log_dir, step, files, crc_threads=None):
                                                    crc_threads)
             written.append(name)
         current = manifest
-        file_writer.write_file(ckpt.join(log_dir, manifest), _manifest_bytes(step, entries))
+        file_writer.write_file(ckpt.join(log_dir, manifest), _manifest_bytes(step, entries, settings))
     except BaseException as e:
         _remove_written(log_dir, written)
         message = file_writer.write_fault_message(e, log_dir, f"saving step {step} ({current})", kept)
@@ -678,7 +700,7 @@ def write_step(log_dir, step, files, crc_threads=None):
         raise CheckpointError(message) from None
 
 
-def _manifest_bytes(step, entries):
+def _manifest_bytes(step, entries, settings=None):
     doc = {
         "schema": ckpt.SCHEMA,
         "version": file_writer.MANIFEST_VERSION,
@@ -687,6 +709,8 @@ def _manifest_bytes(step, entries):
         "files": entries,
         "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
+    if settings:
+        doc["run_flags"] = dict(settings)
     return (json.dumps(doc, indent=1) + "\n").encode()
 
 
