@@ -33,7 +33,9 @@ TINY = [
 # A lock holder: takes the lock of argv[1] ("local" or "remote" flavour, wait_s, heartbeat_s),
 # prints HELD, holds it until the file argv[5] exists, releases it, prints RELEASED, and lives on
 # for LINGER_S seconds (so that only release(), not its exit, can have freed the lock).
-# FORK_CHILD=1: after taking the lock, fork a child that sleeps (a data loader worker, say).
+# FORK_CHILD=1: after taking the lock, fork a child that sleeps (a data loader worker, say), and
+# print HELD once the child is running (a kill before that could find the child mid-fork, still
+# holding its copy of the lock's descriptor for a moment: a race of the test, not of the lock).
 HOLDER = r"""
 import os, sys, time
 from improved_diffusion.ckpt import run_lock
@@ -45,10 +47,14 @@ try:
 except run_lock.LogDirLockedError as e:
     print("ERROR " + str(e), flush=True)
     sys.exit(e.exit_code)
+if os.environ.get("FORK_CHILD"):
+    ready_r, ready_w = os.pipe()
+    if os.fork() == 0:  # its at-fork handlers (run_lock's: close the lock's copy) have run
+        os.write(ready_w, b"1")
+        time.sleep(120)
+        os._exit(0)
+    os.read(ready_r, 1)  # HELD only once the child is past them: a kill then finds it settled
 print("HELD", os.getpid(), flush=True)
-if os.environ.get("FORK_CHILD") and os.fork() == 0:
-    time.sleep(120)
-    os._exit(0)
 deadline = time.monotonic() + 120
 while not os.path.exists(release_file) and time.monotonic() < deadline:
     time.sleep(0.02)
