@@ -282,7 +282,8 @@ def test_adapt_of_a_raw_file_without_its_flags_says_they_are_needed_and_writes_n
                      r"tensors \(\d+ reshaped \(time_embed.0.weight \[128, 32\] -> \[512, 128\]",
                      errors[0]), errors[0]
     assert ("the file stores no model flags, so those --flags does not give took their defaults: "
-            "give the flags it was trained with (likely") in errors[0]
+            'give all its model flags, --flags "--image_size N --num_channels N ..." as it was '
+            "trained (likely") in errors[0]
     assert "--num_channels (file: 32, model: 128)" in errors[0]
     assert errors[0].endswith("or pass --force to write it anyway")
     assert not out.exists()

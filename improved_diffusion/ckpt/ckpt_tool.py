@@ -940,7 +940,8 @@ def cmd_adapt(args, out):
     change = model_change.plan_change(shapes_of(fresh), shapes_of(sd), c.flags, flags, step)
     if change.keeps_too_little and not args.force:  # before anything is written
         raise ToolError(model_change.too_little_kept_message(
-            plan.model, change, "--flags", "pass --force to write it anyway"))
+            plan.model, change, "--flags", "pass --force to write it anyway",
+            give='give all its model flags, --flags "--image_size N --num_channels N ..."'))
     notes = [f"ignored non-model flags: {' '.join(ignored)}"] if ignored else []
     if c.flags is None:
         notes.append(f"{os.path.basename(plan.model)} stores no model flags: those --flags does "

@@ -195,7 +195,7 @@ def plan_change(model_shapes, file_shapes, file_flags=None, run_flags=None,
         file_tensors=len(file_shapes), likely_flags=list(fit.likely_flags))
 
 
-def too_little_kept_message(source, change, given, force):
+def too_little_kept_message(source, change, given, force, give="give them"):
     """
     The one line that refuses a change keeping less than half of the file's tensors
     (``change.keeps_too_little``): what did not fit, the likely flag, and how to force it.
@@ -203,11 +203,12 @@ def too_little_kept_message(source, change, given, force):
     :param source: the file as the caller names it (a path, "--resume_checkpoint PATH").
     :param given: where the model flags came from, e.g. "--flags" or "the command line".
     :param force: the way to go ahead anyway, e.g. "pass --force to write it anyway".
+    :param give: how to give the flags a file without flags was trained with.
     """
     likely = "; ".join(change.likely_flags)
     if change.flags is None:  # upstream's raw files: every flag not given took its default
         check = (f"the file stores no model flags, so those {given} does not give took their "
-                 f"defaults: give the flags it was trained with"
+                 f"defaults: {give} as it was trained"
                  + (f" (likely {likely})" if likely else ""))
     else:
         check = f"check {likely or given}"
