@@ -660,7 +660,8 @@ def test_a_resume_with_a_changed_lr_and_an_image_fewer_says_each_once_for_the_jo
     assert resumed_step(out) == 2, out[-3000:]
     lines = out.splitlines()
     flags = [ln for ln in lines if ln.startswith("resume: --")]
-    assert flags == ["resume: --lr 0.0001 -> 0.0002", "resume: --weight_decay 0.0 -> 0.01"], (
+    assert flags == ["resume: --lr 0.0001 -> 0.0002", "resume: --weight_decay 0.0 -> 0.01",
+                     "resume: --max_steps 2 -> 3"], (
         out[-3000:])  # one line each, and none for the flags that did not change
     warning = ("warning: the data position was saved for 14 samples but the dataset now has "
                "13; the sample order continues but is not the saved run's")
