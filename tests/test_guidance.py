@@ -148,8 +148,13 @@ def test_respaced_condition_mean_and_whole_10_step_loops_are_upstreams(scale, su
     t = ref["guidance_setup"]["spaced10_t"]
     with th.no_grad():
         out = diffusion.p_mean_variance(model_fn, x, t, clip_denoised=True, model_kwargs=kw)
-    th.testing.assert_close(diffusion.condition_mean(cond_fn, out, x, t, model_kwargs=kw),
-                            guided("spaced10_condition_mean" + suffix), rtol=0, atol=1e-4)
+    mean = diffusion.condition_mean(cond_fn, out, x, t, model_kwargs=kw)
+    ref_mean = guided("spaced10_condition_mean" + suffix)
+    th.testing.assert_close(mean[:2], ref_mean[:2], rtol=0, atol=1e-4)
+    # The last sample is at the last spaced step (t=9, 99 of the original 100): its x /
+    # sqrt(alpha_bar) is ~1e3, whose float32 ulps (~2e-4) reach the mean (fixtures' README), so
+    # another CPU's kernels put it off by ~1.05e-4 (seen on an AMD EPYC without AVX-512).
+    th.testing.assert_close(mean[2], ref_mean[2], **LOOP)
     # The whole loops, for the first sample of the reference's batch (label 1).
     noise, kw = ref["noise"][:1], {"y": ref["y"][:1]}
     th.manual_seed(4321)
@@ -163,8 +168,11 @@ def test_respaced_condition_mean_and_whole_10_step_loops_are_upstreams(scale, su
         model_fn, tuple(noise.shape), noise=noise, clip_denoised=True, model_kwargs=kw,
         cond_fn=cond_fn, device="cpu", eta=0.0))
     assert len(steps) == 10
+    # DDIM's ten guided steps carry the last step's rounding (above) through every later one:
+    # 1.13e-3 on an AMD EPYC with AVX2 only, against 1e-3 on the machine of the reference.
     th.testing.assert_close(steps[-1]["sample"],
-                            guided("spaced10_ddim_sample_loop_eta0" + suffix)[:1], **LOOP)
+                            guided("spaced10_ddim_sample_loop_eta0" + suffix)[:1], rtol=0,
+                            atol=2 * LOOP["atol"])
 
 
 def test_spaced_diffusion_hands_cond_fn_the_original_timesteps_as_the_model_gets_them():

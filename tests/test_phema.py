@@ -51,10 +51,13 @@ def test_std_and_exponent_conversions_match_edm2():
 
 
 @pytest.mark.parametrize("std", ["0.050", "0.070", "0.100"])
-def test_per_step_betas_match_edm2_bit_for_bit(std):
+def test_per_step_betas_match_edm2_to_one_ulp(std):
     beta = P.power_function_beta(float(std), npy(REF["beta_t_next"]), npy(REF["beta_t_delta"]))
     assert beta.dtype == np.float64
-    assert np.array_equal(beta, npy(REF[f"beta_std{std}"]))
+    # numpy's float64 power is its SIMD kernel on a CPU with AVX-512 and libm's elsewhere: the
+    # two round a few results one ulp apart (seen: an AMD EPYC with AVX2 only against the
+    # machine that made the reference), so one ulp, not bit for bit.
+    np.testing.assert_array_max_ulp(beta, npy(REF[f"beta_std{std}"]), maxulp=1)
     assert beta[0] == 0.0  # the first step (t_delta == t_next) takes the weights as they are
 
 
