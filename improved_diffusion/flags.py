@@ -99,8 +99,9 @@ FLAG_HELP = {
     "dropout": ("model", "dropout rate in the residual blocks"),
     "learn_sigma": ("model", "the model also outputs the variance (2 x --in_channels output "
                     "channels)"),
-    "class_cond": ("model", "class-conditional model: the class of a file is its name before "
-                   "the first '_'"),
+    "class_cond": ("model", "class-conditional model: the class of a file is its folder's name "
+                   "when --data_dir holds one folder per class, else its name before the "
+                   "first '_'"),
     "num_classes": ("model", "classes of a --class_cond model; training without it counts the "
                     "class names in --data_dir"),
     "use_checkpoint": ("model", "gradient checkpointing: less memory, slower steps"),
