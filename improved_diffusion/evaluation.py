@@ -792,11 +792,45 @@ def read_cache(batch, features):
     return acts
 
 
+# A temporary cache file of a process gone from this host and untouched this long was left by a
+# killed write (it can be as large as the cache: ~1 GB for 50k Inception activations).
+ABANDONED_AFTER_S = 600.0
+
+
+def _remove_abandoned(path):
+    """Remove ``path``'s temporary files (``PATH.tmpPID``) that a killed write left: the PID is
+    not a live process here and the file is older than ABANDONED_AFTER_S (a write from another
+    host sharing the folder is never that idle). Best effort, never raises."""
+    folder, name = os.path.split(path)
+    try:
+        names = os.listdir(folder or ".")
+    except OSError:
+        return
+    for n in names:
+        pid = n[len(name) + 4:] if n.startswith(name + ".tmp") else ""
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        leftover = os.path.join(folder, n)
+        try:
+            os.kill(int(pid), 0)
+            continue  # a live process of this host: its write in progress
+        except ProcessLookupError:
+            pass
+        except OSError:
+            continue  # alive, another user's
+        try:
+            if time.time() - os.stat(leftover).st_mtime > ABANDONED_AFTER_S:
+                os.unlink(leftover)
+        except OSError:
+            pass
+
+
 def write_cache(batch, features, acts):
     """Write the activations beside the batch, atomically (a temporary name, then a rename);
     a folder that cannot be written only costs the cache (a note). Not collective: rank 0."""
     path = cache_path(batch.path, features)
     tmp = f"{path}.tmp{os.getpid()}"
+    _remove_abandoned(path)
     try:
         with open(tmp, "wb") as f:
             np.savez(f, key=np.array(cache_key(batch, features)),
