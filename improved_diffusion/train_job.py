@@ -126,8 +126,9 @@ def _resumed_or_data_classes(args, n, flag, who):
     if len(names) > n:
         raise UsageError(
             f"--data_dir {args.data_dir} holds {len(names)} classes, but the checkpoint to resume "
-            f"was trained with {n}: pass {flag} {len(names)} --allow_model_change True to "
-            f"grow it, or train on its {n} classes")
+            f"was trained with {n}: pass {flag} {len(names)} --allow_model_change True "
+            f"--class_map keep to grow it (the checkpoint's labels kept by name), or train on "
+            f"its {n} classes")
     logger.log(f"{who}: {flag.lstrip('-')}={n}, the checkpoint's ({len(names)} classes in "
                f"--data_dir {args.data_dir})")
     return n
