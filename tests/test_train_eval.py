@@ -172,12 +172,12 @@ def test_sigterm_on_one_of_two_ranks_during_an_evaluation_saves_and_the_resume_l
 
 
 @pytest.mark.timeout(240)
-def test_the_evaluations_labels_are_i_mod_num_classes_as_sample_pys_on_two_ranks(tmp_path):
+def test_the_evaluations_labels_are_i_mod_num_classes_as_sample_pys_on_two_ranks(tmp_path,
+                                                                                digits_data):
     """Sample i of a class-conditional model's evaluation is labelled i % num_classes, on any
     rank and in any batch: the labels (and images) of sample.py --classes 0,1,2 of the EMA."""
+    _, ref = digits_data
     data = write_class_folder(tmp_path / "data", classes=("ant", "bee", "cat"), per_class=2)
-    ref = tmp_path / "ref.npz"
-    np.savez(ref, arr_0=np.random.default_rng(0).integers(0, 256, (4, 8, 8, 3), np.uint8))
     log, drawn, n = tmp_path / "log", tmp_path / "drawn", 7  # rank 0: [0 2] [4 6], 1: [1 3] [5]
     _run([MPIEXEC, "-n", "2", PY, REPO / "tests" / "train_eval_labels.py", drawn,
           "--data_dir", data, "--log_dir", log, *TINY, "--max_steps", "2", "--class_cond", "True",
