@@ -97,7 +97,8 @@ def test_a_classifier_run_resumed_at_step_3_ends_bitwise_identical_to_a_straight
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     train(ranks, data, straight, *HARD, "--iterations", 6)
     train(ranks, data, resumed, *HARD, "--iterations", 6, "--max_steps", 3)
-    out = train(ranks, data, resumed, *HARD, "--iterations", 6)  # the same command: auto-resume
+    # auto-resume; --max_steps 0: the run's own end (its --max_steps 3 is taken back unless typed)
+    out = train(ranks, data, resumed, *HARD, "--iterations", 6, "--max_steps", 0)
     assert "resumed at step 3 from" in out and "opt: opt000003.pt" in out, out[-3000:]
 
     a, b = (assert_complete_classifier_step(d, 6) for d in (straight, resumed))

@@ -250,7 +250,7 @@ def test_a_model_change_with_phema_stds_is_refused_in_one_line(log):
     assert tiny_loop(run, max_steps=2).run_loop() == 0
     before = sorted(os.listdir(run))
     with pytest.raises(phema.PhemaStateError) as e:
-        tiny_loop(run, max_steps=4, allow_model_change=True, model_flags={"num_channels": 64})
+        tiny_loop(run, max_steps=4, allow_model_change=True, model_flags={"learn_sigma": True})
     assert str(e.value) == (
         "--allow_model_change with --phema_stds: the model changed at step 2, and post-hoc EMA "
         "snapshots of two models cannot be combined; resume without --phema_stds (the snapshots "

@@ -23,7 +23,7 @@ from improved_diffusion.ckpt import rng, run_lock
 
 def fake_ckpt(**kw):
     base = dict(seed=3, rank=0, world_size=1, global_batch=4, batch_size=4, data=None,
-                states={}, emas={}, run_flags={})
+                states={}, emas={}, run_flags={}, settings={})
     return SimpleNamespace(**dict(base, **kw))
 
 

@@ -57,22 +57,16 @@ def checkpoint_files(log):
                   or p.name.startswith("manifest"))
 
 
-def settings_left_out(x):
-    """A loaded checkpoint file without its records of flags (every entry named ``*flags``, at
-    any depth): the run's settings name the evaluation's flags in one run only."""
-    if isinstance(x, dict):
-        return {k: settings_left_out(v) for k, v in x.items() if not str(k).endswith("flags")}
-    return x
-
-
 def differences(a, b):
-    """The checkpoint files of two runs: the same names, and in each .pt file the same state
-    (every tensor and entry but the records of flags; so the manifests' sizes and checksums may
-    differ)."""
+    """The checkpoint files of two runs: .pt byte for byte, manifests but for their time and
+    their record of the run's settings (``run_flags``: one run names the evaluation's flags)."""
     names = checkpoint_files(a)
     assert names == checkpoint_files(b)
-    return [f"{n}{d}" for n in names if n.endswith(".pt") for d in deep_diff(
-        *(settings_left_out(torch.load(x / n, weights_only=True)) for x in (a, b)))]
+    differ = [n for n in names if n.endswith(".pt") and (a / n).read_bytes() != (b / n).read_bytes()]
+    differ += [f"{n}{d}" for n in names if n.endswith(".json") for d in deep_diff(
+        *({k: v for k, v in json.loads((x / n).read_text()).items() if k != "run_flags"}
+          for x in (a, b)))]
+    return differ
 
 
 def offline_fid(ema_file, ref, n=8, steps=3):
