@@ -35,7 +35,7 @@ from improved_diffusion.script_util import (  # noqa: E402
     model_and_diffusion_defaults,
     train_defaults,
 )
-from improved_diffusion.flags import create_parser  # noqa: E402
+from improved_diffusion.flags import create_parser, explicit_args  # noqa: E402
 
 OWN_FLAGS = dict(dim=64, depth=2, heads=4, patch_size=2)
 DIFFUSION_FLAGS = ("diffusion_steps", "learn_sigma", "sigma_small", "noise_schedule",
@@ -144,9 +144,10 @@ def build(args):
 
 def train(argv=None):
     defaults = dict(train_defaults(), **model_and_diffusion_defaults(), **OWN_FLAGS)
-    args = create_parser(__doc__, defaults, prog="own_model.py").parse_args(argv)
-    train_job.check_train_args(args)
-    return train_job.run_training(args, build)
+    parser = create_parser(__doc__, defaults, prog="own_model.py")
+    args = parser.parse_args(argv)
+    given = explicit_args(parser, argv)  # a resume takes the others from its checkpoint
+    return train_job.run_training(args, build, given, check=train_job.check_train_args)
 
 
 if __name__ == "__main__":

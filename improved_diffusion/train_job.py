@@ -142,9 +142,10 @@ def take_checkpoint_flags(args, given, kinds=("model", "ema"), resolved_later=("
     """
     A resume needs no flag retyped. Each flag the command line did not give (not in ``given``,
     the names typed) takes the value the checkpoint to resume records: the model and diffusion
-    flags (the ``flags`` of its file, of one of ``kinds``) and the run's settings (its
-    ``run_flags``: --lr, --batch_size, --ema_rate, --max_steps, the intervals, ... all but
-    script_util.JOB_FLAGS), from the step the resume will load (run_dir.likely_resume_model),
+    flags (the ``flags`` of its file, of one of ``kinds``) and the run's settings (the
+    ``run_flags`` of its step's manifest: --lr, --batch_size, --ema_rate, --max_steps, the
+    intervals, ... all but script_util.JOB_FLAGS), from the step the resume will load
+    (run_dir.likely_resume_model),
     logged in one line (``resume: from the checkpoint (model000100.pt): --diffusion_steps 100
     --lr 0.002 ...``). A model flag typed with another value than the file's is a
     FlagClashError naming both, unless --allow_model_change True (then the resume's change

@@ -156,9 +156,10 @@ def test_a_model_of_ones_own_resumes_elastically_on_fewer_ranks(tmp_path, data, 
     _, half = own_model_runs(2)
     resumed = tmp_path / "resumed"
     shutil.copytree(half, resumed)
-    out = run(OWN_MODEL, 1, "--data_dir", data, "--log_dir", resumed, *MODEL_FLAGS,
-              "--max_steps", 6)
+    # no flag retyped: the model's (--dim ...) and the run's (--batch_size ...) come from step 3
+    out = run(OWN_MODEL, 1, "--data_dir", data, "--log_dir", resumed, "--max_steps", 6)
     assert resumed_step(out) == 3 and "world size 2 -> 1" in out, out[-3000:]
+    assert "resume: from the checkpoint (model000003.pt): " in out, out[-3000:]
     trainer = load(resumed / "opt000006.pt")["trainer"]
     assert trainer["data"]["position"] == 3 * 4 + 3 * 2  # 3 steps of 2x2, then 3 of 1x2
     assert int(load(resumed / "model000006.pt")["state_dict"][
