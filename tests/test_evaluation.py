@@ -479,6 +479,17 @@ def _hostile(kind, d, digits):
     raise AssertionError(kind)
 
 
+def _train_with_digits_eval(tmp_path, log, ref, capsys):
+    """train.py in this process, evaluating with the digits features against ``ref`` every 2
+    steps; returns (exit code, stderr)."""
+    capsys.readouterr()
+    code = _load_script("train.py").main([str(a) for a in [
+        "--data_dir", write_images(tmp_path / "data", n=4), "--log_dir", log, *TINY_TRAIN,
+        "--eval_interval", 2, "--eval_ref_batch", ref, "--eval_num_samples", 4,
+        "--eval_features", "digits"]])
+    return code, capsys.readouterr().err
+
+
 def _one_error_line(err, words, path):
     lines = [line for line in err.strip().splitlines() if line.startswith("error: ")]
     assert len(lines) == 1 and "Traceback" not in err, err
@@ -518,12 +529,7 @@ def test_a_hostile_batch_is_one_line_exit_1_in_every_entry_point_and_nothing_is_
     assert listing(d) == before
 
     log = tmp_path / "log"
-    capsys.readouterr()
-    code = _load_script("train.py").main([str(a) for a in [
-        "--data_dir", write_images(tmp_path / "data", n=4), "--log_dir", log, *TINY_TRAIN,
-        "--eval_interval", 2, "--eval_ref_batch", d / "ref.npz", "--eval_num_samples", 4,
-        "--eval_features", "digits"]])
-    err = capsys.readouterr().err
+    code, err = _train_with_digits_eval(tmp_path, log, d / "ref.npz", capsys)
     assert code == 1, err
     _one_error_line(err, words, d / "ref.npz")
     assert listing(d) == before and not log.exists()
@@ -737,12 +743,7 @@ def test_the_digits_features_refuse_a_reference_that_is_not_digits(tmp_path, eva
     assert sorted(p.name for p in d.iterdir()) == ["ref.npz", "samples.npz"]
 
     log = tmp_path / "log"
-    capsys.readouterr()
-    code = _load_script("train.py").main([str(a) for a in [
-        "--data_dir", write_images(tmp_path / "data", n=4), "--log_dir", log, *TINY_TRAIN,
-        "--eval_interval", 2, "--eval_ref_batch", d / "ref.npz", "--eval_num_samples", 4,
-        "--eval_features", "digits"]])
-    err = capsys.readouterr().err
+    code, err = _train_with_digits_eval(tmp_path, log, d / "ref.npz", capsys)
     assert code == 1, err
     _one_error_line(err, words, d / "ref.npz")
     assert sorted(p.name for p in d.iterdir()) == ["ref.npz", "samples.npz"]
