@@ -14,10 +14,12 @@ safetensors, and reconstruct post-hoc EMAs from a run's snapshots.
     python scripts/ckpt.py phema DIR --std 0.03,0.05,0.1 --evaluate REF.npz [--num_samples M]
         [--features inception|digits] [--inception_weights P] [--sample_steps K]
         (the sweep: FID per width, the best named, phema_sweep.png)
+    python scripts/ckpt.py consolidate RUN --step N --out DIR   (a sharded step, step000010.dcp/,
+        as the full layout's files; `inspect` and `verify` read sharded steps too)
 
 (also `python -m improved_diffusion.ckpt.ckpt_tool ...`). Human-readable output by default,
 `--json` for scripts. Exit status: 0 healthy, 1 problem found, 2 bad usage. Errors are one line on
-stderr, never a traceback. Only `convert`, `adapt` and `phema` (into --out) and `prune` write or delete
+stderr, never a traceback. Only `convert`, `adapt`, `phema` and `consolidate` (into --out) and `prune` write or delete
 anything;
 every file is read with `torch.load(weights_only=True)`, so a checkpoint can never run code.
 """
@@ -35,7 +37,7 @@ import torch as th
 from . import checkpoint as ckpt
 from ..errors import UsageError, UserError
 from ..flags import FlagParser, flags_to_argv, unknown_flag_message
-from . import file_writer, model_change, run_dir
+from . import file_writer, model_change, run_dir, sharded
 from .. import phema
 from .state_fit import fit_state_dict, shapes_of
 from .optim_state import (
@@ -336,14 +338,59 @@ def _print_inspect(rep, out):
     w(f"  status      {'ok' if rep['ok'] else 'PROBLEM'}\n")
 
 
+def inspect_sharded(path):
+    """JSON-able description of a sharded step's folder (step000010.dcp): layout, the ranks that
+    wrote it, its files, the full-layout files it holds and their tensors (from DCP's index:
+    no weight is read), and whether its manifest verifies."""
+    path = os.fspath(path).rstrip("/")
+    step, log_dir = sharded.dir_step(path), ckpt.dirname(path)
+    rep = {"path": path, "layout": sharded.LAYOUT, "step": step, "ok": False, "error": None,
+           "problems": [], "files": sorted(run_dir.listdir(path)), "ranks": None,
+           "holds": [], "tensors": {}}
+    try:
+        st = sharded.verify(log_dir, step)
+        if st.problem:
+            rep["problems"].append(st.problem)
+        if st.manifest:
+            rep["holds"], rep["ranks"] = st.manifest.get("holds", []), st.manifest.get("ranks")
+        for p, (shape, dtype) in sharded.tensor_shapes(path).items():
+            rep["tensors"].setdefault(p[0], {})[".".join(map(str, p[1:]))] = [
+                list(shape), str(dtype).replace("torch.", "")]
+    except ckpt.CheckpointError as e:
+        rep["error"] = str(e)
+    rep["ok"] = rep["error"] is None and not rep["problems"]
+    return rep
+
+
+def _print_sharded(rep, out):
+    w = out.write
+    w(f"{rep['path']}: step {rep['step']}, layout sharded (DCP), written by {rep['ranks']} "
+      f"rank(s)\n")
+    w(f"  files: {', '.join(rep['files'])}\n")
+    for name in rep["holds"]:
+        tensors = rep["tensors"].get(name, {})
+        n = sum(math.prod(shape) for shape, _ in tensors.values())
+        w(f"  holds {name}: {len(tensors)} tensor(s), {n} value(s)\n")
+        for key, (shape, dtype) in list(tensors.items())[:8]:
+            w(f"    {key}: {dtype} {shape}\n")
+        if len(tensors) > 8:
+            w(f"    ... {len(tensors) - 8} more\n")
+    for prob in rep["problems"]:
+        w(f"  problem: {prob}\n")
+    w("  ok\n" if rep["ok"] else "")
+
+
 def cmd_inspect(args, out):
-    reports = [inspect_file(p) for p in args.files]
+    reports = [inspect_sharded(p) if sharded.dir_step(p) is not None else inspect_file(p)
+               for p in args.files]
     if args.json:
         _dump(reports[0] if len(reports) == 1 else reports, out)
     else:
         for rep in reports:
             if rep["error"]:
                 args.err.write(f"error: {' '.join(rep['error'].split())}\n")
+            elif rep.get("layout") == sharded.LAYOUT:
+                _print_sharded(rep, out)
             else:
                 _print_inspect(rep, out)
     return EXIT_OK if all(r["ok"] for r in reports) else EXIT_PROBLEM
@@ -367,10 +414,16 @@ def verify_dir(log_dir, deep=True):
     resume = None
     for st in steps:
         row = {"step": st.step, "legacy": st.legacy, "complete": st.complete,
-               "files": [os.path.basename(p) for p in st.files], "problems": [], "notes": []}
+               "files": [os.path.basename(p) for p in st.files], "problems": [], "notes": [],
+               "layout": st.layout}
         if st.problem:
             row["problems"].append(st.problem)
-        if deep and st.complete:
+        if deep and st.complete and st.layout == sharded.LAYOUT:
+            try:  # the index must be one we read (its bytes matched the manifest already)
+                sharded.read_metadata(st.sharded_path)
+            except ckpt.CheckpointError as e:
+                row["problems"].append(str(e))
+        elif deep and st.complete:
             for p in st.files:
                 if p.endswith(".json"):
                     continue
@@ -418,8 +471,9 @@ def cmd_verify(args, out):
         for r in rep["steps"]:
             state = "ok" if not r["problems"] else (
                 "resumable" if r["resumable"] else "NOT resumable")
-            kind = "legacy" if r["legacy"] else "tagged"
-            w(f"  step {r['step']:>8}  {state:<13} {kind:<6}  {', '.join(r['files'])}\n")
+            kind = "legacy" if r["legacy"] else (
+                "sharded" if r["layout"] == sharded.LAYOUT else "tagged")
+            w(f"  step {r['step']:>8}  {state:<13} {kind:<7} {', '.join(r['files'])}\n")
             for p in r["problems"]:
                 w(f"  {'':>13}  problem: {p}\n")
             for n in r["notes"]:
@@ -1031,6 +1085,34 @@ def cmd_prune(args, out):
     return EXIT_OK
 
 
+def cmd_consolidate(args, out):
+    """A sharded step as the full layout's files (model/ema/opt .pt + manifest, through
+    run_dir.write_step: exactly today's format), in this one process."""
+    _require_dir(args.dir, "RUN")
+    st = sharded.verify(args.dir, args.step)
+    if st.layout != sharded.LAYOUT:
+        raise ToolError(f"{args.dir}: step {args.step} is in the full layout already; nothing "
+                        f"to consolidate")
+    if not st.complete:
+        raise ToolError(f"{args.dir}: step {args.step} cannot be consolidated: {st.problem}; "
+                        f"use another step (see `ckpt.py verify {args.dir}`)")
+    payloads = sharded.consolidate(st.sharded_path)
+    holds = st.manifest.get("holds")
+    if list(payloads) != holds:
+        raise ToolError(f"{st.sharded_path}: holds {list(payloads)}, its manifest says {holds}; "
+                        f"the step is damaged: use another step")
+    os.makedirs(args.out, exist_ok=True)
+    run_dir.write_step(args.out, args.step, payloads, settings=st.manifest.get("run_flags"))
+    rep = {"dir": args.dir, "step": args.step, "out": args.out,
+           "written": [*payloads, ckpt.manifest_filename(args.step)]}
+    if args.json:
+        _dump(rep, out)
+    else:
+        for name in rep["written"]:
+            out.write(f"wrote {ckpt.join(args.out, name)}\n")
+    return EXIT_OK
+
+
 # ---------------------------------------------------------------------------------------------
 # phema
 
@@ -1223,6 +1305,12 @@ def build_parser():
     sp.add_argument("--keep", type=int, required=True, metavar="K")
     sp.add_argument("--delete_snapshots", action="store_true",
                     help="also delete the post-hoc EMA snapshots (phema_*.pt) of the pruned steps")
+    sp = sub.add_parser("consolidate", help="a sharded step (DCP) as the full layout's model/ema/"
+                        "opt files and manifest")
+    sp.add_argument("dir", metavar="RUN")
+    sp.add_argument("--step", type=int, required=True, metavar="N")
+    sp.add_argument("--out", required=True, metavar="DIR",
+                    help="where to write them (created; refuses to overwrite files)")
     sp = sub.add_parser("phema", help="reconstruct EMAs of any width from a run's post-hoc EMA "
                         "snapshots (EDM2), as ordinary EMA files")
     sp.add_argument("dir", metavar="DIR", help="the run directory (its phema_STD_STEP.pt files)")
@@ -1259,7 +1347,7 @@ def build_parser():
 
 _COMMANDS = {"inspect": cmd_inspect, "verify": cmd_verify, "diff": cmd_diff,
              "convert": cmd_convert, "adapt": cmd_adapt, "prune": cmd_prune,
-             "phema": cmd_phema}
+             "phema": cmd_phema, "consolidate": cmd_consolidate}
 
 
 def main(argv=None, out=None, err=None):
@@ -1277,7 +1365,7 @@ def main(argv=None, out=None, err=None):
             return int(e.code or 0)
         if not args.command:
             raise UsageError("ckpt.py: give a command: inspect, verify, diff, convert, adapt, "
-                             "prune or phema")
+                             "prune, phema or consolidate")
         args.json = as_json
         args.err = err
         return _COMMANDS[args.command](args, out)

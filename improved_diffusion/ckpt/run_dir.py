@@ -4,6 +4,9 @@ A log dir of steps: which steps it holds, which one a resume uses, and what is d
 One step ``S`` is the files ``model{S:06d}.pt``, ``ema_{rate}_{S:06d}.pt`` (one per rate),
 ``opt{S:06d}.pt``, with post-hoc EMA ``phema_{std}_{S:06d}.pt`` (one per std, when the run
 tracks them) and ``manifest{S:06d}.json``, the manifest written last (save_step below).
+A step in the sharded layout is the folder ``step{S:06d}.dcp/`` (one DCP checkpoint, every rank's
+shards) and the same manifest, which says ``"layout": "sharded"`` and lists every file of the
+folder (sharded.py); listing, verifying, choosing, quarantining and pruning treat it as any step.
 Snapshots outlive their step: pruning deletes a step's other files and keeps them (the history
 that phema.py's reconstruction needs), and a step of which only snapshots are left, older than
 the newest complete step, is not listed as a step (``list_snapshots`` lists them).
@@ -32,6 +35,7 @@ import datetime
 import json
 import os
 import re
+import shutil
 import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
@@ -43,6 +47,20 @@ from . import file_writer, run_lock
 from .. import dist_util
 from .checkpoint import CheckpointError, CheckpointReadError
 from ..errors import typed_one_line
+
+_SHARDED_DIR_RE = re.compile(r"^step(\d+)\.dcp$")  # sharded.STEP_DIR_RE (no import cycle)
+
+
+def _kind(path):
+    """The name's kind as name_info says, "sharded" for a sharded step's folder, else None."""
+    if _SHARDED_DIR_RE.match(ckpt.basename(path)):
+        return "sharded"
+    return getattr(ckpt.name_info(path), "kind", None)
+
+
+def _sharded_step(path):
+    m = _SHARDED_DIR_RE.match(ckpt.basename(path))
+    return int(m.group(1)) if m else None
 
 INCOMPLETE_DIR = "incomplete"
 
@@ -73,6 +91,8 @@ class StepStatus:
 
     def _find(self, kind):
         for p in self.files:
+            if _kind(p) == "sharded":
+                continue
             info = ckpt.name_info(p)
             if info is not None and info.kind == kind:
                 return p
@@ -90,6 +110,21 @@ class StepStatus:
     @property
     def manifest_path(self):
         return self._find("manifest")
+
+    @property
+    def sharded_path(self):
+        """The folder of a sharded step (``step000010.dcp``), else None."""
+        return next((p for p in self.files if _kind(p) == "sharded"), None)
+
+    @property
+    def layout(self):
+        """"sharded" for a step in the sharded layout (its folder), else "full"."""
+        return "sharded" if self.sharded_path is not None else "full"
+
+    @property
+    def step_path(self):
+        """What a resume loads: the model file (full layout) or the step's folder (sharded)."""
+        return self.sharded_path or self.model_path
 
     @property
     def phema_paths(self):
@@ -147,6 +182,8 @@ def list_steps(log_dir, verify_checksums=False, names=None):
         info = ckpt.name_info(name)
         if info is not None and info.kind != "temp":
             by_step.setdefault(info.step, []).append(ckpt.join(log_dir, name))
+        elif _sharded_step(name) is not None:
+            by_step.setdefault(_sharded_step(name), []).append(ckpt.join(log_dir, name))
     out = []
     complete_seen = False
     for step in sorted(by_step, reverse=True):
@@ -260,6 +297,8 @@ class _Problem(Exception):
 def _check_manifest(st, log_dir):
     try:
         doc = _read_manifest(st)
+        if doc.get("layout") == "sharded":
+            _check_sharded_listing(st, log_dir, doc)
     except _Problem as e:
         return str(e)
     for name, info in doc["files"].items():
@@ -271,6 +310,23 @@ def _check_manifest(st, log_dir):
             return f"{name} has {size} bytes, manifest says {want} (truncated?)"
     st.manifest = doc
     return None
+
+
+def _check_sharded_listing(st, log_dir, doc):
+    """A sharded step's manifest must list every file of its folder and nothing outside it
+    (a listing of one folder; raises _Problem)."""
+    folder = doc.get("dir")
+    if not isinstance(folder, str) or _sharded_step(folder) != st.step:
+        raise _Problem(f"manifest {ckpt.basename(st.manifest_path)} names no folder of step "
+                       f"{st.step}")
+    listed = set(doc["files"])
+    present = {f"{folder}/{n}" for n in listdir(ckpt.join(log_dir, folder))}
+    if not present:
+        raise _Problem(f"{folder} is missing")
+    if present != listed or any(not n.startswith(folder + "/") for n in listed):
+        extra = sorted(present - listed) + sorted(listed - present)
+        raise _Problem(f"{folder}: its files are not those manifest "
+                       f"{ckpt.basename(st.manifest_path)} lists ({', '.join(extra[:3])})")
 
 
 # Steps whose checksums matched in this process: {identity: True} (_identity). A start-up reads
@@ -343,6 +399,8 @@ def _size_or_none(path):
 
 def _check_legacy(st):
     """(problem or None, legacy flag) for a step without manifest."""
+    if st.sharded_path is not None:
+        return "no manifest (the save was interrupted before it completed)", False
     model = st.model_path
     if model is None:
         return "no manifest and no model file (interrupted save or stray files)", False
@@ -408,10 +466,15 @@ class ResumePlan:
     # the job that holds the source run when it is another, live run (run_lock.describe_owner):
     # its steps may be written or pruned between this plan and the loads
     source_live: Optional[str] = None
+    # "sharded": ``model`` is a sharded step's folder (load it with sharded.read_step), "full":
+    # a model file
+    layout: str = "full"
 
     def files_of(self, step):
-        """{"ema": {rate: path}, "opt": path or None} of ``step`` beside the model file."""
-        return self.beside.get(step, {"ema": {}, "opt": None})
+        """{"ema": {rate: path}, "opt": path or None, "layout": "full" | "sharded", "sharded":
+        the step's folder or None} of ``step`` beside the model file."""
+        return self.beside.get(step, {"ema": {}, "opt": None, "layout": "full",
+                                      "sharded": None})
 
     def newer_than(self, step):
         """Steps in --log_dir newer than ``step`` (to move to incomplete/)."""
@@ -438,7 +501,12 @@ def plan_resume(log_dir, resume_checkpoint=""):
     plan.temp_files = [n for n in names if getattr(ckpt.name_info(n), "kind", None) == "temp"]
     steps = list_steps(log_dir, names=names)
     arg = os.fspath(resume_checkpoint or "")
-    if arg and arg != "auto" and not _is_dir(arg):
+    if arg and _sharded_step(arg) is not None:  # a sharded step's folder, given by name
+        plan.source, plan.model, plan.layout = "explicit", arg, "sharded"
+        plan.step = _sharded_step(arg)
+        plan.in_log_dir = _same_dir(ckpt.dirname(arg), log_dir)
+        plan.beside = _beside(steps if plan.in_log_dir else list_steps(ckpt.dirname(arg)))
+    elif arg and arg != "auto" and not _is_dir(arg):
         plan.source, plan.model = "explicit", arg
         if _same_dir(ckpt.dirname(arg), log_dir):
             plan.in_log_dir, here = True, steps
@@ -473,7 +541,7 @@ def likely_resume_model(log_dir, resume_checkpoint=""):
                                   warn=None, verify_checksums=True)
     except CheckpointError:
         return None
-    return None if st is None else st.model_path
+    return None if st is None else st.step_path
 
 
 def step_settings(model_path):
@@ -484,10 +552,11 @@ def step_settings(model_path):
     try:
         path = os.fspath(model_path)
         info = ckpt.name_info(ckpt.basename(path))
-        if info is None or info.step is None:
+        step = _sharded_step(path) if info is None else info.step
+        if step is None:
             return {}
         doc = json.loads(ckpt.read_bytes(ckpt.join(ckpt.dirname(path),
-                                                   ckpt.manifest_filename(info.step))))
+                                                   ckpt.manifest_filename(step))))
     except Exception:  # a peek: anything unreadable is "no settings"
         return {}
     found = doc.get("run_flags") if isinstance(doc, dict) else None
@@ -528,7 +597,8 @@ def _choose(plan, where, steps, announce):
     st = latest_complete_step(where, warn=warn, verify_checksums=True, steps=steps)
     if st is not None:
         plan.source, plan.step = "auto", st.step
-        plan.model = st.model_path
+        plan.model = st.step_path
+        plan.layout = st.layout
         plan.beside = _beside([st])
         plan.message = f"auto-resume: newest complete step in {where} is {st.step}"
         return
@@ -560,7 +630,8 @@ def _no_usable_step_message(flag, where, steps):
 
 
 def _beside(steps):
-    return {st.step: {"ema": st.ema_paths, "opt": st.opt_path} for st in steps}
+    return {st.step: {"ema": st.ema_paths, "opt": st.opt_path, "layout": st.layout,
+                      "sharded": st.sharded_path} for st in steps}
 
 
 def _is_dir(path):
@@ -700,7 +771,8 @@ def write_step(log_dir, step, files, crc_threads=None, settings=None):
         raise CheckpointError(message) from None
 
 
-def _manifest_bytes(step, entries, settings=None):
+def _manifest_bytes(step, entries, settings=None, extra=None):
+    """``extra``: more top-level keys (a sharded step's "layout", "dir", "holds", "ranks")."""
     doc = {
         "schema": ckpt.SCHEMA,
         "version": file_writer.MANIFEST_VERSION,
@@ -709,6 +781,8 @@ def _manifest_bytes(step, entries, settings=None):
         "files": entries,
         "time": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
+    if extra:
+        doc.update(extra)
     if settings:
         doc["run_flags"] = dict(settings)
     return (json.dumps(doc, indent=1) + "\n").encode()
@@ -730,6 +804,8 @@ def _remove_written(log_dir, names):
 def _remove(path):
     if ckpt.is_remote(path):
         bf.remove(path)
+    elif os.path.isdir(path) and not os.path.islink(path):  # a sharded step's (temp) folder
+        shutil.rmtree(path)
     else:
         os.unlink(path)
 
@@ -760,7 +836,7 @@ def _prune_set_aside(log_dir, oldest_kept):
     return deleted
 
 
-_DELETE_ORDER = {"manifest": 0, "opt": 1, "ema": 2, "phema": 2, "model": 3}
+_DELETE_ORDER = {"manifest": 0, "opt": 1, "ema": 2, "phema": 2, "model": 3, "sharded": 3}
 
 
 def prune_lines(log_dir, keep):
@@ -798,9 +874,8 @@ def prune(log_dir, keep, *, temp_age_s=60.0, snapshots=False):
         kept = [s for s in steps if s.complete][:keep]
         oldest_kept = kept[-1].step if kept else None
         doomed = [p for st in steps if oldest_kept is not None and st.step < oldest_kept
-                  for p in sorted(st.files,
-                                  key=lambda p: _DELETE_ORDER.get(ckpt.name_info(p).kind, 9))
-                  if snapshots or ckpt.name_info(p).kind != "phema"]
+                  for p in sorted(st.files, key=lambda p: _DELETE_ORDER.get(_kind(p), 9))
+                  if snapshots or _kind(p) != "phema"]
         if snapshots and oldest_kept is not None:  # kept by earlier prunes: not in any step
             listed = set(doomed)
             doomed += [s.path for s in list_snapshots(log_dir, names=names)

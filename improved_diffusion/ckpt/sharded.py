@@ -1,0 +1,593 @@
+"""
+The sharded layout of a step: one torch.distributed.checkpoint (DCP) checkpoint per step, every
+rank writing its own shards, and our manifest over all of its files, written LAST.
+
+What a step is on disk (step 10 of a run saved by 2 ranks)::
+
+    runs/a/step000010.dcp/__0_0.distcp     rank 0's shards (and every non-tensor value)
+    runs/a/step000010.dcp/__1_0.distcp     rank 1's shards
+    runs/a/step000010.dcp/.metadata        DCP's index of the tensors and their chunks
+    runs/a/manifest000010.json             written last: "layout": "sharded", every file of the
+                                           folder with its size and CRC-32 ("files", keys
+                                           relative to the log dir: "step000010.dcp/.metadata"),
+                                           the full-layout files the step holds ("holds":
+                                           ["model000010.pt", "ema_0.9999_000010.pt",
+                                           "opt000010.pt"]), the ranks that wrote it ("ranks")
+
+The state saved is ``{file name: payload}``, exactly the payloads the full layout writes
+(checkpoint.model_payload / ema_payload / opt_payload with the named-v1 optimizer state), but
+whose parameter, EMA and Adam-moment tensors are DTensors (Shard(0) over the world); every rank
+passes the identical structure. Beside them, one string (``_STRUCTURE``): the nesting and key
+order of the whole structure, so that a reader without a template (``consolidate``) rebuilds
+the payloads exactly, empty dicts and lists included (DCP keeps only leaves).
+
+The rules of a step hold as in the full layout (run_dir): the shards go into a temporary folder
+(``step000010.dcp.tmp-<hex>``, a temp name to run_dir: removed by tidy and prune); once every
+rank's files are written and fsynced (DCP's FileSystemWriter, sync_files=True) and every rank
+said so (one all-gather), rank 0 renames the folder into place, fsyncs the log dir and writes
+the manifest. A kill at any moment leaves the previous step usable: a temp folder is removed, a
+folder without manifest is an interrupted save (quarantined to incomplete/ by the resume). A
+disk fault is one line (file_writer's wording) on every rank, the partial folder removed.
+
+Reading trusts nothing unverified: ``verify`` compares every file's size and CRC-32 with the
+manifest before any weight is loaded (DCP itself reads a flipped byte silently); DCP's
+``.metadata`` (a pickle) is read with an unpickler that admits only DCP's metadata classes, and
+non-tensor values with ``torch.load(weights_only=True)``: a checkpoint can never run code.
+
+    pending = start_save(log_dir, 10, files, settings)   # collective; returns once staged
+    ... training goes on ...
+    pending.collect()                                    # collective; raises on every rank
+    read_step(step_path(log_dir, 10), template)          # collective; DCP reshards on load
+    consolidate(step_path(log_dir, 10))                  # one process: {file: payload}
+
+Local log dirs only (DCP's FileSystemWriter; an object store's sharded step is future work).
+"""
+
+import errno
+import io
+import json
+import os
+import pickle
+import re
+import shutil
+import uuid
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+import torch as th
+import torch.distributed as dist
+
+from . import checkpoint as ckpt
+from . import file_writer, run_dir
+from .checkpoint import CheckpointError, CheckpointReadError
+from .. import dist_util
+from ..errors import typed_one_line
+
+LAYOUT = "sharded"
+FORMAT = "torch.distributed.checkpoint"
+STEP_DIR_RE = re.compile(r"^step(\d+)\.dcp$")
+METADATA_NAME = ".metadata"
+_STRUCTURE = "_structure"  # the extra top-level key: the structure, as JSON
+MODES = ("process", "thread", "sync")
+
+
+class ShardedStepError(CheckpointError):
+    """A sharded step that cannot be read or written as asked (one line naming the folder)."""
+
+
+# ---------------------------------------------------------------------------------------------
+# names
+
+
+def step_dirname(step):
+    """``step000010.dcp``: the folder of a sharded step."""
+    return f"step{int(step):06d}.dcp"
+
+
+def step_path(log_dir, step):
+    return ckpt.join(log_dir, step_dirname(step))
+
+
+def dir_step(path):
+    """The step of a sharded step's folder name (``.../step000010.dcp`` -> 10), else None."""
+    m = STEP_DIR_RE.match(ckpt.basename(path))
+    return int(m.group(1)) if m else None
+
+
+def is_sharded_manifest(doc):
+    return isinstance(doc, dict) and doc.get("layout") == LAYOUT
+
+
+# ---------------------------------------------------------------------------------------------
+# the structure (what DCP does not keep: nesting order and empty containers)
+
+
+def _skeleton(obj):
+    if isinstance(obj, dict):
+        return {"d": [[k if isinstance(k, str) else ["k", k], _skeleton(v)]
+                      for k, v in obj.items()]}
+    if isinstance(obj, list):
+        return {"l": [_skeleton(v) for v in obj]}
+    return None
+
+
+_MISSING = object()
+
+
+def _rebuild(skel, val, where):
+    """The value of ``skel``'s shape from DCP's nested result ``val`` (a leaf or terminal list
+    DCP kept whole is taken as it is)."""
+    if skel is None or (val is not _MISSING and not isinstance(val, (dict, list))):
+        if val is _MISSING:
+            raise ShardedStepError(f"{where}: a value listed in its structure is not in the "
+                                   f"checkpoint (damaged step); use an older step")
+        return val
+    if "d" in skel:
+        src = val if isinstance(val, dict) else {}
+        out = {}
+        for key, child in skel["d"]:
+            k = key[1] if isinstance(key, list) else key
+            out[k] = _rebuild(child, src.get(k, _MISSING), where)
+        return out
+    if isinstance(val, list) and len(val) == len(skel["l"]) and not any(
+            isinstance(c, dict) for c in skel["l"]):
+        return val  # DCP kept it whole (a list of plain values)
+    src = val if isinstance(val, (list, dict)) else []
+    get = (lambda i: src.get(i, src.get(str(i), _MISSING))) if isinstance(src, dict) else (
+        lambda i: src[i] if i < len(src) else _MISSING)
+    return [_rebuild(c, get(i), where) for i, c in enumerate(skel["l"])]
+
+
+# ---------------------------------------------------------------------------------------------
+# reading DCP's files without running code
+
+
+_ALLOWED_GLOBALS = {("torch", "Size"), ("torch.serialization", "_get_layout"),
+                    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"),
+                    ("collections", "OrderedDict"), ("builtins", "set"),
+                    ("builtins", "frozenset"), ("builtins", "slice")}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """DCP's .metadata pickle, admitting DCP's metadata classes, torch dtypes and sizes only."""
+
+    def find_class(self, module, name):
+        if (module.startswith("torch.distributed.checkpoint.")
+                or (module, name) in _ALLOWED_GLOBALS
+                or (module == "torch" and isinstance(getattr(th, name, None), th.dtype))):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"refused global {module}.{name}")
+
+
+def read_metadata(step_dir):
+    """DCP's Metadata of a sharded step (the tensors, their shapes, dtypes and chunks), read
+    without loading any weight. ShardedStepError when it is not a DCP index we admit;
+    CheckpointReadError when the read fails. Not collective."""
+    path = ckpt.join(step_dir, METADATA_NAME)
+    data = ckpt.read_bytes(path)
+    try:
+        meta = _MetadataUnpickler(io.BytesIO(data)).load()
+    except Exception as e:  # any garbage in the pickle: a content problem of this step
+        raise ShardedStepError(f"{path}: not a readable DCP index ({typed_one_line(e)}); the "
+                               f"step is damaged or not ours: use an older step") from None
+    from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+    if not isinstance(meta, Metadata):
+        raise ShardedStepError(f"{path}: not a DCP index; use an older step")
+    if getattr(meta, "storage_meta", None) is None:
+        meta.storage_meta = StorageMeta()
+    return meta
+
+
+def _reader(step_dir):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    class SafeReader(FileSystemReader):
+        def read_metadata(self, *args, **kwargs):
+            meta = read_metadata(step_dir)
+            meta.storage_meta.load_id = self.load_id
+            return meta
+
+    return SafeReader(step_dir)
+
+
+def _safe_load_bytes(value):
+    return th.load(value, weights_only=True)
+
+
+def _load_planner(empty=False):
+    from torch.distributed.checkpoint.default_planner import (
+        DefaultLoadPlanner, _EmptyStateDictLoadPlanner)
+    from torch.distributed.checkpoint._nested_dict import set_element
+
+    base = _EmptyStateDictLoadPlanner if empty else DefaultLoadPlanner
+
+    class SafePlanner(base):
+        def load_bytes(self, read_item, value):
+            obj = _safe_load_bytes(value)
+            if self.flatten_state_dict:
+                set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn],
+                            obj)
+            else:
+                self.state_dict[read_item.dest_index.fqn] = obj
+
+    return SafePlanner()
+
+
+def tensor_shapes(step_dir):
+    """{path tuple (file, key, ...): (shape tuple, dtype)} of every tensor of a sharded step,
+    from its index alone (no weight read): the resume's "does it fit this model" check.
+    Not collective."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    meta = read_metadata(step_dir)
+    paths = meta.planner_data or {}
+    out = {}
+    for fqn, md in meta.state_dict_metadata.items():
+        if isinstance(md, TensorStorageMetadata):
+            out[tuple(paths.get(fqn, (fqn,)))] = (tuple(md.size), md.properties.dtype)
+    return out
+
+
+def state_dict_shapes(step_dir, file_name):
+    """{name: torch.Size} of ``file_name``'s "state_dict" in a sharded step (e.g. the model's
+    parameters and buffers), from the index alone. Not collective."""
+    return {p[2]: th.Size(shape) for p, (shape, _) in tensor_shapes(step_dir).items()
+            if len(p) == 3 and p[0] == file_name and p[1] == "state_dict"}
+
+
+def ranks_of(step_dir):
+    """How many ranks wrote the step (its ``__{rank}_*.distcp`` files)."""
+    return len({n.split("_")[2] for n in run_dir.listdir(step_dir)
+                if n.startswith("__") and n.endswith(".distcp")})
+
+
+# ---------------------------------------------------------------------------------------------
+# writing
+
+
+def _unwrap(e):
+    """The first underlying exception of DCP's CheckpointException (else ``e``)."""
+    failures = getattr(e, "failures", None)
+    if isinstance(failures, dict) and failures:
+        first = next(iter(failures.values()))
+        return first[0] if isinstance(first, tuple) else first
+    return e
+
+
+def _errno_in(e):
+    """An OSError inside ``e``'s chain or its text (DCP's subprocess sends text), else None."""
+    seen = 0
+    while e is not None and seen < 8:
+        e = _unwrap(e)
+        if isinstance(e, OSError):
+            return e
+        e = e.__cause__ or e.__context__
+        seen += 1
+    return None
+
+
+def _fault_line(e, log_dir, step):
+    """One line for a disk fault, else None."""
+    kept = (f"step {step} was not saved (no manifest; its partial files were removed) and the "
+            f"last complete step is intact, so a rerun resumes from it")
+    doing = f"saving step {step} ({step_dirname(step)})"
+    inner = _errno_in(e)
+    if inner is not None:
+        return file_writer.write_fault_message(inner, log_dir, doing, kept)
+    text = str(e)
+    for code, words in ((errno.ENOSPC, "No space left on device"),
+                        (errno.EDQUOT, "Disk quota exceeded"),
+                        (errno.EROFS, "Read-only file system")):
+        if words in text:
+            return file_writer.write_fault_message(OSError(code, words), log_dir, doing, kept)
+    return None
+
+
+def _rmtree(path):
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _crc_entries(folder, names, prefix):
+    out = {}
+    for name in names:
+        out[f"{prefix}/{name}"] = file_writer.file_digest(ckpt.join(folder, name))
+    return out
+
+
+def _fsync_path(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+_GROUPS: Dict[str, object] = {}
+
+
+def _own_group():
+    """A gloo process group of its own for DCP's thread-based async save (on the training
+    group its collectives interleave with the training's). Collective the first time."""
+    if "thread" not in _GROUPS:
+        _GROUPS["thread"] = dist.new_group(backend="gloo")
+    return _GROUPS["thread"]
+
+
+@dataclass
+class PendingSave:
+    """A sharded save under way (start_save); ``collect()`` finishes it."""
+
+    log_dir: str
+    step: int
+    tmp_name: str
+    holds: List[str]
+    settings: Optional[dict]
+    mode: str
+    future: object = None
+    error: Optional[BaseException] = None
+    collected: bool = False
+
+    def done(self):
+        """True when this rank's part is written (collect will not wait for it). Not
+        collective."""
+        return self.future is None or self.future.done()
+
+    def collect(self):
+        """
+        Wait for every rank's shards, then (rank 0) put the folder in place and write the
+        manifest last. Raises the same CheckpointError (disk fault: one line) on every rank
+        when any rank failed; the partial folder is removed and older steps are untouched.
+        Returns the manifest's path.
+
+        Collective: call from all ranks with the same arguments.
+        """
+        if self.collected:
+            raise RuntimeError(f"step {self.step}: this save was collected already")
+        self.collected = True
+        log_dir, step = self.log_dir, self.step
+        folder = ckpt.join(log_dir, self.tmp_name)
+        rank = dist_util.get_rank()
+        err, entries = self.error, {}
+        if err is None and self.future is not None:
+            try:
+                self.future.result()
+            except BaseException as e:  # DCP's CheckpointException is a BaseException
+                if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                    raise
+                err = e
+        if err is None:
+            try:  # this rank's own files (on a shared disk rank 0 could read them all)
+                mine = [n for n in run_dir.listdir(folder)
+                        if n.startswith(f"__{rank}_") or (rank == 0 and n == METADATA_NAME)]
+                entries = _crc_entries(folder, mine, step_dirname(step))
+            except BaseException as e:
+                err = e
+        line = None if err is None else (_fault_line(err, log_dir, step) or
+                                         f"rank {rank}: {typed_one_line(_unwrap(err))}")
+        report = (rank, err is None, line, entries)
+        reports = [report]
+        if dist_util.is_distributed():
+            reports = [None] * dist_util.get_world_size()
+            dist.all_gather_object(reports, report)
+        failed = [r for r in reports if not r[1]]
+        if failed:
+            if rank == 0:
+                _rmtree(folder)
+            dist_util.barrier()
+            faults = [r[2] for r in failed if not r[2].startswith("rank ")]
+            if err is not None and not faults and _fault_line(err, log_dir, step) is None:
+                raise err  # a bug on this rank: its own traceback
+            raise CheckpointError(faults[0] if faults else
+                                  f"{log_dir}: saving step {step} failed on rank "
+                                  f"{failed[0][0]} ({failed[0][2]}); nothing of it was kept")
+        all_entries = {}
+        for r in reports:
+            all_entries.update(r[3])
+        return dist_util.run_on_rank0(lambda: self._publish(folder, all_entries, len(reports)))
+
+    def _publish(self, folder, entries, world):
+        log_dir, step = self.log_dir, self.step
+        final = step_path(log_dir, step)
+        manifest = ckpt.join(log_dir, ckpt.manifest_filename(step))
+        listed = {k.split("/", 1)[1] for k in entries}
+        present = set(run_dir.listdir(folder))
+        if present != listed:
+            _rmtree(folder)
+            raise ShardedStepError(f"{final}: the ranks' files {sorted(present)} are not the "
+                                   f"ones they wrote {sorted(listed)}; step {step} not saved")
+        try:
+            for p in (final, manifest):
+                if ckpt.exists(p):
+                    raise CheckpointError(f"{p}: already exists; refusing to overwrite a "
+                                          f"checkpoint (move it away or start from a later "
+                                          f"step)")
+            _fsync_path(folder)
+            os.rename(folder, final)
+            _fsync_path(log_dir)
+            extra = {"layout": LAYOUT, "format": FORMAT, "dir": step_dirname(step),
+                     "holds": list(self.holds), "ranks": world}
+            file_writer.write_file(manifest, run_dir._manifest_bytes(
+                step, dict(sorted(entries.items())), self.settings, extra=extra))
+        except BaseException as e:
+            _rmtree(folder)
+            if not ckpt.exists(manifest):
+                _rmtree(final)
+            line = _fault_line(e, log_dir, step)
+            if line is None:
+                raise
+            raise CheckpointError(line) from None
+        return manifest
+
+
+def _check_names(log_dir, step, files):
+    log_dir = os.fspath(log_dir)
+    if ckpt.is_remote(log_dir):
+        raise ShardedStepError(f"{log_dir}: the sharded layout writes local log dirs only; "
+                               f"use the full layout (or a local --log_dir)")
+    if not os.path.isdir(log_dir):
+        raise CheckpointError(file_writer.gone_message(
+            log_dir, f"saving step {step}", f"nothing of step {step} was written"))
+    for name in files:
+        info = ckpt.name_info(name)
+        if ckpt.basename(name) != name or info is None or info.kind in ("temp", "manifest") \
+                or info.step != step:
+            raise CheckpointError(f"{name}: not a checkpoint file name of step {step} for the "
+                                  f"sharded layout")
+    for p in [step_path(log_dir, step), ckpt.join(log_dir, ckpt.manifest_filename(step)),
+              *(ckpt.join(log_dir, n) for n in files)]:
+        if ckpt.exists(p):
+            raise CheckpointError(f"{p}: already exists; refusing to overwrite a checkpoint "
+                                  f"(move it away or start from a later step)")
+    tmp = f"{step_dirname(step)}.tmp-{uuid.uuid4().hex}"
+    os.mkdir(ckpt.join(log_dir, tmp))
+    return tmp
+
+
+def start_save(log_dir, step, files, settings=None, *, mode="process"):
+    """
+    Start saving ``files`` ({file name: payload}, DTensor leaves, the same structure on every
+    rank) as step ``step``'s sharded layout; returns a PendingSave once DCP has staged the
+    state (a copy: training may go on and change it) — for ``mode`` "sync" once written.
+    ``mode``: "process" (DCP's process-based async save: a writer process per rank with a
+    process group of its own), "thread" (DCP's thread-based async save on a gloo group of its
+    own), "sync" (dcp.save now). Call ``collect()`` on the result (collective) before the next
+    save and before exit: only then is the manifest written. ``settings``: the manifest's
+    run_flags, as run_dir.write_step.
+
+    Collective: call from all ranks with the same arguments.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    if mode not in MODES:
+        raise ValueError(f"start_save: mode must be one of {MODES}, not {mode!r}")
+    log_dir, step = os.fspath(log_dir), int(step)
+    holds = list(files)
+    tmp = dist_util.run_on_rank0(lambda: _check_names(log_dir, step, holds))
+    state = dict(files)
+    state[_STRUCTURE] = json.dumps(_skeleton(files))
+    writer = FileSystemWriter(ckpt.join(log_dir, tmp), sync_files=True,
+                              single_file_per_rank=True)
+    pending = PendingSave(log_dir=log_dir, step=step, tmp_name=tmp, holds=holds,
+                          settings=dict(settings) if settings else None, mode=mode)
+    distributed = dist_util.is_distributed()
+    try:
+        if mode == "sync":
+            dcp.save(state, storage_writer=writer, no_dist=not distributed)
+        else:
+            from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+            kind = (AsyncCheckpointerType.PROCESS if mode == "process"
+                    else AsyncCheckpointerType.THREAD)
+            group = _own_group() if (mode == "thread" and distributed) else None
+            pending.future = dcp.async_save(state, storage_writer=writer, process_group=group,
+                                            async_checkpointer_type=kind,
+                                            no_dist=not distributed)
+    except BaseException as e:
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        pending.error = e
+    return pending
+
+
+def write_step(log_dir, step, files, settings=None, *, mode="sync"):
+    """
+    Save one step in the sharded layout and return once it is complete (its manifest
+    written): ``start_save(...).collect()``. Returns the manifest's path; raises the same
+    CheckpointError on every rank on a disk fault (one line), nothing older lost.
+
+    Collective: call from all ranks with the same arguments.
+    """
+    return start_save(log_dir, step, files, settings, mode=mode).collect()
+
+
+# ---------------------------------------------------------------------------------------------
+# reading
+
+
+def verify(log_dir, step):
+    """
+    The StepStatus of sharded step ``step`` of ``log_dir`` after checking its manifest (every
+    file of the folder listed, sizes) and every file's CRC-32; ``.complete``/``.problem`` say
+    the result. Reads no weight. Not collective (rank 0, as run_dir).
+    """
+    for st in run_dir.list_steps(log_dir):
+        if st.step == step:
+            if st.complete:
+                run_dir.verify_step(st, log_dir)
+            return st
+    raise ShardedStepError(f"{log_dir}: no step {step} (list them with `python scripts/ckpt.py "
+                           f"inspect {log_dir}`)")
+
+
+def _with_structure(template):
+    state = dict(template)
+    state[_STRUCTURE] = ""
+    return state
+
+
+def read_step(step_dir, template):
+    """
+    Load a sharded step into ``template`` ({file name: payload} of the live sharded model,
+    EMAs and optimizer: DTensor leaves, loaded in place, resharded by DCP to this world) and
+    return it with the non-tensor values replaced by the saved ones. Verify the step first
+    (``verify``; the resume's plan does): DCP does not check content. ShardedStepError (one
+    line) when the step does not hold what the template asks.
+
+    Collective: call from all ranks with the same arguments.
+    """
+    import torch.distributed.checkpoint as dcp
+    state = _with_structure(template)
+    try:
+        dcp.load(state, storage_reader=_reader(step_dir), planner=_load_planner(),
+                 no_dist=not dist_util.is_distributed())
+    except CheckpointError:
+        raise
+    except BaseException as e:
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        inner = _unwrap(e)
+        if isinstance(inner, CheckpointError):
+            raise inner from None
+        if isinstance(inner, OSError):
+            raise CheckpointReadError(f"{step_dir}: cannot read ({typed_one_line(inner)}); "
+                                      f"check that it is reachable and readable") from None
+        raise ShardedStepError(f"{step_dir}: does not hold what this run asks "
+                               f"({typed_one_line(inner)[:300]}); check the model flags, or "
+                               f"consolidate it (`python scripts/ckpt.py consolidate`) and "
+                               f"inspect it") from None
+    for k in template:
+        template[k] = state[k]
+    return template
+
+
+def consolidate(step_dir):
+    """
+    ``{file name: payload}`` of a sharded step with full (plain CPU) tensors, in one process
+    without a process group: exactly the dicts the full layout writes for the same state (key
+    order and empty containers from the saved structure). Verify the step first. Not
+    collective.
+    """
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+    sd = {}
+    try:
+        _load_state_dict(sd, storage_reader=_reader(step_dir), planner=_load_planner(empty=True),
+                         no_dist=True)
+    except BaseException as e:
+        if isinstance(e, (KeyboardInterrupt, SystemExit)):
+            raise
+        inner = _unwrap(e)
+        if isinstance(inner, CheckpointError):
+            raise inner from None
+        raise ShardedStepError(f"{step_dir}: cannot be read ({typed_one_line(inner)[:300]}); "
+                               f"verify it (`python scripts/ckpt.py verify`)") from None
+    structure = sd.pop(_STRUCTURE, None)
+    if not isinstance(structure, str):
+        raise ShardedStepError(f"{step_dir}: holds no structure record (not written by this "
+                               f"code); it cannot be consolidated")
+    return _rebuild(json.loads(structure), sd, step_dir)
+
+
+def init_optim_state(optimizer):
+    """Create the state entries (zeros, and step 0) of an optimizer that has not stepped, so
+    that a template built from it has every Adam moment to load into (in place)."""
+    from torch.distributed.checkpoint.state_dict import _init_optim_state
+    _init_optim_state(optimizer)

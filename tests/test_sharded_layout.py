@@ -1,0 +1,171 @@
+"""The sharded layout of a step (ckpt/sharded.py): DCP checkpoints under real `mpiexec -n 2/3`
+with FSDP2 on gloo/CPU (tests/sharded_driver.py), resharded loads, the manifest's checks, kills,
+a full disk, the doctor, consolidate."""
+import os
+import shutil
+import subprocess
+import uuid
+
+import pytest
+import torch
+
+from conftest import MPIEXEC, PY, REPO, _run, run_script
+from improved_diffusion.ckpt import run_dir, sharded
+
+DRIVER = REPO / "tests" / "sharded_driver.py"
+
+
+def driver(n, *args, check=True, timeout=240):
+    return _run([MPIEXEC, "-n", str(n), PY, DRIVER, *args], timeout, check=check)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """Steps 1 and 2 saved by 2 ranks (sync), and the references: ref{step}.pt, full/."""
+    root = tmp_path_factory.mktemp("sharded")
+    (root / "log").mkdir()
+    driver(2, "save", "--log_dir", root / "log", "--steps", "1,2", "--ref", root)
+    return root
+
+
+def copy_run(saved, tmp_path):
+    shutil.copytree(saved / "log", tmp_path / "log")
+    return tmp_path / "log"
+
+
+def test_the_layout_on_disk(saved):
+    names = sorted(os.listdir(saved / "log"))
+    assert names == ["manifest000001.json", "manifest000002.json", "step000001.dcp",
+                     "step000002.dcp"]
+    st = run_dir.list_steps(saved / "log", verify_checksums=True)[0]
+    assert (st.step, st.complete, st.verified, st.layout) == (2, True, True, "sharded")
+    assert sorted(st.manifest["files"]) == ["step000002.dcp/.metadata",
+                                            "step000002.dcp/__0_0.distcp",
+                                            "step000002.dcp/__1_0.distcp"]
+    assert st.manifest["holds"] == ["model000002.pt", "ema_0.9999_000002.pt",
+                                    "ema_0.999_000002.pt", "opt000002.pt"]
+    assert st.manifest["ranks"] == 2 and st.manifest["run_flags"] == {"lr": 0.01}
+    shapes = sharded.state_dict_shapes(st.sharded_path, "model000002.pt")
+    assert shapes["0.weight"] == torch.Size([12, 6]) and shapes["count"] == torch.Size([3])
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_saved_on_2_ranks_loads_on_n_bitwise(saved, n):
+    out = driver(n, "load", "--log_dir", saved / "log", "--step", "2", "--ref", saved)
+    assert f"LOAD OK world {n}" in out.stdout
+
+
+def test_plan_resume_chooses_the_newest_sharded_step(saved):
+    plan = run_dir.plan_resume(saved / "log", "")
+    assert (plan.step, plan.layout, plan.warnings) == (2, "sharded", [])
+    assert plan.model == str(saved / "log" / "step000002.dcp")
+    assert plan.files_of(2)["sharded"] == plan.model
+
+
+def _flip(path, offset=-100):
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def test_a_flipped_byte_is_found_before_any_weight_is_loaded(saved, tmp_path):
+    log = copy_run(saved, tmp_path)
+    _flip(log / "step000002.dcp" / "__1_0.distcp")
+    proc = run_script("ckpt.py", "verify", log, check=False)
+    assert proc.returncode == 1, proc.stdout
+    assert "step        2  NOT resumable" in proc.stdout
+    assert "__1_0.distcp does not match its crc32" in proc.stdout
+    plan = run_dir.plan_resume(log, "")
+    assert plan.step == 1 and plan.model.endswith("step000001.dcp")
+    assert len(plan.warnings) == 1 and "skipping step 2" in plan.warnings[0]
+    assert "__1_0.distcp" in plan.warnings[0]
+
+
+def test_a_truncated_shard_or_an_extra_file_makes_the_step_incomplete(saved, tmp_path):
+    log = copy_run(saved, tmp_path)
+    shard = log / "step000002.dcp" / "__0_0.distcp"
+    os.truncate(shard, shard.stat().st_size - 10)
+    proc = run_script("ckpt.py", "verify", log, check=False)
+    assert proc.returncode == 1 and "truncated" in proc.stdout
+    plan = run_dir.plan_resume(log, "")
+    assert plan.step == 1 and len(plan.warnings) == 1
+    (log / "step000001.dcp" / "__7_0.distcp").write_bytes(b"x")
+    with pytest.raises(run_dir.NoUsableStepError):
+        run_dir.plan_resume(log, "")
+
+
+def test_kill_9_of_a_rank_mid_save_leaves_the_previous_step(tmp_path):
+    log = tmp_path / "log"
+    log.mkdir()
+    proc = driver(2, "save", "--log_dir", log, "--steps", "1,2", "--die_rank", "1",
+                  "--die_step", "2", check=False)
+    assert proc.returncode != 0
+    names = os.listdir(log)
+    assert "manifest000002.json" not in names and "step000001.dcp" in names
+    plan = run_dir.plan_resume(log, "")
+    assert plan.step == 1 and plan.layout == "sharded"
+    run_dir.tidy_for_resume(plan, 1)  # the temp folder removed
+    assert sorted(os.listdir(log)) == ["manifest000001.json", "step000001.dcp"]
+    assert run_dir.list_steps(log, verify_checksums=True)[0].complete
+
+
+def test_an_interrupted_folder_is_quarantined_and_pruning_removes_folders(saved, tmp_path):
+    log = copy_run(saved, tmp_path)
+    (log / "manifest000002.json").unlink()  # killed between the rename and the manifest
+    plan = run_dir.plan_resume(log, "")
+    assert plan.step == 1 and "no manifest" in plan.warnings[0]
+    moved, _ = run_dir.tidy_for_resume(plan, 1)
+    assert moved == ["step000002.dcp"]
+    assert (log / "incomplete" / "step000002" / "step000002.dcp" / ".metadata").exists()
+    log2 = copy_run(saved, tmp_path / "b")
+    proc = run_script("ckpt.py", "prune", log2, "--keep", "1")
+    assert sorted(os.listdir(log2)) == ["manifest000002.json", "step000002.dcp"], proc.stdout
+
+
+def test_inspect_and_consolidate(saved, tmp_path):
+    proc = run_script("ckpt.py", "inspect", saved / "log" / "step000002.dcp")
+    assert "layout sharded (DCP), written by 2 rank(s)" in proc.stdout
+    assert "holds opt000002.pt" in proc.stdout
+    out = tmp_path / "full"
+    run_script("ckpt.py", "consolidate", saved / "log", "--step", "2", "--out", out)
+    import sharded_driver
+    for name in ["model000002.pt", "ema_0.9999_000002.pt", "ema_0.999_000002.pt",
+                 "opt000002.pt"]:
+        got = torch.load(out / name, weights_only=True)
+        want = torch.load(saved / "full" / name, weights_only=True)
+        assert sharded_driver.same(want, got, name) is None
+    st = run_dir.list_steps(out, verify_checksums=True)[0]
+    assert st.complete and st.layout == "full"
+    assert st.manifest["run_flags"] == {"lr": 0.01}
+
+
+def test_process_async_save_keeps_the_state_of_its_start(tmp_path):
+    """The driver trains on while the writer process writes; the step holds the state at start."""
+    log = tmp_path / "log"
+    log.mkdir()
+    driver(2, "save", "--log_dir", log, "--steps", "1", "--ref", tmp_path, "--mode", "process",
+           timeout=400)
+    out = driver(3, "load", "--log_dir", log, "--step", "1", "--ref", tmp_path)
+    assert "LOAD OK world 3" in out.stdout
+
+
+def test_a_full_disk_is_one_line_and_keeps_older_steps(tmp_path):
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("needs root to mount a small tmpfs")
+    mnt = tmp_path / f"tmpfs-{uuid.uuid4().hex[:6]}"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mnt)]).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        proc = driver(2, "save", "--log_dir", mnt, "--steps", "1,2", "--width", "96",
+                      "--leave_free", "20000", check=False)
+        lines = [ln for ln in proc.stdout.splitlines() if "SAVE FAILED" in ln]
+        assert proc.returncode != 0 and lines, proc.stdout[-3000:]
+        assert "no space left on device while saving step 2" in lines[0]
+        assert "last complete step is intact" in lines[0]
+        os.unlink(mnt / "filler")
+        names = sorted(n for n in os.listdir(mnt))
+        assert names == ["manifest000001.json", "step000001.dcp"], names
+        assert run_dir.list_steps(mnt, verify_checksums=True)[0].complete
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)])
