@@ -42,7 +42,6 @@ import socket
 import time
 import warnings
 
-import blobfile as bf
 import torch as th
 import torch.distributed as dist
 
@@ -730,25 +729,27 @@ def _read_error(path, e):
     return "OSError", f"{path}: cannot read ({type(e).__name__}: {msg})"
 
 
-# What a failed open or read of a checkpoint raises (blobfile has its own types for remote paths).
-_READ_FAILURES = (OSError, bf.Error, MemoryError)
+# What a failed open or read of a checkpoint raises (a store's errors are OSErrors: storage.py).
+_READ_FAILURES = (OSError, MemoryError)
 
 
 def open_local(path):
-    """Open ``path`` (local or blobfile URL) for reading in this process (not collective);
-    returns (binary file, None) or (None, (error type name, one-line message naming the path)),
-    the messages of read_local."""
+    """Open ``path`` (local or an object-store URL, through ckpt/storage.py) for reading in this
+    process (not collective); returns (binary file, None) or (None, (error type name, one-line
+    message naming the path)), the messages of read_local."""
+    from .ckpt import storage
+
     try:
-        if bf.isdir(path):
+        if storage.isdir(path):
             return None, _read_error(path, IsADirectoryError())
-        return bf.BlobFile(path, "rb"), None
+        return storage.open(path, "rb"), None
     except _READ_FAILURES as e:
         return None, _read_error(path, e)
 
 
 def read_local(path):
-    """Read ``path`` via blobfile in this process (not collective); returns (bytes, None) or
-    (None, (error type name, one-line message naming the path))."""
+    """Read ``path`` (local or an object-store URL) in this process (not collective); returns
+    (bytes, None) or (None, (error type name, one-line message naming the path))."""
     f, err = open_local(path)
     if err is not None:
         return None, err

@@ -13,7 +13,16 @@ rewritten and the old rows are kept (padded with empty cells).
 
 `dumpkvs()` is a collective when torch.distributed is initialised: the values are averaged
 across ranks, weighted by how many times each rank logged them, and rank 0 writes.
+
+A log directory in an object store (``s3://``, ``gs://``, ``az://``: ckpt/storage.py) has no
+append: the text files (log.txt, progress.csv, progress.json, TensorBoard's event files) are
+written to a local spool directory (``_Mirror``; the existing objects downloaded into it first,
+so a resumed run continues them) and each changed file is put back whole at every ``dumpkvs``
+(at most every ``_Mirror.EVERY_S`` seconds), at ``close`` and at the process's exit. Nothing is
+written to a local folder named like the URL. A failed upload is a warning, retried at the next
+one (the whole file goes up each time, so nothing is lost while the process lives).
 """
+import atexit
 import datetime
 import json
 import os
@@ -22,12 +31,14 @@ import sys
 import tempfile
 import time
 import warnings
+import weakref
 from collections import defaultdict
 from contextlib import contextmanager
 
 import torch as th
 
 from . import dist_util
+from .ckpt import storage
 from .ckpt.file_writer import write_fault_message
 from .errors import UserError
 
@@ -344,11 +355,18 @@ class TensorBoardOutputFormat(KVWriter):
         self.writer.close()
 
 
-def make_output_format(format, ev_dir, log_suffix=""):
+def make_output_format(format, ev_dir, log_suffix="", mirror=None):
     """
     :param format: one of "stdout", "progress", "log", "json", "csv", "tensorboard".
+    :param mirror: for a log dir in an object store, its _Mirror: the files are written to its
+        spool (the store's copies fetched first) and ``ev_dir`` is not touched.
     :return: a KVWriter, or None for tensorboard when it is not installed (with a warning).
     """
+    if mirror is not None:
+        appended = {"log": "log%s.txt", "json": "progress%s.json", "csv": "progress%s.csv"}
+        if format in appended:
+            mirror.fetch(appended[format] % log_suffix)
+        ev_dir = mirror.local
     os.makedirs(ev_dir, exist_ok=True)
     if format == "stdout":
         return HumanOutputFormat(sys.stdout)
@@ -435,12 +453,88 @@ def start_progress(step, total_steps=0):
             fmt.start(step, total_steps)
 
 
+class _Mirror:
+    """The local spool of a log directory in an object store (module docstring): ``local`` is
+    where the formats write, ``remote`` the URL the files go to. Not collective (the rank that
+    logs)."""
+
+    EVERY_S = 2.0
+    _live = weakref.WeakSet()
+
+    def __init__(self, remote):
+        self.remote = remote.rstrip("/")
+        self.local = tempfile.mkdtemp(prefix="improved-diffusion-logdir-")
+        self._sent = {}  # relative path -> (size, mtime_ns) last uploaded
+        self._last = 0.0
+        self._warned = False
+        _Mirror._live.add(self)
+
+    def fetch(self, name):
+        """Download ``name`` into the spool when the store has it (a resumed run appends)."""
+        target = osp.join(self.local, name)
+        try:
+            data = storage.read_bytes(storage.join(self.remote, name))
+        except FileNotFoundError:
+            return target
+        with open(target, "wb") as f:
+            f.write(data)
+        st = os.stat(target)
+        self._sent[name] = (st.st_size, st.st_mtime_ns)
+        return target
+
+    def local_path(self, path):
+        """The spool's path for ``path`` under the remote directory, else None."""
+        path = os.fspath(path).rstrip("/")
+        if path == self.remote:
+            return self.local
+        if path.startswith(self.remote + "/"):
+            return osp.join(self.local, path[len(self.remote) + 1:])
+        return None
+
+    def sync(self, force=False):
+        """Put each file changed since its last upload (at most every EVERY_S unless
+        ``force``)."""
+        now = time.monotonic()
+        if not force and now - self._last < self.EVERY_S:
+            return
+        self._last = now
+        for root, _, files in os.walk(self.local):
+            for fname in files:
+                full = osp.join(root, fname)
+                rel = osp.relpath(full, self.local)
+                try:
+                    st = os.stat(full)
+                    key = (st.st_size, st.st_mtime_ns)
+                    if self._sent.get(rel) == key:
+                        continue
+                    with open(full, "rb") as f:
+                        storage.put(storage.join(self.remote, *rel.split(os.sep)), f.read())
+                    self._sent[rel] = key
+                except OSError as e:
+                    if not self._warned:
+                        sys.stderr.write(f"warning: cannot upload {rel} to {self.remote} "
+                                         f"({type(e).__name__}: {e}); retried at the next "
+                                         f"dump\n")
+                        self._warned = True
+
+
+@atexit.register
+def _sync_mirrors_at_exit():
+    for mirror in list(_Mirror._live):
+        mirror.sync(force=True)
+
+
 def add_tensorboard(dir, purge_step=None):
     """Also write this logger's key/values, and the images of write_image(), to TensorBoard event
     files in ``dir`` (TensorBoardOutputFormat; a writer to the same directory that the logger
     already has, from format "tensorboard", is closed and replaced: one run, no duplicates).
     Returns the output; remove_output() closes it. Not collective: call on the rank that logs."""
     current = get_current()
+    if storage.is_remote(dir):  # its event files go to the log dir's spool, then the store
+        local = current._mirror.local_path(dir) if current._mirror is not None else None
+        if local is None:
+            raise ValueError(f"TensorBoard dir {dir} is not under the log dir {current.dir}")
+        dir = local
     for fmt in [f for f in current.output_formats if isinstance(f, TensorBoardOutputFormat)]:
         if osp.abspath(fmt.dir) == osp.abspath(dir):
             remove_output(fmt)
@@ -663,6 +757,7 @@ class Logger:
         self.dir = dir
         self.output_formats = output_formats
         self.rank = rank
+        self._mirror = None  # a log dir in an object store: its local spool (_Mirror)
         self._device_means = {}  # (names,) -> [sums [K], counts [K]] on the device
         self._device_last = {}  # name -> 0-d tensor
 
@@ -734,6 +829,8 @@ class Logger:
             )
         out = d.copy()  # Return the dict for unit testing purposes
         self._each_output(KVWriter, lambda fmt: fmt.writekvs(d))
+        if self._mirror is not None:
+            self._mirror.sync()
         self.name2val.clear()
         self.name2cnt.clear()
         return out
@@ -753,6 +850,8 @@ class Logger:
     def close(self):
         for fmt in self.output_formats:
             fmt.close()
+        if self._mirror is not None:
+            self._mirror.sync(force=True)
 
     # Misc
     # ----------------------------------------
@@ -825,13 +924,17 @@ def configure(dir=None, format_strs=None, rank=None, log_suffix="", stdout_forma
     format_strs = [f for f in format_strs if f]
     if rank > 0 and format_strs:
         log_suffix = log_suffix + "-rank%03i" % rank
-    os.makedirs(dir, exist_ok=True)
+    remote = storage.is_remote(dir)
+    if not remote:
+        os.makedirs(dir, exist_ok=True)
 
     if Logger.CURRENT is not None and Logger.CURRENT is not Logger.DEFAULT:
         Logger.CURRENT.close()
-    output_formats = [make_output_format(f, dir, log_suffix) for f in format_strs]
+    mirror = _Mirror(dir) if remote and format_strs else None
+    output_formats = [make_output_format(f, dir, log_suffix, mirror) for f in format_strs]
     output_formats = [f for f in output_formats if f is not None]
     Logger.CURRENT = Logger(dir=dir, output_formats=output_formats, rank=rank)
+    Logger.CURRENT._mirror = mirror
     if output_formats:
         log("Logging to %s" % dir)
     return Logger.CURRENT

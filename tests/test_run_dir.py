@@ -13,7 +13,6 @@ import sys
 from collections import OrderedDict
 from pathlib import Path
 
-import blobfile as bf
 import numpy as np
 import pytest
 import torch as th
@@ -23,6 +22,7 @@ from conftest import MPIEXEC, REPO, child_env, run_script
 from improved_diffusion.ckpt import checkpoint as C
 from improved_diffusion.ckpt import file_writer as W
 from improved_diffusion.ckpt import run_dir as R
+from improved_diffusion.ckpt import storage
 
 
 def _sd(seed=0):
@@ -153,14 +153,14 @@ def test_train_py_refuses_a_log_dir_whose_manifests_are_all_garbled(tmp_path, ca
 
 def _failing_reads(monkeypatch, name, exc):
     """Make every open of a file called ``name`` raise ``exc`` (as a failing disk or NFS does)."""
-    real = bf.BlobFile
+    real = storage.open
 
-    def blob_file(path, *args, **kwargs):
+    def open_file(path, *args, **kwargs):
         if os.path.basename(str(path)) == name:
             raise exc
         return real(path, *args, **kwargs)
 
-    monkeypatch.setattr(bf, "BlobFile", blob_file)
+    monkeypatch.setattr(storage, "open", open_file)
 
 
 def test_a_manifest_read_error_is_an_error_not_a_skipped_step(tmp_path, monkeypatch):

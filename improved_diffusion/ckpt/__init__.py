@@ -20,7 +20,11 @@ The modules, from the file up:
     run_dir       a log dir of steps: write_step (files, then the manifest), listing, manifests,
                   verification of the candidate step, the resume plan (plan_resume),
                   refuse_overwrite, quarantine to incomplete/, pruning
-    run_lock      one job per log dir (flock locally; a heartbeat object on gs:// / az://)
+    storage       every read, write, list and remove of a run dir: local paths (os), object
+                  stores through fsspec (s3://, gs://, az://): streamed uploads, conditional
+                  creates, bounded retries, the one-line "store unreachable" error
+    run_lock      one job per log dir (flock locally; a conditionally created heartbeat object
+                  on s3:// / gs:// / az://)
     async_save    host copies of the payloads (to_host, HostSnapshot) and the background thread
                   that waits for a write
     writer_process  the background write out of the training process: the writer process,

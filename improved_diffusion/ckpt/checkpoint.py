@@ -37,11 +37,10 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
-import blobfile as bf
 import torch as th
 
 from .. import dist_util
-from . import safe_read
+from . import safe_read, storage
 
 from ..errors import UserError, typed_one_line
 
@@ -138,17 +137,16 @@ def basename(path):
 def dirname(path):
     path = os.fspath(path)
     if is_remote(path):
-        return bf.dirname(path)
+        return storage.dirname(path)
     return os.path.dirname(path) or "."
 
 
 def join(d, name):
-    d = os.fspath(d)
-    return bf.join(d, name) if is_remote(d) else os.path.join(d, name)
+    return storage.join(os.fspath(d), name)
 
 
 def is_remote(path):
-    return "://" in os.fspath(path)
+    return storage.is_remote(path)
 
 
 @dataclass(frozen=True)
@@ -649,10 +647,8 @@ def read_bytes(path):
 
 
 def _read_once(path):
-    data, err = dist_util.read_local(os.fspath(path))
-    if err is not None and err[0] == "OSError" and is_remote(path):
-        raise _Retryable(err)  # a remote store's error: worth another try
-    return data, err
+    # a remote store's transient errors were retried inside (storage.retrying)
+    return dist_util.read_local(os.fspath(path))
 
 
 class _Retryable(Exception):
@@ -974,17 +970,18 @@ def combined_ema_or_none(ckpt):
 
 
 # ---------------------------------------------------------------------------------------------
-# file system (local paths and blobfile URLs alike)
+# file system (local paths and object-store URLs alike, through storage.py)
 
-# A remote store's transient errors are retried this often, after these pauses (seconds).
+# ``retry_on`` errors of a remote path are retried this often, after these pauses (seconds).
 _REMOTE_RETRY_PAUSES = (0.5, 1.0, 2.0)
 
 
 def with_retry(fn, path, retry_on=()):
     """
     ``fn()``, retried after a short pause (a few tries, bounded) when ``path`` is remote and the
-    call raised a transient error (a remote store's error, or ``retry_on``). Not-found and
-    permission errors are never retried; local paths are tried once.
+    call raised one of ``retry_on``. A store's throttling, 5xx answers and dropped connections
+    are retried inside storage.py already (storage.retrying), so nothing else is retried here.
+    Not-found and permission errors are never retried; local paths are tried once.
     """
     final = (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError)
     pauses = _REMOTE_RETRY_PAUSES if is_remote(path) else ()
@@ -993,7 +990,7 @@ def with_retry(fn, path, retry_on=()):
             result = fn()
         except final:
             raise
-        except (_Retryable, bf.Error, *retry_on) as e:
+        except (_Retryable, *retry_on) as e:
             if pause is None:
                 if isinstance(e, _Retryable):
                     return None, e.err
@@ -1004,26 +1001,26 @@ def with_retry(fn, path, retry_on=()):
 
 
 def exists(path):
-    return bf.exists(path) if is_remote(path) else os.path.lexists(path)
+    return storage.exists(path)
 
 
 def file_size(path):
     """Size in bytes; FileNotFoundError when missing."""
-    return bf.stat(path).size if is_remote(path) else os.stat(path).st_size
+    return storage.stat(path).size
 
 
 def file_mtime(path):
-    return bf.stat(path).mtime if is_remote(path) else os.stat(path).st_mtime
+    return storage.stat(path).mtime
 
 
 def is_tagged_file(path):
     """Cheap check (the first 4 KB): is this one of our tagged torch files? (The schema string
     sits near the start of the zip.) A failed read raises CheckpointReadError."""
     try:
-        with bf.BlobFile(path, "rb") as f:
+        with storage.open(path, "rb") as f:
             head = f.read(_HEAD_BYTES)
     except FileNotFoundError:
         return False
-    except (OSError, bf.Error) as e:
+    except OSError as e:
         raise CheckpointReadError(f"{path}: cannot read ({typed_one_line(e)})") from e
     return SCHEMA.encode() in head

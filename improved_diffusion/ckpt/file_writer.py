@@ -12,16 +12,13 @@ import ctypes
 import errno
 import functools
 import hashlib
-import io
 import os
 import re
 import uuid
 import zlib
 
-import blobfile as bf
-
 from ..errors import typed_one_line
-from . import torch_zip
+from . import storage, torch_zip
 from .checkpoint import CheckpointError, CheckpointReadError, basename, dirname, exists, is_remote
 
 
@@ -75,14 +72,14 @@ def file_digest(path, algorithm=CHECKSUM):
     h = _hasher(algorithm)
     size = 0
     try:
-        with bf.BlobFile(path, "rb") as f:
+        with storage.open(path, "rb") as f:
             while True:
                 chunk = f.read(8 * 1024 * 1024)
                 if not chunk:
                     break
                 h.update(chunk)
                 size += len(chunk)
-    except (OSError, bf.Error) as e:
+    except OSError as e:
         raise CheckpointReadError(f"{path}: cannot read ({typed_one_line(e)}); check that it is "
                                   f"reachable and readable") from e
     return {"size": size, algorithm: h.hexdigest()}
@@ -156,8 +153,10 @@ def atomic_write(path, obj):
     """
     Write ``obj`` (torch.save'd; raw ``bytes`` are written as they are) to ``path`` so that the
     file either does not exist or is complete: a temp name in the same directory, flush + fsync,
-    then a no-overwrite rename (hard link + unlink, else os.replace). Remote blobfile paths
-    (gs://, az://) are written directly (the object appears only once the upload completes).
+    then a no-overwrite rename (hard link + unlink, else os.replace). Object-store URLs (s3://,
+    gs://, az://: storage.py) are streamed under their final name with the store's conditional
+    create, the object appearing only once the upload completes (a failed write publishes
+    nothing).
     Refuses to overwrite an existing file (CheckpointError). Returns {"size", "crc32"}.
 
     A full disk, an exceeded quota, a read-only file system, a denied permission or a vanished
@@ -185,21 +184,7 @@ def write_file(path, obj, crc_threads=None):
         raise CheckpointError(f"{path}: already exists; refusing to overwrite a checkpoint "
                               f"(move it away or start from a later step)")
     if is_remote(path):
-        # Serialised in memory first: a BlobFile closed after a failed torch.save would publish
-        # a partial object.
-        buf = io.BytesIO()
-        def reread(offset, n):
-            with buf.getbuffer() as view:  # released at once: the BytesIO may grow again
-                return bytes(view[offset:offset + n])
-
-        out = ChecksumWriter(buf, reread)
-        _save_into(obj, out, crc_threads)
-        info = out.digest()
-        if publish_check is not None:
-            publish_check(path)
-        with bf.BlobFile(path, "wb") as f:
-            f.write(buf.getbuffer())
-        return info
+        return _write_object(path, obj, crc_threads)
 
     d = dirname(path)
     tmp = os.path.join(d, f"{basename(path)}.tmp-{uuid.uuid4().hex}")
@@ -234,6 +219,30 @@ def write_file(path, obj, crc_threads=None):
         raise
     finally:
         _unlink_quietly(tmp)
+
+
+def _write_object(path, obj, crc_threads):
+    """write_file for an object store: streamed under the final name (parts uploaded as they
+    fill, never a second copy of the bytes in memory), the CRC-32 of every byte computed as it
+    passes (an upload cannot be read back), published at close only (the store's conditional
+    create: an object that appeared meanwhile is refused), discarded when anything fails."""
+    stream = storage.open_write(path, exclusive=True)
+    try:
+        out = ChecksumWriter(stream, reread=None)
+        out.LARGE = float("inf")  # every write CRC'd as it passes: nothing is read back
+        _save_into(obj, out, crc_threads)
+        info = out.digest()
+        if publish_check is not None:
+            publish_check(path)
+        stream.close()
+    except FileExistsError:
+        stream.discard()
+        raise CheckpointError(f"{path}: already exists; refusing to overwrite a checkpoint "
+                              f"(move it away or start from a later step)") from None
+    except BaseException:
+        stream.discard()
+        raise
+    return info
 
 
 # os.link fails with these where the filesystem has no hard links (then os.replace is used).
@@ -341,10 +350,14 @@ class ChecksumWriter:
 
     def restart(self):
         """Forget everything written: the file truncated to nothing, the CRC and size back to
-        0 (torch_zip.save writes a file again from the start this way)."""
-        self._f.flush()
-        self._f.seek(0)
-        self._f.truncate()
+        0 (torch_zip.save writes a file again from the start this way; an object's upload is
+        dropped and begun again)."""
+        if hasattr(self._f, "restart"):
+            self._f.restart()
+        else:
+            self._f.flush()
+            self._f.seek(0)
+            self._f.truncate()
         self._forget_written()
 
     def digest(self):

@@ -40,10 +40,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
-import blobfile as bf
-
 from . import checkpoint as ckpt
-from . import file_writer, run_lock
+from . import file_writer, run_lock, storage
 from .. import dist_util
 from .checkpoint import CheckpointError, CheckpointReadError
 from ..errors import typed_one_line
@@ -156,13 +154,13 @@ def listdir(d):
     d = os.fspath(d)
     try:
         if ckpt.is_remote(d):
-            return sorted(ckpt.with_retry(lambda: bf.listdir(d), d))
+            return storage.listdir(d)
         return sorted(os.listdir(d))
     except (FileNotFoundError, NotADirectoryError):
         return []
     except CheckpointError:
         raise
-    except (OSError, bf.Error) as e:
+    except OSError as e:
         raise CheckpointReadError(f"{d}: cannot list the directory ({typed_one_line(e)}); "
                                   f"check that it is reachable and readable") from e
 
@@ -392,7 +390,7 @@ def _size_or_none(path):
         return ckpt.with_retry(lambda: ckpt.file_size(path), path)
     except FileNotFoundError:
         return None
-    except (OSError, bf.Error) as e:
+    except OSError as e:
         raise CheckpointReadError(f"{path}: cannot read ({typed_one_line(e)}); check that it is "
                                   f"reachable and readable") from e
 
@@ -636,8 +634,8 @@ def _beside(steps):
 
 def _is_dir(path):
     try:
-        return bf.isdir(path)
-    except (OSError, bf.Error) as e:
+        return storage.isdir(path)
+    except OSError as e:
         raise CheckpointReadError(f"{path}: cannot read ({typed_one_line(e)})") from e
 
 
@@ -682,7 +680,7 @@ def _quarantine(log_dir, step, files):
     """Move one step's files to incomplete/step{S}/, manifest first (so it is never "complete"
     half-moved); a name moved there before is kept (suffix .1, .2, ...)."""
     dest = ckpt.join(ckpt.join(log_dir, INCOMPLETE_DIR), f"step{step:06d}")
-    bf.makedirs(dest)
+    storage.makedirs(dest)
     names = sorted((ckpt.basename(p) for p in files), key=lambda n: not n.startswith("manifest"))
     moved = []
     for name in names:
@@ -693,8 +691,8 @@ def _quarantine(log_dir, step, files):
         while ckpt.exists(target):
             target, n = f"{base}.{n}", n + 1
         if ckpt.is_remote(src):
-            bf.copy(src, target)
-            bf.remove(src)
+            storage.copy(src, target)
+            storage.remove(src)
         else:
             os.replace(src, target)
         moved.append(name)
@@ -793,7 +791,7 @@ def _remove_written(log_dir, names):
     for name in reversed(names):
         try:
             _remove(ckpt.join(log_dir, name))
-        except (OSError, bf.Error):  # no manifest: the step is never taken for complete anyway
+        except OSError:  # no manifest: the step is never taken for complete anyway
             pass
 
 
@@ -803,7 +801,7 @@ def _remove_written(log_dir, names):
 
 def _remove(path):
     if ckpt.is_remote(path):
-        bf.remove(path)
+        storage.remove(path)
     elif os.path.isdir(path) and not os.path.islink(path):  # a sharded step's (temp) folder
         shutil.rmtree(path)
     else:

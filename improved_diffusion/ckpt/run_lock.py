@@ -20,19 +20,28 @@ Two flavours, chosen by the path:
   closes its copy of the descriptor, so no worker keeps the lock. On NFS, Linux maps flock to
   NFS byte-range locks (held across clients; a dead client's lock ends with its lease); Lustre
   needs the ``flock`` mount option, else taking the lock fails with a ``LockError``.
-* remote paths (anything with ``://``: ``gs://``, ``az://``, via blobfile): a lock object
-  ``{log_dir}/lock.json`` with the owner's host, pid, job id, a random token and a heartbeat time
-  that a daemon thread refreshes every ``heartbeat_s``. A lock whose heartbeat is older than
-  ``stale_s`` (default 4 x ``heartbeat_s``) belongs to a dead job and is taken over.
+* remote paths (anything with ``://``: ``s3://``, ``gs://``, ``az://``, through storage.py): a
+  lock object ``{log_dir}/lock.json`` with the owner's host, pid, job id, a random token and a
+  heartbeat time that a daemon thread refreshes every ``heartbeat_s``. A lock whose heartbeat is
+  older than ``stale_s`` (default 4 x ``heartbeat_s``) belongs to a dead job and is taken over.
+  Before anything else, the store is asked once whether it answers with these credentials
+  (storage.check_store: one line naming the URL and what to set).
 
-  Blob stores have no flock and blobfile exposes no conditional writes, so taking the object is
-  best effort: write our record, wait ``settle_s``, read it back and keep the lock only if our
-  token is still there. Two jobs whose writes land more than ``settle_s`` apart while both saw a
-  free (or stale) lock can both believe they hold it; the first one's heartbeat then finds the
-  other token, sets ``lost`` and warns (within ``heartbeat_s``). Staleness compares the record's
-  heartbeat with this host's clock, so host clocks must agree to well within ``stale_s`` (NTP).
+  A free lock is taken with the store's conditional create (``storage.put(exclusive=True)``: S3
+  ``If-None-Match: *``, GCS ``ifGenerationMatch=0``, Azure ``If-None-Match: *``; O_EXCL on a
+  local directory): of two jobs that both saw it free, exactly one creates it, the other sees
+  the winner's record and waits (the read-back below still runs: gcp-storage-emulator, for one,
+  ignores the precondition). Taking over a *stale* lock has no such precondition here (that
+  would need a compare-and-swap on the old object's version, which the three stores spell three
+  ways), so it stays best effort: write our record, wait ``settle_s``, read it back and keep the
+  lock only if our token is still there. Two jobs whose takeovers land more than ``settle_s``
+  apart can both believe they hold it; the first one's heartbeat then finds the other token,
+  sets ``lost`` and warns (within ``heartbeat_s``). Azure's blob leases are not used (adlfs does
+  not expose them). Staleness compares the record's heartbeat with this host's clock, so host
+  clocks must agree to well within ``stale_s`` (NTP).
 
-The storage calls of the remote flavour sit behind ``BlobStore`` (``read``/``write``/``remove``),
+The storage calls of the remote flavour sit behind ``BlobStore`` (``read``/``create``/``write``/
+``remove``),
 so its logic runs on any store, a local directory included (that is how the tests run it).
 """
 
@@ -47,9 +56,7 @@ import threading
 import time
 import uuid
 
-import blobfile as bf
-
-from . import preemption
+from . import preemption, storage
 from ..errors import UserError
 
 DEFAULT_WAIT_S = 300.0
@@ -149,23 +156,29 @@ def live_holder(log_dir):
 
 
 class BlobStore:
-    """The three storage calls of the remote lock, via blobfile (works on local paths too)."""
+    """The storage calls of the remote lock, through storage.py (works on local paths too)."""
+
+    def check(self, log_dir):
+        """Raise storage.StoreUnreachableError (one line) when the store does not answer."""
+        storage.check_store(log_dir)
 
     def read(self, path):
         """The object's bytes, or None when it does not exist (other errors propagate)."""
         try:
-            with bf.BlobFile(path, "rb") as f:
-                return f.read()
+            return storage.read_bytes(path)
         except FileNotFoundError:
             return None
 
+    def create(self, path, data):
+        """Put ``data`` only if there is no object at ``path``; whether it was put."""
+        return storage.put(path, data, exclusive=True)
+
     def write(self, path, data):
-        with bf.BlobFile(path, "wb") as f:
-            f.write(data)
+        storage.put(path, data)
 
     def remove(self, path):
         try:
-            bf.remove(path)
+            storage.remove(path)
         except FileNotFoundError:
             pass
 
@@ -194,11 +207,12 @@ class LogDirLock:
         if store is None and "://" in self.log_dir:
             store = BlobStore()
         self.store = store
-        self.path = bf.join(self.log_dir, LOCK_OBJECT if store else LOCK_FILE)
+        self.path = storage.join(self.log_dir, LOCK_OBJECT if store else LOCK_FILE)
         self.lost = None  # remote flavour: why the lock was lost while held, else None
         self._fd = None
         self._token = None
         self._record = None
+        self._checked = False  # remote: the store answered (storage.check_store)
         self._wait_start = None  # acquire(): when the wait began (wait_s counts from there)
         self._said = False  # acquire(): the "waiting for ..." line was printed
         self._stop = threading.Event()
@@ -348,17 +362,27 @@ class LogDirLock:
 
     def _try_object(self, log):
         """Take the lock object if absent or stale (returns None), else return its record."""
+        if not self._checked and hasattr(self.store, "check"):
+            self.store.check(self.log_dir)  # an unreachable store: one line, before anything
+            self._checked = True
         record = self._read_object()
         if record is not None and not self._is_stale(record):
             return record
         if record is not None:
             log(f"taking over the stale lock {self.path} of {describe_owner(record)} (stale "
                 f"after {self.stale_s:.0f} s)")
-        bf.makedirs(self.log_dir)
+        storage.makedirs(self.log_dir)
         token = uuid.uuid4().hex
         mine = dict(owner_record(), token=token, heartbeat=time.time())
-        self.store.write(self.path, json.dumps(mine).encode())
-        time.sleep(self.settle_s)  # let a competing write land, then see who won
+        data = json.dumps(mine).encode()
+        if record is None and hasattr(self.store, "create"):
+            if not self.store.create(self.path, data):  # another job created it first
+                return self._read_object() or {}
+        else:
+            self.store.write(self.path, data)
+        # let a competing takeover land, then see who won (also where a store, such as an
+        # emulator, ignores the create's precondition)
+        time.sleep(self.settle_s)
         now = self._read_object()
         if now is None or now.get("token") != token:
             return now or {}

@@ -1,0 +1,541 @@
+"""
+The one storage layer of a run dir: every read, write, list and remove of a log dir, a
+checkpoint path or a text log goes through here, for local paths and for object stores alike.
+
+Paths:
+
+* local paths (anything without ``://``): the os module. Writers keep their own temp name +
+  fsync + no-overwrite rename (file_writer); this module adds nothing there.
+* ``s3://bucket/key`` (s3fs), ``gs://bucket/key`` (gcsfs), ``az://container/key`` (adlfs), and
+  any other protocol fsspec knows. Endpoints and credentials come only from each store's
+  standard environment, never from our flags:
+
+    s3   the AWS chain (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, AWS_PROFILE, an instance or
+         pod role); AWS_ENDPOINT_URL (or AWS_ENDPOINT_URL_S3) for a server other than AWS
+    gs   application default credentials (GOOGLE_APPLICATION_CREDENTIALS, gcloud auth
+         application-default login, the metadata server); STORAGE_EMULATOR_HOST for an emulator
+    az   AZURE_STORAGE_CONNECTION_STRING, or AZURE_STORAGE_ACCOUNT_NAME with
+         AZURE_STORAGE_ACCOUNT_KEY / AZURE_STORAGE_SAS_TOKEN / a service principal
+         (AZURE_STORAGE_CLIENT_ID, _SECRET, _TENANT_ID); the URL is az://CONTAINER/key (adlfs's
+         form; the account is the environment's)
+
+Object stores have no rename and no append. A file is put under its final name in one go:
+``open(path, "wb")`` streams it (multipart above ``BLOCK_BYTES``: the bytes are never held twice
+in memory) and the object appears only when the file is closed; a write that fails is discarded,
+never published half-written (``open`` as a context manager does that). A step's commit is its
+manifest, written last (run_dir.write_step). ``put(path, data, exclusive=True)`` is the store's
+conditional create (S3 ``If-None-Match: *``, GCS ``ifGenerationMatch=0``, Azure
+``If-None-Match: *``): False when the object is already there.
+
+Errors: a store's error that is not already an OSError is raised as ``StoreError`` (an OSError,
+so every caller that handles a failed read or write handles it); not found is
+FileNotFoundError, refused credentials PermissionError. Throttling, 5xx answers and dropped
+connections are retried ``len(RETRY_PAUSES)`` times with growing pauses (``retrying``), on top
+of the client library's own retries; a whole streamed write is retried only where the caller
+can write it again (put). ``check_store(url)`` is the one-line ``StoreUnreachableError`` (a
+UserError) for a store that cannot be reached or refuses the credentials, raised before
+training starts (run_lock calls it).
+
+Nothing here is collective; rank 0 writes.
+"""
+
+import errno
+import io
+import os
+import posixpath
+import re
+import time
+from dataclasses import dataclass
+
+from ..errors import UserError
+
+# Pauses (seconds) between the tries of one store call that failed transiently (throttling, 5xx,
+# a dropped connection): about 30 s in all before the error is raised.
+RETRY_PAUSES = (0.5, 1.0, 2.0, 4.0, 8.0, 15.0)
+# Part size of a streamed upload (the memory one open write holds).
+BLOCK_BYTES = 16 << 20
+
+
+class StoreError(OSError):
+    """A store's error that is not an OSError of its own (its type and text in the message)."""
+
+
+class StoreUnreachableError(UserError):
+    """The log dir's store cannot be reached or refuses the credentials (one line: the URL,
+    what happened, which variables to set)."""
+
+
+def is_remote(path):
+    return "://" in os.fspath(path)
+
+
+def protocol(path):
+    path = os.fspath(path)
+    return path.split("://", 1)[0] if "://" in path else "file"
+
+
+# ---------------------------------------------------------------------------------------------
+# names (blobfile's functions of the same names, for local paths and URLs)
+
+
+def join(d, *names):
+    d = os.fspath(d)
+    if not is_remote(d):
+        return os.path.join(d, *names)
+    out = d
+    for name in names:
+        out = out.rstrip("/") + "/" + name.lstrip("/") if name else out.rstrip("/") + "/"
+    return out
+
+
+def dirname(path):
+    path = os.fspath(path)
+    if not is_remote(path):
+        return os.path.dirname(path)
+    scheme, rest = path.split("://", 1)
+    rest = rest.rstrip("/")
+    if "/" not in rest:
+        return path  # a bucket's root
+    return f"{scheme}://{rest.rsplit('/', 1)[0]}"
+
+
+def basename(path):
+    path = os.fspath(path)
+    return posixpath.basename(path.rstrip("/")) if is_remote(path) else os.path.basename(path)
+
+
+# ---------------------------------------------------------------------------------------------
+# file systems and errors
+
+_FS = {}
+
+
+def filesystem(path):
+    """(fsspec file system, the path as that file system spells it) for a URL. The instance is
+    made once per protocol and process (fsspec also remakes it in a forked child)."""
+    import fsspec
+
+    path = os.fspath(path)
+    scheme = protocol(path)
+    fs = _FS.get((scheme, os.getpid()))
+    if fs is None:
+        try:
+            if scheme in ("gs", "gcs"):
+                # gcsfs' plain client: its default (experimental zonal/HNS buckets) asks a gRPC
+                # control API about each bucket first, which an emulator does not serve
+                from gcsfs.core import GCSFileSystem as cls
+            else:
+                cls = fsspec.get_filesystem_class(scheme)
+        except (ImportError, ValueError) as e:
+            raise StoreUnreachableError(
+                f"{path}: no client for {scheme}:// ({e}); install the test/cloud extra "
+                f"(pip install s3fs gcsfs adlfs) or use a local --log_dir") from None
+        fs = cls(**_options(scheme))
+        _FS[(scheme, os.getpid())] = fs
+    return fs, fs._strip_protocol(path)
+
+
+def forget_clients():
+    """Drop this process's store clients: the next call makes new ones from the environment as
+    it is then (a test that points a store's variables elsewhere)."""
+    _FS.clear()
+
+
+def _options(scheme):
+    """What our stores need beyond fsspec's defaults (no listings cache: another job's or
+    process's writes are seen at once); every endpoint and credential comes from the store's
+    own environment."""
+    return dict(_store_options(scheme), use_listings_cache=False, skip_instance_cache=True)
+
+
+def _store_options(scheme):
+    if scheme in ("s3", "s3a"):
+        opts = {"default_block_size": BLOCK_BYTES}
+        # botocore reads AWS_ENDPOINT_URL itself; s3fs' default region lookup does not need it
+        endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        if endpoint:
+            opts["endpoint_url"] = endpoint
+        return opts
+    if scheme in ("gs", "gcs"):
+        opts = {"block_size": BLOCK_BYTES}
+        if os.environ.get("STORAGE_EMULATOR_HOST"):
+            opts["token"] = "anon"  # an emulator takes no credentials
+        return opts
+    if scheme in ("az", "abfs", "abfss"):
+        return {"blocksize": BLOCK_BYTES}
+    return {}
+
+
+_TRANSIENT = re.compile(
+    r"\b(500|502|503|504|429)\b|SlowDown|Throttl|ServiceUnavailable|InternalError|"
+    r"RequestTimeout|Too Many Requests|ServerBusy|OperationTimedOut|Connection (reset|aborted)|"
+    r"Cannot connect|Connect(ion)? ?(refused|timeout|error)|ServerDisconnected|"
+    r"Remote end closed|EndpointConnectionError|Could not connect|timed out|temporarily",
+    re.I)
+
+
+def is_transient(e):
+    """Whether a store's error is worth another try (throttling, 5xx, a dropped connection)."""
+    if isinstance(e, (FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError,
+                      PermissionError)):
+        return False
+    if isinstance(e, (ConnectionError, TimeoutError)):
+        return True
+    text = f"{type(e).__name__}: {e}"
+    cause = e.__cause__ or e.__context__
+    if cause is not None:
+        text += f" {type(cause).__name__}: {cause}"
+    return bool(_TRANSIENT.search(text))
+
+
+def _as_oserror(e, path):
+    """A store's exception as an OSError (the same object when it is one)."""
+    if isinstance(e, OSError):
+        return e
+    name = type(e).__name__
+    text = " ".join(str(e).split())[:300] or name
+    if name in ("ResourceNotFoundError", "NoSuchKey", "NoSuchBucket", "NotFound"):
+        return FileNotFoundError(errno.ENOENT, text, os.fspath(path))
+    if name in ("ResourceExistsError",):
+        return FileExistsError(errno.EEXIST, text, os.fspath(path))
+    if name in ("ClientAuthenticationError", "NoCredentialsError", "Forbidden",
+                "HttpResponseError") and re.search(r"\b(401|403)\b|auth|credential|Forbidden",
+                                                   text, re.I):
+        return PermissionError(errno.EACCES, f"{name}: {text}", os.fspath(path))
+    return StoreError(f"{name}: {text}")
+
+
+def retrying(fn, path, pauses=None):
+    """``fn()``, tried again after each of ``pauses`` (RETRY_PAUSES) while it fails transiently
+    (is_transient); the last error is raised as an OSError (_as_oserror). Local paths: once."""
+    pauses = RETRY_PAUSES if pauses is None else pauses
+    if not is_remote(path):
+        return fn()
+    for pause in (*pauses, None):
+        try:
+            return fn()
+        except Exception as e:
+            if pause is None or not is_transient(e):
+                raise _as_oserror(e, path) from e
+            time.sleep(pause)
+
+
+# ---------------------------------------------------------------------------------------------
+# reading and listing
+
+
+@dataclass
+class Stat:
+    size: int
+    mtime: float
+
+
+def exists(path):
+    path = os.fspath(path)
+    if not is_remote(path):
+        return os.path.lexists(path)
+    fs, p = filesystem(path)
+    return retrying(lambda: fs.exists(p), path)
+
+
+def isdir(path):
+    path = os.fspath(path)
+    if not is_remote(path):
+        return os.path.isdir(path)
+    fs, p = filesystem(path)
+    return retrying(lambda: fs.isdir(p), path)
+
+
+def stat(path):
+    """Stat(size, mtime); FileNotFoundError when missing."""
+    path = os.fspath(path)
+    if not is_remote(path):
+        s = os.stat(path)
+        return Stat(s.st_size, s.st_mtime)
+    fs, p = filesystem(path)
+    info = retrying(lambda: fs.info(p), path)
+    if info.get("type") == "directory":
+        raise IsADirectoryError(errno.EISDIR, "is a directory", path)
+    mtime = info.get("LastModified") or info.get("last_modified") or info.get("updated") \
+        or info.get("mtime") or 0.0
+    if hasattr(mtime, "timestamp"):
+        mtime = mtime.timestamp()
+    elif isinstance(mtime, str):
+        import datetime
+        try:
+            mtime = datetime.datetime.fromisoformat(mtime.replace("Z", "+00:00")).timestamp()
+        except ValueError:
+            mtime = 0.0
+    return Stat(int(info.get("size") or 0), float(mtime))
+
+
+def size(path):
+    return stat(path).size
+
+
+def listdir(d):
+    """Names in directory (prefix) ``d``, sorted; FileNotFoundError when there is none (an
+    object store: no object under the prefix)."""
+    d = os.fspath(d)
+    if not is_remote(d):
+        return sorted(os.listdir(d))
+    fs, p = filesystem(d)
+
+    def ls():
+        fs.invalidate_cache(p)
+        return fs.ls(p, detail=False)
+
+    names = {posixpath.basename(e.rstrip("/")) for e in retrying(ls, d)}
+    names.discard("")
+    return sorted(names)
+
+
+def glob(pattern):
+    """Paths matching ``pattern`` (``*``, ``?``), sorted, in the pattern's own spelling."""
+    pattern = os.fspath(pattern)
+    if not is_remote(pattern):
+        import glob as _glob
+        return sorted(_glob.glob(pattern))
+    d = dirname(pattern)
+    import fnmatch
+    try:
+        names = listdir(d)
+    except FileNotFoundError:
+        return []
+    return [join(d, n) for n in names if fnmatch.fnmatchcase(n, basename(pattern))]
+
+
+def read_bytes(path):
+    path = os.fspath(path)
+    if not is_remote(path):
+        with open(path, "rb") as f:
+            return f.read()
+    fs, p = filesystem(path)
+    return retrying(lambda: fs.cat_file(p), path)
+
+
+# ---------------------------------------------------------------------------------------------
+# writing
+
+
+def makedirs(path):
+    """A local directory (and its parents); nothing for an object store, whose prefixes exist
+    once an object is under them."""
+    path = os.fspath(path)
+    if not is_remote(path):
+        os.makedirs(path, exist_ok=True)
+
+
+def remove(path):
+    """Remove one file or object (an object-store "folder": every object under it);
+    FileNotFoundError when missing."""
+    path = os.fspath(path)
+    if not is_remote(path):
+        os.unlink(path)
+        return
+    fs, p = filesystem(path)
+    fs.invalidate_cache(p)
+    if not retrying(lambda: fs.exists(p), path):
+        raise FileNotFoundError(errno.ENOENT, "no such object", path)
+    if retrying(lambda: fs.isdir(p), path):
+        retrying(lambda: fs.rm(p, recursive=True), path)
+    else:
+        retrying(lambda: fs.rm_file(p), path)
+    fs.invalidate_cache(p)
+
+
+def put(path, data, exclusive=False):
+    """Put ``data`` (bytes) as the whole of the file or object ``path``, retried as one call.
+    ``exclusive``: only when there is nothing there yet (the store's conditional create);
+    returns False when there was. Object stores: the object appears complete or not at all.
+    Local paths: written in place (callers that need atomicity use file_writer)."""
+    path = os.fspath(path)
+    if not is_remote(path):
+        try:
+            with open(path, "xb" if exclusive else "wb") as f:
+                f.write(data)
+        except FileExistsError:
+            return False
+        return True
+    fs, p = filesystem(path)
+
+    def once():
+        fs.pipe_file(p, bytes(data), mode="create" if exclusive else "overwrite")
+    try:
+        retrying(once, path)
+    except (FileExistsError, StoreError) as e:
+        if exclusive and (isinstance(e, FileExistsError) or _precondition_failed(e)):
+            return False
+        raise
+    fs.invalidate_cache(p)
+    return True
+
+
+def _precondition_failed(e):
+    text = f"{e} {e.__cause__}"
+    return bool(re.search(r"\b412\b|PreconditionFailed|ConditionNotMet|BlobAlreadyExists|"
+                          r"already exists|conditionNotMet", text, re.I))
+
+
+def copy(src, dst):
+    """Copy one file or object to a new name in the same store."""
+    src, dst = os.fspath(src), os.fspath(dst)
+    if not is_remote(src):
+        import shutil
+        shutil.copyfile(src, dst)
+        return
+    fs, s = filesystem(src)
+    _, d = filesystem(dst)
+    retrying(lambda: fs.copy(s, d), src)
+
+
+class _StreamedWrite(io.RawIOBase):
+    """A write-only stream to an object: parts are uploaded as they fill, the object appears at
+    ``close()``; ``discard()`` (and leaving a ``with`` block by an exception) drops it instead.
+    ``restart()``: start the object over (nothing of the first try is published)."""
+
+    def __init__(self, path, exclusive):
+        self.path = path
+        self._exclusive = exclusive
+        self._fs, self._p = filesystem(path)
+        self._f = None
+        self._open()
+
+    def _open(self):
+        mode = "xb" if self._exclusive else "wb"
+        self._f = retrying(lambda: self._fs.open(self._p, mode), self.path)
+
+    def writable(self):
+        return True
+
+    def write(self, data):
+        try:
+            return self._f.write(data)
+        except Exception as e:
+            raise _as_oserror(e, self.path) from e
+
+    def flush(self):
+        pass  # parts go out as they fill; the rest at close
+
+    def tell(self):
+        return self._f.tell()
+
+    def restart(self):
+        self._drop()
+        self._open()
+
+    def _drop(self):
+        f, self._f = self._f, None
+        if f is None:
+            return
+        try:
+            f.discard()
+        except Exception:
+            pass
+        f.closed = True  # fsspec would commit what it has when the object is collected
+
+    def discard(self):
+        self._drop()
+        super().close()
+
+    def close(self):
+        if self._f is not None and not self.closed:
+            f = self._f
+            try:
+                f.close()
+            except Exception as e:
+                self._drop()
+                if self._exclusive and _precondition_failed(e):
+                    raise FileExistsError(errno.EEXIST, "already exists", self.path) from e
+                raise _as_oserror(e, self.path) from e
+            self._f = None
+            self._fs.invalidate_cache(self._p)
+        super().close()
+
+    def __exit__(self, exc_type, *rest):
+        if exc_type is not None:
+            self.discard()
+        else:
+            self.close()
+
+
+def open_write(path, exclusive=False):
+    """A binary write stream to ``path``: local, a plain file (the caller renames); an object,
+    a _StreamedWrite (see there). ``exclusive``: the store refuses the object at close when one
+    is there by then (FileExistsError)."""
+    path = os.fspath(path)
+    if not is_remote(path):
+        return open(path, "xb" if exclusive else "wb")
+    return _StreamedWrite(path, exclusive)
+
+
+def open(path, mode="rb"):  # noqa: A001 - blobfile's BlobFile, under the name readers expect
+    """A file for ``mode`` "rb"/"r" (read, streamed in blocks) or "wb"/"w" (open_write); text
+    modes wrap it in UTF-8."""
+    import builtins
+
+    path = os.fspath(path)
+    if not is_remote(path):
+        return builtins.open(path, mode)
+    if "r" in mode:
+        fs, p = filesystem(path)
+        f = retrying(lambda: fs.open(p, "rb"), path)
+    elif "w" in mode or "x" in mode:
+        f = open_write(path, exclusive="x" in mode)
+    else:
+        raise ValueError(f"{path}: mode {mode!r} is not supported on an object store (no append)")
+    if "b" not in mode:
+        return io.TextIOWrapper(f if "r" not in mode else f, encoding="utf-8")
+    return f
+
+
+BlobFile = open  # blobfile's name, for upstream's call sites
+
+# What callers catch for a failed store call (blobfile's bf.Error): every error here is one.
+Error = OSError
+
+
+# ---------------------------------------------------------------------------------------------
+# before training
+
+
+_WHAT_TO_SET = {
+    "s3": "set AWS_ENDPOINT_URL for a server other than AWS and credentials through the AWS "
+          "chain (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or an instance role)",
+    "gs": "set GOOGLE_APPLICATION_CREDENTIALS (or run gcloud auth application-default login), or "
+          "STORAGE_EMULATOR_HOST for an emulator",
+    "az": "set AZURE_STORAGE_CONNECTION_STRING, or AZURE_STORAGE_ACCOUNT_NAME with "
+          "AZURE_STORAGE_ACCOUNT_KEY or AZURE_STORAGE_SAS_TOKEN",
+}
+
+
+def check_store(url, flag="--log_dir", pauses=()):
+    """Raise StoreUnreachableError (one line: the flag and URL, what happened, what to set)
+    unless the store of ``url`` answers a listing of its bucket/container with these
+    credentials. Local paths: nothing. Only the client library's own retries (``pauses``: ours,
+    none by default): a store that is down is said within seconds, before training starts. Not
+    collective."""
+    url = os.fspath(url)
+    if not is_remote(url):
+        return
+    scheme = protocol(url)
+    hint = _WHAT_TO_SET.get({"s3a": "s3", "gcs": "gs", "abfs": "az", "abfss": "az"}
+                            .get(scheme, scheme), "check the store's environment variables")
+    try:
+        fs, p = filesystem(url)
+        bucket = p.split("/", 1)[0]
+        retrying(lambda: fs.ls(bucket, detail=False), url, pauses)
+    except StoreUnreachableError:
+        raise
+    except FileNotFoundError:
+        raise StoreUnreachableError(
+            f"{flag} {url}: the bucket/container {bucket!r} does not exist at this store; create "
+            f"it, or check the URL and the endpoint ({hint})") from None
+    except PermissionError as e:
+        raise StoreUnreachableError(
+            f"{flag} {url}: the store refuses these credentials "
+            f"({' '.join(str(e).split())[:160]}); {hint}") from None
+    except Exception as e:
+        raise StoreUnreachableError(
+            f"{flag} {url}: the store cannot be reached ({type(e).__name__}: "
+            f"{' '.join(str(e).split())[:160]}); {hint}") from None
