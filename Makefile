@@ -13,6 +13,9 @@ $(STAMP): setup.py
 	# torch first: the pinned CPU build. A bare `torch` requirement would pull the CUDA build.
 	$(PY) -m pip install torch==2.13.0
 	$(PY) -m pip install -e '.[mpi,test,demo,tensorboard]'
+	# Azurite, the Azure blob emulator test_object_store.py runs az:// against (skipped there
+	# with its reason where npm is missing)
+	if command -v npm >/dev/null; then npm install --no-audit --no-fund --prefix .stores azurite; fi
 	touch $(STAMP)
 
 install: $(STAMP)

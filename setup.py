@@ -10,7 +10,12 @@ setup(
     install_requires=["torch>=2.1", "numpy", "blobfile", "mpi4py", "pillow", "tqdm"],
     extras_require={
         "mpi": ["mpich"],
-        "test": ["pytest", "pytest-timeout", "pytest-xdist"],
+        # object-store log dirs (s3://, gs://, az://: ckpt/storage.py)
+        "cloud": ["fsspec", "s3fs", "gcsfs", "adlfs"],
+        # ... and the real servers test_object_store.py runs them against (Azurite: npm, below
+        # the Makefile's install)
+        "test": ["pytest", "pytest-timeout", "pytest-xdist", "fsspec", "s3fs", "gcsfs", "adlfs",
+                 "moto[server]", "gcp-storage-emulator"],
         "demo": ["scikit-learn", "matplotlib"],  # the loss curve (progress_plot)
         "safetensors": ["safetensors"],
         "tensorboard": ["tensorboard"],  # --tensorboard True
