@@ -22,7 +22,6 @@ import os
 import warnings
 import zipfile
 
-import blobfile as bf
 import numpy as np
 import torch as th
 from PIL import Image
@@ -30,6 +29,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from . import dist_util
 from .ckpt import preemption
+from .ckpt import storage as bf  # blobfile's names: local paths and s3://, gs://, az://
 from .errors import UserError
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "gif")
@@ -44,7 +44,7 @@ def list_image_files(data_dir, extensions=IMAGE_EXTENSIONS, _above=()):
     """
     All image files under `data_dir`, recursively, sorted.
 
-    :param data_dir: a local or blobfile path.
+    :param data_dir: a local path or an object-store URL (ckpt/storage.py).
     :param extensions: the file extensions to list (any case); LATENT_EXTENSIONS lists latents.
     :return: a sorted list of paths with extension jpg, jpeg, png or gif (any case).
     :raises DataError: (local folders) a symbolic link back to a folder above it (a loop, which

@@ -44,7 +44,6 @@ import os
 import time
 import traceback
 
-import blobfile as bf
 import numpy as np
 import torch as th
 
@@ -52,6 +51,7 @@ from . import dist_util, logger, sampling
 from .errors import UsageError
 from .gaussian_diffusion import GaussianDiffusion
 from .respace import respaced
+from .ckpt import storage as bf  # blobfile's names: local paths and s3://, gs://, az://
 from .ckpt.rng import get_rng_state, set_rng_state
 
 # The share of --dist_timeout a grid may take: the other ranks wait for it in a collective.

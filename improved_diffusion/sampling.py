@@ -834,7 +834,7 @@ def save_samples(log_dir, images, labels=None, *, ncol=None, grid=True, overwrit
     existing npz unless `overwrite` (SampleError naming the file and --overwrite).
     :return: (npz path, png path or None).
     """
-    import blobfile as bf
+    from .ckpt import storage as bf  # blobfile's names: local paths and object stores
 
     npz_path, png_path = sample_paths(log_dir, images.shape)
     if not overwrite and bf.exists(npz_path):

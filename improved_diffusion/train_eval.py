@@ -53,6 +53,7 @@ import numpy as np
 import torch as th
 
 from . import dist_util, evaluation, logger, sampling
+from .ckpt import storage
 from .ckpt.rng import get_rng_state, set_rng_state
 from .errors import UsageError
 from .sample_grids import check_image_channels, copy_with_params, ddim_diffusion, label_count
@@ -229,8 +230,7 @@ class TrainEval:
 
     def _read_record(self, step):
         try:
-            with open(self.record_path(step)) as f:
-                return json.load(f)
+            return json.loads(storage.read_bytes(self.record_path(step)))
         except (OSError, ValueError):
             return None
 
@@ -243,6 +243,13 @@ class TrainEval:
         """Rank 0: the record, replaced whole; a disk fault costs only the record (a line)."""
         path = self.record_path(record["step"])
         tmp = f"{path}.tmp{os.getpid()}"
+        if storage.is_remote(path):  # one object, put whole
+            try:
+                storage.put(path, (json.dumps(record, indent=1, sort_keys=True) + "\n").encode())
+            except OSError as e:
+                logger.warn(f"evaluation: its record {path} was not written ({e}); a resume at "
+                            f"this step would evaluate it again")
+            return
         try:
             os.makedirs(os.path.dirname(path), exist_ok=True)
             with open(tmp, "w") as f:

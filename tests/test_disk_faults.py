@@ -30,6 +30,7 @@ from cluster_sim import matches_manifest
 from improved_diffusion.ckpt import checkpoint as C
 from improved_diffusion.ckpt import file_writer as W
 from improved_diffusion.ckpt import run_dir as R
+from improved_diffusion.ckpt import storage
 
 TRAIN = REPO / "scripts" / "train.py"
 TINY = [
@@ -268,21 +269,22 @@ FAULTS = [(errno.ENOSPC, "no space left on device"), (errno.EDQUOT, "disk quota 
 @pytest.mark.parametrize("code,phrase", FAULTS, ids=[errno.errorcode[c] for c, _ in FAULTS])
 def test_a_remote_write_failing_with_an_os_error_is_one_line_naming_the_log_dir(
         monkeypatch, code, phrase):
-    class FailingBlob:
-        def __init__(self, path, mode):
+    class FailingUpload:  # storage.open_write's stream, failing as a store's write can
+        def __init__(self, path, exclusive=False):
             pass
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            return False
 
         def write(self, data):
             raise OSError(code, os.strerror(code))
 
-    monkeypatch.setattr(C.bf, "exists", lambda path: False)
-    monkeypatch.setattr(C.bf, "BlobFile", FailingBlob)
+        def discard(self):
+            pass
+
+    def gone(path):
+        raise FileNotFoundError(path)
+
+    monkeypatch.setattr(storage, "exists", lambda path: False)
+    monkeypatch.setattr(storage, "open_write", FailingUpload)
+    monkeypatch.setattr(storage, "remove", gone)
     with pytest.raises(C.CheckpointError, match=re.escape(phrase)) as info:
         R.save_step("gs://bucket/run", 7, _files(7))
     msg = str(info.value)

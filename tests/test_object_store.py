@@ -310,3 +310,17 @@ def test_train_resume_verify_and_logs_on_each_store(any_store, images, tmp_path)
     listed = run_dir.list_steps(url, verify_checksums=True)
     assert [st.step for st in listed if st.complete and st.verified] == [4, 2], listed
     assert not no_url_folders(tmp_path)
+
+
+@pytest.mark.timeout(120)
+def test_a_data_dir_in_a_bucket_is_listed_and_read(s3, images):
+    from improved_diffusion import image_datasets
+    storage = s3.client()
+    url = f"{new_bucket(s3)}/data"
+    names = sorted(os.listdir(images))
+    for name in names:
+        storage.put(f"{url}/sub/{name}", (images / name).read_bytes())
+    listed = image_datasets.list_image_files(url)
+    assert [storage.basename(p) for p in listed] == names
+    with storage.open(listed[0], "rb") as f:
+        assert f.read() == (images / names[0]).read_bytes()
