@@ -76,6 +76,7 @@ def main():
                           "unit": unit, "mb": args.mb, **extra}), flush=True)
 
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+        os.makedirs(os.path.join(tmp, "run"))  # the trainer makes it when it takes the lock
         measure(os.path.join(tmp, "run"), args.mb, args.repeats, emit, "local")
         server = stores.start("s3", tmp)
         try:
