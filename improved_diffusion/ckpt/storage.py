@@ -485,7 +485,7 @@ def open(path, mode="rb"):  # noqa: A001 - blobfile's BlobFile, under the name r
     else:
         raise ValueError(f"{path}: mode {mode!r} is not supported on an object store (no append)")
     if "b" not in mode:
-        return io.TextIOWrapper(f if "r" not in mode else f, encoding="utf-8")
+        return io.TextIOWrapper(f if "r" in mode else io.BufferedWriter(f), encoding="utf-8")
     return f
 
 
