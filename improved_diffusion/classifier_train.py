@@ -38,7 +38,7 @@ import torch as th
 import torch.nn.functional as F
 from torch.nn.parallel.distributed import DistributedDataParallel as DDP
 
-from . import amp, dist_util, image_datasets, logger, train_job
+from . import amp, dist_util, fsdp, image_datasets, logger, train_job
 from .ckpt import checkpoint, checkpointer, preemption
 from .ckpt.checkpointer import CheckpointConfig, Checkpointer
 from .config_check import check_config_on_all_ranks, data_fingerprint, show_fingerprint
@@ -182,7 +182,9 @@ class ClassifierLoop:
                    f"agree on all {self.world_size} rank(s)")
         seed_rngs(args.seed, 0, self.rank)  # each rank its own noise
         self.amp_dtype, self.grad_scaler = amp.make_amp(
-            self.device, args.classifier_use_fp16, args.fp16_scale_growth)
+            self.device, args.classifier_use_fp16, args.fp16_scale_growth, sharded=args.fsdp)
+        if args.fsdp:  # before the optimizer: it is made of the shards
+            fsdp.shard_model(self.model, self.device, param_dtype=self.amp_dtype)
         self.opt = make_adamw(self.model.parameters(), lr=args.lr,
                               weight_decay=args.weight_decay)
         self.checkpointer = Checkpointer(
@@ -196,8 +198,9 @@ class ClassifierLoop:
         self.checkpointer.file_tags["class_names"] = list(self.data.class_names)
         self.step = self.resume_step = self._resume()
         self.microbatch = args.microbatch if args.microbatch > 0 else args.batch_size
-        self.ddp_model = self._wrap_ddp() if self.world_size > 1 else self.model
-        self._ddp_primed = self.world_size == 1
+        self.ddp_model = (self._wrap_ddp() if self.world_size > 1 and not args.fsdp
+                          else self.model)
+        self._ddp_primed = self.ddp_model is self.model
         logger.start_progress(self.step, self.last_step)
 
     def _load(self, data_dir):

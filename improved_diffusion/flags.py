@@ -186,6 +186,8 @@ FLAG_HELP = {
     "nan_policy": ("training", "a step with a NaN/Inf loss or gradient: stop (exit 1) or skip"),
     "find_unused_parameters": ("training", "DDP's find_unused_parameters, for a model of one's own "
                                "that leaves parameters out of the loss on some steps (2+ ranks)"),
+    "fsdp": ("training", "shard parameters, gradients, Adam moments and EMAs over the ranks "
+             "(FSDP2) instead of a whole copy on each (DDP)"),
     "compile": ("training", "torch.compile the model's forward/backward (keys unchanged; a slower "
                 "start, then faster steps)"),
     "deterministic": ("training", "deterministic GPU kernels (cuDNN, cuBLAS, atomics), so that a "
@@ -200,6 +202,9 @@ FLAG_HELP = {
     "keep_checkpoints": ("checkpointing", "keep the newest K complete steps; 0 = keep all"),
     "async_save": ("checkpointing", "write checkpoints in a background thread; a save pauses "
                    "training only to copy the state to host memory"),
+    "save_layout": ("checkpointing", "full: rank 0 writes model/ema/opt files every tool reads; "
+                    "sharded (--fsdp only): every rank writes its shards of one DCP folder per "
+                    "step (ckpt.py consolidate makes the files)"),
     "save_writer": ("checkpointing", "where async saves are written: process (a writer "
                     "process fed through shared memory, off the trainer's core), thread (a "
                     "thread of the trainer), auto (the process for steps of "

@@ -124,9 +124,16 @@ def train_defaults():
         # Where async saves are written (writer_process.use_process): "process", "thread", or
         # "auto" (the process for steps of writer_process.PROCESS_MIN_BYTES or more).
         save_writer="auto",
+        # How a step is written: "full" (rank 0 writes model/ema/opt files that every tool reads;
+        # under --fsdp the shards are gathered to it) or "sharded" (--fsdp only: every rank writes
+        # its shards of one torch.distributed.checkpoint folder per step; ckpt.py consolidate).
+        save_layout="full",
         num_workers=-1,  # data-loading worker processes; -1: image_datasets.auto_num_workers()
         # torch.compile the model's forward/backward (off by default; see benchmarks/train.py).
         compile=False,
+        # Shard the model, its gradients, Adam moments and EMAs over the ranks (FSDP2, fsdp.py)
+        # instead of holding them whole on each (DDP): for models larger than one device.
+        fsdp=False,
         # DDP's find_unused_parameters: for a model that leaves some parameters out of the loss
         # on some steps or ranks (each step then walks the autograd graph: a little slower).
         find_unused_parameters=False,
@@ -254,8 +261,8 @@ def classifier_sample_defaults():
 # how to save and resume, and how the job runs.
 CLASSIFIER_TRAIN_SHARED_FLAGS = (
     "log_dir", "max_steps", "seed", "keep_checkpoints", "async_save", "save_writer",
-    "allow_model_change", "nan_policy", "lock_wait", "dist_timeout", "num_workers", "log_format",
-    "fp16_scale_growth", "class_map")
+    "save_layout", "allow_model_change", "nan_policy", "lock_wait", "dist_timeout",
+    "num_workers", "log_format", "fp16_scale_growth", "class_map", "fsdp")
 
 
 def classifier_train_defaults():

@@ -34,7 +34,7 @@ import torch as th
 from torch.nn.parallel.distributed import DistributedDataParallel as DDP
 from torch.optim import AdamW
 
-from . import amp, dist_util, guidance, image_datasets, logger, phema
+from . import amp, dist_util, fsdp, guidance, image_datasets, logger, phema
 from .ckpt import checkpoint, run_dir
 from .ckpt.checkpointer import (PREEMPTED_EXIT_CODE, CheckpointConfig, Checkpointer, NonFiniteError,
                                 ResumeError, copy_into, fields_from_flags)
@@ -74,6 +74,8 @@ class TrainConfig:
     log_sample_indices: append each step's dataset indices to log_dir/sample_indices/ (per rank).
     nan_policy: a step with a NaN/Inf loss or gradient, without a GradScaler: "stop" or "skip".
     compile: run the forward/backward through torch.compile.
+    fsdp: shard parameters, gradients, Adam moments and EMAs over the ranks (FSDP2: fsdp.py)
+        instead of DDP's whole copy on every rank; checkpoints are the same files.
     find_unused_parameters: DDP's, for a model that leaves parameters out of the loss on some
         steps or ranks (train_job.Parts can ask for it too).
     sample_interval: rank 0 writes a grid of EMA samples every this many steps and at the end
@@ -107,6 +109,7 @@ class TrainConfig:
     log_sample_indices: bool
     nan_policy: str
     compile: bool
+    fsdp: bool
     find_unused_parameters: bool
     sample_interval: int
     sample_count: int
@@ -148,6 +151,8 @@ class TrainConfig:
                              "pip install -e '.[tensorboard]')")
         phema.check_flags(self.phema_stds, self.phema_interval, self.checkpoint.save_interval)
         check_eval_flags(self)
+        if self.fsdp:
+            fsdp.check_flags(self)
         if self.class_map not in image_datasets.CLASS_MAPS:
             raise UsageError(f"--class_map must be one of {', '.join(image_datasets.CLASS_MAPS)} "
                              f"(got {self.class_map!r})")
@@ -273,8 +278,11 @@ class TrainLoop:
         seed_rngs(cfg.seed, 0, self.rank)
         self.model.to(self.device)
         dist_util.sync_params(self.model.parameters())
+        self.amp_dtype, self.grad_scaler = amp.make_amp(self.device, use_fp16, fp16_scale_growth,
+                                                        sharded=cfg.fsdp)
+        if cfg.fsdp:  # before the optimizer and the EMAs: they are made of the shards
+            fsdp.shard_model(self.model, self.device, param_dtype=self.amp_dtype)
         self.named_params = list(self.model.named_parameters())
-        self.amp_dtype, self.grad_scaler = amp.make_amp(self.device, use_fp16, fp16_scale_growth)
         self.opt = self._make_optimizer()
         self.ema_params = [[p.detach().clone() for p in self.model.parameters()]
                            for _ in self.ema_rate]
@@ -307,7 +315,7 @@ class TrainLoop:
         if cfg.tensorboard and self.rank == 0:  # purge: steps a killed job logged past its save
             self._tensorboard = logger.add_tensorboard(
                 os.path.join(cfg.checkpoint.log_dir, "tb"), purge_step=self.step + 1)
-        self.use_ddp = self.world_size > 1
+        self.use_ddp = self.world_size > 1 and not cfg.fsdp
         self.ddp_model = self._wrap_ddp() if self.use_ddp else self.model
         if cfg.compile:  # only the forward/backward: self.model keeps its state-dict keys
             self.ddp_model = th.compile(self.ddp_model)
@@ -557,7 +565,8 @@ class TrainLoop:
         return norm
 
     def _grads_finite(self, norm):
-        """False if a gradient is NaN/Inf (the step's one host sync; grads_finite)."""
+        """False if a gradient is NaN/Inf (the step's one host sync; grads_finite). Collective
+        under --fsdp."""
         return grads_finite(self.model.parameters(), norm)
 
     def _non_finite_step(self, norm):
@@ -577,10 +586,11 @@ class TrainLoop:
         """Upstream's EMA of every trained parameter; a frozen one (requires_grad False, e.g.
         DiT's pos_embed) keeps its value (rate * x + (1 - rate) * x drifts in floating point)."""
         trained = [i for i, p in enumerate(self.model.parameters()) if p.requires_grad]
-        params = [p.detach() for p in self.model.parameters()]
+        params = [fsdp.local(p.detach()) for p in self.model.parameters()]  # --fsdp: the slices
         with th.no_grad():
             for rate, ema in zip(self.ema_rate, self.ema_params):
-                update_ema([ema[i] for i in trained], [params[i] for i in trained], rate=rate)
+                update_ema([fsdp.local(ema[i]) for i in trained], [params[i] for i in trained],
+                           rate=rate)
 
     def _done(self):
         if self.config.max_steps and self.step >= self.config.max_steps:
@@ -759,9 +769,9 @@ def find_ema_checkpoint(main_checkpoint, step, rate):
 
 def grad_norm(grads):
     """The global L2 norm of ``grads`` (a 0-d float32 tensor on their device; NaN/Inf propagate),
-    from torch's foreach per-tensor norms: no host sync."""
-    norms = th._foreach_norm([g.float() if g.dtype != th.float32 else g for g in grads])
-    return th.linalg.vector_norm(th.stack(norms))
+    from torch's foreach per-tensor norms: no host sync. Sharded gradients (--fsdp): over all
+    slices (fsdp.grad_norm; collective)."""
+    return fsdp.grad_norm(list(grads))
 
 
 def make_adamw(params, *, lr, weight_decay):
@@ -803,7 +813,10 @@ def grads_finite(params, norm):
         return True
     if bool(th.isnan(norm)):
         return False
-    return all(bool(th.isfinite(p.grad).all()) for p in params if p.grad is not None)
+    grads = [p.grad for p in params if p.grad is not None]
+    if any(fsdp.is_dtensor(g) for g in grads):  # each rank sees its slices: decide together
+        return not fsdp.any_non_finite(grads)
+    return all(bool(th.isfinite(g).all()) for g in grads)
 
 
 def non_finite_step(step, norm, nan_policy, opt, last_saved_step):

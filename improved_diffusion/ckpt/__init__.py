@@ -23,6 +23,9 @@ The modules, from the file up:
     storage       every read, write, list and remove of a run dir: local paths (os), object
                   stores through fsspec (s3://, gs://, az://): streamed uploads, conditional
                   creates, bounded retries, the one-line "store unreachable" error
+    sharded       --save_layout sharded: a step as one torch.distributed.checkpoint folder of
+                  every rank's shards, our manifest over its files written last (start_save /
+                  collect, read_step resharded, verify, consolidate)
     run_lock      one job per log dir (flock locally; a conditionally created heartbeat object
                   on s3:// / gs:// / az://)
     async_save    host copies of the payloads (to_host, HostSnapshot) and the background thread

@@ -99,8 +99,8 @@ from typing import Any, Dict, List, Optional
 import torch as th
 
 from . import (async_save, checkpoint, model_change, optim_state, preemption, rng, run_dir,
-               state_fit, writer_process)
-from .. import dist_util, logger
+               sharded, state_fit, writer_process)
+from .. import dist_util, fsdp, logger
 from .async_save import BackgroundWriter, HostSnapshot, to_host
 from .writer_process import WriterProcess
 from ..config_check import by_rank
@@ -112,6 +112,10 @@ PREEMPTED_EXIT_CODE = preemption.EXIT_CODE
 
 # model_kind -> the kinds of file (checkpoint.classify) a resume takes as its model file.
 MODEL_FILE_KINDS = {"model": ("model", "combined"), "classifier": ("classifier",)}
+
+# --save_layout: a step as today's files written by rank 0, or one DCP checkpoint of every rank's
+# shards (sharded.py).
+SAVE_LAYOUTS = ("full", "sharded")
 
 # Trainer-state keys of the checkpointer's own; a loop's ``states`` may not use them.
 TRAINER_KEYS = ("step", "world_size", "batch_size", "global_batch", "seed", "data", "rng",
@@ -146,6 +150,10 @@ class CheckpointConfig:
         thread of the trainer), "auto" (the process for a step of at least
         writer_process.PROCESS_MIN_BYTES tensor bytes when the training leaves a core free
         for it, writer_process.core_free; else the thread).
+    save_layout: "full" (rank 0 writes today's model/ema/opt files; a sharded model's tensors
+        are gathered to it first) or "sharded" (a sharded model only: every rank writes its
+        shards of one DCP checkpoint per step, sharded.py; with async_save, DCP's process-based
+        asynchronous save).
     """
 
     log_dir: str
@@ -155,6 +163,7 @@ class CheckpointConfig:
     async_save: bool
     allow_model_change: bool
     save_writer: str
+    save_layout: str
 
     def __post_init__(self):
         if not str(self.log_dir or ""):
@@ -162,6 +171,9 @@ class CheckpointConfig:
         for name in ("save_interval", "keep_checkpoints"):
             if getattr(self, name) < 0:
                 raise UsageError(f"--{name} must be >= 0 (got {getattr(self, name)})")
+        if self.save_layout not in SAVE_LAYOUTS:
+            raise UsageError(f"--save_layout must be one of {', '.join(SAVE_LAYOUTS)} "
+                             f"(got {self.save_layout!r})")
         if self.save_writer not in writer_process.WRITERS:
             raise UsageError(f"--save_writer must be one of {', '.join(writer_process.WRITERS)} "
                              f"(got {self.save_writer!r})")
@@ -223,6 +235,11 @@ class Checkpointer:
         self.batch_size = batch_size
         self.global_batch = None if batch_size is None else int(batch_size) * self.world_size
         self.named_params = list(model.named_parameters())
+        self.sharded = fsdp.is_sharded(model)  # FSDP: DTensor parameters, moments and EMAs
+        if config.save_layout == "sharded" and not self.sharded:
+            raise UsageError("--save_layout sharded needs a sharded model (--fsdp True); a "
+                             "whole model per rank is saved in the full layout")
+        self._pending = None  # a sharded save under way: (sharded.PendingSave, began, paused)
         self.tied = state_fit.tied_parameter_names(model)  # {second name of a shared parameter: first}
         self.resume_step = 0
         self.last_saved_step = None
@@ -366,17 +383,25 @@ class Checkpointer:
             return
         began = time.perf_counter()
         self._refuse_non_finite_weights(step)
+        if self.config.save_layout == "sharded":
+            self._save_sharded(step, began, wait)
+            return
         rngs = dist_util.gather_object(rng.get_rng_state(), dst=0)
+        gathered = None
+        if self.sharded:  # every rank takes part in making each tensor whole on rank 0
+            gathered = fsdp.gather_full(self.step_files(step, rngs or []))
         # the other ranks wait as long as rank 0 lives: a save may outlast --dist_timeout
-        dist_util.run_on_rank0_unbounded(lambda: self._save_on_rank0(step, rngs, began, wait),
-                                         f"the save of step {step}")
+        dist_util.run_on_rank0_unbounded(
+            lambda: self._save_on_rank0(step, rngs, began, wait, gathered),
+            f"the save of step {step}")
         self.last_saved_step = step
 
-    def _save_on_rank0(self, step, rngs, began, wait):
+    def _save_on_rank0(self, step, rngs, began, wait, gathered=None):
         """Rank 0's part of save(): wait for the previous save (raising its failure), then write
-        this step now or hand its host copy to the background writer."""
+        this step now or hand its host copy to the background writer. ``gathered``: the step's
+        files already made whole on the CPU (a sharded model: fsdp.gather_full)."""
         self._collect_save(block=True)
-        files = self.step_files(step, rngs)
+        files = gathered if gathered is not None else self.step_files(step, rngs)
         if not self.config.async_save:
             run_dir.write_step(self.config.log_dir, step, to_host(files), settings=self.settings)
             self._log_saved(step, time.perf_counter() - began, None, self._prune())
@@ -392,10 +417,40 @@ class Checkpointer:
         if wait:
             self._collect_save(block=True)
 
+    def _save_sharded(self, step, began, wait):
+        """save() in the sharded layout: collect the previous save (its failure raised on every
+        rank), then every rank starts writing its shards of this step (sharded.start_save; the
+        trainer state, every rank's RNG included, the same on every rank); with async_save the
+        write goes on in DCP's writer processes until the next save collects it. Collective."""
+        rngs = dist_util.all_gather_object(rng.get_rng_state())
+        self._collect_sharded()
+        mode = "thread" if self.config.async_save else "sync"  # docs/checkpoints.md: why
+        pending = sharded.start_save(self.config.log_dir, step, self.step_files(step, rngs),
+                                     self.settings, mode=mode, flags=self.model_flags,
+                                     kind="classifier" if self.model_kind == "classifier"
+                                     else "model")
+        self._pending = (pending, began, time.perf_counter() - began if mode != "sync" else None)
+        self.last_saved_step = step
+        if wait or mode == "sync":
+            self._collect_sharded()
+
+    def _collect_sharded(self):
+        """Finish the sharded save under way, if any: wait for every rank's shards, rank 0
+        writes the manifest, prunes and logs the save. Raises a failure on every rank.
+        Collective."""
+        if self._pending is None:
+            return
+        pending, began, paused = self._pending
+        self._pending = None
+        pending.collect()
+        self._log_saved(pending.step, time.perf_counter() - began, paused, self._prune())
+
     @property
     def save_in_flight(self):
-        """Whether a background save is still being written (rank 0; False on the others).
-        Not collective and costs no wait."""
+        """Whether a background save is still being written (rank 0; False on the others;
+        the sharded layout: this rank's shards). Not collective and costs no wait."""
+        if self._pending is not None:
+            return not self._pending[0].done()
         return self._writer.running
 
     @property
@@ -505,7 +560,10 @@ class Checkpointer:
     def wait_for_save(self):
         """Wait until the background save (if any) is complete on disk; its failure is raised on
         every rank. Returns (step, seconds, pause, log lines) of the save that was waited for,
-        or None when none was in flight. Collective."""
+        or None when none was in flight (always None in the sharded layout). Collective."""
+        if self.config.save_layout == "sharded":
+            self._collect_sharded()
+            return None
         return dist_util.run_on_rank0_unbounded(lambda: self._collect_save(block=True),
                                                 "the background save")
 
@@ -612,7 +670,9 @@ def saved_file_flags(log_dir, resume_checkpoint="", kinds=None):
     settings were recorded). Collective."""
     def peek():
         path = run_dir.likely_resume_model(log_dir, resume_checkpoint)
-        flags = None if path is None else checkpoint.read_flags(path, kinds=kinds)
+        read = sharded.read_flags if sharded.dir_step(path or "") is not None else \
+            checkpoint.read_flags
+        flags = None if path is None else read(path, kinds=kinds)
         return None if not flags else (path, flags, run_dir.step_settings(path))
     return dist_util.run_on_rank0(peek)
 
@@ -635,6 +695,7 @@ class Resume:
         self.opt_summary = ""
         self.regrouped: Dict[str, Any] = {}
         self.saved_settings: Dict[str, Any] = {}  # the step's manifest's run_flags
+        self.sharded_files: Optional[dict] = None  # a sharded step: {file: payload}, loaded
 
     def _load(self, path):
         """checkpoint.load_file_collective(path); a file gone from a source run that a live job
@@ -656,6 +717,8 @@ class Resume:
         keep the fresh model's initialisation). A file or run from elsewhere is refused when
         --log_dir holds a newer complete step. Collective."""
         ckpt, path = self.ckpt, self.plan.model
+        if self.plan.layout == "sharded":
+            return self._load_sharded()
         c = self._load(path)
         if c.kind not in MODEL_FILE_KINDS[ckpt.model_kind]:
             classifier = ckpt.model_kind == "classifier"
@@ -681,7 +744,7 @@ class Resume:
         fit = state_fit.fit_state_dict(state_fit.shapes_of(mine), self.file_shapes, c.flags,
                                        ckpt.model_flags)
         if fit.ok:
-            ckpt.model.load_state_dict(sd, strict=True)
+            ckpt.model.load_state_dict(fsdp.localize_state_dict(sd, ckpt.model), strict=True)
         elif not ckpt.config.allow_model_change:
             raise ResumeError(misfit_message(path, fit))
         else:
@@ -689,7 +752,9 @@ class Resume:
                 state_fit.shapes_of(mine), self.file_shapes, c.flags, ckpt.model_flags)
             if self.change.keeps_too_little:  # another model's flags, most likely
                 raise ResumeError(model_change.too_little_kept_for_resume(path, self.change))
-            ckpt.model.load_state_dict(model_change.take_matching(mine, sd), strict=True)
+            ckpt.model.load_state_dict(
+                fsdp.localize_state_dict(model_change.take_matching(mine, sd), ckpt.model),
+                strict=True)
         self.step = c.step if c.step is not None else checkpoint.parse_step(path)
         if self.change is not None:
             self.change.step = self.step
@@ -703,12 +768,60 @@ class Resume:
             run_dir.refuse_overwrite(self.plan, self.step)  # never over --log_dir's history
         return self.step
 
+    def _load_sharded(self):
+        """load_model() of a sharded step (its folder, verified by the plan): whether it fits
+        the model is read from its index; then one DCP read loads every tensor of the step
+        (weights, EMAs, Adam moments) in place into the live shards, resharded to this world,
+        and its values (the trainer state). Collective."""
+        ckpt, folder = self.ckpt, self.plan.model
+        step = self.plan.step
+        if not ckpt.sharded:
+            raise ResumeError(
+                f"{folder}: a sharded step (--save_layout sharded) loads into a sharded model "
+                f"only: pass --fsdp True, or make its files with `python scripts/ckpt.py "
+                f"consolidate {checkpoint.dirname(folder)} --step {step} --out DIR` and resume "
+                f"from DIR")
+        name = checkpoint.model_filename(step)
+        shapes, flags, self.saved_settings = dist_util.run_on_rank0(lambda: (
+            sharded.state_dict_shapes(folder, name), sharded.read_flags(folder),
+            run_dir.step_settings(folder)))
+        mine = ckpt.model.state_dict()
+        fit = state_fit.fit_state_dict(state_fit.shapes_of(mine), shapes, flags or {},
+                                       ckpt.model_flags)
+        if not fit.ok:
+            change = ("; a sharded step cannot go into a changed model: consolidate it "
+                      "(`python scripts/ckpt.py consolidate`) and resume from its files with "
+                      "--allow_model_change True" if ckpt.config.allow_model_change else "")
+            raise ResumeError(misfit_message(folder, fit) + change)
+        sharded.init_optim_state(ckpt.optimizer)  # moments to load into
+        files = sharded.read_step(folder, ckpt.step_files(step, []))
+        self.sharded_files = files
+        model = files[name]
+        self.model_file = checkpoint.CkptFile(
+            path=folder, kind=model.get("kind", "model"), tagged=True, step=step,
+            flags=model.get("flags"), state_dict=model.get("state_dict"), raw=model)
+        self.file_shapes = dict(shapes)
+        self.step = step
+        changed = state_fit.differing_flags(model.get("flags") or {}, ckpt.model_flags)
+        if changed:
+            logger.log("note: flags differ from the checkpoint's: " + ", ".join(
+                f"--{k} {a} -> {b}" for k, (a, b) in changed.items()))
+        if not (self.plan.source == "auto" and self.plan.in_log_dir):
+            run_dir.refuse_overwrite(self.plan, self.step)
+        return self.step
+
     def load_ema(self, rate):
         """The EMA parameters of ``rate`` for the resume step, a list of tensors in
         ``model.parameters()`` order: from the EMA file beside the model file (or a combined
         dict's EMA entry), else a copy of the (loaded) model weights with one warning.
         Collective."""
         rate_str = str(float(rate))
+        if self.sharded_files is not None:  # loaded in place by _load_sharded
+            name = next(checkpoint.ema_filename(r, self.step) for r in self.ckpt.emas
+                        if float(r) == float(rate))
+            self.ema_loaded.append(name)
+            sd = self.sharded_files[name]["state_dict"]
+            return [sd[n] for n, _ in self.ckpt.named_params]
         path = self.plan.files_of(self.step)["ema"].get(rate_str)
         c = self.model_file
         if path is None and c.kind == "combined":
@@ -750,7 +863,7 @@ class Resume:
             fit = state_fit.fit_state_dict(want, have, flags, ckpt.model_flags)
             if not fit.ok:
                 raise ResumeError(misfit_message(path, fit))
-        return [sd[n].detach().to(device=p.device, dtype=p.dtype).clone()
+        return [fsdp.localize(sd[n].detach().to(device=p.device, dtype=p.dtype), p).clone()
                 for n, p in ckpt.named_params]
 
     def load_optimizer(self):
@@ -760,6 +873,14 @@ class Resume:
         the run. Every rank reads the same bytes, so the decision is the same everywhere
         (checked with an all-gather). Collective."""
         ckpt, c = self.ckpt, self.model_file
+        if self.sharded_files is not None:  # the moments were loaded in place: the rest here
+            opt = self.sharded_files[checkpoint.opt_filename(self.step)]
+            self.trainer = opt.get("trainer")
+            self.opt_note = f"{checkpoint.basename(str(self.plan.model))} (sharded)"
+            self.opt_summary = self.opt_note
+            logger.log(f"optimizer state from {self.plan.model}: "
+                       f"{len(opt['optimizer']['state'])} parameters restored (sharded)")
+            return
         opt_path = self.plan.files_of(self.step)["opt"]
         trainer, ok, why, report = None, False, None, None
         if opt_path is None and c is not None and c.optimizer is not None:
@@ -779,6 +900,8 @@ class Resume:
                     payload = model_change.optimizer_by_name(
                         payload, [(n, s) for n, s in self.file_shapes.items() if n not in buffers],
                         source=str(opt_path))
+                if ckpt.sharded:  # whole moments to this rank's slices
+                    payload = fsdp.localize_optimizer_state(payload, ckpt.named_params)
                 report = optim_state.load_optimizer_state(
                     ckpt.optimizer, payload, ckpt.named_params, source=str(opt_path),
                     hyperparams="current")
@@ -997,7 +1120,7 @@ def count_non_finite(tensors):
     norm is not finite (non-finite values, or squares that overflowed) get the exact check: a
     tensor's min and max are both finite exactly when all its values are."""
     groups = {}
-    for t in tensors:
+    for t in map(fsdp.local, tensors):  # a DTensor: this rank's slice
         if t.is_floating_point() and t.numel():
             groups.setdefault((t.device, t.dtype), []).append(t.detach())
     suspects = []

@@ -533,8 +533,8 @@ def likely_resume_model(log_dir, resume_checkpoint=""):
     collective."""
     arg = os.fspath(resume_checkpoint or "")
     try:
-        if arg and arg != "auto" and not _is_dir(arg):
-            return arg
+        if arg and arg != "auto" and (not _is_dir(arg) or _sharded_step(arg) is not None):
+            return arg  # a model file, or a sharded step's folder
         st = latest_complete_step(arg if arg and arg != "auto" else os.fspath(log_dir),
                                   warn=None, verify_checksums=True)
     except CheckpointError:

@@ -139,6 +139,50 @@ def _rebuild(skel, val, where):
 
 
 # ---------------------------------------------------------------------------------------------
+# values in one piece: every dict or list that holds no DTensor (the trainer state, the flags,
+# the optimizer's param groups) is saved as one value (its torch.save bytes), so that a reader's
+# template needs only its place, not its content (a list of per-rank RNG states, say, whose
+# length the reader cannot know)
+
+
+def _has_dtensor(node):
+    if isinstance(node, dict):
+        return any(_has_dtensor(v) for v in node.values())
+    if isinstance(node, (list, tuple)):
+        return any(_has_dtensor(v) for v in node)
+    from torch.distributed.tensor import DTensor
+    return isinstance(node, DTensor)
+
+
+def _pack(files):
+    """``{file: payload}`` with each payload's DTensor-free dicts and lists as blobs (the
+    top-level payloads stay dicts)."""
+    def pack(node):
+        if isinstance(node, (dict, list)) and not _has_dtensor(node):
+            buf = io.BytesIO()
+            th.save(node, buf)
+            return buf.getvalue()  # a plain bytes value: DCP saves it whole
+        if isinstance(node, dict):
+            return {k: pack(v) for k, v in node.items()}
+        if isinstance(node, list):
+            return [pack(v) for v in node]
+        return node
+    return {name: ({k: pack(v) for k, v in payload.items()} if isinstance(payload, dict)
+                   else payload) for name, payload in files.items()}
+
+
+def _unpack(node):
+    """A packed value back: each blob (bytes) read with torch.load(weights_only=True)."""
+    if isinstance(node, (bytes, bytearray)):
+        return th.load(io.BytesIO(bytes(node)), weights_only=True)
+    if isinstance(node, dict):
+        return {k: _unpack(v) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_unpack(v) for v in node]
+    return node
+
+
+# ---------------------------------------------------------------------------------------------
 # reading DCP's files without running code
 
 
@@ -322,6 +366,8 @@ class PendingSave:
     holds: List[str]
     settings: Optional[dict]
     mode: str
+    flags: Optional[dict] = None
+    kind: Optional[str] = None
     future: object = None
     error: Optional[BaseException] = None
     collected: bool = False
@@ -405,6 +451,9 @@ class PendingSave:
             _fsync_path(log_dir)
             extra = {"layout": LAYOUT, "format": FORMAT, "dir": step_dirname(step),
                      "holds": list(self.holds), "ranks": world}
+            if self.flags is not None:  # what a flagless resume takes, without a DCP read
+                extra["flags"] = dict(self.flags)
+                extra["kind"] = self.kind
             file_writer.write_file(manifest, run_dir._manifest_bytes(
                 step, dict(sorted(entries.items())), self.settings, extra=extra))
         except BaseException as e:
@@ -442,7 +491,8 @@ def _check_names(log_dir, step, files):
     return tmp
 
 
-def start_save(log_dir, step, files, settings=None, *, mode="process"):
+def start_save(log_dir, step, files, settings=None, *, mode="process", flags=None,
+               kind="model"):
     """
     Start saving ``files`` ({file name: payload}, DTensor leaves, the same structure on every
     rank) as step ``step``'s sharded layout; returns a PendingSave once DCP has staged the
@@ -451,7 +501,11 @@ def start_save(log_dir, step, files, settings=None, *, mode="process"):
     process group of its own), "thread" (DCP's thread-based async save on a gloo group of its
     own), "sync" (dcp.save now). Call ``collect()`` on the result (collective) before the next
     save and before exit: only then is the manifest written. ``settings``: the manifest's
-    run_flags, as run_dir.write_step.
+    run_flags, as run_dir.write_step; ``flags``: the model's flags, which the manifest records
+    as "flags" and ``kind`` (the model file's: "model" or "classifier") beside them (read_flags:
+    a resume takes them without reading the shards). Tensors that
+    are not DTensors (buffers, which each rank keeps its own of) are saved from rank 0, as
+    the full layout saves them.
 
     Collective: call from all ranks with the same arguments.
     """
@@ -463,22 +517,26 @@ def start_save(log_dir, step, files, settings=None, *, mode="process"):
     log_dir, step = os.fspath(log_dir), int(step)
     holds = list(files)
     tmp = dist_util.run_on_rank0(lambda: _check_names(log_dir, step, holds))
-    state = dict(files)
-    state[_STRUCTURE] = json.dumps(_skeleton(files))
+    state = _pack(files)
+    state[_STRUCTURE] = json.dumps(_skeleton(state))
     writer = FileSystemWriter(ckpt.join(log_dir, tmp), sync_files=True,
                               single_file_per_rank=True)
     pending = PendingSave(log_dir=log_dir, step=step, tmp_name=tmp, holds=holds,
-                          settings=dict(settings) if settings else None, mode=mode)
+                          settings=dict(settings) if settings else None, mode=mode,
+                          flags=None if flags is None else dict(flags), kind=kind)
+    from torch.distributed.checkpoint import DefaultSavePlanner
+    planner = DefaultSavePlanner(dedup_save_to_lowest_rank=True)
     distributed = dist_util.is_distributed()
     try:
         if mode == "sync":
-            dcp.save(state, storage_writer=writer, no_dist=not distributed)
+            dcp.save(state, storage_writer=writer, planner=planner, no_dist=not distributed)
         else:
             from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
             kind = (AsyncCheckpointerType.PROCESS if mode == "process"
                     else AsyncCheckpointerType.THREAD)
             group = _own_group() if (mode == "thread" and distributed) else None
-            pending.future = dcp.async_save(state, storage_writer=writer, process_group=group,
+            pending.future = dcp.async_save(state, storage_writer=writer, planner=planner,
+                                            process_group=group,
                                             async_checkpointer_type=kind,
                                             no_dist=not distributed)
     except BaseException as e:
@@ -534,8 +592,37 @@ def read_step(step_dir, template):
 
     Collective: call from all ranks with the same arguments.
     """
+    saved = {_STRUCTURE: ""}
+    _dcp_load(step_dir, saved)  # where the writer saved a dict or list as one value
+    try:
+        skeleton = json.loads(saved[_STRUCTURE])
+    except (TypeError, ValueError):
+        raise ShardedStepError(f"{step_dir}: holds no structure record (not written by this "
+                               f"code); it cannot be read") from None
+    state = _with_structure(_pack_like(template, skeleton))
+    _dcp_load(step_dir, state)
+    for k in template:
+        template[k] = _unpack(state[k])
+    return template
+
+
+def _pack_like(node, skel):
+    """``node`` (a template) with a placeholder value wherever the saved structure ``skel``
+    has one value (a blob of _pack) and the template a dict or list."""
+    if isinstance(node, (dict, list)) and skel is None:
+        return b""
+    if isinstance(node, dict) and isinstance(skel, dict) and "d" in skel:
+        kids = {(k[1] if isinstance(k, list) else k): c for k, c in skel["d"]}
+        return {k: _pack_like(v, kids.get(k)) if k in kids else v for k, v in node.items()}
+    if isinstance(node, list) and isinstance(skel, dict) and "l" in skel:
+        return [_pack_like(v, c) for v, c in zip(node, skel["l"])] + node[len(skel["l"]):]
+    return node
+
+
+def _dcp_load(step_dir, state):
+    """dcp.load of ``state`` (in place) from the step, with our reader and planner; a failure
+    is one line. Collective."""
     import torch.distributed.checkpoint as dcp
-    state = _with_structure(template)
     try:
         dcp.load(state, storage_reader=_reader(step_dir), planner=_load_planner(),
                  no_dist=not dist_util.is_distributed())
@@ -554,9 +641,6 @@ def read_step(step_dir, template):
                                f"({typed_one_line(inner)[:300]}); check the model flags, or "
                                f"consolidate it (`python scripts/ckpt.py consolidate`) and "
                                f"inspect it") from None
-    for k in template:
-        template[k] = state[k]
-    return template
 
 
 def consolidate(step_dir):
@@ -583,7 +667,25 @@ def consolidate(step_dir):
     if not isinstance(structure, str):
         raise ShardedStepError(f"{step_dir}: holds no structure record (not written by this "
                                f"code); it cannot be consolidated")
-    return _rebuild(json.loads(structure), sd, step_dir)
+    return _unpack(_rebuild(json.loads(structure), sd, step_dir))
+
+
+def read_flags(step_dir, kinds=None):
+    """The model flags a sharded step's manifest records (start_save's ``flags``), or None
+    (also when its model's kind is not in ``kinds``, when given). Not collective; never
+    raises."""
+    step = dir_step(step_dir)
+    if step is None:
+        return None
+    try:
+        doc = json.loads(ckpt.read_bytes(ckpt.join(ckpt.dirname(os.fspath(step_dir)),
+                                                   ckpt.manifest_filename(step))))
+    except Exception:  # the resume's own checks word a bad step
+        return None
+    if not isinstance(doc, dict) or (kinds is not None and doc.get("kind") not in kinds):
+        return None
+    flags = doc.get("flags")
+    return dict(flags) if isinstance(flags, dict) else None
 
 
 def init_optim_state(optimizer):

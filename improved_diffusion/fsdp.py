@@ -1,0 +1,231 @@
+"""
+Sharded training (FSDP2, ``torch.distributed.fsdp.fully_shard``): the wrapping and the state-dict
+plumbing, beside dist_util. What the rest of the code sees of a sharded model is here alone.
+
+Under ``--fsdp True`` every parameter is a DTensor: each rank holds one slice (dim 0, torch.chunk's
+split; on 3 ranks the slices are uneven and some may be empty), and so do its gradient, its Adam
+moments (AdamW over the sharded parameters) and its EMAs (clones of the parameters, updated on the
+local slices). Nothing of the training ever holds the whole model on one rank. A checkpoint meets
+that in two places, both here, both collective:
+
+- a save of the full layout: ``gather_full(files)`` turns every DTensor in the step's payloads
+  (checkpointer.step_files: weights, EMAs, the optimizer state keyed by parameter name) into the
+  whole tensor on rank 0, on the CPU, one tensor at a time; the other ranks get ``None`` for the
+  payloads. Rank 0 then writes today's model/ema/opt files, which any tool reads.
+- a load: every rank reads the same full file (as on DDP); ``localize_*`` cut each whole tensor to
+  this rank's slice of the live DTensor it goes to (no communication: each rank takes its own
+  slice of the tensor it already holds). A file written on any number of ranks, by DDP or FSDP,
+  loads on any number.
+
+Worked example, 3 ranks, a parameter of shape [5, 4]: the slices are rows 0-1, 2-3 and 4 (torch.
+chunk); ``gather_full`` on rank 0 gives the [5, 4] tensor; ``localize(full, like=param)`` gives
+rank 1 the DTensor whose local tensor is ``full[2:4]``.
+
+The grad norm and the finiteness decision are taken over all slices (``grad_norm``,
+``grads_finite``): the same number on every rank, so every rank takes or skips a step alike.
+
+Buffers (BatchNorm's running statistics) are not sharded: each rank keeps its own, as the ranks
+of an unsharded run without DDP's buffer broadcast would; the full layout saves rank 0's.
+"""
+import warnings
+
+import torch as th
+import torch.distributed as dist
+
+# The classes whose instances are FSDP units of their own (each all-gathered just before its
+# forward and freed after), by name so that this module imports no model: the UNet's residual and
+# attention blocks, DiT's blocks. Other models: the root alone, or a model's own
+# ``fsdp_blocks()`` (an iterable of submodules).
+BLOCK_CLASSES = ("ResBlock", "AttentionBlock", "DiTBlock")
+
+
+# What --fsdp does not do yet, each with what to do instead: these read or sample the EMA on rank
+# 0 alone (a sharded model cannot run a forward on one rank) or keep tensors this module does not
+# cut yet.
+UNSUPPORTED = {
+    "sample_interval": "write grids afterwards with sample.py --model_path LOG_DIR/ema_*.pt",
+    "eval_interval": "evaluate the saved EMA files with sample.py and evaluate.py",
+    "phema_stds": "post-hoc EMA needs a run without --fsdp for now",
+}
+
+
+def check_flags(config):
+    """UsageError naming the first setting of ``config`` (a TrainConfig) that --fsdp True cannot
+    run with yet (UNSUPPORTED), and what to do instead."""
+    from .errors import UsageError
+    if config.find_unused_parameters:
+        raise UsageError(
+            "--find_unused_parameters True does not work with --fsdp True: FSDP2 reduces only "
+            "the gradients a rank has, so a parameter left out of the loss on some ranks breaks "
+            "the reduction; train such a model with DDP (--fsdp False)")
+    for name, instead in UNSUPPORTED.items():
+        if getattr(config, name):
+            raise UsageError(f"--{name} {getattr(config, name)} does not work with --fsdp True "
+                             f"yet; drop one of them ({instead})")
+
+
+def _dtensor_cls():
+    from torch.distributed.tensor import DTensor
+    return DTensor
+
+
+def is_dtensor(t):
+    """Whether ``t`` is a DTensor (a sharded parameter, gradient, moment or EMA)."""
+    return isinstance(t, _dtensor_cls())
+
+
+def is_sharded(model):
+    """Whether ``model`` holds sharded (DTensor) parameters."""
+    return any(is_dtensor(p) for p in model.parameters())
+
+
+def local(t):
+    """This rank's slice of ``t`` if it is a DTensor (a view: writing it writes ``t``), else
+    ``t``."""
+    return t.to_local() if is_dtensor(t) else t
+
+
+def ensure_process_group(device):
+    """A one-rank process group when this process runs alone (FSDP needs one; a run launched
+    with several ranks has it from dist_util.setup_dist)."""
+    if dist.is_initialized():
+        return
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+
+
+def blocks_of(model):
+    """The submodules that become FSDP units of their own: ``model.fsdp_blocks()`` if the model
+    defines it, else every module whose class is named in BLOCK_CLASSES (outermost first)."""
+    if hasattr(model, "fsdp_blocks"):
+        return list(model.fsdp_blocks())
+    return [m for m in model.modules() if m is not model and type(m).__name__ in BLOCK_CLASSES]
+
+
+def shard_model(model, device, param_dtype=None):
+    """Shard ``model`` in place with FSDP2 over all ranks: each of blocks_of(model), then the
+    root (its remaining parameters: embeddings, input and output layers). ``param_dtype``
+    (--use_fp16's autocast dtype, or None): FSDP's MixedPrecisionPolicy gathers the parameters in
+    that dtype for the forward and reduces the gradients in float32; the sharded parameters, the
+    optimizer state and the EMAs stay float32. Returns ``model``.
+
+    Collective: call from all ranks with the same model (the same initial weights: call after
+    dist_util.sync_params).
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    ensure_process_group(device)
+    # FSDP warns of a block that returns a view (the UNet's AttentionBlock: a reshape): an
+    # in-place op on it would skip the all-gather. Our models apply none to a block's output.
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=th.float32,
+                                  output_dtype=None)
+    for block in blocks_of(model):
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    return model
+
+
+# ---------------------------------------------------------------------- whole tensors to rank 0
+
+
+def gather_full(tree, dst=0):
+    """``tree`` (nested dicts/lists/tuples of tensors and plain values) with every DTensor made
+    whole: on rank ``dst`` each becomes the full tensor on the CPU (a copy), plain tensors are
+    copied to the CPU too; the other ranks get ``None``. Leaves are visited in the tree's order,
+    which must be the same on every rank (the same dicts built the same way). One DTensor at a
+    time, so a rank holds at most one whole tensor beyond the slices.
+
+    Collective: call from all ranks with trees of the same structure.
+    """
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    out = _gather(tree, rank == dst)
+    return out if rank == dst else None
+
+
+def _gather(node, keep):
+    if isinstance(node, dict):
+        return {k: _gather(v, keep) for k, v in node.items()}
+    if isinstance(node, (list, tuple)):
+        items = [_gather(v, keep) for v in node]
+        return items if isinstance(node, list) else tuple(items)
+    if is_dtensor(node):
+        whole = node.detach().full_tensor()  # collective (an all-gather)
+        return whole.to("cpu", copy=True) if keep else None
+    if isinstance(node, th.Tensor):
+        return node.detach().to("cpu", copy=True) if keep else None
+    return node
+
+
+# ---------------------------------------------------------------------- whole tensors to slices
+
+
+def localize(full, like):
+    """``full`` (the whole tensor, on every rank) as a DTensor sharded as ``like``, this rank's
+    slice copied to ``like``'s device and dtype; ``full`` itself if ``like`` is not a DTensor. No
+    communication."""
+    if not is_dtensor(like):
+        return full
+    from torch.distributed.tensor import distribute_tensor
+    full = full.detach().to(device=like.device, dtype=like.dtype)
+    return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None)
+
+
+def localize_state_dict(sd, model):
+    """``sd`` (whole tensors by name) with each tensor that the live ``model`` holds as a
+    DTensor cut to this rank's slice (``localize``); the others as they are. No communication."""
+    mine = model.state_dict()
+    return {k: localize(v, mine[k]) if k in mine and isinstance(v, th.Tensor) else v
+            for k, v in sd.items()}
+
+
+def localize_optimizer_state(payload, named_params):
+    """A named optimizer payload (optim_state's "named-v1": ``state`` by parameter name) with
+    each per-parameter tensor of the parameter's shape (Adam's moments) cut to this rank's slice
+    of that parameter; scalars (``step``) as they are. No communication."""
+    params = dict(named_params)
+    if not isinstance(payload, dict) or not isinstance(payload.get("state"), dict):
+        return payload
+    state = {}
+    for name, entry in payload["state"].items():
+        p = params.get(name)
+        if p is None or not is_dtensor(p) or not isinstance(entry, dict):
+            state[name] = entry
+            continue
+        state[name] = {k: (localize(v, p) if isinstance(v, th.Tensor)
+                           and tuple(v.shape) == tuple(p.shape) else v)
+                       for k, v in entry.items()}
+    return {**payload, "state": state}
+
+
+# ---------------------------------------------------------------------- norms over all slices
+
+
+def grad_norm(grads):
+    """The global L2 norm of ``grads``, DTensors or plain (a 0-d float32 tensor, the same on
+    every rank; NaN/Inf propagate). Sharded gradients: each rank's sum of squares of its slices,
+    summed over the ranks (one all-reduce). Collective when any gradient is a DTensor."""
+    if not any(is_dtensor(g) for g in grads):
+        norms = th._foreach_norm([g.float() if g.dtype != th.float32 else g for g in grads])
+        return th.linalg.vector_norm(th.stack(norms))
+    parts = [local(g).float() for g in grads]
+    parts = [p for p in parts if p.numel()]
+    device = local(grads[0]).device
+    sq = (th.stack(th._foreach_norm(parts)).square().sum() if parts
+          else th.zeros((), device=device))
+    dist.all_reduce(sq)
+    return sq.sqrt()
+
+
+def any_non_finite(tensors):
+    """Whether a tensor of ``tensors`` holds a NaN/Inf on any rank (one all-reduce; a host sync).
+    Collective."""
+    tensors = list(tensors)
+    bad = any(not bool(th.isfinite(local(t)).all()) for t in tensors)
+    device = local(tensors[0]).device if tensors else "cpu"
+    flag = th.tensor([1.0 if bad else 0.0], device=device)
+    if dist.is_initialized():
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())

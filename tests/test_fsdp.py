@@ -1,0 +1,360 @@
+"""Sharded training (--fsdp True, FSDP2) and the full layout of its steps (issue 38, items 1-3).
+
+A 2-rank FSDP run with a loader worker, through the real scripts: its resume is bitwise a run that
+never stopped; its step 2 loads on 3 ranks (uneven slices), on 1 and under DDP, each writing back
+the same weights, EMA and Adam moments bit for bit, and the data go on at the same global sample;
+a DDP step goes on under FSDP as the DDP run does (to the order of the reductions); an own model
+with tied weights and BatchNorm trains and resumes sharded.
+"""
+import csv
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import (MPIEXEC, PY, REPO, _run, child_env, deep_diff, run_mpi, run_script,
+                      write_class_folder, write_images)
+
+MODEL = ["--image_size", "8", "--num_channels", "32", "--num_res_blocks", "1",
+         "--attention_resolutions", "4", "--diffusion_steps", "20", "--noise_schedule", "cosine"]
+RUN = ["--batch_size", "4", "--max_steps", "4", "--save_interval", "2", "--log_interval", "2",
+       "--ema_rate", "0.99"]
+KINDS = ("model{:06d}.pt", "ema_0.99_{:06d}.pt", "opt{:06d}.pt")
+
+
+def load(path):
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def state_of(run, step):
+    """{file: payload} of a step's files, the trainer state left out (it names the world size
+    and each rank's RNG, which differ by design between rank counts)."""
+    out = {}
+    for kind in KINDS:
+        f = load(run / kind.format(step))
+        if "trainer" in f:
+            f = {k: v for k, v in f.items() if k != "trainer"}
+        out[kind] = f
+    return out
+
+
+def trainer(run, step):
+    return load(run / f"opt{step:06d}.pt")["trainer"]
+
+
+def drop_step(run, step):
+    for p in run.iterdir():
+        if f"{step:06d}" in p.name:
+            p.unlink()
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory):
+    return write_images(tmp_path_factory.mktemp("fsdp") / "img", n=16)
+
+
+@pytest.fixture(scope="module")
+def straight(images, tmp_path_factory):
+    """2 ranks, --fsdp True, a loader worker: steps 2 and 4."""
+    d = tmp_path_factory.mktemp("straight") / "run"
+    run_mpi(2, "train.py", "--data_dir", images, "--log_dir", d, *MODEL, *RUN, "--fsdp", "True",
+            "--num_workers", "1", timeout=300)
+    return d
+
+
+@pytest.mark.timeout(400)
+def test_a_flagless_fsdp_resume_on_2_ranks_ends_bitwise_as_the_straight_run(images, straight,
+                                                                           tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(straight, run)
+    drop_step(run, 4)
+    out = run_mpi(2, "train.py", "--data_dir", images, "--log_dir", run, "--num_workers", "1",
+                  timeout=300).stdout
+    assert "--fsdp True" in out  # taken from the checkpoint's settings
+    assert "resumed at step 2" in out, out[-2000:]
+    for kind in KINDS:
+        name = kind.format(4)
+        assert deep_diff(load(straight / name), load(run / name)) == [], name
+
+
+@pytest.mark.timeout(600)
+def test_a_sharded_step_moves_to_3_ranks_to_1_and_to_ddp_with_every_tensor_unchanged(
+        images, straight, tmp_path):
+    """Each hop loads step 2 of the one before on another world and writes it back (--max_steps
+    2: nothing to train, the step saved in its own log dir): 2 FSDP ranks -> 3 (uneven slices)
+    -> 1 -> 2 DDP ranks -> 2 FSDP ranks. Every weight, EMA and Adam moment is the straight run's."""
+    want = state_of(straight, 2)
+    prev = straight
+    for i, (n, sharded) in enumerate(((3, True), (1, True), (2, False), (2, True))):
+        run = tmp_path / f"hop{i}"
+        out = run_mpi(n, "train.py", "--data_dir", images, "--log_dir", run,
+                      "--resume_checkpoint", prev / "model000002.pt", "--max_steps", "2",
+                      "--fsdp", str(sharded), "--num_workers", "1", timeout=300).stdout
+        assert "resumed at step 2" in out, out[-2000:]
+        assert deep_diff(want, state_of(run, 2)) == [], (n, sharded)
+        assert trainer(run, 2)["world_size"] == n
+        assert trainer(run, 2)["data"] == trainer(straight, 2)["data"]
+        prev = run
+
+
+@pytest.mark.timeout(400)
+def test_on_3_ranks_the_data_go_on_at_the_same_global_sample(images, straight, tmp_path):
+    run = tmp_path / "run"
+    run_mpi(3, "train.py", "--data_dir", images, "--log_dir", run, "--resume_checkpoint",
+            straight / "model000002.pt", "--max_steps", "3", "--num_workers", "1", timeout=300)
+    before, after = trainer(straight, 2)["data"], trainer(run, 3)["data"]
+    assert after["position"] == before["position"] + 3 * 4, (before, after)
+
+
+@pytest.mark.timeout(500)
+def test_a_ddp_run_goes_on_under_fsdp_as_under_ddp_to_the_order_of_the_reductions(
+        images, tmp_path):
+    ddp = tmp_path / "ddp"
+    run_mpi(2, "train.py", "--data_dir", images, "--log_dir", ddp, *MODEL, *RUN, timeout=300)
+    run = tmp_path / "run"
+    shutil.copytree(ddp, run)
+    drop_step(run, 4)
+    out = run_mpi(2, "train.py", "--data_dir", images, "--log_dir", run, "--fsdp", "True",
+                  timeout=300).stdout
+    assert "resume: --fsdp False -> True" in out, out[-2000:]
+    for kind in KINDS:
+        a, b = load(ddp / kind.format(4)), load(run / kind.format(4))
+        diff = deep_diff(a, b)
+        assert diff, "FSDP reduces gradients in another order: not expected bitwise"
+        for key in ("state_dict",) if "model" in kind or "ema" in kind else ():
+            for name, t in a[key].items():
+                if t.is_floating_point():
+                    torch.testing.assert_close(b[key][name], t, rtol=1e-4, atol=1e-5)
+
+
+def job_pids(log_dir):
+    """{pid: rank} of every process training into ``log_dir``: the MPI ranks and their loader
+    workers (forks of them, with their command line and environment), via /proc."""
+    pids = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            cmdline = open(f"/proc/{entry}/cmdline", "rb").read()
+            environ = open(f"/proc/{entry}/environ", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        if str(log_dir).encode() in cmdline and b"train.py" in cmdline:
+            for kv in environ:
+                if kv.startswith(b"PMI_RANK="):
+                    pids[int(entry)] = int(kv.split(b"=", 1)[1])
+    return pids
+
+
+def logged_steps(log_dir):
+    with open(log_dir / "progress.csv") as f:
+        return [int(float(row["step"])) for row in csv.DictReader(f)]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("layout", ["full", "sharded"])
+def test_sigterm_to_every_process_saves_exits_75_and_the_resume_is_bitwise_a_straight_run(
+        images, tmp_path, layout):
+    """Every rank and loader worker gets SIGTERM (as from a scheduler), --dist_timeout short;
+    sharded: the step saved at 5 is still being written in the background when it comes."""
+    run = tmp_path / "run"
+    args = ["--data_dir", images, "--log_dir", run, *MODEL, "--batch_size", "4",
+            "--ema_rate", "0.99", "--save_interval", "5", "--log_interval", "1", "--fsdp",
+            "True", "--save_layout", layout, "--num_workers", "1", "--dist_timeout", "60"]
+    cmd = [MPIEXEC, "-n", "2", PY, REPO / "scripts" / "train.py", *args, "--max_steps", "1000"]
+    with open(tmp_path / "job.log", "w") as log:
+        job = subprocess.Popen([str(c) for c in cmd], cwd=REPO, env=child_env(), stdout=log,
+                               stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                               start_new_session=True)
+    try:
+        deadline = time.time() + 240
+        while ("step 6/" not in (tmp_path / "job.log").read_text() and job.poll() is None
+               and time.time() < deadline):
+            time.sleep(0.05)
+        pids = job_pids(run)
+        assert sorted(set(pids.values())) == [0, 1] and len(pids) == 4, pids  # 2 ranks, 2 workers
+        for pid in pids:  # as a scheduler does: every process of the job
+            os.kill(pid, signal.SIGTERM)
+        try:
+            rc = job.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            pytest.fail("no exit 120 s after SIGTERM:\n"
+                        + (tmp_path / "job.log").read_text()[-3000:])
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
+    out = (tmp_path / "job.log").read_text()
+    assert rc == 75, out[-3000:]
+    saved = sorted(int(p.name[8:14]) for p in run.glob("manifest*.json"))
+    assert saved[0] == 5 and saved[-1] == max(logged_steps(run)), (saved, out[-2000:])
+    assert run_script("ckpt.py", "verify", run).returncode == 0
+    end = saved[-1] + 2
+    run_mpi(2, "train.py", "--data_dir", images, "--log_dir", run, "--max_steps", end,
+            "--num_workers", "1", timeout=300)
+    straight = tmp_path / "straight"
+    run_mpi(2, "train.py", *[straight if a == run else a for a in args], "--max_steps", end,
+            timeout=300)
+    if layout == "sharded":
+        straight = consolidated(straight, end, tmp_path / "s")
+        run = consolidated(run, end, tmp_path / "r")
+    for kind in KINDS:
+        name = kind.format(end)
+        assert deep_diff(load(straight / name), load(run / name)) == [], name
+
+
+@pytest.mark.timeout(500)
+def test_an_own_model_with_tied_weights_and_batchnorm_trains_and_resumes_sharded(images, tmp_path):
+    """tests/edge_model_train.py's model (``b.weight`` is ``a.weight``, BatchNorm buffers), the
+    parameter it leaves out on some ranks turned off: FSDP2 cannot reduce a gradient only some
+    ranks have, and --find_unused_parameters True under --fsdp is refused in one line."""
+    def train(log_dir, *extra):
+        return _run([MPIEXEC, "-n", "2", PY, REPO / "tests" / "edge_model_train.py",
+                     "--data_dir", images, "--log_dir", log_dir, "--batch_size", "4",
+                     "--save_interval", "2", "--fsdp", "True", "--edge_rare", "False",
+                     "--num_workers", "1", *extra], timeout=300)
+    train(tmp_path / "straight", "--max_steps", "4")
+    train(tmp_path / "resumed", "--max_steps", "2")
+    train(tmp_path / "resumed", "--max_steps", "4")
+    for kind in ("model{:06d}.pt", "ema_0.9999_{:06d}.pt", "opt{:06d}.pt"):
+        a = load(tmp_path / "straight" / kind.format(4))
+        assert deep_diff(a, load(tmp_path / "resumed" / kind.format(4))) == [], kind
+    sd = load(tmp_path / "straight" / "model000004.pt")["state_dict"]
+    assert torch.equal(sd["a.weight"], sd["b.weight"]) and "norm.running_mean" in sd
+    assert int(sd["norm.num_batches_tracked"]) == 4
+    proc = _run([MPIEXEC, "-n", "2", PY, REPO / "tests" / "edge_model_train.py", "--data_dir",
+                 images, "--log_dir", tmp_path / "refused", "--fsdp", "True",
+                 "--find_unused_parameters", "True"], timeout=120, check=False)
+    errors = [line for line in proc.stdout.splitlines() if line.startswith("error:")]
+    assert proc.returncode != 0 and errors and "--fsdp" in errors[0], proc.stdout[-2000:]
+
+
+def same_step_files(a, b, step):
+    names = sorted(p.name for p in a.glob(f"*{step:06d}.pt"))
+    assert names and names == sorted(p.name for p in b.glob(f"*{step:06d}.pt"))
+    for name in names:
+        assert deep_diff(load(a / name), load(b / name)) == [], name
+
+
+@pytest.mark.timeout(500)
+def test_a_dit_run_sharded_on_2_ranks_resumes_bitwise(tmp_path):
+    """DiT's blocks are FSDP units, its frozen pos_embed sharded beside them."""
+    latents = tmp_path / "latents"
+    latents.mkdir()
+    rng = np.random.default_rng(0)
+    for c in ("3", "7"):
+        for i in range(5):
+            np.save(latents / f"{c}_{i:05d}.npy", rng.standard_normal((4, 8, 8)).astype("f4"))
+    dit = ["--arch", "DiT-S/2", "--dit_depth", "2", "--dit_hidden_size", "32", "--dit_num_heads",
+           "2", "--image_size", "8", "--in_channels", "4", "--learn_sigma", "True",
+           "--class_cond", "True", "--batch_size", "2", "--save_interval", "2", "--fsdp", "True",
+           "--data_dir", latents]
+    run_mpi(2, "train.py", *dit, "--log_dir", tmp_path / "straight", "--max_steps", "4",
+            timeout=300)
+    run_mpi(2, "train.py", *dit, "--log_dir", tmp_path / "resumed", "--max_steps", "2",
+            timeout=300)
+    run_mpi(2, "train.py", "--data_dir", latents, "--log_dir", tmp_path / "resumed",
+            "--max_steps", "4", timeout=300)
+    same_step_files(tmp_path / "straight", tmp_path / "resumed", 4)
+
+
+@pytest.mark.timeout(500)
+def test_the_noised_classifier_sharded_under_torchrun_resumes_bitwise(tmp_path):
+    train_dir = write_class_folder(tmp_path / "train", per_class=4)
+    torchrun = [str(Path(PY).parent / "torchrun"), "--standalone", "--nproc_per_node", "2"]
+
+    def train(log_dir, *extra):
+        return _run([*torchrun, REPO / "scripts" / "classifier_train.py", "--data_dir",
+                     train_dir, "--log_dir", log_dir, *extra], timeout=300).stdout
+    tiny = ["--image_size", "8", "--classifier_width", "32", "--classifier_depth", "1",
+            "--classifier_attention_resolutions", "4", "--diffusion_steps", "20",
+            "--batch_size", "4", "--save_interval", "2", "--fsdp", "True"]
+    train(tmp_path / "straight", *tiny, "--max_steps", "4")
+    train(tmp_path / "resumed", *tiny, "--max_steps", "2")
+    out = train(tmp_path / "resumed", "--max_steps", "4")
+    assert "--fsdp True" in out, out[-2000:]
+    same_step_files(tmp_path / "straight", tmp_path / "resumed", 4)
+
+
+# ------------------------------------------------------------------------ the sharded layout
+
+
+def consolidated(run, step, out):
+    """The full layout's files of a sharded step (ckpt.py consolidate)."""
+    run_script("ckpt.py", "consolidate", run, "--step", str(step), "--out", out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def sharded_run(images, tmp_path_factory):
+    """The straight run's training with --save_layout sharded (async: DCP's thread)."""
+    d = tmp_path_factory.mktemp("sharded") / "run"
+    run_mpi(2, "train.py", "--data_dir", images, "--log_dir", d, *MODEL, *RUN, "--fsdp", "True",
+            "--save_layout", "sharded", "--num_workers", "1", timeout=300)
+    return d
+
+
+@pytest.mark.timeout(500)
+def test_a_sharded_run_resumes_bitwise_and_consolidates_to_the_full_layouts_files(
+        images, straight, sharded_run, tmp_path):
+    assert sorted(p.name for p in sharded_run.iterdir() if "000004" in p.name) == [
+        "manifest000004.json", "step000004.dcp"]
+    same_step_files(straight, consolidated(sharded_run, 4, tmp_path / "c4"), 4)
+    run = tmp_path / "run"
+    shutil.copytree(sharded_run, run)
+    shutil.rmtree(run / "step000004.dcp")
+    (run / "manifest000004.json").unlink()
+    out = run_mpi(2, "train.py", "--data_dir", images, "--log_dir", run, "--num_workers", "1",
+                  timeout=300).stdout
+    assert "resumed at step 2 from" in out and "step000002.dcp" in out, out[-2000:]
+    same_step_files(straight, consolidated(run, 4, tmp_path / "r4"), 4)
+
+
+@pytest.mark.timeout(600)
+def test_a_sharded_step_of_2_ranks_resumes_on_3_and_on_1(images, straight, sharded_run,
+                                                         tmp_path):
+    """2 ranks -> 3 (uneven shards; writing step 2 back sharded) -> 1 (writing it back in the
+    full layout): every weight, EMA and Adam moment is the straight run's step 2."""
+    three = tmp_path / "three"
+    run_mpi(3, "train.py", "--data_dir", images, "--log_dir", three, "--resume_checkpoint",
+            sharded_run / "step000002.dcp", "--max_steps", "2", "--num_workers", "1",
+            timeout=300)
+    assert deep_diff(state_of(straight, 2), state_of(consolidated(three, 2, tmp_path / "c"), 2)) \
+        == []
+    one = tmp_path / "one"
+    run_script("train.py", "--data_dir", images, "--log_dir", one, "--resume_checkpoint",
+               three / "step000002.dcp", "--max_steps", "2", "--save_layout", "full",
+               timeout=300)
+    assert deep_diff(state_of(straight, 2), state_of(one, 2)) == []
+    assert trainer(one, 2)["data"] == trainer(straight, 2)["data"]
+
+
+@pytest.mark.timeout(400)
+def test_a_flipped_byte_in_a_shard_is_found_by_verify_and_the_resume_takes_the_step_before(
+        images, sharded_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(sharded_run, run)
+    shard = run / "step000004.dcp" / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    proc = run_script("ckpt.py", "verify", run, check=False)
+    assert proc.returncode == 1 and "step        4" in proc.stdout, proc.stdout
+    out = run_mpi(2, "train.py", "--data_dir", images, "--log_dir", run, "--num_workers", "1",
+                  "--max_steps", "2", timeout=300).stdout
+    warned = [line for line in out.splitlines() if "step000004.dcp" in line or "step 4" in line]
+    assert warned and "resumed at step 2" in out, out[-3000:]
+
+
+@pytest.mark.timeout(300)
+def test_a_sharded_step_under_ddp_is_one_line_naming_consolidate(images, sharded_run, tmp_path):
+    proc = run_mpi(2, "train.py", "--data_dir", images, "--log_dir", tmp_path / "run",
+                   "--resume_checkpoint", sharded_run / "step000002.dcp", "--fsdp", "False",
+                   "--save_layout", "full", timeout=300, check=False)
+    errors = [line for line in proc.stdout.splitlines() if line.startswith("error:")]
+    assert proc.returncode != 0 and len(errors) == 1 and "consolidate" in errors[0], \
+        proc.stdout[-2000:]
