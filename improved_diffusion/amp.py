@@ -30,10 +30,8 @@ from . import logger
 INITIAL_LOSS_SCALE = 2.0 ** 20
 
 
-def make_amp(device, use_fp16, fp16_scale_growth, sharded=False):
-    """(autocast dtype or None, GradScaler or None) for --use_fp16 on ``device`` (see above).
-    ``sharded`` (--fsdp): the scaler is FSDP's ShardedGradScaler, whose overflow check is
-    all-reduced over the ranks' gradient slices, so every rank skips the same steps."""
+def make_amp(device, use_fp16, fp16_scale_growth):
+    """(autocast dtype or None, GradScaler or None) for --use_fp16 on ``device`` (see above)."""
     if not use_fp16:
         return None, None
     if device.type == "cpu" and cpu_has_fast_bf16():
@@ -45,8 +43,8 @@ def make_amp(device, use_fp16, fp16_scale_growth, sharded=False):
                    "autocast as asked (--use_fp16 False trains faster)")
     interval = max(1, int(round(1.0 / fp16_scale_growth))) if fp16_scale_growth > 0 else 10 ** 9
     try:
-        scaler = grad_scaler(device.type, sharded=sharded, init_scale=INITIAL_LOSS_SCALE,
-                             growth_factor=2.0, backoff_factor=0.5, growth_interval=interval)
+        scaler = grad_scaler(device.type, init_scale=INITIAL_LOSS_SCALE, growth_factor=2.0,
+                             backoff_factor=0.5, growth_interval=interval)
         with th.autocast(device_type=device.type, dtype=th.float16):
             th.nn.functional.conv2d(th.zeros(1, 1, 3, 3, device=device),
                                     th.zeros(1, 1, 1, 1, device=device))
@@ -57,13 +55,9 @@ def make_amp(device, use_fp16, fp16_scale_growth, sharded=False):
         return th.bfloat16, None
 
 
-def grad_scaler(device_type, sharded=False, **kwargs):
+def grad_scaler(device_type, **kwargs):
     """A GradScaler for ``device_type``: torch.amp.GradScaler (torch >= 2.3), else
-    torch.cuda.amp.GradScaler on CUDA; RuntimeError when this torch has none for the device.
-    ``sharded``: torch.distributed.fsdp's ShardedGradScaler (FSDP2's sharded gradients)."""
-    if sharded:
-        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-        return ShardedGradScaler(device_type, **kwargs)
+    torch.cuda.amp.GradScaler on CUDA; RuntimeError when this torch has none for the device."""
     cls = getattr(th.amp, "GradScaler", None)
     if cls is not None:
         return cls(device_type, **kwargs)

@@ -182,7 +182,7 @@ class ClassifierLoop:
                    f"agree on all {self.world_size} rank(s)")
         seed_rngs(args.seed, 0, self.rank)  # each rank its own noise
         self.amp_dtype, self.grad_scaler = amp.make_amp(
-            self.device, args.classifier_use_fp16, args.fp16_scale_growth, sharded=args.fsdp)
+            self.device, args.classifier_use_fp16, args.fp16_scale_growth)
         if args.fsdp:  # before the optimizer: it is made of the shards
             fsdp.shard_model(self.model, self.device, param_dtype=self.amp_dtype)
         self.opt = make_adamw(self.model.parameters(), lr=args.lr,

@@ -37,6 +37,8 @@ import torch.distributed as dist
 # attention blocks, DiT's blocks. Other models: the root alone, or a model's own
 # ``fsdp_blocks()`` (an iterable of submodules).
 BLOCK_CLASSES = ("ResBlock", "AttentionBlock", "DiTBlock")
+# Layers gathered in float32 under a float16/bfloat16 policy (shard_model).
+NORM_TYPES = (th.nn.GroupNorm, th.nn.LayerNorm, th.nn.modules.batchnorm._BatchNorm)
 
 
 # What --fsdp does not do yet, each with what to do instead: these read or sample the EMA on rank
@@ -107,7 +109,10 @@ def shard_model(model, device, param_dtype=None):
     root (its remaining parameters: embeddings, input and output layers). ``param_dtype``
     (--use_fp16's autocast dtype, or None): FSDP's MixedPrecisionPolicy gathers the parameters in
     that dtype for the forward and reduces the gradients in float32; the sharded parameters, the
-    optimizer state and the EMAs stay float32. Returns ``model``.
+    optimizer state and the EMAs stay float32. Normalisation layers with parameters (GroupNorm,
+    LayerNorm, BatchNorm) are then units of their own gathered in float32: the models normalise
+    in float32 (the UNet's GroupNorm32 upcasts its input), which a float16 weight breaks on the
+    CPU. Returns ``model``.
 
     Collective: call from all ranks with the same model (the same initial weights: call after
     dist_util.sync_params).
@@ -122,6 +127,11 @@ def shard_model(model, device, param_dtype=None):
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=th.float32,
                                   output_dtype=None)
+    if param_dtype is not None:
+        full = MixedPrecisionPolicy(param_dtype=th.float32, reduce_dtype=th.float32)
+        for norm in [m for m in model.modules() if isinstance(m, NORM_TYPES)
+                     and any(True for _ in m.parameters(recurse=False))]:
+            fully_shard(norm, mesh=mesh, mp_policy=full)
     for block in blocks_of(model):
         fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)

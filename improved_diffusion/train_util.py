@@ -28,7 +28,6 @@ import importlib.util
 import os
 from dataclasses import dataclass
 
-import blobfile as bf
 import numpy as np
 import torch as th
 from torch.nn.parallel.distributed import DistributedDataParallel as DDP
@@ -36,6 +35,7 @@ from torch.optim import AdamW
 
 from . import amp, dist_util, fsdp, guidance, image_datasets, logger, phema
 from .ckpt import checkpoint, run_dir
+from .ckpt import storage as bf  # blobfile's names, for local paths and s3:// gs:// az://
 from .ckpt.checkpointer import (PREEMPTED_EXIT_CODE, CheckpointConfig, Checkpointer, NonFiniteError,
                                 ResumeError, copy_into, fields_from_flags)
 from .config_check import check_config_on_all_ranks, data_fingerprint, show_fingerprint
@@ -278,8 +278,9 @@ class TrainLoop:
         seed_rngs(cfg.seed, 0, self.rank)
         self.model.to(self.device)
         dist_util.sync_params(self.model.parameters())
-        self.amp_dtype, self.grad_scaler = amp.make_amp(self.device, use_fp16, fp16_scale_growth,
-                                                        sharded=cfg.fsdp)
+        # --fsdp: torch's GradScaler unscales DTensor gradients with one overflow flag for all
+        # ranks (each skips the same steps; FSDP's ShardedGradScaler breaks fused AdamW)
+        self.amp_dtype, self.grad_scaler = amp.make_amp(self.device, use_fp16, fp16_scale_growth)
         if cfg.fsdp:  # before the optimizer and the EMAs: they are made of the shards
             fsdp.shard_model(self.model, self.device, param_dtype=self.amp_dtype)
         self.named_params = list(self.model.named_parameters())
@@ -616,16 +617,37 @@ def _rank_flags(config, model_flags, schedule_sampler):
     return flags
 
 
+# --log_sample_indices with a log dir in an object store: this process's local spool of
+# sample_indices/ (logger._Mirror, as log.txt's), by the URL of that folder
+_INDEX_SPOOLS = {}
+
+
 def record_indices(log_dir, rank, step, indices):
     """--log_sample_indices: append "step,i1,i2,..." (this rank's dataset indices of the batch of
-    ``step``) to log_dir/sample_indices/rank{rank}.csv; nothing for data that has none."""
+    ``step``) to log_dir/sample_indices/rank{rank}.csv; nothing for data that has none. A log dir
+    in an object store (no append): the rows go to a local spool of that folder (logger._Mirror:
+    the object downloaded first, so a resumed run continues it) and the whole file is put back
+    at most every _Mirror.EVERY_S seconds and at the process's exit. Not collective: each rank
+    writes its own file."""
     if indices is None:
         return
     d = bf.join(log_dir, "sample_indices")
-    bf.makedirs(d)
+    name = f"rank{rank}.csv"
     line = ",".join([str(step)] + [str(int(i)) for i in np.asarray(indices).ravel()])
-    with open(os.path.join(d, f"rank{rank}.csv"), "a") as f:
+    spool = None
+    if bf.is_remote(d):
+        spool = _INDEX_SPOOLS.get(d)
+        if spool is None:
+            spool = _INDEX_SPOOLS[d] = logger._Mirror(d)
+            spool.fetch(name)
+        path = os.path.join(spool.local, name)
+    else:
+        bf.makedirs(d)
+        path = os.path.join(d, name)
+    with open(path, "a") as f:
         f.write(line + "\n")
+    if spool is not None:
+        spool.sync()
 
 
 def _settings(settings, given):

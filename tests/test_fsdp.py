@@ -358,3 +358,22 @@ def test_a_sharded_step_under_ddp_is_one_line_naming_consolidate(images, sharded
     errors = [line for line in proc.stdout.splitlines() if line.startswith("error:")]
     assert proc.returncode != 0 and len(errors) == 1 and "consolidate" in errors[0], \
         proc.stdout[-2000:]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("bf16", ["0", "1"], ids=["fp16-gradscaler", "bf16"])
+def test_use_fp16_under_fsdp_resumes_bitwise_on_either_cpu_branch(images, tmp_path, bf16):
+    """--use_fp16 True --fsdp True through tests/amp_train.py, the CPU branch forced: float16
+    with a GradScaler (its first steps overflow and are skipped, the same ones on both ranks)
+    or bfloat16; FSDP gathers the blocks in that dtype, the norm layers in float32."""
+    def train(log_dir, *extra):
+        return _run([MPIEXEC, "-n", "2", PY, REPO / "tests" / "amp_train.py", "--data_dir",
+                     images, "--log_dir", log_dir, *MODEL, "--batch_size", "4",
+                     "--save_interval", "2", "--fsdp", "True", "--use_fp16", "True", *extra],
+                    timeout=300, env={"CPU_BF16": bf16}).stdout
+    out = train(tmp_path / "straight", "--max_steps", "4")
+    assert ("loss_scale" in out) == (bf16 == "0"), out[-2000:]
+    assert ("bfloat16 autocast" in out) == (bf16 == "1"), out[-2000:]
+    train(tmp_path / "resumed", "--max_steps", "2")
+    train(tmp_path / "resumed", "--max_steps", "4")
+    same_step_files(tmp_path / "straight", tmp_path / "resumed", 4)
