@@ -29,8 +29,9 @@ TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 
-# The slow tests the default suite skips: 200 save/resume cycles with random kills
-# (SOAK_CYCLES=N to change the count).
+# The slow tests the default suite skips (@pytest.mark.slow): 200 save/resume cycles with random
+# kills (SOAK_CYCLES=N to change the count), and the slower variants of default tests (other rank
+# counts, signals, launchers, parameters; `pytest -m slow --collect-only -q tests` lists them).
 soak: $(STAMP)
 	$(PY) -m pytest -q -m slow tests
 

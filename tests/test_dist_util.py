@@ -115,13 +115,17 @@ def two_ranks(tmp_path_factory):
     return _collective_run(tmp_path_factory, 2)
 
 
+# make soak: the 3-rank run of the collectives (the 2-rank run keeps every check below)
+THREE_RANKS = pytest.param("three_ranks", marks=pytest.mark.slow)
+
+
 @pytest.fixture(scope="module")
 def three_ranks(tmp_path_factory):
     return _collective_run(tmp_path_factory, 3)
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("run", ["two_ranks", "three_ranks"])
+@pytest.mark.parametrize("run", ["two_ranks", THREE_RANKS])
 def test_load_bytes_gives_every_rank_the_same_bytes_and_collectives_agree(request, run):
     d, res = request.getfixturevalue(run)
     n = len(res)
@@ -142,7 +146,7 @@ def test_load_bytes_gives_every_rank_the_same_bytes_and_collectives_agree(reques
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("run", ["two_ranks", "three_ranks"])
+@pytest.mark.parametrize("run", ["two_ranks", THREE_RANKS])
 def test_ranks_asking_for_different_files_all_fail_with_a_clear_error(request, run):
     d, res = request.getfixturevalue(run)
     messages = {r["mismatch"] for r in res.values()}
@@ -154,7 +158,7 @@ def test_ranks_asking_for_different_files_all_fail_with_a_clear_error(request, r
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("run", ["two_ranks", "three_ranks"])
+@pytest.mark.parametrize("run", ["two_ranks", THREE_RANKS])
 def test_a_missing_file_raises_the_same_error_on_every_rank(request, run):
     d, res = request.getfixturevalue(run)
     for r in res.values():

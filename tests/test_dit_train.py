@@ -91,6 +91,9 @@ def test_a_2_rank_dit_run_on_latents_resumed_at_step_3_ends_bitwise_equal_to_a_s
     assert float(opt["state"]["x_embedder.proj.weight"]["step"]) == 6
 
 
+# make soak: the elastic resume is train.py's (test_resume's 2to3, test_phema_train's 2 to 1);
+# a DiT's bitwise 2-rank resume and its Adam state by name stay here
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_a_dit_run_saved_on_2_ranks_resumes_on_1_with_its_optimizer(tmp_path, latents, straight):
     run = saved_at_3(straight, tmp_path / "run")

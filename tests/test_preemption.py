@@ -369,7 +369,10 @@ CLASSIFIER_TINY = ["--image_size", "8", "--classifier_width", "32", "--classifie
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("script,launcher,target", [
     ("train.py", "mpiexec", "launcher"),
-    ("train.py", "torchrun", "launcher"),
+    # make soak: torchrun's launcher (SIGTERM to mpiexec and to every process keep the loader
+    # workers' preemption; torchrun's forwarding of SIGTERM: the requeued, importing and
+    # rendezvous tests here, and test_restarts)
+    pytest.param("train.py", "torchrun", "launcher", marks=pytest.mark.slow),
     ("train.py", "mpiexec", "every process"),
     pytest.param("classifier_train.py", "torchrun", "every process",
                  marks=pytest.mark.slow),  # make soak: the same loader as train.py's

@@ -486,7 +486,10 @@ def rank_pids(marker):
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("ranks,sig", [(2, signal.SIGTERM), (1, signal.SIGUSR1)],
+# make soak: SIGUSR1 on one rank (SIGUSR1 reaches the same handler in test_preemption's import
+# and checkpoint-load tests; SIGTERM to one of 2 ranks here)
+@pytest.mark.parametrize("ranks,sig", [(2, signal.SIGTERM),
+                                       pytest.param(1, signal.SIGUSR1, marks=pytest.mark.slow)],
                          ids=["sigterm-to-rank1-of-2", "sigusr1-single-rank"])
 def test_a_preemption_signal_to_one_rank_saves_a_complete_checkpoint_and_exits_75(
         tmp_path, images, ranks, sig):
@@ -672,6 +675,9 @@ def test_a_resume_with_a_changed_lr_and_an_image_fewer_says_each_once_for_the_jo
 # ------------------------------------------------------------ flags from the checkpoint
 
 
+# make soak: test_resume_flags.py's flagless 2-rank resume takes every flag from the checkpoint
+# and ends bitwise; its noise-clash test keeps the "(the file's: ...)" refusal
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_a_resume_without_retyped_flags_takes_the_checkpoints_and_ends_bitwise(tmp_path, images):
     """Issue 29, item 8: a resume with only --data_dir, --log_dir (and how long to run) takes

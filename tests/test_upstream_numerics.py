@@ -144,6 +144,9 @@ def test_prior_bpd_matches_upstream(ref, small):
     close(diffusion._prior_bpd(ref["x0"]), ref["prior_bpd"])
 
 
+# make soak: every DDIM step of the spaced-25 process is upstream's (test_ddim_step_matches_upstream)
+# and test_guidance.py keeps a whole respaced DDIM loop against upstream's
+@pytest.mark.slow
 def test_whole_spaced_ddim_loop_matches_upstream(ref, spaced25):
     """The 25-step DDIM loop (eta 0) from `noise` matches upstream to ~1e-4.
 
