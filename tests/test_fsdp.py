@@ -112,6 +112,7 @@ def test_on_3_ranks_the_data_go_on_at_the_same_global_sample(images, straight, t
     assert after["position"] == before["position"] + 3 * 4, (before, after)
 
 
+@pytest.mark.slow  # make soak: the DDP <-> FSDP state is bitwise in the hops test
 @pytest.mark.timeout(500)
 def test_a_ddp_run_goes_on_under_fsdp_as_under_ddp_to_the_order_of_the_reductions(
         images, tmp_path):
@@ -156,7 +157,9 @@ def logged_steps(log_dir):
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("layout", ["full", "sharded"])
+@pytest.mark.parametrize("layout", [
+    pytest.param("full", marks=pytest.mark.slow),  # make soak: the signal path is the same;
+    "sharded"])                                     # sharded adds the save under way
 def test_sigterm_to_every_process_saves_exits_75_and_the_resume_is_bitwise_a_straight_run(
         images, tmp_path, layout):
     """Every rank and loader worker gets SIGTERM (as from a scheduler), --dist_timeout short;
@@ -361,7 +364,8 @@ def test_a_sharded_step_under_ddp_is_one_line_naming_consolidate(images, sharded
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("bf16", ["0", "1"], ids=["fp16-gradscaler", "bf16"])
+@pytest.mark.parametrize("bf16", ["0", pytest.param("1", marks=pytest.mark.slow)],
+                         ids=["fp16-gradscaler", "bf16"])  # make soak: bf16 (no scaler)
 def test_use_fp16_under_fsdp_resumes_bitwise_on_either_cpu_branch(images, tmp_path, bf16):
     """--use_fp16 True --fsdp True through tests/amp_train.py, the CPU branch forced: float16
     with a GradScaler (its first steps overflow and are skipped, the same ones on both ranks)
