@@ -23,7 +23,6 @@ its own mapping, returned when freed, so resident memory follows what is live).
 """
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -33,7 +32,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 
-from conftest import MPIEXEC, PY, child_env, write_images  # noqa: E402
+from conftest import MPIEXEC, PY, child_env, job_pids, write_images  # noqa: E402
 
 COMMAND = "python benchmarks/fsdp_memory.py"
 
@@ -55,21 +54,6 @@ def status_kb(pid, key):
     return None
 
 
-def rank_pids(marker):
-    pids = {}
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            cmdline = open(f"/proc/{entry}/cmdline", "rb").read()
-            environ = open(f"/proc/{entry}/environ", "rb").read().split(b"\0")
-        except OSError:
-            continue
-        if marker.encode() in cmdline and b"train.py" in cmdline:
-            for kv in environ:
-                if kv.startswith(b"PMI_RANK="):
-                    pids[int(kv.split(b"=", 1)[1])] = int(entry)
-    return pids
-
-
 def measure(work, data, ranks, sharded, steps, channels, mmap_threshold):
     log_dir = work / f"{'fsdp' if sharded else 'ddp'}{ranks}_{mmap_threshold}"
     out_path = work / f"{log_dir.name}.out"
@@ -84,7 +68,8 @@ def measure(work, data, ranks, sharded, steps, channels, mmap_threshold):
                                env=child_env(env), cwd=REPO)
         saving = False
         while job.poll() is None:
-            pids = rank_pids(str(log_dir))
+            pids = {rank: pid for pid, rank in job_pids(log_dir).items()
+                    if status_kb(pid, "PPid") not in job_pids(log_dir)}  # ranks, not workers
             saving = saving or "saved step" in out_path.read_text() or "step " + str(steps) in \
                 out_path.read_text()
             for rank, pid in pids.items():

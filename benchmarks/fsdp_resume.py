@@ -21,14 +21,9 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 
 from conftest import MPIEXEC, PY, child_env, write_images  # noqa: E402
+from fsdp_memory import model_flags  # noqa: E402  (benchmarks/, this script's folder)
 
 COMMAND = "python benchmarks/fsdp_resume.py"
-
-
-def model_flags(channels):
-    return ["--image_size", "8", "--num_channels", str(channels), "--channel_mult", "1,2,2,2",
-            "--num_res_blocks", "2", "--attention_resolutions", "4,2,1", "--diffusion_steps",
-            "20"]
 
 
 def train(ranks, args):

@@ -141,6 +141,26 @@ def write_class_folder(d, classes=("cat", "dog", "owl"), per_class=4, size=8):
 VOLATILE_KEYS = {"time", "timestamp", "created", "hostname", "host", "pid", "wall_time"}
 
 
+def job_pids(marker, script=b"train.py"):
+    """{pid: rank} of every process of an MPI job whose command line holds ``marker`` (say its
+    log dir) and ``script``: the ranks and their loader workers (forks of them, with their
+    command line and environment). Via /proc; {} when none is running."""
+    pids = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                environ = f.read().split(b"\0")
+        except OSError:
+            continue
+        if str(marker).encode() in cmdline and script in cmdline:
+            for kv in environ:
+                if kv.startswith(b"PMI_RANK="):
+                    pids[int(entry)] = int(kv.split(b"=", 1)[1])
+    return pids
+
+
 def resumed_step(output):
     """The step a run said it resumed at ("resumed at step N ..."), or None."""
     found = re.findall(r"(?i)resum\w*[^\n]*?\bstep\s+(\d+)", output)

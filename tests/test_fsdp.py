@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import (MPIEXEC, PY, REPO, _run, child_env, deep_diff, run_mpi, run_script,
-                      write_class_folder, write_images)
+from conftest import (MPIEXEC, PY, REPO, _run, child_env, deep_diff, job_pids, run_mpi,
+                      run_script, write_class_folder, write_images)
 
 MODEL = ["--image_size", "8", "--num_channels", "32", "--num_res_blocks", "1",
          "--attention_resolutions", "4", "--diffusion_steps", "20", "--noise_schedule", "cosine"]
@@ -132,23 +132,6 @@ def test_a_ddp_run_goes_on_under_fsdp_as_under_ddp_to_the_order_of_the_reduction
             for name, t in a[key].items():
                 if t.is_floating_point():
                     torch.testing.assert_close(b[key][name], t, rtol=1e-4, atol=1e-5)
-
-
-def job_pids(log_dir):
-    """{pid: rank} of every process training into ``log_dir``: the MPI ranks and their loader
-    workers (forks of them, with their command line and environment), via /proc."""
-    pids = {}
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            cmdline = open(f"/proc/{entry}/cmdline", "rb").read()
-            environ = open(f"/proc/{entry}/environ", "rb").read().split(b"\0")
-        except OSError:
-            continue
-        if str(log_dir).encode() in cmdline and b"train.py" in cmdline:
-            for kv in environ:
-                if kv.startswith(b"PMI_RANK="):
-                    pids[int(entry)] = int(kv.split(b"=", 1)[1])
-    return pids
 
 
 def logged_steps(log_dir):
