@@ -36,6 +36,9 @@ splits a batch's images across ranks and gathers the features, cached beside the
 the feature network's identity; written atomically), and ``evaluate`` gives the five figures.
 A batch is checked when opened: arr_0's header against the bytes stored, images of at least
 1x1 pixel, precomputed statistics that are finite real arrays (never object arrays).
+A batch path may be an object-store URL (s3://, gs://, az://: ckpt/storage.py): it is read from
+a local copy downloaded once per process (its activation cache is not kept across runs), and a
+reference batch written to a URL is streamed up once complete.
 """
 import os
 import sys
@@ -400,14 +403,73 @@ def _local_header_size(path, zinfo):
     return 30 + name_len + extra_len
 
 
+# ----------------------------------------------------------------------------------------------
+# Batches in an object store (s3://, gs://, az://: ckpt/storage.py)
+
+_LOCAL_COPIES = {}  # URL -> this process's local copy of it
+
+
+def _local_copy(path):
+    """``path`` itself when local; for an object-store URL a local copy, downloaded (streamed)
+    once per process into a temporary folder removed at exit: memory maps and zip reads need a
+    local file. The activation cache of such a batch lives beside the copy, so it is not kept
+    across runs. EvaluationError (or the store's one-line StoreUnreachableError) naming the
+    URL when it cannot be read. Not collective."""
+    import atexit
+    import shutil
+    import tempfile
+
+    from .ckpt import storage
+
+    if not storage.is_remote(path):
+        return path
+    local = _LOCAL_COPIES.get(path)
+    if local is not None and os.path.exists(local):
+        return local
+    storage.check_store(path, "batch")
+    folder = tempfile.mkdtemp(prefix="improved-diffusion-batch-")
+    atexit.register(shutil.rmtree, folder, True)
+    local = os.path.join(folder, storage.basename(path) or "batch.npz")
+    try:
+        if storage.isdir(path):
+            raise EvaluationError(f"{path}: is a directory, not an npz batch")
+        with storage.open(path, "rb") as src, open(local, "wb") as dst:
+            shutil.copyfileobj(src, dst, 1 << 20)
+    except FileNotFoundError:
+        raise EvaluationError(f"{path}: no such file") from None
+    except OSError as e:
+        raise EvaluationError(f"{path}: cannot be read from the store ({type(e).__name__}: "
+                              f"{' '.join(str(e).split())[:200]})") from None
+    _LOCAL_COPIES[path] = local
+    return local
+
+
+def _on_local_copy(fn, path, *args):
+    """``fn(local path, *args)`` for the batch at ``path`` (_local_copy); its EvaluationError
+    names ``path`` (the URL), not the copy."""
+    path = os.fspath(path)
+    local = _local_copy(path)
+    if local == path:
+        return fn(path, *args)
+    try:
+        return fn(local, *args)
+    except EvaluationError as e:
+        raise EvaluationError(str(e).replace(local, path)) from None
+
+
 def open_batch(path, min_images=2):
     """
-    The ``arr_0`` of the npz at ``path`` as a Batch, checked: a readable npz holding ``arr_0``,
+    The ``arr_0`` of the npz at ``path`` (a local file or an object-store URL: read from a
+    local copy, _local_copy) as a Batch, checked: a readable npz holding ``arr_0``,
     uint8 NHWC with 3 channels, images of at least 1x1 pixel, at least ``min_images`` of them,
     as many bytes stored as its header says (stored or compressed), and precomputed statistics,
     if any, that can be used (``_statistics``: loaded, so a few tens of MB for ADM's). One
     line (EvaluationError naming the file) otherwise. Not collective.
     """
+    return _on_local_copy(_open_batch, path, min_images)
+
+
+def _open_batch(path, min_images):
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise EvaluationError(f"{path}: no such file" if not os.path.isdir(path)
@@ -521,8 +583,13 @@ def read_statistics(path, pool_dim, spatial_dim):
     The precomputed statistics of a reference batch, as ADM's ``read_statistics`` uses them:
     ``(FIDStatistics(mu, sigma) or None, FIDStatistics(mu_s, sigma_s) or None)``, checked
     (finite real arrays, not object arrays, in pairs) and against the feature widths
-    (EvaluationError naming the file otherwise). Not collective.
+    (EvaluationError naming the file otherwise). ``path``: local or an object-store URL. Not
+    collective.
     """
+    return _on_local_copy(_read_statistics, path, pool_dim, spatial_dim)
+
+
+def _read_statistics(path, pool_dim, spatial_dim):
     found = _statistics(path)
     out = []
     for (m, s), dim in ((("mu", "sigma"), pool_dim), (("mu_s", "sigma_s"), spatial_dim)):
@@ -968,11 +1035,17 @@ def write_reference_batch(data_dir, image_size, path, num_images=0, seed=0, batc
         raise UsageError(f"--num_images {num_images}: must be 0 (all the images) or more")
     if not path.endswith(".npz"):
         raise UsageError(f"{path}: the reference batch to write must be named *.npz")
-    if os.path.lexists(path):
+    from .ckpt import storage
+
+    remote = storage.is_remote(path)
+    storage.check_store(path, "REF_BATCH")
+    if storage.exists(path):
         raise EvaluationError(f"{path}: already exists; refusing to overwrite it (remove it or "
                               "give another name)")
-    inside = os.path.realpath(os.path.dirname(os.path.abspath(path)))
-    if (inside + os.sep).startswith(os.path.realpath(data_dir) + os.sep):
+    inside = (storage.dirname(path) if remote
+              else os.path.realpath(os.path.dirname(os.path.abspath(path))))
+    data_root = data_dir.rstrip("/") if storage.is_remote(data_dir) else os.path.realpath(data_dir)
+    if (inside + os.sep).startswith(data_root + os.sep):
         raise UsageError(f"{path}: inside --data_dir {data_dir}, where the training would take "
                          "the .npz for a latent; write the reference batch elsewhere")
     loader = image_datasets.load_data(data_dir=data_dir, batch_size=1, image_size=image_size,
@@ -992,8 +1065,13 @@ def write_reference_batch(data_dir, image_size, path, num_images=0, seed=0, batc
         raise EvaluationError(f"--data_dir {data_dir}: holds {len(indices)} image; a reference "
                               "batch needs at least 2")
     shape = (len(indices), image_size, image_size, 3)
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    tmp = f"{path}.tmp{os.getpid()}"
+    if remote:  # written locally, then streamed up under its final name (storage.open_write)
+        import tempfile
+        tmp = os.path.join(tempfile.mkdtemp(prefix="improved-diffusion-ref-"),
+                           f"{storage.basename(path)}.tmp{os.getpid()}")
+    else:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        tmp = f"{path}.tmp{os.getpid()}"
     t0 = last = time.time()
     try:
         with open(tmp, "wb") as raw:
@@ -1015,10 +1093,17 @@ def write_reference_batch(data_dir, image_size, path, num_images=0, seed=0, batc
                             last = now
             raw.flush()
             os.fsync(raw.fileno())
-        os.replace(tmp, path)
+        if remote:
+            import shutil
+            with open(tmp, "rb") as src, storage.open_write(path, exclusive=True) as dst:
+                shutil.copyfileobj(src, dst, 1 << 20)
+        else:
+            os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+        if remote:
+            os.rmdir(os.path.dirname(tmp))
     return len(indices)
 
 

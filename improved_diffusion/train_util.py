@@ -21,6 +21,7 @@ Where it differs from upstream's:
   returns PREEMPTED_EXIT_CODE (75).
 - The settings are one TrainConfig, checked when it is built.
 """
+import atexit
 import contextlib
 import dataclasses
 import gc
@@ -627,7 +628,8 @@ def record_indices(log_dir, rank, step, indices):
     ``step``) to log_dir/sample_indices/rank{rank}.csv; nothing for data that has none. A log dir
     in an object store (no append): the rows go to a local spool of that folder (logger._Mirror:
     the object downloaded first, so a resumed run continues it) and the whole file is put back
-    at most every _Mirror.EVERY_S seconds and at the process's exit. Not collective: each rank
+    at most every _Mirror.EVERY_S seconds and at the process's exit (a hook of its own,
+    registered after the store's client was made). Not collective: each rank
     writes its own file."""
     if indices is None:
         return
@@ -639,7 +641,10 @@ def record_indices(log_dir, rank, step, indices):
         spool = _INDEX_SPOOLS.get(d)
         if spool is None:
             spool = _INDEX_SPOOLS[d] = logger._Mirror(d)
-            spool.fetch(name)
+            spool.fetch(name)  # makes the store's client: the exit hook below runs before its
+            # own clean-up (atexit runs last in, first out; logger's runs after it, too late
+            # for adlfs)
+            atexit.register(spool.sync, True)
         path = os.path.join(spool.local, name)
     else:
         bf.makedirs(d)

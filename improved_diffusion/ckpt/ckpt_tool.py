@@ -22,6 +22,11 @@ safetensors, and reconstruct post-hoc EMAs from a run's snapshots.
 stderr, never a traceback. Only `convert`, `adapt`, `phema` and `consolidate` (into --out) and `prune` write or delete
 anything;
 every file is read with `torch.load(weights_only=True)`, so a checkpoint can never run code.
+
+Every FILE, DIR, SRC and --out may be a local path or an object-store URL (s3://, gs://, az://:
+storage.py, the store's own environment variables); every existence check, read and write here
+goes through storage.py. The sharded layout's steps (`consolidate`, a .dcp folder) are local
+only, as the trainer writes them.
 """
 
 import argparse
@@ -37,7 +42,7 @@ import torch as th
 from . import checkpoint as ckpt
 from ..errors import UsageError, UserError
 from ..flags import FlagParser, flags_to_argv, unknown_flag_message
-from . import file_writer, model_change, run_dir, sharded
+from . import file_writer, model_change, run_dir, sharded, storage
 from .. import phema
 from .state_fit import fit_state_dict, shapes_of
 from .optim_state import (
@@ -401,10 +406,25 @@ def cmd_inspect(args, out):
 
 
 def _require_dir(path, what):
-    if not os.path.exists(path):
+    """A ToolError unless ``path`` (a local directory or an object-store prefix) exists and is
+    a directory; a store that cannot be reached is its one-line StoreUnreachableError."""
+    storage.check_store(path, what)
+    if not storage.exists(path):
         raise ToolError(f"{path}: no such directory; check the {what} path")
-    if not os.path.isdir(path):
+    if not storage.isdir(path):
         raise ToolError(f"{path}: is a file, not a directory; give the run directory ({what})")
+
+
+def _abspath(path):
+    """A local path made absolute; a URL as it is."""
+    return path if storage.is_remote(path) else os.path.abspath(path)
+
+
+def _same_place(a, b):
+    """Whether two directories (local paths or URLs) are one."""
+    if storage.is_remote(a) or storage.is_remote(b):
+        return a.rstrip("/") == b.rstrip("/")
+    return os.path.realpath(a) == os.path.realpath(b)
 
 
 def verify_dir(log_dir, deep=True):
@@ -643,7 +663,8 @@ def cmd_diff(args, out):
 
 def _source_files(src, step):
     """[(step or None, [paths])] to convert: one group per step of a run dir, or one file."""
-    if os.path.isdir(src):
+    storage.check_store(src, "SRC")
+    if storage.isdir(src):
         steps = run_dir.list_steps(src)
         if step is not None:
             steps = [s for s in steps if s.step == step]
@@ -652,7 +673,7 @@ def _source_files(src, step):
         if not steps:
             raise ToolError(f"{src}: no checkpoint files found; check the path")
         return [(s.step, [p for p in s.files if not p.endswith(".json")], s) for s in steps]
-    if not os.path.exists(src):
+    if not storage.exists(src):
         raise ToolError(f"{src}: no such file or directory; check the path")
     return [(None, [src], None)]
 
@@ -678,10 +699,10 @@ def _param_names_for_opt(opt_path, files, flags_for, c_opt):
     model file of the same step."""
     beside = [p for p in files if ckpt.slot_of(p) == "model"]
     if not beside:
-        d = os.path.dirname(os.path.abspath(opt_path))
+        d = ckpt.dirname(_abspath(opt_path))
         if c_opt.step is not None:
-            cand = os.path.join(d, ckpt.model_filename(c_opt.step))
-            if os.path.exists(cand):
+            cand = ckpt.join(d, ckpt.model_filename(c_opt.step))
+            if storage.exists(cand):
                 beside = [cand]
     c_model = _load(beside[0]) if beside else None
     kind = c_model.kind if c_model is not None else "model"
@@ -729,8 +750,7 @@ def _tagged_payloads(group_files, flags_for, step_arg):
             continue
         step = _step_of(c, path, step_arg)
         if c.tagged:
-            with open(path, "rb") as f:
-                payloads[base] = f.read()
+            payloads[base] = storage.read_bytes(path)
             notes.append(f"{base}: already tagged, copied unchanged")
             continue
         flags = flags_for(c.kind)
@@ -866,12 +886,14 @@ def _safetensors_payloads(group_files, step_arg):
 
 
 def cmd_convert(args, out):
-    src = os.path.abspath(args.src)
-    out_dir = os.path.abspath(args.out)
-    src_dir = src if os.path.isdir(src) else os.path.dirname(src)
-    if os.path.realpath(out_dir) == os.path.realpath(src_dir):
+    storage.check_store(args.src, "SRC")
+    storage.check_store(args.out, "--out")
+    src = _abspath(args.src)
+    out_dir = _abspath(args.out)
+    src_dir = src if storage.isdir(src) else ckpt.dirname(src)
+    if _same_place(out_dir, src_dir):
         raise UsageError("convert: --out must be a different directory from the source")
-    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+    if storage.exists(out_dir) and not storage.isdir(out_dir):
         raise ToolError(f"{args.out}: is a file; --out must be a directory")
     flags_for = _FlagsFor(args.flags)
     if args.flags is not None:
@@ -891,10 +913,10 @@ def cmd_convert(args, out):
     # Check every target name before writing anything.
     for _, payloads, _ in plans:
         for name in payloads:
-            if os.path.lexists(os.path.join(out_dir, name)):
-                raise ToolError(f"{os.path.join(args.out, name)}: already exists; refusing to "
+            if storage.exists(ckpt.join(out_dir, name)):
+                raise ToolError(f"{ckpt.join(args.out, name)}: already exists; refusing to "
                                 "overwrite (choose another --out)")
-    os.makedirs(out_dir, exist_ok=True)
+    storage.makedirs(out_dir)
     for step, payloads, status in plans:
         whole_step = (args.to == "tagged" and status is not None and status.complete
                       and any(ckpt.slot_of(n) == "opt" for n in payloads)
@@ -902,10 +924,10 @@ def cmd_convert(args, out):
         try:
             if whole_step:
                 run_dir.save_step(out_dir, step, payloads)
-                written.append(os.path.join(out_dir, ckpt.manifest_filename(step)))
+                written.append(ckpt.join(out_dir, ckpt.manifest_filename(step)))
             else:
                 for name, obj in payloads.items():
-                    file_writer.atomic_write(os.path.join(out_dir, name), obj)
+                    file_writer.atomic_write(ckpt.join(out_dir, name), obj)
                 if args.to == "tagged" and payloads:
                     shown = step if step is not None else ", ".join(
                         sorted({str(ckpt.name_info(n).step) for n in payloads
@@ -914,7 +936,7 @@ def cmd_convert(args, out):
                                  "a complete step: it will not be resumed from)")
         except ckpt.CheckpointError as e:
             raise ToolError(str(e)) from None
-        written += [os.path.join(out_dir, n) for n in payloads]
+        written += [ckpt.join(out_dir, n) for n in payloads]
     rep = {"src": args.src, "to": args.to, "out": args.out, "written": sorted(written),
            "notes": notes}
     if args.flags is None and args.to == "tagged":
@@ -955,17 +977,19 @@ def cmd_adapt(args, out):
     """A complete tagged step in a new --out, adapted to the model of --flags (model_change.py)."""
     from .rng import seed_rngs  # the seeding of train.py's build(): the same fresh init
 
-    if os.path.exists(args.out) and not os.path.isdir(args.out):
+    storage.check_store(args.src, "SRC")
+    storage.check_store(args.out, "--out")
+    if storage.exists(args.out) and not storage.isdir(args.out):
         raise ToolError(f"{args.out}: is a file; --out must be a directory")
     if run_dir.list_steps(args.out):
         raise ToolError(f"{args.out}: already holds checkpoint files; adapt never writes into a "
                         "run: choose a new --out")
-    if not os.path.exists(args.src):
+    if not storage.exists(args.src):
         raise ToolError(f"{args.src}: no such file or directory; check the path")
     src = args.src
-    if os.path.isdir(src) and args.step is not None:
-        src = os.path.join(src, ckpt.model_filename(args.step))
-        if not os.path.exists(src):
+    if storage.isdir(src) and args.step is not None:
+        src = ckpt.join(src, ckpt.model_filename(args.step))
+        if not storage.exists(src):
             raise ToolError(f"{args.src}: no model file of step {args.step}; see "
                             f"`ckpt.py verify {args.src}`")
     plan = run_dir.plan_resume(args.out, src)  # the model file and the files beside it
@@ -1036,12 +1060,12 @@ def cmd_adapt(args, out):
         files[ckpt.opt_filename(step)] = ckpt.opt_payload(step, named, trainer)
     else:
         notes.append("no optimizer state in SRC: a resume starts a fresh optimizer")
-    os.makedirs(args.out, exist_ok=True)
+    storage.makedirs(args.out)
     try:
         run_dir.save_step(args.out, step, files)
     except ckpt.CheckpointError as e:
         raise ToolError(str(e)) from None
-    written = [os.path.join(args.out, n) for n in list(files) + [ckpt.manifest_filename(step)]]
+    written = [ckpt.join(args.out, n) for n in list(files) + [ckpt.manifest_filename(step)]]
     rep = {"src": args.src, "out": args.out, "step": step, "seed": seed, "written": written,
            "change": change.record(), "summary": change.lines(), "notes": notes}
     if args.json:
@@ -1101,7 +1125,7 @@ def cmd_consolidate(args, out):
     if list(payloads) != holds:
         raise ToolError(f"{st.sharded_path}: holds {list(payloads)}, its manifest says {holds}; "
                         f"the step is damaged: use another step")
-    os.makedirs(args.out, exist_ok=True)
+    storage.makedirs(args.out)
     run_dir.write_step(args.out, args.step, payloads, settings=st.manifest.get("run_flags"))
     rep = {"dir": args.dir, "step": args.step, "out": args.out,
            "written": [*payloads, ckpt.manifest_filename(args.step)]}
@@ -1139,9 +1163,9 @@ def cmd_phema(args, out):
         args.err.write(plan.warning + "\n")
     paths = {std: targets(std, plan.step) for std in stds}
     for p in paths.values():
-        if os.path.lexists(p):
+        if storage.exists(p):
             raise ToolError(f"{p}: already exists; refusing to overwrite (choose another --out)")
-    os.makedirs(os.path.dirname(next(iter(paths.values()))) or ".", exist_ok=True)
+    storage.makedirs(ckpt.dirname(next(iter(paths.values()))))
     written = []
     for std, payload in phema.reconstruct(plan, batch=args.batch):
         file_writer.atomic_write(paths[std], payload)
@@ -1183,7 +1207,8 @@ def _phema_sweep(args, stds, out):
         raise UsageError(f"--features {opts['features']}: must be one of "
                          f"{', '.join(evaluation.FEATURES)}")
     out_dir = args.out if args.out is not None else args.dir
-    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+    storage.check_store(out_dir, "--out")
+    if storage.exists(out_dir) and not storage.isdir(out_dir):
         raise ToolError(f"--out {out_dir}: is a file; give a directory for {SWEEP_PLOT}")
     try:
         evaluation.open_batch(args.evaluate).close()
@@ -1202,8 +1227,7 @@ def _phema_sweep(args, stds, out):
         batch_size=opts["sample_batch"], seed=opts["seed"], device=device,
         recon_batch=args.batch, log=None if args.json else
         (lambda line: args.err.write(line + "\n")))
-    os.makedirs(out_dir, exist_ok=True)
-    plot = phema.plot_sweep(rows, os.path.join(out_dir, SWEEP_PLOT), plan.step, features.name)
+    plot = _plot_sweep_to(out_dir, rows, plan.step, features.name)
     best = phema.best_row(rows)
     rep = {"dir": args.dir, "step": plan.step, "nimg": plan.nimg, "ref_batch": args.evaluate,
            "features": features.identity, "num_samples": opts["num_samples"],
@@ -1219,23 +1243,39 @@ def _phema_sweep(args, stds, out):
     return EXIT_OK
 
 
+def _plot_sweep_to(out_dir, rows, step, features_name):
+    """phema_sweep.png in ``out_dir`` (a local directory, made when missing, or an object-store
+    prefix: drawn in a local temp folder, then put whole); returns its path."""
+    if not storage.is_remote(out_dir):
+        os.makedirs(out_dir, exist_ok=True)
+        return phema.plot_sweep(rows, os.path.join(out_dir, SWEEP_PLOT), step, features_name)
+    import tempfile
+
+    plot = ckpt.join(out_dir, SWEEP_PLOT)
+    with tempfile.TemporaryDirectory() as tmp:
+        local = phema.plot_sweep(rows, os.path.join(tmp, SWEEP_PLOT), step, features_name)
+        storage.put(plot, storage.read_bytes(local))
+    return plot
+
+
 def _phema_targets(args, stds):
     """(std, step) -> output path for --out: a .pt file (one --std), else a directory (made when
     missing) holding ckpt.posthoc_ema_filename(std, step) per std; never the run dir itself."""
     target = args.out
-    as_file = target.endswith(".pt") and not os.path.isdir(target)
+    storage.check_store(target, "--out")
+    as_file = target.endswith(".pt") and not storage.isdir(target)
     if as_file and len(stds) > 1:
         raise UsageError(f"--out {target}: {len(stds)} --std values need a directory (one file "
                          "each); give a directory")
-    if os.path.exists(target) and not os.path.isdir(target) and not as_file:
+    if storage.exists(target) and not storage.isdir(target) and not as_file:
         raise ToolError(f"--out {target}: is a file; give a directory or a new .pt file")
-    where = os.path.dirname(os.path.abspath(target)) if as_file else target
-    if os.path.realpath(where) == os.path.realpath(args.dir):
+    where = ckpt.dirname(_abspath(target)) if as_file else target
+    if _same_place(where, args.dir):
         raise UsageError(f"--out {target}: inside the run directory the files would join its "
                          "steps; write them elsewhere (a subdirectory is fine)")
     if as_file:
         return lambda std, step: target
-    return lambda std, step: os.path.join(target, ckpt.posthoc_ema_filename(std, step))
+    return lambda std, step: ckpt.join(target, ckpt.posthoc_ema_filename(std, step))
 
 
 # ---------------------------------------------------------------------------------------------
