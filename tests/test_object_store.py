@@ -233,9 +233,6 @@ def test_evaluate_reads_and_writes_npz_batches_in_a_bucket(s3, tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["digits", "samples.npz"]  # nothing else local
 
 
-@pytest.mark.xfail(strict=True, reason="refused in one line, but only at the first save "
-                   "(sharded._check_names), after step 1 trained: the check belongs with "
-                   "--save_layout's own in CheckpointConfig.__post_init__ (checkpointer.py)")
 @pytest.mark.timeout(180)
 def test_the_sharded_layout_with_a_bucket_log_dir_is_one_line_before_training(
         s3, images, tmp_path):
