@@ -467,6 +467,8 @@ class TrainLoop:
         process at exit ("terminate called without an active exception", signal 6).
         """
         self.checkpointer.close(sync=sync)
+        for spool in _INDEX_SPOOLS.values():  # --log_sample_indices' rows of a bucket log dir,
+            spool.sync(True)  # put now: at exit a store's client may be gone (adlfs)
         if self._tensorboard is not None:
             logger.remove_output(self._tensorboard)
             self._tensorboard = None
