@@ -152,8 +152,8 @@ class CheckpointConfig:
         for it, writer_process.core_free; else the thread).
     save_layout: "full" (rank 0 writes today's model/ema/opt files; a sharded model's tensors
         are gathered to it first) or "sharded" (a sharded model only: every rank writes its
-        shards of one DCP checkpoint per step, sharded.py; with async_save, DCP's process-based
-        asynchronous save).
+        shards of one DCP checkpoint per step, sharded.py; with async_save, DCP's thread-based
+        asynchronous save on a process group of its own).
     """
 
     log_dir: str
@@ -425,7 +425,8 @@ class Checkpointer:
         """save() in the sharded layout: collect the previous save (its failure raised on every
         rank), then every rank starts writing its shards of this step (sharded.start_save; the
         trainer state, every rank's RNG included, the same on every rank); with async_save the
-        write goes on in DCP's writer processes until the next save collects it. Collective."""
+        write goes on in DCP's writer thread until the next save (or wait_for_save: the end, a
+        preemption) collects it. Collective."""
         rngs = dist_util.all_gather_object(rng.get_rng_state())
         self._collect_sharded()
         mode = "thread" if self.config.async_save else "sync"  # docs/checkpoints.md: why

@@ -17,9 +17,15 @@ What a step is on disk (step 10 of a run saved by 2 ranks)::
 The state saved is ``{file name: payload}``, exactly the payloads the full layout writes
 (checkpoint.model_payload / ema_payload / opt_payload with the named-v1 optimizer state), but
 whose parameter, EMA and Adam-moment tensors are DTensors (Shard(0) over the world); every rank
-passes the identical structure. Beside them, one string (``_STRUCTURE``): the nesting and key
-order of the whole structure, so that a reader without a template (``consolidate``) rebuilds
-the payloads exactly, empty dicts and lists included (DCP keeps only leaves).
+passes the identical structure. Within a payload, each dict or list without a DTensor (the
+trainer state with every rank's RNG, the flags, the param groups) is saved as one value, its
+torch.save bytes (``_pack``); a reader places them by the saved structure (``_pack_like``), so
+its template needs only their place, whatever the rank count that wrote them. Beside them, one
+string (``_STRUCTURE``): the nesting and key order of the whole structure, so that a reader
+without a template (``consolidate``) rebuilds the payloads exactly, empty dicts and lists
+included (DCP keeps only leaves). Plain tensors (buffers, each rank's own under FSDP) are saved
+from rank 0, as the full layout does. The manifest also records the model's flags and kind
+(``read_flags``: a flagless resume takes them without a DCP read).
 
 The rules of a step hold as in the full layout (run_dir): the shards go into a temporary folder
 (``step000010.dcp.tmp-<hex>``, a temp name to run_dir: removed by tidy and prune); once every
