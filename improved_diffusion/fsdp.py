@@ -5,14 +5,16 @@ plumbing, beside dist_util. What the rest of the code sees of a sharded model is
 Under ``--fsdp True`` every parameter is a DTensor: each rank holds one slice (dim 0, torch.chunk's
 split; on 3 ranks the slices are uneven and some may be empty), and so do its gradient, its Adam
 moments (AdamW over the sharded parameters) and its EMAs (clones of the parameters, updated on the
-local slices). Nothing of the training ever holds the whole model on one rank. A checkpoint meets
-that in two places, both here, both collective:
+local slices). Once sharded, nothing of the training holds the whole model on one rank (it is
+built whole on every rank, from the same seed, then sharded). The sharded layout of a step
+(ckpt/sharded.py) saves the DTensors as they are; the full layout meets them in two places, both
+here:
 
-- a save of the full layout: ``gather_full(files)`` turns every DTensor in the step's payloads
+- a save (collective): ``gather_full(files)`` turns every DTensor in the step's payloads
   (checkpointer.step_files: weights, EMAs, the optimizer state keyed by parameter name) into the
   whole tensor on rank 0, on the CPU, one tensor at a time; the other ranks get ``None`` for the
   payloads. Rank 0 then writes today's model/ema/opt files, which any tool reads.
-- a load: every rank reads the same full file (as on DDP); ``localize_*`` cut each whole tensor to
+- a load (not collective): every rank reads the same full file (as on DDP); ``localize_*`` cut each whole tensor to
   this rank's slice of the live DTensor it goes to (no communication: each rank takes its own
   slice of the tensor it already holds). A file written on any number of ranks, by DDP or FSDP,
   loads on any number.
