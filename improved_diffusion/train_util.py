@@ -630,8 +630,8 @@ def record_indices(log_dir, rank, step, indices):
     ``step``) to log_dir/sample_indices/rank{rank}.csv; nothing for data that has none. A log dir
     in an object store (no append): the rows go to a local spool of that folder (logger._Mirror:
     the object downloaded first, so a resumed run continues it) and the whole file is put back
-    at most every _Mirror.EVERY_S seconds and at the process's exit (a hook of its own,
-    registered after the store's client was made). Not collective: each rank
+    at most every _Mirror.EVERY_S seconds, at TrainLoop.close, and at the process's exit (a hook
+    of its own, for a run that ends without close; adlfs' client may be gone by then). Not collective: each rank
     writes its own file."""
     if indices is None:
         return
