@@ -32,7 +32,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "tests"))
 
-from conftest import MPIEXEC, PY, child_env, job_pids, write_images  # noqa: E402
+from conftest import MPIEXEC, PY, child_env, rank_pids, write_images  # noqa: E402
 
 COMMAND = "python benchmarks/fsdp_memory.py"
 
@@ -68,8 +68,7 @@ def measure(work, data, ranks, sharded, steps, channels, mmap_threshold):
                                env=child_env(env), cwd=REPO)
         saving = False
         while job.poll() is None:
-            pids = {rank: pid for pid, rank in job_pids(log_dir).items()
-                    if status_kb(pid, "PPid") not in job_pids(log_dir)}  # ranks, not workers
+            pids = rank_pids(log_dir)
             saving = saving or "saved step" in out_path.read_text() or "step " + str(steps) in \
                 out_path.read_text()
             for rank, pid in pids.items():

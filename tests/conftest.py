@@ -161,6 +161,22 @@ def job_pids(marker, script=b"train.py"):
     return pids
 
 
+def rank_pids(marker, script=b"train.py"):
+    """{rank: pid} of the ranks alone of such a job (job_pids): a loader worker, a fork of its
+    rank, has that rank's PMI_RANK too, and its parent is in the job."""
+    job = job_pids(marker, script)
+    ranks = {}
+    for pid, rank in job.items():
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        if parent not in job:
+            ranks[rank] = pid
+    return ranks
+
+
 def resumed_step(output):
     """The step a run said it resumed at ("resumed at step N ..."), or None."""
     found = re.findall(r"(?i)resum\w*[^\n]*?\bstep\s+(\d+)", output)

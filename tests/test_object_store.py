@@ -14,7 +14,7 @@ import time
 import pytest
 
 import stores
-from conftest import MPIEXEC, PY, REPO, child_env, write_images
+from conftest import MPIEXEC, PY, REPO, child_env, rank_pids, write_images
 
 TRAIN = REPO / "scripts" / "train.py"
 CKPT = REPO / "scripts" / "ckpt.py"
@@ -75,23 +75,6 @@ def no_url_folders(d):
     """Names of local folders made like a URL (``s3:``, ``gs:``, ``az:``) under ``d``."""
     return [os.path.join(r, n) for r, dirs, _ in os.walk(d) for n in dirs
             if n in ("s3:", "gs:", "az:")]
-
-
-def rank_pids(marker):
-    pids = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            cmdline = open(f"/proc/{entry}/cmdline", "rb").read()
-            environ = open(f"/proc/{entry}/environ", "rb").read().split(b"\0")
-        except OSError:
-            continue
-        if marker.encode() in cmdline and b"train.py" in cmdline:
-            for kv in environ:
-                if kv.startswith(b"PMI_RANK="):
-                    pids[int(kv.split(b"=", 1)[1])] = int(entry)
-    return pids
 
 
 # ----------------------------------------------------------------------------- the main case

@@ -23,8 +23,8 @@ import torch
 from PIL import Image
 
 from cluster_sim import matches_manifest
-from conftest import (MPIEXEC, PY, REPO, _run, child_env, deep_diff, resumed_step, run_mpi,
-                      run_script)
+from conftest import (MPIEXEC, PY, REPO, _run, child_env, deep_diff, rank_pids, resumed_step,
+                      run_mpi, run_script)
 
 SLOW_SAVE_TRAIN = REPO / "tests" / "slow_save_train.py"
 AMP_TRAIN = REPO / "tests" / "amp_train.py"
@@ -462,27 +462,6 @@ def test_kill_9_at_random_moments_always_resumes_from_a_complete_step(tmp_path, 
 
 
 # ------------------------------------------------------------------------------- SIGTERM
-
-
-def rank_pids(marker):
-    """{rank: pid} of the MPI ranks whose command line contains `marker` (via /proc)."""
-    pids = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmdline = f.read()
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                environ = f.read().split(b"\0")
-        except OSError:
-            continue
-        if marker.encode() not in cmdline or b"train.py" not in cmdline:
-            continue
-        for kv in environ:
-            if kv.startswith(b"PMI_RANK="):
-                pids[int(kv.split(b"=", 1)[1])] = int(entry)
-    return pids
 
 
 @pytest.mark.timeout(150)
