@@ -765,13 +765,15 @@ class Resume:
             self.change.step = self.step
         for note in c.notes:
             logger.log(f"note: {checkpoint.basename(path)}: {note}")
-        changed = state_fit.differing_flags(c.flags, ckpt.model_flags)
-        if changed and self.change is None:  # a model change lists them in its summary block
-            logger.log("note: flags differ from the checkpoint's: " + ", ".join(
-                f"--{k} {a} -> {b}" for k, (a, b) in changed.items()))
-        if not (self.plan.source == "auto" and self.plan.in_log_dir):  # from elsewhere
-            run_dir.refuse_overwrite(self.plan, self.step)  # never over --log_dir's history
+        if self.change is None:  # a model change lists them in its summary block
+            _note_flags_differ(c.flags, ckpt.model_flags)
+        self._refuse_overwrite()
         return self.step
+
+    def _refuse_overwrite(self):
+        """A step from elsewhere (a file, another run) never goes over --log_dir's history."""
+        if not (self.plan.source == "auto" and self.plan.in_log_dir):
+            run_dir.refuse_overwrite(self.plan, self.step)
 
     def _load_sharded(self):
         """load_model() of a sharded step (its folder, verified by the plan): whether it fits
@@ -807,12 +809,8 @@ class Resume:
             flags=model.get("flags"), state_dict=model.get("state_dict"), raw=model)
         self.file_shapes = dict(shapes)
         self.step = step
-        changed = state_fit.differing_flags(model.get("flags") or {}, ckpt.model_flags)
-        if changed:
-            logger.log("note: flags differ from the checkpoint's: " + ", ".join(
-                f"--{k} {a} -> {b}" for k, (a, b) in changed.items()))
-        if not (self.plan.source == "auto" and self.plan.in_log_dir):
-            run_dir.refuse_overwrite(self.plan, self.step)
+        _note_flags_differ(model.get("flags") or {}, ckpt.model_flags)
+        self._refuse_overwrite()
         return self.step
 
     def load_ema(self, rate):
@@ -1107,6 +1105,14 @@ def _data_state(data):
 
 
 # ---------------------------------------------------------------------- helpers
+
+
+def _note_flags_differ(saved, given):
+    """Log the model flags given with other values than the checkpoint's (one line, if any)."""
+    changed = state_fit.differing_flags(saved, given)
+    if changed:
+        logger.log("note: flags differ from the checkpoint's: " + ", ".join(
+            f"--{k} {a} -> {b}" for k, (a, b) in changed.items()))
 
 
 def copy_into(targets, values):
