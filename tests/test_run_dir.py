@@ -90,6 +90,24 @@ def test_auto_resume_reads_the_checksums_of_the_chosen_step_only(tmp_path, hashe
     assert sorted(hashed) == sorted(["model000030.pt", "ema_0.9999_000030.pt", "opt000030.pt"])
 
 
+def test_the_prune_after_a_save_reads_no_step_its_process_wrote_and_keeps_a_good_step_only(
+        tmp_path, hashed):
+    """Prune keeps the newest resumable steps, checked as a resume checks them (issue 43, item
+    9), at no read of a step this process wrote (its checksums were computed as it was
+    written); a step changed since is read, and a flipped byte makes it no kept step."""
+    _save_steps(tmp_path, [1, 2, 3])
+    hashed.clear()
+    deleted = R.prune(tmp_path, 2)
+    assert sorted(os.path.basename(p) for p in deleted) == [
+        "ema_0.9999_000001.pt", "manifest000001.json", "model000001.pt", "opt000001.pt"]
+    assert hashed == []
+    _flip_a_byte(tmp_path / "model000003.pt")
+    R.prune(tmp_path, 1)
+    assert "model000003.pt" in hashed and "model000002.pt" not in hashed
+    assert [s.step for s in R.list_steps(tmp_path)] == [3, 2]  # the damaged one stays too
+    assert R.plan_resume(tmp_path, "").step == 2
+
+
 def test_a_damaged_newest_step_is_skipped_one_step_at_a_time(tmp_path, hashed):
     _save_steps(tmp_path, [1, 2, 3, 4])
     _flip_a_byte(tmp_path / "model000004.pt")  # same size: only the checksum can tell

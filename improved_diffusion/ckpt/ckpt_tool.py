@@ -42,7 +42,7 @@ import torch as th
 from . import checkpoint as ckpt
 from ..errors import UsageError, UserError
 from ..flags import FlagParser, flags_to_argv, unknown_flag_message
-from . import file_writer, model_change, run_dir, sharded, storage
+from . import file_writer, model_change, run_dir, run_lock, sharded, storage
 from .. import phema
 from .state_fit import fit_state_dict, shapes_of
 from .optim_state import (
@@ -428,10 +428,13 @@ def _same_place(a, b):
 
 
 def verify_dir(log_dir, deep=True):
-    """JSON-able report of every step in `log_dir`, newest first, and the step resume would use."""
+    """JSON-able report of every step in `log_dir`, newest first, and what train.py --log_dir
+    DIR would do with it: ``resume`` ({"step": N or None, "refused": its one-line error or None,
+    "message"}), decided by run_dir.choose_step as the resume plan decides it (``resume_step``:
+    its step). ``deep`` False: from names, sizes and manifests, no checksum read."""
     steps = run_dir.list_steps(log_dir, verify_checksums=deep)
     rows = []
-    resume = None
+    resume = _resume_decision(log_dir, steps, deep)
     for st in steps:
         row = {"step": st.step, "legacy": st.legacy, "complete": st.complete,
                "files": [os.path.basename(p) for p in st.files], "problems": [], "notes": [],
@@ -456,12 +459,27 @@ def verify_dir(log_dir, deep=True):
         row["resumable"] = st.complete and len(soft) == len(row["problems"])
         if row["resumable"] and soft:
             row["notes"].append("resumable with a fresh optimizer")
-        if row["resumable"] and resume is None:
-            resume = st.step
         rows.append(row)
     snaps = _verify_snapshots(log_dir, steps, deep)
-    return {"dir": os.fspath(log_dir), "steps": rows, "resume_step": resume, "snapshots": snaps,
+    return {"dir": os.fspath(log_dir), "steps": rows, "resume_step": resume["step"],
+            "resume": resume, "snapshots": snaps,
             "ok": bool(rows) and all(not r["problems"] for r in rows) and not snaps["problems"]}
+
+
+def _resume_decision(log_dir, steps, deep):
+    """What `train.py --log_dir DIR` does with ``steps`` (run_dir.choose_step: the plan's own
+    decision): {"step": the step it resumes or None, "refused": the one line it refuses to
+    start with or None, "message": what it says}."""
+    if not steps:
+        return {"step": None, "refused": None, "message": None}
+    try:
+        st = run_dir.choose_step(os.fspath(log_dir), steps, verify_checksums=deep)
+    except run_dir.NoUsableStepError as e:
+        return {"step": None, "refused": str(e), "message": None}
+    if st is None:
+        return {"step": None, "refused": None,
+                "message": run_dir.FRESH_OVER_INTERRUPTED.format(where=os.fspath(log_dir))}
+    return {"step": st.step, "refused": None, "message": None}
 
 
 def _verify_snapshots(log_dir, steps, deep):
@@ -505,10 +523,16 @@ def cmd_verify(args, out):
               f"({sn['of_pruned_steps']} of pruned steps, kept for `ckpt.py phema`)\n")
             for p in sn["problems"]:
                 w(f"  {'':>13}  problem: {p}\n")
-        if rep["resume_step"] is None:
+        decision = rep["resume"]
+        if decision["refused"]:
+            w(f"resume: train.py refuses to start in this log dir: {decision['refused']}\n")
+        elif decision["step"] is None:
             w("resume: no resumable step (training would start from scratch)\n")
         else:
-            w(f"resume: step {rep['resume_step']}\n")
+            row = next(r for r in rep["steps"] if r["step"] == decision["step"])
+            w(f"resume: step {decision['step']}" + ("" if row["resumable"] else
+              " (train.py takes it, as its checksums match; the problems above stop that "
+              "resume: move the step away)") + "\n")
     if not rep["steps"]:
         if not args.json:
             out.write(f"problem: no checkpoint files in {args.dir}\n")
@@ -1085,9 +1109,27 @@ def cmd_adapt(args, out):
 
 
 def cmd_prune(args, out):
+    """Keep the newest --keep resumable steps (run_dir.prune), holding the run dir's lock
+    meanwhile: a run that a training job holds is refused (its save in progress, its own
+    prunes), and no job starts in it until the prune is done."""
     if args.keep < 1:
         raise UsageError("prune: --keep must be at least 1")
     _require_dir(args.dir, "DIR")
+    lock = run_lock.LogDirLock(args.dir, wait_s=0)
+    try:
+        lock.acquire(log=lambda line: None)
+    except run_lock.LogDirLockedError as e:
+        raise ToolError(f"{args.dir} is in use by {run_lock.describe_owner(e.holder)} (a "
+                        f"training job holds its lock); nothing was pruned: prune once that job "
+                        f"has ended, or let the job prune as it saves (--keep_checkpoints "
+                        f"{args.keep})") from None
+    try:
+        return _prune_locked(args, out)
+    finally:
+        lock.release()
+
+
+def _prune_locked(args, out):
     steps = run_dir.list_steps(args.dir)
     if not any(s.complete for s in steps):
         raise ToolError(f"{args.dir}: no complete step; nothing pruned (see `ckpt.py verify`)")
@@ -1339,8 +1381,9 @@ def build_parser():
     sp.add_argument("--force", action="store_true",
                     help="write the step even when the new model keeps less than half of the "
                     "file's tensors (refused otherwise: flags of another model, most likely)")
-    sp = sub.add_parser("prune", help="delete old steps, keeping the newest K complete ones "
-                        "(and every post-hoc EMA snapshot)")
+    sp = sub.add_parser("prune", help="delete old steps, keeping the newest K resumable ones "
+                        "(checksums read) and every post-hoc EMA snapshot; refused while a "
+                        "training job holds DIR")
     sp.add_argument("dir", metavar="DIR")
     sp.add_argument("--keep", type=int, required=True, metavar="K")
     sp.add_argument("--delete_snapshots", action="store_true",

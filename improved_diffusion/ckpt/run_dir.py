@@ -333,6 +333,8 @@ def _check_sharded_listing(st, log_dir, doc):
 # inode, size, mtime or ctime, so it is read anew. Bounded: cleared when it grows past this.
 _VERIFIED: Dict[tuple, bool] = {}
 _VERIFIED_MAX = 64
+# Steps this process wrote (write_step), by the same identity: prune keeps them unread.
+_WRITTEN: Dict[tuple, bool] = {}
 
 
 def _identity(st, log_dir):
@@ -376,11 +378,16 @@ def verify_step(st, log_dir):
                     f"{name} does not match its {algorithm} in the manifest (corrupt)")
                 return st
     st.verified = True
-    if key is not None:
-        if len(_VERIFIED) >= _VERIFIED_MAX:
-            _VERIFIED.clear()
-        _VERIFIED[key] = True
+    _remember(key)
     return st
+
+
+def _remember(key, into=_VERIFIED):
+    """Put a step's identity (_identity; None: nothing) in _VERIFIED (or _WRITTEN)."""
+    if key is not None:
+        if len(into) >= _VERIFIED_MAX:
+            into.clear()
+        into[key] = True
 
 
 def _size_or_none(path):
@@ -592,7 +599,7 @@ def _choose(plan, where, steps, announce):
         if holder is not None:  # another job is writing there as we read it
             plan.source_live = run_lock.describe_owner(holder)
             warn = _live_source_warn(plan.warnings.append, plan.source_live)
-    st = latest_complete_step(where, warn=warn, verify_checksums=True, steps=steps)
+    st = choose_step(where, steps, flag, warn=warn, refuse_fresh=explicit_dir)
     if st is not None:
         plan.source, plan.step = "auto", st.step
         plan.model = st.step_path
@@ -600,11 +607,30 @@ def _choose(plan, where, steps, announce):
         plan.beside = _beside([st])
         plan.message = f"auto-resume: newest complete step in {where} is {st.step}"
         return
+    plan.message = FRESH_OVER_INTERRUPTED.format(where=where)
+
+
+# What a resume says when a run dir holds only interrupted saves (and starts fresh).
+FRESH_OVER_INTERRUPTED = ("no complete checkpoint in {where} (only interrupted saves); starting "
+                          "fresh")
+
+
+def choose_step(where, steps, flag="--log_dir", warn=None, verify_checksums=True,
+                refuse_fresh=False):
+    """The step a resume of run dir ``where`` takes (StepStatus), from its ``steps``
+    (``list_steps``, non-empty): the newest complete one whose checksums match (read here for
+    the candidate alone, unless ``verify_checksums`` is False or they were read already); None
+    for a fresh start (only interrupted saves). Raises NoUsableStepError (one line naming
+    ``flag``) when steps that were saved completely once are there but none verifies, or when
+    ``refuse_fresh`` (a directory named to resume from). The one decision that plan_resume and
+    `ckpt.py verify` both make. CheckpointReadError when a read fails. Not collective."""
+    st = latest_complete_step(where, warn=warn, verify_checksums=verify_checksums, steps=steps)
+    if st is not None:
+        return st
     history = [s for s in steps if s.has_history]
-    if history or explicit_dir:
+    if history or refuse_fresh:
         raise NoUsableStepError(_no_usable_step_message(flag, where, history or steps))
-    plan.message = (f"no complete checkpoint in {where} (only interrupted saves); starting "
-                    f"fresh")
+    return None
 
 
 def _live_source_warn(warn, owner):
@@ -760,13 +786,24 @@ def write_step(log_dir, step, files, crc_threads=None, settings=None):
                                                    crc_threads)
             written.append(name)
         current = manifest
-        file_writer.write_file(ckpt.join(log_dir, manifest), _manifest_bytes(step, entries, settings))
+        data = _manifest_bytes(step, entries, settings)
+        file_writer.write_file(ckpt.join(log_dir, manifest), data)
     except BaseException as e:
         _remove_written(log_dir, written)
         message = file_writer.write_fault_message(e, log_dir, f"saving step {step} ({current})", kept)
         if message is None:
             raise
         raise CheckpointError(message) from None
+    remember_written(log_dir, step, json.loads(data))
+
+
+def remember_written(log_dir, step, manifest):
+    """Record a step this process has just written (its ``manifest``'s dict): the checksums it
+    lists were computed from the bytes as they were written, so the prune after the save does
+    not read them back while the files are unchanged (_WRITTEN; a resume still reads them).
+    Not collective."""
+    _remember(_identity(StepStatus(step=int(step), files=[], manifest=manifest),
+                        os.fspath(log_dir)), _WRITTEN)
 
 
 def _manifest_bytes(step, entries, settings=None, extra=None):
@@ -852,24 +889,38 @@ def prune_lines(log_dir, keep):
 
 def prune(log_dir, keep, *, temp_age_s=60.0, snapshots=False):
     """
-    Keep the newest ``keep`` complete steps; delete every file of steps older than the oldest
-    kept one (complete or not) except their post-hoc EMA snapshots (``phema_*``: the history the
+    Keep the newest ``keep`` resumable steps: complete, with their checksums matching, checked
+    newest first as a resume checks its candidate (verify_step; a step verified before in this
+    process or written by it, unchanged since, is not read again), so the step a resume would
+    take is always kept. Delete every file of steps older than the oldest kept one (complete, damaged or
+    interrupted) except their post-hoc EMA snapshots (``phema_*``: the history the
     reconstruction needs), which only ``snapshots=True`` deletes (then also those left by earlier
-    prunes). Never touches the newest complete step, nor any step newer than
-    the kept ones (it may be a save in progress); with no complete step it deletes nothing. Each
+    prunes). Never touches a step newer than the oldest kept one (a damaged step stays for
+    `ckpt.py verify` to show, a step without manifest may be a save in progress); with no
+    resumable step it deletes nothing. Each
     step's manifest goes FIRST (then opt, EMA, model), so a half-deleted step is never "complete".
     Also removes temp files (``*.tmp-<hex>``) older than ``temp_age_s`` seconds, and the
     interrupted saves set aside in ``incomplete/stepNNNNNN/`` once they are older than the oldest
     kept step (so repeated crashes cannot fill the disk). ``keep`` < 1 deletes no step (only stale
     temp files). Returns the deleted paths. Not collective: call on rank 0 after a save
-    (save_step's return means every rank has finished it).
+    (save_step's return means every rank has finished it), or where no job holds the log dir's
+    lock (`ckpt.py prune` takes it: a job's save in progress has temp files of any age).
+    CheckpointReadError when a read fails (nothing is deleted then).
     """
     log_dir = os.fspath(log_dir)
     names = listdir(log_dir)
     deleted = []
     if keep >= 1:
         steps = list_steps(log_dir, names=names)
-        kept = [s for s in steps if s.complete][:keep]
+        kept = []
+        for st in steps:
+            if len(kept) == keep:
+                break
+            written_here = st.manifest is not None and _identity(st, log_dir) in _WRITTEN
+            if st.complete and not st.verified and not written_here:
+                verify_step(st, log_dir)
+            if st.complete:
+                kept.append(st)
         oldest_kept = kept[-1].step if kept else None
         doomed = [p for st in steps if oldest_kept is not None and st.step < oldest_kept
                   for p in sorted(st.files, key=lambda p: _DELETE_ORDER.get(_kind(p), 9))

@@ -74,7 +74,12 @@ class LockError(UserError):
 
 
 class LogDirLockedError(LockError):
-    """Another job held the log dir for longer than we were allowed to wait."""
+    """Another job held the log dir for longer than we were allowed to wait; ``holder``: its
+    owner record ({} when not written yet)."""
+
+    def __init__(self, message, holder=None):
+        super().__init__(message)
+        self.holder = holder or {}
 
 
 class LogDirNotWritableError(LockError):
@@ -259,7 +264,7 @@ class LogDirLock:
                 raise LogDirLockedError(
                     f"log dir {self.log_dir} is in use by {describe_owner(holder)} (lock "
                     f"{self.path}; waited {self.wait_s:g} s): wait for that job to end, stop "
-                    f"it, or use another --log_dir"
+                    f"it, or use another --log_dir", holder=holder
                 )
             if now >= stop:
                 return None
