@@ -161,6 +161,8 @@ def take_checkpoint_flags(args, given, kinds=("model", "ema"), resolved_later=("
     if found is None:
         return None
     path, saved, saved_run = found
+    if getattr(saved_run, "source", None) == "trainer":
+        _check_trainer_settings(args, given, path, saved_run)
     skip = {k for k in resolved_later if k not in given}
     taken = adopt_flags(args, given, {k: v for k, v in saved.items() if k not in skip},
                         f"resume from {path}", "a resume takes its model flags from the file",
@@ -178,6 +180,30 @@ def take_checkpoint_flags(args, given, kinds=("model", "ema"), resolved_later=("
     if "deterministic" in taken:  # start_job applied the default: apply the run's now
         dist_util.set_deterministic(args.deterministic)
     return taken
+
+
+# Run settings that a resume must not take from their defaults when the step does not record
+# them: where the run ends (the default trains forever).
+MUST_BE_RECORDED = ("max_steps",)
+
+
+def _check_trainer_settings(args, given, path, settings):
+    """A step whose manifest records no run settings (an older release's): they come from the
+    trainer state of its opt file (run_dir.step_settings), logged once as such; one that it
+    does not record either, of MUST_BE_RECORDED, and not typed is a UsageError naming the flag
+    to type."""
+    step = checkpoint.name_info(checkpoint.basename(path)).step
+    missing = [k for k in MUST_BE_RECORDED if hasattr(args, k) and k not in given
+               and k not in settings]
+    if missing:
+        raise UsageError(
+            f"resume from {path}: its step's manifest records no run settings (an older "
+            f"release wrote it) and its trainer state does not record "
+            f"{', '.join('--' + k for k in missing)}: type {' '.join(f'--{k} N' for k in missing)}"
+            f" (--max_steps 0: no end); the other settings are taken from its trainer state")
+    logger.log(f"resume: {checkpoint.manifest_filename(step)} records no run settings (an older "
+               f"release's): taken from the trainer state of {checkpoint.opt_filename(step)}; "
+               f"the settings it does not record are as typed or their defaults")
 
 
 def _allow_hint(clash):

@@ -170,3 +170,46 @@ def test_super_res_resume_typing_the_files_own_large_size_is_checked_against_its
                       "--large_size", "16", timeout=60, check=False)
     assert proc.returncode == 2 and "--small_size 64 must be smaller" in proc.stdout
     assert not (tmp_path / "new").exists()
+
+
+def without_run_flags(run, step):
+    """Rewrite manifest{step}.json as releases before run_flags wrote it (still valid: its
+    checksums are those of the step's data files)."""
+    path = run / f"manifest{step:06d}.json"
+    doc = json.loads(path.read_text())
+    del doc["run_flags"]
+    path.write_text(json.dumps(doc, indent=1) + "\n")
+
+
+@pytest.mark.timeout(600)
+def test_a_manifest_without_run_flags_resumes_with_the_trainer_states_settings_or_names_the_flag(
+        images, straight, tmp_path):
+    """Issue 43, item 11: step 3's manifest records no run settings (an older release's). The
+    resume takes --batch_size, --lr, --ema_rate and --seed from the trainer state of
+    opt000003.pt, not their defaults (batch 1, lr 1e-4, the 0.99 EMA dropped), and ends bitwise
+    as the straight run; left out, --max_steps (which the trainer state does not record) is
+    asked for in one line, not taken as "no end"."""
+    run = stopped_at_3(straight, tmp_path / "run")
+    without_run_flags(run, 3)
+    unrecorded = ["--save_interval", "3", "--log_interval", "3", "--schedule_sampler",
+                  "loss-second-moment"]
+    out = run_mpi(2, "train.py", "--data_dir", images, "--log_dir", run, "--num_workers", "1",
+                  "--max_steps", "6", *unrecorded, timeout=300).stdout
+    assert resumed_step(out) == 3, out[-3000:]
+    assert "manifest000003.json records no run settings" in out, out[-3000:]
+    line = next(ln for ln in out.splitlines() if "resume: from the checkpoint" in ln)
+    for flag in ("--lr 0.002", "--batch_size 4", "--ema_rate 0.99", "--seed 3"):
+        assert flag in line, (flag, line)
+    assert step_files(run, 6) == step_files(straight, 6) and not step_files(run, 7)
+    for name in step_files(straight, 6):
+        diffs = deep_diff(load(straight / name), load(run / name))
+        assert not diffs, (name, diffs[:10])
+
+    run = stopped_at_3(straight, tmp_path / "again")
+    without_run_flags(run, 3)
+    proc = run_script("train.py", "--data_dir", images, "--log_dir", run, "--num_workers", "0",
+                      timeout=300, check=False)
+    errors = [ln for ln in proc.stdout.splitlines() if ln.startswith("error:")]
+    assert proc.returncode == 2 and len(errors) == 1, proc.stdout[-3000:]
+    assert "records no run settings" in errors[0] and "type --max_steps N" in errors[0], errors[0]
+    assert not step_files(run, 4)

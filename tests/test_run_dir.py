@@ -366,3 +366,23 @@ def test_a_live_source_run_says_its_newest_step_is_being_saved_and_a_pruned_file
     finally:
         holder.release()
     assert run_lock.live_holder(src) is None  # released: not live
+
+
+def test_the_settings_of_a_step_whose_manifest_records_none_come_from_its_trainer_state(
+        tmp_path):
+    """Issue 43, item 11: a manifest without ``run_flags`` (an older release's): the settings
+    are those the trainer state of the step's opt file records (that release's ``flags``: every
+    setting, --max_steps included; --batch_size, --seed and --ema_rate from their entries)."""
+    trainer = {"step": 5, "batch_size": 4, "seed": 3, "ema_rates": ["0.99", "0.999"],
+               "flags": {"lr": 2e-3, "max_steps": 6}}
+    opt = {"format": "named-v1", "state": {}, "param_groups": []}
+    R.save_step(tmp_path, 5, {C.model_filename(5): C.model_payload(5, _sd(5), {}),
+                              C.opt_filename(5): C.opt_payload(5, opt, trainer)})
+    got = R.step_settings(tmp_path / "model000005.pt")
+    assert got == {"lr": 2e-3, "max_steps": 6, "batch_size": 4, "seed": 3,
+                   "ema_rate": "0.99,0.999"} and got.source == "trainer"
+    R.save_step(tmp_path, 6, {C.model_filename(6): C.model_payload(6, _sd(6), {}),
+                              C.opt_filename(6): C.opt_payload(6, opt, trainer)},
+                settings={"lr": 1e-3})
+    got = R.step_settings(tmp_path / "model000006.pt")
+    assert got == {"lr": 1e-3} and got.source == "manifest"

@@ -945,6 +945,24 @@ def read_flags(path, kinds=None):
     (torch.load with mmap), or None: an untagged, remote or unreadable file, one without
     flags, or one whose kind is not in ``kinds`` (when given). Not collective; never raises
     (for a peek before the real, checked load)."""
+    obj = _peek(path)
+    if obj is None or (kinds is not None and obj.get("kind") not in kinds):
+        return None
+    flags = obj.get("flags")
+    return dict(flags) if isinstance(flags, dict) else None
+
+
+def read_trainer(path):
+    """The trainer state (``"trainer"``: step, batch sizes, seed, EMA rates, flags, ...) a local
+    tagged opt file stores, read without loading its tensors, or None, as read_flags. Not
+    collective; never raises."""
+    obj = _peek(path)
+    trainer = None if obj is None else obj.get("trainer")
+    return trainer if isinstance(trainer, dict) else None
+
+
+def _peek(path):
+    """A local tagged file's top-level dict, its tensors memory-mapped (not read), or None."""
     path = os.fspath(path)
     if is_remote(path):
         return None
@@ -952,12 +970,7 @@ def read_flags(path, kinds=None):
         obj = th.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception:  # anything: the resume's own load words the file's problem
         return None
-    if not (isinstance(obj, dict) and obj.get("schema") == SCHEMA):
-        return None
-    if kinds is not None and obj.get("kind") not in kinds:
-        return None
-    flags = obj.get("flags")
-    return dict(flags) if isinstance(flags, dict) else None
+    return obj if isinstance(obj, dict) and obj.get("schema") == SCHEMA else None
 
 
 def combined_ema_or_none(ckpt):

@@ -549,23 +549,57 @@ def likely_resume_model(log_dir, resume_checkpoint=""):
     return None if st is None else st.step_path
 
 
+class StepSettings(dict):
+    """{flag: value} of a step's run settings; ``source``: where they were read: "manifest"
+    (its ``run_flags``), "trainer" (the trainer state of its opt file, for a manifest that
+    records none: an older release's) or None (nothing recorded)."""
+
+    def __init__(self, settings=(), source=None):
+        super().__init__(settings)
+        self.source = source
+
+
 def step_settings(model_path):
-    """The run's settings ({flag: value}, the manifest's ``run_flags``) of the step of
-    ``model_path``, read from the manifest beside it; {} when there is none (upstream's steps,
-    a file copied alone, a manifest written before settings were recorded) or it cannot be
-    read (the resume's own checks word a bad step). Not collective; never raises."""
+    """The run's settings (StepSettings) of the step of ``model_path``: the ``run_flags`` of the
+    manifest beside it; for a manifest that records none (as releases before them wrote), those
+    that the trainer state of the step's opt file records (trainer_settings); empty when there
+    are none (upstream's steps, a file copied alone) or they cannot be read (the resume's own
+    checks word a bad step). Not collective; never raises."""
     try:
         path = os.fspath(model_path)
         info = ckpt.name_info(ckpt.basename(path))
         step = _sharded_step(path) if info is None else info.step
         if step is None:
-            return {}
+            return StepSettings()
         doc = json.loads(ckpt.read_bytes(ckpt.join(ckpt.dirname(path),
                                                    ckpt.manifest_filename(step))))
     except Exception:  # a peek: anything unreadable is "no settings"
-        return {}
+        return StepSettings()
     found = doc.get("run_flags") if isinstance(doc, dict) else None
-    return dict(found) if isinstance(found, dict) else {}
+    if isinstance(found, dict):
+        return StepSettings(found, "manifest")
+    if info is None:  # a sharded step: its trainer state is inside the DCP checkpoint
+        return StepSettings()
+    trainer = ckpt.read_trainer(ckpt.join(ckpt.dirname(path), ckpt.opt_filename(step)))
+    taken = trainer_settings(trainer)
+    return StepSettings(taken, "trainer" if taken else None)
+
+
+def trainer_settings(trainer):
+    """{flag: value} of the run settings that a trainer state ("trainer" of opt*.pt) records:
+    its ``flags`` (every setting of the run in files of the release before manifests recorded
+    them, the training math's since: --lr, --weight_decay, ...), and --batch_size (per rank),
+    --seed and --ema_rate from their own entries. {} for None."""
+    if not isinstance(trainer, dict):
+        return {}
+    out = dict(trainer["flags"]) if isinstance(trainer.get("flags"), dict) else {}
+    if isinstance(trainer.get("batch_size"), int):
+        out["batch_size"] = trainer["batch_size"]
+    if isinstance(trainer.get("seed"), int):
+        out["seed"] = trainer["seed"]
+    if isinstance(trainer.get("ema_rates"), (list, tuple)):
+        out["ema_rate"] = ",".join(map(str, trainer["ema_rates"]))
+    return out
 
 
 def may_resume(log_dir, resume_checkpoint=""):
