@@ -7,6 +7,7 @@ changes, unless --class_map says how to map them: keep (the checkpoint's labels,
 data (the folder's). The same for classifier_train.py, whose files now store their class names
 and whose validation folder is labelled by the training folder's names.
 """
+import json
 import shutil
 
 import numpy as np
@@ -14,7 +15,7 @@ import pytest
 import torch as th
 from PIL import Image
 
-from conftest import run_mpi, run_script, write_class_folder
+from conftest import PY, REPO, _run, run_mpi, run_script, write_class_folder
 from improved_diffusion.image_datasets import (DataError, load_data, relabel,
                                                resumed_class_names)
 
@@ -78,6 +79,23 @@ def test_a_resume_without_a_class_is_refused_on_2_ranks_and_class_map_keep_maps_
             "its later resumes take --class_map keep too)") in out, out[-3000:]
     for name in ("model000002.pt", "ema_0.9999_000002.pt"):
         assert stored_names(run / name) == ["apple", "banana", "cherry"], name
+
+
+@pytest.mark.timeout(400)
+def test_class_map_keep_trains_each_class_under_the_checkpoints_label_for_its_name(tmp_path):
+    """Issue 43, item 22: trained on apple/banana/cherry, resumed on apple/cherry with
+    --class_map keep: every batch gives cherry's images label 2 (the checkpoint's), never the
+    folder's own 1 (tests/label_record_train.py records each sample's folder and label)."""
+    data, run = class_folders(tmp_path / "data", ("apple", "banana", "cherry")), tmp_path / "run"
+    run_script("train.py", *TINY, "--data_dir", data, "--log_dir", run, "--max_steps", 1)
+    shutil.rmtree(data / "banana")
+    record = tmp_path / "labels.jsonl"
+    _run([PY, REPO / "tests" / "label_record_train.py", *TINY, "--data_dir", data, "--log_dir",
+          run, "--max_steps", 4, "--class_map", "keep"], 300, env={"RECORD_LABELS": str(record)})
+    rows = [json.loads(ln) for ln in record.read_text().splitlines()]
+    assert [r["step"] for r in rows] == [2, 3, 4]
+    seen = {(c, y) for r in rows for c, y in zip(r["classes"], r["labels"])}
+    assert seen == {("apple", 0), ("cherry", 2)}, seen
 
 
 @pytest.mark.timeout(300)

@@ -19,7 +19,7 @@ MODEL = ["--image_size", "8", "--num_channels", "32", "--num_res_blocks", "1",
 # The run's settings, every one other than its default.
 RUN = ["--lr", "2e-3", "--batch_size", "4", "--ema_rate", "0.99", "--max_steps", "6",
        "--save_interval", "3", "--log_interval", "3", "--schedule_sampler", "loss-second-moment",
-       "--seed", "3"]
+       "--seed", "3", "--weight_decay", "0.05"]
 
 
 def load(path):
@@ -63,9 +63,13 @@ def test_a_flagless_resume_on_2_ranks_takes_the_runs_settings_and_ends_bitwise_a
     line = next(ln for ln in out.splitlines() if "resume: from the checkpoint" in ln)
     for flag in ("--num_channels 32", "--lr 0.002", "--batch_size 4", "--ema_rate 0.99",
                  "--max_steps 6", "--save_interval 3", "--schedule_sampler loss-second-moment",
-                 "--seed 3"):
+                 "--seed 3", "--weight_decay 0.05"):
         assert flag in line, (flag, line)
     assert "resume: --" not in out, out[-3000:]  # nothing overridden, nothing to say
+    settings = json.loads((run / "manifest000006.json").read_text())["run_flags"]
+    assert settings["weight_decay"] == 0.05  # the run's, recorded for its next resume
+    groups = load(run / "opt000006.pt")["optimizer"]["param_groups"]
+    assert {g["weight_decay"] for g in groups} == {0.05}, groups  # and trained with
     # It stopped at the trained --max_steps, and step 6 is the straight run's, bit for bit.
     assert step_files(run, 6) == step_files(straight, 6) and not step_files(run, 7)
     for name in step_files(straight, 6):
@@ -198,7 +202,8 @@ def test_a_manifest_without_run_flags_resumes_with_the_trainer_states_settings_o
     assert resumed_step(out) == 3, out[-3000:]
     assert "manifest000003.json records no run settings" in out, out[-3000:]
     line = next(ln for ln in out.splitlines() if "resume: from the checkpoint" in ln)
-    for flag in ("--lr 0.002", "--batch_size 4", "--ema_rate 0.99", "--seed 3"):
+    for flag in ("--lr 0.002", "--batch_size 4", "--ema_rate 0.99", "--seed 3",
+                 "--weight_decay 0.05"):
         assert flag in line, (flag, line)
     assert step_files(run, 6) == step_files(straight, 6) and not step_files(run, 7)
     for name in step_files(straight, 6):
