@@ -165,6 +165,10 @@ def test_ckpt_adapt_writes_the_same_tensors_and_a_strict_resume_from_it_trains_o
         opt = load(out / f"opt{step:06d}.pt")
         assert not deep_diff(opt["optimizer"]["state"], got["optimizer"]["state"]), name
         assert opt["trainer"]["model_changes"][-1]["step"] == step
+        # the source step's run settings go with it (a flagless resume of --out takes them)
+        settings = json.loads((src / f"manifest{step:06d}.json").read_text())["run_flags"]
+        assert settings["max_steps"] == step
+        assert json.loads((out / f"manifest{step:06d}.json").read_text())["run_flags"] == settings
         # a plain strict resume (no --allow_model_change) from the adapted step trains on
         log = tmp_path / f"strict_{name}"
         data = one_rank / "data"

@@ -1086,7 +1086,10 @@ def cmd_adapt(args, out):
         notes.append("no optimizer state in SRC: a resume starts a fresh optimizer")
     storage.makedirs(args.out)
     try:
-        run_dir.save_step(args.out, step, files)
+        # the source step's run settings (its manifest's, else its trainer state's): a resume
+        # of --out takes them as it would the source's (--max_steps, --lr, the batch ...)
+        run_dir.save_step(args.out, step, files,
+                          settings=dict(run_dir.step_settings(plan.model)) or None)
     except ckpt.CheckpointError as e:
         raise ToolError(str(e)) from None
     written = [ckpt.join(args.out, n) for n in list(files) + [ckpt.manifest_filename(step)]]
