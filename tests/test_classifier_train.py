@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch as th
 
-from conftest import MPIEXEC, PY, REPO, _run, child_env, deep_diff, write_class_folder
+from conftest import MPIEXEC, PY, REPO, _run, child_env, deep_diff, hang_s, write_class_folder
 from improved_diffusion import script_util as su
 
 SCRIPT = REPO / "scripts" / "classifier_train.py"
@@ -160,7 +160,7 @@ def test_sigterm_to_rank_1_saves_a_step_exits_75_a_second_job_is_refused_and_a_r
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True)
     try:
-        end = time.monotonic() + 90
+        end = time.monotonic() + hang_s(90)
         while not ((run / "progress.csv").exists() and len(progress(run)) >= 3):
             assert proc.poll() is None and time.monotonic() < end, (tmp_path / "first.log"
                                                                     ).read_text()[-3000:]
@@ -168,7 +168,7 @@ def test_sigterm_to_rank_1_saves_a_step_exits_75_a_second_job_is_refused_and_a_r
         second = train(1, data, run, "--iterations", 4, "--lock_wait", 0, expect=1)
         assert f"log dir {run} is in use by" in second, second[-2000:]
         os.kill(rank_pid(proc.pid, 1), signal.SIGTERM)  # not the writer: rank 0 learns it
-        assert proc.wait(timeout=60) == 75, (tmp_path / "first.log").read_text()[-3000:]
+        assert proc.wait(timeout=hang_s(60)) == 75, (tmp_path / "first.log").read_text()[-3000:]
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

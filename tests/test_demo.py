@@ -9,11 +9,12 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from conftest import PY, REPO, child_env
+from conftest import PY, REPO, child_env, hang_s
 
-# Hang guards at several times the measured wall time (issue 29: 120 s, against 47 s on a quiet
-# 2-core machine, turned into errors on a loaded one): the tiny demo took 47 s quiet and 68 s on
-# 2 cores shared with three other jobs; a rerun on a finished --out, or a refusal, 2 s.
+# Hang guards at several times the measured wall time, and conftest's hang_s multiplies them
+# again (issue 29: 120 s, against 47 s on a quiet 2-core machine, turned into errors on a loaded
+# one): the tiny demo took 47 s quiet and 68 s on 2 cores shared with three other jobs; a rerun
+# on a finished --out, or a refusal, 2 s.
 DEMO_TIMEOUT = 300
 QUICK_TIMEOUT = 60
 
@@ -23,11 +24,12 @@ def _make_demo(out, *extra, timeout=DEMO_TIMEOUT):
     cmd = ["make", "--no-print-directory", "demo-run", f"PY={PY}", f"DEMO_ARGS={args}"]
     try:
         return subprocess.run(cmd, cwd=REPO, env=child_env(), stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True, timeout=timeout,
+                              stderr=subprocess.STDOUT, text=True, timeout=hang_s(timeout),
                               stdin=subprocess.DEVNULL)
     except subprocess.TimeoutExpired as e:
         out_text = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-        pytest.fail(f"make demo-run timed out after {timeout}s (a hang?)\n{out_text[-4000:]}")
+        pytest.fail(f"make demo-run timed out after {hang_s(timeout)}s (a hang?)\n"
+                    f"{out_text[-4000:]}")
 
 
 @pytest.fixture(scope="module")
