@@ -347,3 +347,16 @@ def test_flags_come_from_the_model_to_guide_and_from_the_resumed_classifier(tmp_
     assert errors[0].startswith(f"error: --resume_checkpoint {log_dir}: its newest step"), \
         errors[0]
     assert "noised classifier's run" in errors[0] and "--log_dir" not in errors[0], errors[0]
+
+
+@pytest.mark.timeout(200)
+def test_classifier_attention_resolutions_in_another_order_resume_as_the_same_set(
+        tmp_path, data):
+    """Issue 43, item 17: `--classifier_attention_resolutions 8,4` on the resume of a `4,8`
+    run was refused as a model change (the list is a set, as --attention_resolutions)."""
+    run = tmp_path / "run"
+    wide = ["--classifier_width", 64]  # a head of 64 channels at 8x8
+    train(1, data, run, *wide, "--classifier_attention_resolutions", "4,8", "--iterations", 1)
+    out = train(1, data, run, *wide, "--classifier_attention_resolutions", "8,4",
+                "--iterations", 2)
+    assert (run / "model000002.pt").exists() and "flags differ" not in out, out[-3000:]
