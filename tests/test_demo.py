@@ -49,6 +49,11 @@ def test_tiny_demo_trains_is_preempted_resumes_samples_and_prints_its_figures(ti
     printed = re.findall(r"^=== \[(\d)/6\] (\w+)", text, re.M)
     assert printed == documented == [(str(i), w) for i, w in enumerate(
         ("data", "train", "sample", "evaluate", "guidance", "summary"), 1)]
+    # issue 43, item 5: its own torch threads are its children's (one, the environment's here),
+    # and the post-hoc EMA sweep of the evaluate stage prints a line per width as it goes
+    assert "torch threads per process: 1 (OMP_NUM_THREADS" in text
+    evaluate = text[text.index("=== [4/6]"):text.index("=== [5/6]")]
+    assert re.search(r"^  std 0\.\d+: FID \S+, IS \S+$", evaluate, re.M), evaluate
     # preempted with the documented exit code, then auto-resumed by the same command
     assert "[train: exit code 75" in text
     assert "auto-resume: newest complete step" in text
@@ -193,3 +198,18 @@ def test_demo_refuses_an_unrelated_non_empty_out_dir(tmp_path):
     assert "error: --out" in proc.stdout and "pass a new --out" in proc.stdout
     assert 'make demo DEMO_ARGS="--out NEW_DIR"' in proc.stdout
     assert (tmp_path / "precious.txt").read_text() == "keep me"
+
+
+def test_make_demo_installs_no_test_server_and_make_test_installs_azurite(tmp_path):
+    """Issue 43, item 6: `make demo` ran `npm install azurite` (the README says it needs nothing
+    but Python 3): the test servers are `make test`'s alone. Dry runs of a fresh clone's make."""
+    def dry(target):
+        proc = subprocess.run(["make", "-n", target, f"VENV={tmp_path / 'venv'}"], cwd=REPO,
+                              env=child_env({"MAKEFLAGS": ""}), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, timeout=hang_s(30))
+        assert proc.returncode == 0, proc.stdout
+        return proc.stdout
+
+    assert "npm" not in dry("demo") and "pip install" in dry("demo")
+    assert "npm install --no-audit --no-fund --prefix .stores azurite" in dry("test") or (
+        REPO / ".stores" / ".installed").exists()
