@@ -7,7 +7,8 @@
 What it shows, each part only when its files are there:
 
 - above the fold, what was trained (``demo.json``, the demo's record: data, image size, the
-  class-conditional UNet and its size, steps, batch, time), the sample grid (``samples/*.png``)
+  class-conditional UNet and its size, steps, batch, time) and the training command (its
+  ``training.command``, short_command), the sample grid (``samples/*.png``)
   and the figures table (``eval.json``: classifier confidence, label agreement, class histogram,
   Frechet distance, each beside its reference: the real digits' own, scored the same way, and
   the Frechet floor for that many samples);
@@ -26,7 +27,8 @@ What it shows, each part only when its files are there:
 
 The page is self-contained: one HTML file with its CSS inline, no script, nothing from the
 network; images are referenced by their path relative to the page, so the folder can be moved or
-copied whole. Small images are scaled up by whole factors, pixelated, so 8x8 digits stay sharp.
+copied whole; each image and its path link to its file. Small images are scaled up by whole
+factors, pixelated, so 8x8 digits stay sharp.
 """
 import html
 import json
@@ -69,7 +71,8 @@ table.guidance td { vertical-align: middle; }
 table.guidance th { max-width: 10em; }
 tr.cmd td { border-top: none; padding-top: 0; padding-bottom: 0.6em; }
 tr.cmd code { white-space: normal; color: #444; background: none; }
-tr.cmd code span { white-space: nowrap; }
+tr.cmd code span, p.cmd code span { white-space: nowrap; }
+p.cmd code { white-space: normal; color: #444; background: none; }
 """
 
 
@@ -114,12 +117,12 @@ def _img(out_dir, path, caption, min_width=MIN_WIDTH, max_width=None):
             width = f' width="{max_width}"'
     except (ImportError, OSError):
         pass
-    tag = f'<img src="{html.escape(quote(rel))}" alt="{html.escape(rel)}"{width}>'
+    href = html.escape(quote(rel))
+    tag = f'<a href="{href}"><img src="{href}" alt="{html.escape(rel)}"{width}></a>'
     if caption is None:
         return tag
-    return (f"<figure>{tag}"
-            f"<figcaption>{html.escape(caption)} (<code>{html.escape(rel)}</code>)</figcaption>"
-            f"</figure>")
+    return (f"<figure>{tag}<figcaption>{html.escape(caption)} (<a href=\"{href}\"><code>"
+            f"{html.escape(rel)}</code></a>)</figcaption></figure>")
 
 
 def _table(head, rows, num_cols=()):
@@ -391,6 +394,14 @@ def render(out_dir):
     programs = rec.get("programs") if isinstance(rec, dict) else None
     parts = ["<h1>improved-diffusion demo: a diffusion model learns handwritten digits</h1>",
              _what_was_trained(rec, settings)]
+    train_cmd = ((rec.get("training") or {}).get("command") if isinstance(rec, dict) else None)
+    if train_cmd:  # demo.json's record of the training command, as typed in the repository
+        cmd, used_out = short_command(train_cmd, out_dir, programs)
+        words = " ".join(f"<span>{html.escape(w)}</span>" for w in cmd.split(" "))
+        where = (f"; <code>$OUT</code> is <code>{html.escape(out_dir)}</code>" if used_out
+                 else "")
+        parts.append(f"<p class=\"note\">Trained with (from the repository's folder{where}):"
+                     f"</p><p class=\"cmd\"><code>{words}</code></p>")
 
     summary = _read_text(os.path.join(out_dir, "summary.txt"))
     for line in (summary or "").splitlines():

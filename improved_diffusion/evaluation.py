@@ -40,6 +40,7 @@ A batch path may be an object-store URL (s3://, gs://, az://: ckpt/storage.py): 
 a local copy downloaded once per process (its activation cache is not kept across runs), and a
 reference batch written to a URL is streamed up once complete.
 """
+import hashlib
 import os
 import sys
 import time
@@ -551,7 +552,8 @@ def _load_statistic(z, path, name):
 def _statistics(path):
     """The precomputed statistics the batch at ``path`` holds: {"mu": (mu, sigma), "mu_s":
     (mu_s, sigma_s)} for each pair present, each a finite real array of a Gaussian's shape;
-    EvaluationError naming the file otherwise (one of a pair, an object array, NaN). Not
+    EvaluationError naming the file otherwise (one of a pair, an object array, NaN, a
+    sigma that is not symmetric positive semi-definite: _check_covariance). Not
     collective."""
     out = {}
     with np.load(path) as z:
@@ -568,8 +570,40 @@ def _statistics(path):
                 raise EvaluationError(
                     f"{path}: precomputed statistics {m} {list(mu.shape)} / {s} "
                     f"{list(sigma.shape)} are not a mean [D] and a covariance [D, D]")
+            _check_covariance(path, s, sigma)
             out[m] = (mu, sigma)
     return out
+
+
+# How far a stored covariance may be from symmetric, and below zero its smallest eigenvalue,
+# relative to its largest |entry| / |eigenvalue|: rounding (np.cov's, a float32 copy's) stays
+# orders of magnitude inside; a matrix beyond is no covariance, and FID's sqrtm of it would be
+# complex ("Imaginary component") or a number that means nothing.
+COVARIANCE_RTOL = 1e-5
+_GOOD_COVARIANCES = set()  # digests of those that passed: a batch's are checked several times
+
+
+def _check_covariance(path, name, sigma):
+    """EvaluationError naming the file unless ``sigma`` (the array ``name`` of ``path``) is
+    symmetric and positive semi-definite, to COVARIANCE_RTOL. Not collective."""
+    digest = (sigma.shape, str(sigma.dtype),
+              hashlib.sha256(np.ascontiguousarray(sigma).tobytes()).digest())
+    if digest in _GOOD_COVARIANCES:
+        return
+    sigma = np.asarray(sigma, np.float64)
+    scale = float(np.abs(sigma).max()) if sigma.size else 0.0
+    asym = float(np.abs(sigma - sigma.T).max()) if sigma.size else 0.0
+    redo = ("not a covariance matrix; compute the statistics again (mu = acts.mean(0), sigma = "
+            "np.cov(acts, rowvar=False)) or remove them from the batch (its activations are "
+            "then used)")
+    if asym > COVARIANCE_RTOL * scale:
+        raise EvaluationError(f"{path}: {name} is not symmetric (|{name} - {name}.T| up to "
+                              f"{asym:.3g}, |{name}| up to {scale:.3g}): {redo}")
+    eig = np.linalg.eigvalsh((sigma + sigma.T) / 2)
+    if eig.size and eig[0] < -COVARIANCE_RTOL * float(np.abs(eig).max()):
+        raise EvaluationError(f"{path}: {name} is not positive semi-definite (eigenvalues from "
+                              f"{eig[0]:.3g} to {eig[-1]:.3g}): {redo}")
+    _GOOD_COVARIANCES.add(digest)
 
 
 def _check_statistics(path):
@@ -965,7 +999,7 @@ def evaluate(ref_path, sample_path, features, batch_size=64, fid_method="auto"):
     # the same verdict on every rank
     dist_util.run_on_rank0(lambda: check_batches(ref_path, sample_path, features.dims))
     batches = {"ref": open_batch(ref_path), "sample": open_batch(sample_path)}
-    acts, fresh = {}, []
+    acts, fresh = dict.fromkeys(batches), []  # None on ranks > 0, whether cached or computed
     same = os.path.realpath(ref_path) == os.path.realpath(sample_path)
     for name, batch in batches.items():
         if name == "sample" and same:

@@ -55,7 +55,9 @@ UNSUPPORTED = {
 
 def check_flags(config):
     """UsageError naming the first setting of ``config`` (a TrainConfig) that --fsdp True cannot
-    run with yet (UNSUPPORTED), and what to do instead."""
+    run with yet (UNSUPPORTED), and what to do instead. Either value may have been typed or
+    taken from a resumed checkpoint (the config does not say which), so the line says what to
+    type, which overrides both: the setting's off value, or --fsdp False."""
     from .errors import UsageError
     if config.find_unused_parameters:
         raise UsageError(
@@ -63,9 +65,11 @@ def check_flags(config):
             "the gradients a rank has, so a parameter left out of the loss on some ranks breaks "
             "the reduction; train such a model with DDP (--fsdp False)")
     for name, instead in UNSUPPORTED.items():
-        if getattr(config, name):
-            raise UsageError(f"--{name} {getattr(config, name)} does not work with --fsdp True "
-                             f"yet; drop one of them ({instead})")
+        value = getattr(config, name)
+        if value:
+            off = "''" if isinstance(value, str) else "0"
+            raise UsageError(f"--{name} {value} does not work with --fsdp True yet ({instead}); "
+                             f"type --{name} {off} to turn it off, or --fsdp False")
 
 
 def _dtensor_cls():

@@ -327,7 +327,7 @@ def model_flag_keys():
 
 # Flags whose comma-separated values are a set: their order means nothing (the UNet asks "is
 # this resolution in it"), so "16,8" and "8,16" are the same value.
-SET_FLAGS = ("attention_resolutions",)
+SET_FLAGS = ("attention_resolutions", "classifier_attention_resolutions")
 
 
 def normalize_flag_value(v, key=None):

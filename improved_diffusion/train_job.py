@@ -57,8 +57,15 @@ def check_job_flags(args):
 
 def check_train_args(args):
     """Check the values argparse cannot (raises UsageError): the job's flags (check_job_flags),
-    then the training settings by building their TrainConfig (its one check of each)."""
+    then the training settings by building their TrainConfig (its one check of each). A local
+    --eval_ref_batch is made absolute first: the manifests record it for a resume, which may
+    run from another directory."""
     check_job_flags(args)
+    from .ckpt import storage
+
+    ref = getattr(args, "eval_ref_batch", "")
+    if ref and not storage.is_remote(ref):
+        args.eval_ref_batch = os.path.abspath(ref)
     if not args.data_dir:
         raise UsageError("--data_dir is required: a folder of images")
     if args.microbatch == 0 or args.microbatch < -1:
@@ -209,10 +216,14 @@ def _check_trainer_settings(args, given, path, settings):
 def _allow_hint(clash):
     """The --allow_model_change hint of a model-flag clash ({name: (typed, file's)}): a change
     of the model's tensors, or (diffusion flags alone) of the noise process its weights train
-    under, which every tensor still fits."""
+    under, which every tensor still fits but the output layer when --learn_sigma changes (its
+    channels: it starts fresh)."""
     if set(clash) <= set(DIFFUSION_FLAG_KEYS):
+        fits = ("every tensor but the output layer still fits: --learn_sigma changes its "
+                "channels, so it starts fresh" if "learn_sigma" in clash
+                else "every tensor still fits")
         return ("--allow_model_change True to train these weights on under the new noise "
-                "process (every tensor still fits; the change is logged and recorded)")
+                f"process ({fits}; the change is logged and recorded)")
     return "--allow_model_change True to change the model"
 
 

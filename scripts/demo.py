@@ -176,6 +176,13 @@ def settings_from(args):
 # child processes
 
 
+def _threads():
+    """The torch threads of each of the demo's processes, its own in-process stages (sampling,
+    the evaluation, the post-hoc EMA sweep) as its children's: $OMP_NUM_THREADS, else 1. Many
+    threads per process on a machine busy with other work ran those stages 20-30x slower."""
+    return int(os.environ.get("OMP_NUM_THREADS") or 1)
+
+
 def _child_env():
     env = dict(os.environ)
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
@@ -183,7 +190,7 @@ def _child_env():
     env["PYTHONUNBUFFERED"] = "1"
     env.pop("OPENAI_LOGDIR", None)
     # One thread per rank: the ranks share the cores.
-    env.setdefault("OMP_NUM_THREADS", "1")
+    env["OMP_NUM_THREADS"] = str(_threads())
     # torch's DDP deprecation / bucket-stride notices are noise for a demo.
     env.setdefault("PYTHONWARNINGS", "ignore::FutureWarning,ignore::UserWarning")
     return env
@@ -384,7 +391,7 @@ def train_with_preemption(data_dir, run_dir, s, preempt=True, cmd=None, script="
     steps = steps or s["steps"]
     half = max(1, steps // 2)
     info = {"preempted": False, "preempt_exit": None, "preempted_at": None,
-            "resumed_from": None}
+            "resumed_from": None, "command": " ".join(_quote(c) for c in cmd)}
     state = {"sent": False}
     already = _newest_step(run_dir)
 
@@ -586,7 +593,7 @@ def phema_sweep(run_dir, out, ref_npz, s):
     rel = lambda p: os.path.relpath(p, REPO) if p.startswith(REPO) else p  # noqa: E731
     print("$ python scripts/ckpt.py " + " ".join(rel(a) for a in argv) + "   (run in-process)",
           flush=True)
-    buf, err = io.StringIO(), io.StringIO()
+    buf, err = io.StringIO(), _Tee(sys.stdout)  # its line per width shown as it comes
     code = ckpt_tool.main(argv + ["--json"], out=buf, err=err)
     if code != 0:
         raise DemoError(f"the post-hoc EMA sweep failed (exit code {code}): "
@@ -602,6 +609,27 @@ def phema_sweep(run_dir, out, ref_npz, s):
         json.dump(rep, f, indent=1)
     os.replace(os.path.join(out, SWEEP + ".tmp"), os.path.join(out, SWEEP))
     return rep
+
+
+class _Tee:
+    """A text stream that writes to ``stream`` (flushed) and keeps what it wrote (getvalue)."""
+
+    def __init__(self, stream):
+        import io
+
+        self.stream, self.kept = stream, io.StringIO()
+
+    def write(self, text):
+        self.kept.write(text)
+        self.stream.write("  " + text if text.strip() else text)
+        self.stream.flush()
+        return len(text)
+
+    def flush(self):
+        self.stream.flush()
+
+    def getvalue(self):
+        return self.kept.getvalue()
 
 
 def training_fids(run_dir):
@@ -830,7 +858,9 @@ def write_record(out, s, info, clf_info, seconds, run_dir):
                   "noise_schedule": s["noise_schedule"], "predict_xstart": s["predict_xstart"],
                   "class_dropout_prob": s["class_dropout_prob"], "ema_rate": s["ema_rate"]},
         "training": {"steps": s["steps"], "batch_size": s["batch_size"], "ranks": s["ranks"],
-                     "lr": s["lr"], "preemption": info, "classifier_steps": s["classifier_steps"],
+                     "lr": s["lr"], "command": info.get("command"),
+                     "preemption": {k: v for k, v in info.items() if k != "command"},
+                     "classifier_steps": s["classifier_steps"],
                      "classifier_preemption": clf_info},
         "sampling": {"num_samples": s["num_samples"], "sample_steps": s["sample_steps"],
                      "weights": os.path.relpath(ema, out)},
@@ -845,6 +875,11 @@ def write_record(out, s, info, clf_info, seconds, run_dir):
 
 def main(argv=None):
     args = create_argparser().parse_args(argv)
+    import torch
+
+    torch.set_num_threads(_threads())  # as its children's (_child_env)
+    print(f"torch threads per process: {torch.get_num_threads()} (OMP_NUM_THREADS; "
+          f"docs/performance.md)", flush=True)
     t0 = time.time()
     s = settings_from(args)
     out = os.path.abspath(args.out)

@@ -24,6 +24,15 @@ MPIEXEC = str(BIN / "mpiexec") if (BIN / "mpiexec").exists() else "mpiexec"
 TORCHRUN = str(BIN / "torchrun")
 DRIVER = REPO / "tests" / "fault_train.py"
 
+# The hang detectors' factor (tests/conftest.py's docstring says the rule); here so that the
+# helpers benchmarks import without pytest (stores.py, multihost.py) scale their waits too.
+TIMEOUT_FACTOR = float(os.environ.get("TEST_TIMEOUT_FACTOR", "5"))
+
+
+def hang_s(seconds):
+    """A hang detector's bound: ``seconds`` (what a quiet machine needs) x TIMEOUT_FACTOR."""
+    return seconds * TIMEOUT_FACTOR
+
 # The tiny model of tests/test_train.py.
 TINY = [
     "--image_size", "8", "--num_channels", "32", "--num_res_blocks", "1",

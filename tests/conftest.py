@@ -2,6 +2,19 @@
 
 Every helper here runs a child under a timeout; a hang becomes a failed test with the child's
 output attached, never a blocked CI run.
+
+Timeouts are hang detectors, never speed assertions. The rule, in one place: a timeout written
+in a test (``@pytest.mark.timeout(N)``, pytest.ini's ``timeout``, the ``timeout=`` of
+run_script/run_mpi/run_module_mpi/_run, a direct subprocess call's or a wait loop's
+``hang_s(N)``) is the most that test or wait needs on a quiet machine, and what is applied is
+``TIMEOUT_FACTOR`` (5, or the environment's ``TEST_TIMEOUT_FACTOR``) times that: the suite stays
+green on a machine 5x slower than quiet (other jobs beside it) and a real hang still ends the
+test. pytest_collection_modifyitems below scales every test's pytest-timeout (its marker, or
+the ini/command-line default); the helpers scale their ``timeout=``; direct calls wrap their
+number in ``hang_s``. Not scaled, because they are not hang detectors: the product's own
+timeouts a test passes as flags (``--dist_timeout``, a store's retry window), and a bound a
+test asserts (a job ends within a few times ``--dist_timeout`` rather than at the 600 s
+default), which is set far below what it tells apart.
 """
 import math
 import os
@@ -23,6 +36,27 @@ _BIN = Path(sys.executable).parent
 MPIEXEC = str(_BIN / "mpiexec") if (_BIN / "mpiexec").exists() else "mpiexec"
 
 
+# Defined in cluster_sim, which benchmarks import without pytest.
+TIMEOUT_FACTOR, hang_s = cluster_sim.TIMEOUT_FACTOR, cluster_sim.hang_s
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every test's pytest-timeout (its closest ``timeout`` marker, else the ini or command-line
+    default) x TIMEOUT_FACTOR: see the module docstring."""
+    import pytest_timeout
+
+    default = pytest_timeout.get_env_settings(config).timeout
+    for item in items:
+        marker = item.get_closest_marker("timeout")
+        kwargs = dict(marker.kwargs) if marker else {}
+        args = list(marker.args) if marker else []
+        base = kwargs.pop("timeout", None) if "timeout" in kwargs else (
+            args.pop(0) if args else default)
+        if base:  # 0 or None: no timeout, left so
+            item.add_marker(pytest.mark.timeout(hang_s(float(base)), *args, **kwargs),
+                            append=False)
+
+
 def child_env(extra=None):
     """Environment for child processes: the repo importable, one thread per rank, no stray logdir."""
     env = dict(os.environ)
@@ -39,6 +73,9 @@ def child_env(extra=None):
 
 
 def _run(cmd, timeout, env=None, check=True, cwd=None):
+    """Run ``cmd`` (stdout+stderr as text) under ``hang_s(timeout)``; fail the test with the
+    child's output on a timeout or (``check``) a non-zero exit."""
+    timeout = hang_s(timeout)
     try:
         proc = subprocess.run(
             [str(c) for c in cmd],

@@ -50,7 +50,7 @@ def unavailable():
 
 def _sh(*cmd, check=True):
     proc = subprocess.run([str(c) for c in cmd], stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, timeout=30,
+                          stderr=subprocess.STDOUT, text=True, timeout=cluster_sim.hang_s(30),
                           stdin=subprocess.DEVNULL)
     if check and proc.returncode != 0:
         raise HostSetupError(f"{' '.join(map(str, cmd))}: exit {proc.returncode}: "
@@ -144,7 +144,7 @@ class Host:
             return subprocess.run(self.command(cmd), cwd=str(cluster_sim.REPO),
                                   env=cluster_sim.child_env(env), stdout=subprocess.PIPE,
                                   stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True,
-                                  timeout=timeout, preexec_fn=_die_with_parent)
+                                  timeout=cluster_sim.hang_s(timeout), preexec_fn=_die_with_parent)
         except subprocess.TimeoutExpired:
             self.kill_all()
             raise

@@ -20,6 +20,8 @@ import threading
 import time
 from pathlib import Path
 
+import cluster_sim
+
 REPO = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 AZURITE = REPO / ".stores" / "node_modules" / ".bin" / "azurite-blob"
@@ -39,7 +41,7 @@ def free_port():
 
 
 def _wait_port(port, proc, timeout=30.0):
-    end = time.monotonic() + timeout
+    end = time.monotonic() + cluster_sim.hang_s(timeout)
     while time.monotonic() < end:
         if proc.poll() is not None:
             raise Unavailable(f"the server exited with {proc.returncode}")
@@ -48,7 +50,7 @@ def _wait_port(port, proc, timeout=30.0):
             return
         except OSError:
             time.sleep(0.1)
-    raise Unavailable(f"no answer on port {port} after {timeout:.0f} s")
+    raise Unavailable(f"no answer on port {port} after {cluster_sim.hang_s(timeout):.0f} s")
 
 
 class Store:

@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import (MPIEXEC, PY, REPO, child_env, resumed_step, run_module_mpi, write_images)
+from conftest import (MPIEXEC, PY, REPO, child_env, hang_s, resumed_step, run_module_mpi,
+                      write_images)
 from test_disk_faults import can_mount, mounts, step_problem  # noqa: F401 (fixtures)
 
 from improved_diffusion import logger, train_util
@@ -79,7 +80,7 @@ def test_save_in_flight_is_true_while_the_background_write_runs_and_false_once_i
         loop.step = 1
         loop.save()
         assert loop.checkpointer.save_in_flight and not (tmp_path / "manifest000001.json").exists()
-        end = time.monotonic() + 30
+        end = time.monotonic() + hang_s(30)
         while loop.checkpointer.save_in_flight:  # false once the write ended, not yet collected
             assert time.monotonic() < end, "save_in_flight stayed true after the write"
             time.sleep(0.01)
@@ -181,7 +182,7 @@ def test_a_disk_full_under_a_background_write_stops_every_rank_with_one_line_and
     log_dir = disk / "run"
     cmd = [MPIEXEC, "-n", "2", PY, TRAIN, *TINY, "--data_dir", images, "--log_dir", log_dir,
            "--save_interval", "2", "--max_steps", "8", "--log_interval", "100"]
-    proc = subprocess.run([str(c) for c in cmd], cwd=REPO, env=child_env(), timeout=240,
+    proc = subprocess.run([str(c) for c in cmd], cwd=REPO, env=child_env(), timeout=hang_s(240),
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     out = proc.stdout
     errors = [ln for ln in out.splitlines() if ln.startswith("error:")]
@@ -197,7 +198,7 @@ def test_a_disk_full_under_a_background_write_stops_every_rank_with_one_line_and
 
     assert subprocess.run(["mount", "-o", "remount,size=64m", str(disk)]).returncode == 0
     res = subprocess.run([str(c) for c in cmd[3:] + ["--max_steps", "4"]], cwd=REPO,
-                         env=child_env(), timeout=180, stdout=subprocess.PIPE,
+                         env=child_env(), timeout=hang_s(180), stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True)
     assert res.returncode == 0, res.stdout[-4000:]
     assert resumed_step(res.stdout) == 2, res.stdout[-3000:]
@@ -218,14 +219,14 @@ def test_a_kill_9_while_the_writer_thread_writes_resumes_from_the_previous_step(
                             env=child_env({"SLOW_SAVE_S": "0.5"}), stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     try:
-        end = time.monotonic() + 150
+        end = time.monotonic() + hang_s(150)
         while not any(n.startswith(("model000004", "ema_0.9999_000004"))
                       for n in (os.listdir(log_dir) if log_dir.exists() else ())):
             assert proc.poll() is None, proc.stdout.read()[-4000:]
             assert time.monotonic() < end, "step 4's save never began"
             time.sleep(0.01)
         proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=30)
+        proc.wait(timeout=hang_s(30))
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -233,7 +234,7 @@ def test_a_kill_9_while_the_writer_thread_writes_resumes_from_the_previous_step(
     names = sorted(os.listdir(log_dir))
     assert "manifest000004.json" not in names and step_problem(log_dir, 2) is None, names
     res = subprocess.run([str(c) for c in cmd + ["--max_steps", "3"]], cwd=REPO,
-                         env=child_env({"SLOW_SAVE_S": "0"}), timeout=120,
+                         env=child_env({"SLOW_SAVE_S": "0"}), timeout=hang_s(120),
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert res.returncode == 0, res.stdout[-4000:]
     assert resumed_step(res.stdout) == 2, res.stdout[-3000:]

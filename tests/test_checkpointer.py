@@ -233,10 +233,10 @@ def test_a_signal_before_the_loop_after_preemption_install_is_saved_at_the_first
         tmp_path):
     import subprocess
 
-    from conftest import PY, REPO, child_env
+    from conftest import PY, REPO, child_env, hang_s
 
     proc = subprocess.run([PY, "-c", SIGNAL_DURING_RESUME, str(tmp_path)], cwd=REPO / "tests",
-                          env=child_env(), capture_output=True, text=True, timeout=60)
+                          env=child_env(), capture_output=True, text=True, timeout=hang_s(60))
     out = proc.stdout + proc.stderr
     assert proc.returncode == 75, out[-3000:]
     assert "preempted (SIGTERM on some rank): saved step 1; exiting with code 75" in out

@@ -16,7 +16,7 @@ from improved_diffusion.ckpt import run_dir
 from improved_diffusion.ckpt.ckpt_tool import main
 from improved_diffusion.ckpt.optim_state import named_optimizer_state
 
-from conftest import FIXTURES, run_script
+from conftest import FIXTURES, hang_s, run_script
 
 RUN = FIXTURES / "upstream_run_small"
 RUN_FLAGS = ("--image_size 32 --num_channels 32 --num_res_blocks 1 --attention_resolutions 16 "
@@ -430,7 +430,7 @@ def test_a_reader_that_left_the_pipe_ends_the_tool_quietly_without_a_traceback(t
     os.close(read_end)  # the reader is gone before the tool writes its first line
     with open(tmp_path / "err", "w") as err:
         proc = subprocess.run([PY, REPO / "scripts" / "ckpt.py", "inspect", RUN / "model000010.pt"],
-                              stdout=write_end, stderr=err, env=child_env(), timeout=60)
+                              stdout=write_end, stderr=err, env=child_env(), timeout=hang_s(60))
     os.close(write_end)
     text = (tmp_path / "err").read_text()
     assert proc.returncode == 1 and "Traceback" not in text and "Error" not in text, text
@@ -489,7 +489,8 @@ def test_the_flags_md_recipe_runs_in_bash_as_written(tmp_path):
     proc = subprocess.run(
         ["bash", "-e", "-o", "pipefail", "-c", recipe.replace("FILE", shlex.quote(str(path)))],
         cwd=REPO, env=child_env({"OPENAI_LOGDIR": str(tmp_path / "samples")}), text=True,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=110, stdin=subprocess.DEVNULL)
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=hang_s(110),
+        stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert "status      same" in proc.stdout  # diff --flags "$F": the flags describe the file
     with np.load(tmp_path / "samples" / "samples_4x8x8x3.npz") as z:

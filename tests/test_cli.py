@@ -19,7 +19,7 @@ from improved_diffusion.ckpt.ckpt_tool import build_parser as ckpt_parser
 from improved_diffusion.ckpt.ckpt_tool import main as ckpt_main
 from improved_diffusion.errors import UsageError
 
-from conftest import PY, REPO, _run, run_mpi, run_script, write_class_folder
+from conftest import PY, REPO, _run, hang_s, run_mpi, run_script, write_class_folder
 
 # The pages whose commands, flags, files and links the tests check.
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -456,7 +456,7 @@ def test_torchrun_summary_shows_the_one_line_and_the_usage_exit_code(tmp_path):
     proc = subprocess.run([str(torchrun), "--nproc_per_node", "2", str(REPO / "scripts" /
                            "train.py"), "--bad_flag"], cwd=tmp_path, env=child_env(),
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          timeout=180)
+                          timeout=hang_s(180))
     assert proc.returncode != 0
     assert proc.stdout.count("error: train.py: unknown flag --bad_flag") == 1, proc.stdout
     assert "exitcode  : 2" in proc.stdout
@@ -471,7 +471,7 @@ def test_fp16_on_a_cpu_trains_reports_skipped_steps_and_warns_once(tmp_path, bf1
     data = write_class_folder(tmp_path / "data")
     proc = _run([PY, REPO / "tests" / "amp_train.py", "--data_dir", data, "--log_dir",
                  tmp_path / "run", *TINY, "--use_fp16", "True", "--batch_size", "2",
-                 "--max_steps", "3", "--log_interval", "1"], timeout=180,
+                 "--max_steps", "3", "--log_interval", "1"], timeout=hang_s(180),
                 env={"CPU_BF16": str(int(bf16_units))})
     if bf16_units:
         assert "--use_fp16: bfloat16 autocast" in proc.stdout

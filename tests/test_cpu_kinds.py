@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from conftest import REPO, child_env
+from conftest import REPO, child_env, hang_s
 
 # The tests whose tolerances depend on the kernels (float32 sums in another order).
 NUMERICS = ["tests/test_cfg.py", "tests/test_upstream_numerics.py", "tests/test_diffusion.py",
@@ -22,9 +22,9 @@ def test_the_numerics_tests_pass_with_the_kernels_of_a_cpu_without_avx512_or_bf1
     env = child_env({"ATEN_CPU_CAPABILITY": aten, "ONEDNN_MAX_CPU_ISA": onednn})
     check = "import torch; print(torch.backends.cpu.get_cpu_capability())"
     used = subprocess.run([sys.executable, "-c", check], env=env, capture_output=True,
-                          text=True, timeout=120, check=True).stdout.strip()
+                          text=True, timeout=hang_s(120), check=True).stdout.strip()
     assert used == aten.upper(), used  # the child really runs the older kernels
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                            *NUMERICS], cwd=str(REPO), env=env, capture_output=True, text=True,
-                          timeout=1800)
+                          timeout=hang_s(1800))
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]

@@ -49,6 +49,9 @@ def fake_demo_with_records(root, repo="/opt/repo"):
                   "channel_mult": "1,2,2", "num_res_blocks": 1, "diffusion_steps": 200,
                   "noise_schedule": "cosine", "ema_rate": "0.995"},
         "training": {"steps": 1000, "batch_size": 32, "ranks": 2,
+                     "command": f"/opt/venv/bin/mpiexec -n 2 /opt/venv/bin/python3.11 "
+                                f"{repo}/scripts/train.py --data_dir {root}/data --log_dir "
+                                f"{root}/run --max_steps 1000",
                      "preemption": {"preempted": True, "preempted_at": 500, "preempt_exit": 75}},
         "sampling": {"num_samples": 100, "sample_steps": "25"},
         "seconds": {"train": 252.0, "total": 371.0},
@@ -200,3 +203,20 @@ def test_fid_while_training_and_the_post_hoc_ema_sweep_stand_with_the_curve(tmp_
     for text in ("31.25", "40.50", "0.100 (best)", "28.50", "Post-hoc EMA by FID (step 40)",
                  "python scripts/ckpt.py phema $OUT/run --evaluate $OUT/eval/ref_digits.npz"):
         assert text in section, text
+
+
+def test_the_page_shows_the_training_command_and_links_each_image_to_its_file(tmp_path):
+    """Issue 43, item 7: the page showed the sampling commands but not the training one, and
+    no image linked to its file."""
+    out = fake_demo_with_records(tmp_path / "out")
+    page = Path(write_page(str(out))).read_text()
+    lead = re.sub(r"</?span>", "", page[:page.index("<h2>")])
+    assert (f"mpiexec -n 2 python scripts/train.py --data_dir $OUT/data --log_dir $OUT/run "
+            f"--max_steps 1000") in lead, lead
+    assert f"<code>$OUT</code> is <code>{out}</code>" in lead
+    srcs = images_of(page)
+    hrefs = [unquote(h) for h in re.findall(r'<a href="([^"]+)"><img ', page)]
+    assert srcs and hrefs == srcs, (hrefs, srcs)
+    captioned = [unquote(h) for h in re.findall(r'<a href="([^"]+)"><code>', page)]
+    assert "samples/samples_10x8x8x3.png" in captioned and set(captioned) <= set(srcs)
+    assert all((out / h).is_file() for h in hrefs)

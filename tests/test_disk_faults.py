@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import (MPIEXEC, PY, REPO, child_env, process_tree, resumed_step, signal_all,
+from conftest import (MPIEXEC, PY, REPO, child_env, hang_s, process_tree, resumed_step, signal_all,
                       write_images)
 
 from cluster_sim import matches_manifest
@@ -53,7 +53,7 @@ def images(tmp_path_factory):
 
 def _sh(*cmd):
     return subprocess.run([str(c) for c in cmd], stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, timeout=30)
+                          stderr=subprocess.STDOUT, text=True, timeout=hang_s(30))
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +125,7 @@ def resume(images, log_dir, max_steps):
     cmd = train_cmd(images, log_dir, max_steps)[3:]  # without "mpiexec -n 2"
     proc = subprocess.run([str(c) for c in cmd], cwd=REPO,
                           env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True, timeout=180, stdin=subprocess.DEVNULL)
+                          text=True, timeout=hang_s(180), stdin=subprocess.DEVNULL)
     assert proc.returncode == 0, proc.stdout[-4000:]
     return proc.stdout
 
@@ -151,7 +151,7 @@ def run_into_fault(tmp_path, images, log_dir, inject):
                                 env=child_env(), stdout=log_f, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL)
     try:
-        end = time.monotonic() + 120
+        end = time.monotonic() + hang_s(120)
         while not (Path(log_dir) / f"manifest{N:06d}.json").exists() or any(
                 TEMP_RE.search(n) for n in names_in(log_dir)):
             assert proc.poll() is None, log_path.read_text()[-4000:]
@@ -161,7 +161,7 @@ def run_into_fault(tmp_path, images, log_dir, inject):
             begun = [n for n in names_in(log_dir) if step_of(n.split(".tmp")[0]) == 2 * N]
             assert not begun, f"the save of step {2 * N} had begun before the fault: {begun}"
             inject()
-        proc.wait(timeout=120)
+        proc.wait(timeout=hang_s(120))
     finally:
         if proc.poll() is None:
             signal_all(process_tree(proc.pid), signal.SIGKILL)
@@ -425,7 +425,7 @@ def test_a_log_dir_that_cannot_be_written_is_one_line_naming_it_and_nothing_is_t
     cmd = [*wrap, *train_cmd(images, log_dir, 2)]
     proc = subprocess.run([str(c) for c in cmd], cwd=REPO, env=child_env(),
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          timeout=90, stdin=subprocess.DEVNULL)
+                          timeout=hang_s(90), stdin=subprocess.DEVNULL)
     out = proc.stdout
     errors = [ln for ln in out.splitlines() if ln.startswith("error:")]
     assert proc.returncode == 1, f"exit {proc.returncode}:\n{out[-4000:]}"

@@ -12,7 +12,7 @@ import time
 import pytest
 
 import cluster_sim as cs
-from conftest import REPO, run_module_mpi, run_script
+from conftest import REPO, hang_s, run_module_mpi, run_script
 from improved_diffusion import dist_util, heartbeat, rendezvous
 from test_train import error_lines, random_images
 
@@ -209,7 +209,7 @@ def test_a_dead_node_ends_the_other_node_naming_the_lost_rank_and_the_step_resum
     n0, n1 = cs.two_node_torchrun(args, tmp_path, dist_timeout=20,
                                   env={"FAULT_PID_DIR": str(tmp_path / "pids")})
     try:
-        cs.wait_until(lambda: len(cs.complete_steps(tmp_path / "log")) >= 2, 150, (n0, n1),
+        cs.wait_until(lambda: len(cs.complete_steps(tmp_path / "log")) >= 2, hang_s(150), (n0, n1),
                       "two saves")
         pids = cs.rank_pids(tmp_path / "pids", 2)
         node1 = cs.process_tree(n1.pid)
@@ -232,11 +232,11 @@ def test_kill_9_of_one_mpiexec_rank_ends_the_job_and_the_last_step_resumes(tmp_p
     job = cs.mpiexec(2, _train_args(tmp_path), tmp_path, dist_timeout=20,
                      env={"FAULT_PID_DIR": str(tmp_path / "pids")})
     try:
-        cs.wait_until(lambda: len(cs.complete_steps(tmp_path / "log")) >= 2, 150, (job,),
+        cs.wait_until(lambda: len(cs.complete_steps(tmp_path / "log")) >= 2, hang_s(150), (job,),
                       "two saves")
         pids = cs.rank_pids(tmp_path / "pids", 2)
         cs.kill9([pids[1]])
-        cs.wait_exit(job, 60)
+        cs.wait_exit(job, hang_s(60))
     finally:
         cs.kill9(cs.process_tree(job.pid))
     assert job.returncode != 0

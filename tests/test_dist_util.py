@@ -8,7 +8,7 @@ import textwrap
 import pytest
 import torch as th
 
-from conftest import PY, REPO, child_env, run_module_mpi
+from conftest import PY, REPO, child_env, hang_s, run_module_mpi
 from improved_diffusion import dist_util
 
 
@@ -179,7 +179,7 @@ def test_torchrun_launch_builds_the_same_process_group(tmp_path):
         proc = subprocess.run(
             [torchrun, "--standalone", "--nproc_per_node", "2", str(script)],
             env=child_env(), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            text=True, timeout=50, stdin=subprocess.DEVNULL)
+            text=True, timeout=hang_s(50), stdin=subprocess.DEVNULL)
     except subprocess.TimeoutExpired:
         pytest.fail("torchrun run timed out (a hang?)")
     assert proc.returncode == 0, proc.stdout[-3000:]

@@ -828,3 +828,80 @@ def test_a_reference_batch_of_ones_own_folder_holds_the_images_the_training_sees
         assert got == code_ and out == "", (argv, err)
         assert err.count("\n") == 1 and words in err, (argv, err)
     assert listing(tmp_path) == before
+
+
+# ------------------------------------------------- issue 43: batches that must be refused, ranks
+
+
+def _refused(kind, d, digits):
+    """(the bad batch, words its error line must hold) in ``d``, beside a good ref.npz and
+    samples.npz of real digits (the digits features: 45 wide)."""
+    import struct
+    import zipfile
+
+    ref, samples = d / "ref.npz", d / "samples.npz"
+    np.savez(ref, arr_0=real_digits(digits, 40))
+    np.savez(samples, arr_0=real_digits(digits, 6, start=100))
+    if kind == "fortran_order":  # its bytes, read in C order, would be other images
+        np.savez(samples, arr_0=np.asfortranarray(real_digits(digits, 6, start=100)))
+        return samples, ["uint8 [6, 8, 8, 3] (Fortran order)", "expected uint8 images"]
+    if kind == "stored_member_claims_more":  # the zip's sizes agree with the header's 10 images
+        _lying_npz(samples, zipfile.ZIP_STORED)
+        data = bytearray(samples.read_bytes())
+        claimed = 128 + 10 * 8 * 8 * 3
+        for sig, at in ((b"PK\x01\x02", 20), (b"PK\x03\x04", 18)):  # compressed, then plain size
+            i = data.index(sig) + at
+            data[i:i + 8] = struct.pack("<II", claimed, claimed)
+        samples.write_bytes(bytes(data))
+        return samples, ["header says uint8 [10, 8, 8, 3]", "only 4 images"]
+    sigma = np.eye(45)
+    if kind == "mu_without_sigma":
+        np.savez(ref, arr_0=real_digits(digits, 40), mu=np.zeros(45))
+        return ref, ["holds mu but no sigma"]
+    if kind == "sigma_s_without_mu_s":
+        np.savez(ref, arr_0=real_digits(digits, 40), mu=np.zeros(45), sigma=sigma,
+                 sigma_s=sigma)
+        return ref, ["holds sigma_s but no mu_s"]
+    if kind == "sigma_not_psd":  # FID's sqrtm: "ValueError: Imaginary component"
+        sigma[3, 3] = -1.0
+        np.savez(ref, arr_0=real_digits(digits, 40), mu=np.zeros(45), sigma=sigma)
+        return ref, ["sigma is not positive semi-definite", "-1", "not a covariance matrix"]
+    if kind == "sigma_not_symmetric":  # was accepted, and FID computed from it
+        sigma[0, 1] = 0.5
+        np.savez(ref, arr_0=real_digits(digits, 40), mu=np.zeros(45), sigma=sigma)
+        return ref, ["sigma is not symmetric", "not a covariance matrix"]
+    raise AssertionError(kind)
+
+
+@pytest.mark.parametrize("kind", ["fortran_order", "stored_member_claims_more",
+                                  "mu_without_sigma", "sigma_s_without_mu_s", "sigma_not_psd",
+                                  "sigma_not_symmetric"])
+def test_a_batch_evaluate_py_cannot_use_is_one_line_naming_it_and_nothing_is_cached(
+        kind, tmp_path, digits, evaluate_script, capsys):
+    """Issue 43, items 16 and 23: a Fortran-ordered arr_0, a stored member whose zip sizes claim
+    more bytes than the file holds, half of a (mu, sigma) pair, a sigma that is not symmetric
+    or not positive semi-definite: one line naming the file, exit 1, nothing written."""
+    bad, words = _refused(kind, tmp_path, digits)
+    before = listing(tmp_path)
+    code, out, err = run_inproc(evaluate_script, capsys, tmp_path / "ref.npz",
+                                tmp_path / "samples.npz", "--features", "digits")
+    assert code == 1 and out == "", (out, err)
+    _one_error_line(err, words, bad)
+    assert listing(tmp_path) == before
+
+
+@pytest.mark.timeout(150)
+def test_one_file_as_reference_and_samples_on_2_ranks_after_1_rank_cached_it(
+        tmp_path, digits, evaluate_script, capsys):
+    """Issue 43, item 16: rank 1 took the samples' activations from the reference's, which only
+    rank 0 had read from the cache (KeyError: 'ref')."""
+    ref = tmp_path / "ref.npz"
+    np.savez(ref, arr_0=real_digits(digits, 12))
+    one, _ = _score(evaluate_script, capsys, ref, ref)
+    assert (tmp_path / "ref.digits.acts.npz").is_file()  # the cache the 2-rank run reads
+    proc = run_mpi(2, "evaluate.py", ref, ref, "--features", "digits", "--json", timeout=120,
+                   check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert f"activations of {ref} from" in proc.stdout
+    two = json.loads(proc.stdout[proc.stdout.index("{"):proc.stdout.rindex("}") + 1])
+    assert two["fid"] == pytest.approx(one["fid"], abs=1e-6) and two["num_samples"] == 12

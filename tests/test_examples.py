@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from conftest import MPIEXEC, PY, REPO, child_env, deep_diff, resumed_step, write_images
+from conftest import MPIEXEC, PY, REPO, child_env, deep_diff, hang_s, resumed_step, write_images
 
 OWN_MODEL = REPO / "examples" / "own_model.py"
 OWN_LOOP = REPO / "examples" / "own_loop.py"
@@ -38,7 +38,7 @@ def launch(script, ranks, *args):
 def run(script, ranks, *args, expect=0, timeout=150):
     proc = subprocess.run(launch(script, ranks, *args), cwd=REPO, env=child_env(),
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          stdin=subprocess.DEVNULL, timeout=timeout)
+                          stdin=subprocess.DEVNULL, timeout=hang_s(timeout))
     assert proc.returncode == expect, f"exit {proc.returncode}:\n{proc.stdout[-4000:]}"
     return proc.stdout
 
@@ -52,13 +52,13 @@ def preempted(script, ranks, log_dir, *args, after_rows=2, timeout=120):
                                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True)
     try:
-        end = time.monotonic() + timeout
+        end = time.monotonic() + hang_s(timeout)
         while _rows(log_dir) < after_rows:
             assert proc.poll() is None, out_path.read_text()[-3000:]
             assert time.monotonic() < end, "the run did not start training"
             time.sleep(0.02)
         os.kill(_rank_pids(str(log_dir), script.name)[ranks - 1], signal.SIGTERM)
-        rc = proc.wait(timeout=60)
+        rc = proc.wait(timeout=hang_s(60))
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -195,7 +195,7 @@ def test_ones_own_loop_holds_the_log_dir_lock(tmp_path, data):
         first = subprocess.Popen(launch(OWN_LOOP, 1, *args, "--max_steps", 100000), cwd=REPO,
                                  env=child_env(), stdout=out, stderr=subprocess.STDOUT)
     try:
-        end = time.monotonic() + 60
+        end = time.monotonic() + hang_s(60)
         while _rows(log) < 1:
             assert first.poll() is None and time.monotonic() < end
             time.sleep(0.05)
@@ -203,4 +203,4 @@ def test_ones_own_loop_holds_the_log_dir_lock(tmp_path, data):
         assert f"log dir {log} is in use by" in second, second[-2000:]
     finally:
         first.send_signal(signal.SIGTERM)
-        assert first.wait(timeout=60) == 75
+        assert first.wait(timeout=hang_s(60)) == 75

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import (MPIEXEC, PY, REPO, _run, child_env, deep_diff, job_pids, run_mpi,
+from conftest import (MPIEXEC, PY, REPO, _run, child_env, deep_diff, hang_s, job_pids, run_mpi,
                       run_script, write_class_folder, write_images)
 
 MODEL = ["--image_size", "8", "--num_channels", "32", "--num_res_blocks", "1",
@@ -157,7 +157,7 @@ def test_sigterm_to_every_process_saves_exits_75_and_the_resume_is_bitwise_a_str
                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                start_new_session=True)
     try:
-        deadline = time.time() + 240
+        deadline = time.time() + hang_s(240)
         while ("step 6/" not in (tmp_path / "job.log").read_text() and job.poll() is None
                and time.time() < deadline):
             time.sleep(0.05)
@@ -166,9 +166,9 @@ def test_sigterm_to_every_process_saves_exits_75_and_the_resume_is_bitwise_a_str
         for pid in pids:  # as a scheduler does: every process of the job
             os.kill(pid, signal.SIGTERM)
         try:
-            rc = job.wait(timeout=120)
+            rc = job.wait(timeout=hang_s(120))
         except subprocess.TimeoutExpired:
-            pytest.fail("no exit 120 s after SIGTERM:\n"
+            pytest.fail("no exit {hang_s(120)} s after SIGTERM:\n"
                         + (tmp_path / "job.log").read_text()[-3000:])
     finally:
         if job.poll() is None:

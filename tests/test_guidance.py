@@ -7,7 +7,7 @@ import functools
 import pytest
 import torch as th
 
-from conftest import FIXTURES, float32_atol, forward_atol
+from conftest import FIXTURES, float32_atol, forward_atol, hang_s
 from improved_diffusion import guidance
 from improved_diffusion.script_util import create_model_and_diffusion, model_and_diffusion_defaults
 from improved_diffusion.unet import EncoderUNetModel
@@ -241,7 +241,7 @@ def test_a_guidance_overflow_is_raised_on_every_rank_each_ending_with_exit_2(tmp
                           1, "--guidance_scale", "1e38", "--clip_denoised", "False",
                           "--log_dir", tmp_path / "s", "--progress", "False")],
         cwd=REPO, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        timeout=120, stdin=subprocess.DEVNULL)
+        timeout=hang_s(120), stdin=subprocess.DEVNULL)
     assert sorted(re.findall(r"^rank (\d) exit (\d+)$", proc.stdout, re.M)) == [
         ("0", "2"), ("1", "2")], proc.stdout
     errors = [line for line in proc.stdout.splitlines() if line.startswith("error:")]

@@ -6,7 +6,7 @@ import re
 import subprocess
 import sys
 
-from conftest import REPO, child_env
+from conftest import REPO, child_env, hang_s
 
 PKG = REPO / "improved_diffusion"
 UPSTREAM = ("train_util", "dist_util", "script_util", "gaussian_diffusion", "unet",
@@ -56,7 +56,7 @@ def test_importing_preemption_from_ckpt_imports_no_torch():
     code = ("import sys; from improved_diffusion.ckpt import preemption; "
             "print(sorted(m for m in ('torch', 'numpy', 'blobfile') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], env=child_env(), cwd=str(REPO),
-                         capture_output=True, text=True, timeout=60, check=True).stdout
+                         capture_output=True, text=True, timeout=hang_s(60), check=True).stdout
     assert out.strip() == "[]"
 
 

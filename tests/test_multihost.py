@@ -23,7 +23,7 @@ import torch
 
 import cluster_sim as cs
 import multihost as mh
-from conftest import deep_diff, resumed_step, run_script, write_images
+from conftest import deep_diff, hang_s, resumed_step, run_script, write_images
 from improved_diffusion import dist_util, heartbeat, rendezvous
 from test_train import error_lines
 
@@ -65,13 +65,13 @@ def finish(procs, work, tag, timeout=240, codes=(0,)):
     outs, hung = [], set()
     for i, p in enumerate(procs):
         try:
-            p.wait(timeout)
+            p.wait(hang_s(timeout))
         except subprocess.TimeoutExpired:
             hung.add(i)
             cs.kill9(cs.process_tree(p.pid))
             p.wait(10)
         outs.append((work / f"{tag}-host{i}.out").read_text())
-    bad = [(i, f"timed out after {timeout} s" if i in hung else p.returncode)
+    bad = [(i, f"timed out after {hang_s(timeout)} s" if i in hung else p.returncode)
            for i, p in enumerate(procs) if i in hung or p.returncode not in codes]
     if bad:
         pytest.fail(f"{tag}: exit codes {bad}\n" + "\n".join(
@@ -219,7 +219,7 @@ def test_a_lost_host_ends_the_other_within_dist_timeout_and_both_resume_bitwise(
     procs = torchrun(hosts, 1, train_script(data, f"{mh.DISK}/log", "--save_interval", 1,
                                             "--max_steps", 100000),
                      tmp_path, "run", dist_timeout=15, env=env)
-    cs.wait_until(lambda: len(cs.complete_steps(log)) >= 3, 200, procs, "three saves")
+    cs.wait_until(lambda: len(cs.complete_steps(log)) >= 3, hang_s(200), procs, "three saves")
     pids = cs.rank_pids(tmp_path / "pids", 2)
     assert pids[0] in h0.pids() and pids[1] in h1.pids()  # rank 0 (the writer) on host 0
     if fault == "killed":

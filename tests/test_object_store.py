@@ -14,7 +14,7 @@ import time
 import pytest
 
 import stores
-from conftest import MPIEXEC, PY, REPO, child_env, rank_pids, write_images
+from conftest import MPIEXEC, PY, REPO, child_env, hang_s, rank_pids, write_images
 
 TRAIN = REPO / "scripts" / "train.py"
 CKPT = REPO / "scripts" / "ckpt.py"
@@ -67,7 +67,7 @@ def new_bucket(store):
 
 def run(cmd, env, cwd, timeout=240):
     return subprocess.run([str(c) for c in cmd], cwd=str(cwd), env=child_env(env),
-                          capture_output=True, text=True, timeout=timeout,
+                          capture_output=True, text=True, timeout=hang_s(timeout),
                           stdin=subprocess.DEVNULL)
 
 
@@ -97,14 +97,14 @@ def test_two_ranks_on_s3_sigterm_75_then_the_same_command_resumes_bitwise_equal_
                                 stdout=log_f, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
     try:
-        end = time.monotonic() + 240
+        end = time.monotonic() + hang_s(240)
         while "step 2/6" not in log_path.read_text() and proc.poll() is None:
             assert time.monotonic() < end, log_path.read_text()[-3000:]
             time.sleep(0.05)
         pids = rank_pids(url)
         assert sorted(pids) == [0, 1], (pids, log_path.read_text()[-3000:])
         os.kill(pids[1], signal.SIGTERM)
-        rc = proc.wait(timeout=180)
+        rc = proc.wait(timeout=hang_s(180))
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -316,7 +316,7 @@ def test_kill_9_mid_upload_leaves_the_previous_step(any_store):
     try:
         assert proc.stdout.readline().strip() == "MID"
         proc.kill()
-        proc.wait(timeout=30)
+        proc.wait(timeout=hang_s(30))
     finally:
         if proc.poll() is None:
             proc.kill()

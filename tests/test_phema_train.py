@@ -11,7 +11,7 @@ import shutil
 import pytest
 import torch as th
 
-from conftest import deep_diff, resumed_step, run_mpi, run_script, write_images
+from conftest import deep_diff, hang_s, resumed_step, run_mpi, run_script, write_images
 from improved_diffusion.ckpt import checkpoint as C
 from improved_diffusion import logger, phema, train_util
 from improved_diffusion.ckpt.checkpointer import NonFiniteError
@@ -284,7 +284,7 @@ def test_phema_right_after_a_kill_in_a_snapshot_write_uses_the_last_complete_ste
                             start_new_session=True)
     try:
         first, second = log_dir / "phema_0.050_000006.pt", log_dir / "phema_0.100_000006.pt"
-        deadline = time.monotonic() + 150
+        deadline = time.monotonic() + hang_s(150)
         while not first.exists():
             assert proc.poll() is None and time.monotonic() < deadline, "no save of step 6"
             time.sleep(0.01)

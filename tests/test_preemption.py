@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 import cluster_sim as cs
-from conftest import MPIEXEC, PY, REPO, child_env, write_class_folder, write_images
+from conftest import MPIEXEC, PY, REPO, child_env, hang_s, write_class_folder, write_images
 
 from improved_diffusion.ckpt.preemption import BEFORE_TRAINING
 
@@ -67,7 +67,7 @@ class Job:
         return self.out_path.read_text()
 
     def wait_for(self, predicate, what, timeout=90):
-        cs.wait_until(predicate, timeout, (self.proc,), what)
+        cs.wait_until(predicate, hang_s(timeout), (self.proc,), what)
 
     def wait_for_text(self, pattern, timeout=90):
         self.wait_for(lambda: re.search(pattern, self.out), f"{pattern!r} in the output", timeout)
@@ -97,7 +97,7 @@ class Job:
         self.wait_for(ready, f"{n} ranks importing torch")
         return self.rank_pids()
 
-    def end(self, timeout=90):
+    def end(self, timeout=hang_s(90)):
         """The launcher's exit code, within ``timeout`` seconds (else the test fails)."""
         try:
             return self.proc.wait(timeout)
@@ -283,8 +283,8 @@ def saved_run(tmp_path_factory, images):
     """A log dir holding step 2 of a 1-rank run."""
     d = tmp_path_factory.mktemp("saved") / "run"
     subprocess.run([PY, TRAIN, *TINY, "--data_dir", images, "--log_dir", d, "--max_steps", "2"],
-                   cwd=REPO, env=child_env(), check=True, timeout=120, stdout=subprocess.DEVNULL,
-                   stderr=subprocess.DEVNULL)
+                   cwd=REPO, env=child_env(), check=True, timeout=hang_s(120),
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return d
 
 

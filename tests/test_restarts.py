@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import cluster_sim as cs
-from conftest import deep_diff, run_mpi, write_images
+from conftest import deep_diff, hang_s, run_mpi, write_images
 
 MAX_STEPS = 40
 RATES = "0.9999"
@@ -62,8 +62,8 @@ def run_with_kills(images, work, rdzv, kills, max_steps=MAX_STEPS, timeout=120):
     proc = cs.start(cmd, work / "torchrun.out", env={"FAULT_PID_DIR": str(work / "pids")})
     try:
         records = cs.kill_workers_repeatedly(proc, log_dir, work / "pids", kills,
-                                             timeout=timeout)
-        cs.wait_exit(proc, timeout)
+                                             timeout=hang_s(timeout))
+        cs.wait_exit(proc, hang_s(timeout))
     finally:
         cs.kill9(cs.process_tree(proc.pid))
     return proc.returncode, records, (work / "torchrun.out").read_text()

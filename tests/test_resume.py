@@ -23,8 +23,8 @@ import torch
 from PIL import Image
 
 from cluster_sim import matches_manifest
-from conftest import (MPIEXEC, PY, REPO, _run, child_env, deep_diff, rank_pids, resumed_step,
-                      run_mpi, run_script)
+from conftest import (MPIEXEC, PY, REPO, _run, child_env, deep_diff, hang_s, rank_pids,
+                      resumed_step, run_mpi, run_script)
 
 SLOW_SAVE_TRAIN = REPO / "tests" / "slow_save_train.py"
 AMP_TRAIN = REPO / "tests" / "amp_train.py"
@@ -347,14 +347,14 @@ KILL_MAX_STEPS = 100000  # kill trials never finish by themselves; the last run 
 
 def _poll(pred, proc, timeout, interval=0.002):
     """Wait until pred() is true (True), the process exits (False), or timeout (pytest.fail)."""
-    end = time.monotonic() + timeout
+    end = time.monotonic() + hang_s(timeout)
     while time.monotonic() < end:
         if pred():
             return True
         if proc.poll() is not None:
             return False
         time.sleep(interval)
-    pytest.fail(f"waited {timeout}s for the trainer to reach the kill point")
+    pytest.fail(f"waited {hang_s(timeout)}s for the trainer to reach the kill point")
 
 
 def _new_save_started(log_dir, baseline):
@@ -433,7 +433,7 @@ def test_kill_9_at_random_moments_always_resumes_from_a_complete_step(tmp_path, 
                     _poll(_final_file_without_manifest(log_dir, baseline), proc, timeout=30)
                 if proc.poll() is None:
                     proc.send_signal(signal.SIGKILL)
-            rc = proc.wait(timeout=120)
+            rc = proc.wait(timeout=hang_s(120))
         finally:
             if proc.poll() is None:
                 proc.kill()
@@ -494,7 +494,7 @@ def test_a_preemption_signal_to_one_rank_saves_a_complete_checkpoint_and_exits_7
             os.kill(pids[ranks - 1], sig)  # not the writer: rank 0 must learn of it from rank 1
         else:
             os.kill(proc.pid, sig)
-        rc = proc.wait(timeout=60)
+        rc = proc.wait(timeout=hang_s(60))
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -525,7 +525,7 @@ def test_keep_checkpoints_2_never_leaves_fewer_than_one_complete_step_on_disk(tm
     reader.start()
     seen_complete, snapshots, violations = False, 0, []
     try:
-        end = time.monotonic() + 120
+        end = time.monotonic() + hang_s(120)
         while proc.poll() is None and time.monotonic() < end:
             before = top_level_names(log_dir)
             done = complete_steps(log_dir)
@@ -538,12 +538,12 @@ def test_keep_checkpoints_2_never_leaves_fewer_than_one_complete_step_on_disk(tm
             elif seen_complete:
                 violations.append(sorted(after))
             time.sleep(0.001)
-        rc = proc.wait(timeout=30)
+        rc = proc.wait(timeout=hang_s(30))
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    reader.join(timeout=10)
+    reader.join(timeout=hang_s(10))
     out = "".join(output)
     assert rc == 0, out[-3000:]
     assert not violations, f"no complete step on disk at some moment: {violations[:3]}"
@@ -576,7 +576,7 @@ def test_keep_checkpoints_1_and_a_kill_9_inside_the_next_save_leave_the_kept_ste
                     and len(names & step_names(3, "0.9999")) == 2)
         hit = _poll(writing_the_last_file_of_step_3, proc, timeout=90)
         proc.send_signal(signal.SIGKILL)
-        rc = proc.wait(timeout=30)
+        rc = proc.wait(timeout=hang_s(30))
     finally:
         if proc.poll() is None:
             proc.kill()

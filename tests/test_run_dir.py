@@ -18,7 +18,7 @@ import pytest
 import torch as th
 from PIL import Image
 
-from conftest import MPIEXEC, REPO, child_env, run_script
+from conftest import MPIEXEC, REPO, child_env, hang_s, run_script
 from improved_diffusion.ckpt import checkpoint as C
 from improved_diffusion.ckpt import file_writer as W
 from improved_diffusion.ckpt import run_dir as R
@@ -289,7 +289,7 @@ def test_an_opt_file_that_cannot_be_read_stops_the_resume_instead_of_a_fresh_opt
         [*launcher, sys.executable, REPO / "tests" / "fault_train.py", *flags,
          "--data_dir", str(images), "--log_dir", str(run), "--max_steps", "4"],
         cwd=REPO, env=child_env({"FAULT_EIO_READ": "opt000002.pt"}), capture_output=True,
-        text=True, timeout=180)
+        text=True, timeout=hang_s(180))
     out = proc.stdout + proc.stderr
     assert "auto-resume: newest complete step in" in out, out  # the plan chose step 2 ...
     assert "fault_train: EIO reading opt000002.pt" in out, out  # ... then its load failed

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import MPIEXEC, PY, REPO, child_env, write_images
+from conftest import MPIEXEC, PY, REPO, child_env, hang_s, write_images
 
 from improved_diffusion.ckpt.run_lock import BlobStore, LogDirLock, LogDirLockedError
 
@@ -113,7 +113,7 @@ def output(proc):
 
 def wait_for(pred, proc, timeout=60, what="it"):
     """Poll pred() until true; fails (with proc's output) on timeout or if proc ended first."""
-    end = time.monotonic() + timeout
+    end = time.monotonic() + hang_s(timeout)
     while time.monotonic() < end:
         if pred():
             return
@@ -191,7 +191,7 @@ def test_a_second_process_with_a_short_wait_fails_with_one_line_naming_the_holde
     first_pid = held_pid(first)
     before = snapshot(log_dir) if flavour == "local" else None
     second = procs.holder(log_dir, "second", flavour, wait_s=3, heartbeat_s=0.5)
-    assert second.wait(timeout=60) == 1, output(second)
+    assert second.wait(timeout=hang_s(60)) == 1, output(second)
     errors = [line for line in output(second).splitlines() if line.startswith("ERROR")]
     assert len(errors) == 1, output(second)
     assert f"log dir {log_dir} is in use by pid {first_pid} on host {socket.gethostname()}" \
@@ -210,7 +210,7 @@ def test_a_holder_killed_with_kill_9_never_blocks_the_next_job(tmp_path, procs, 
     log_dir = tmp_path / "run"
     first = procs.holder(log_dir, "first", env={"FORK_CHILD": "1"} if forked_child else None)
     os.kill(held_pid(first), signal.SIGKILL)
-    assert first.wait(timeout=30) == -signal.SIGKILL
+    assert first.wait(timeout=hang_s(30)) == -signal.SIGKILL
 
     lock = LogDirLock(log_dir, wait_s=0)
     lock.acquire(log=pytest.fail)  # at once: no wait, nothing to say
@@ -286,7 +286,7 @@ def test_a_remote_lock_of_a_killed_holder_is_taken_over_once_stale_not_before(tm
     log_dir = tmp_path / "run"
     first = procs.holder(log_dir, "first", "remote", heartbeat_s=0.25)
     os.kill(held_pid(first), signal.SIGKILL)
-    first.wait(timeout=30)
+    first.wait(timeout=hang_s(30))
     assert (log_dir / "lock.json").exists()  # nobody removed it: the holder died
 
     waiter = LogDirLock(log_dir, wait_s=0, heartbeat_s=0.25, stale_s=30, store=BlobStore())
@@ -310,7 +310,7 @@ def test_a_remote_holder_whose_lock_object_was_overwritten_knows_it_lost_the_loc
         other = dict(lock_record(log_dir), pid=999999, host="elsewhere", token="f" * 32,
                      heartbeat=time.time() + 3600)
         (log_dir / "lock.json").write_text(json.dumps(other))
-        end = time.monotonic() + 30
+        end = time.monotonic() + hang_s(30)
         while lock.lost is None and time.monotonic() < end:
             time.sleep(0.05)
         assert lock.lost and "pid 999999 on host elsewhere" in lock.lost
@@ -337,7 +337,7 @@ def stop_group(pgid, timeout=30):
     """SIGSTOP every process of the group ``pgid`` (a job started in its own session: the trainer
     and its checkpoint writer process), and wait until each is stopped."""
     os.killpg(pgid, signal.SIGSTOP)
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + hang_s(timeout)
     while time.monotonic() < deadline:
         states = []
         for d in Path("/proc").iterdir():
@@ -370,7 +370,7 @@ def test_a_second_train_job_on_a_held_log_dir_exits_1_naming_the_holder_and_touc
         for ranks in (1, 2):
             second = procs.start(train_cmd(images, log_dir, "--lock_wait", 2, ranks=ranks),
                                  f"second-{ranks}")
-            assert second.wait(timeout=120) == 1, output(second)
+            assert second.wait(timeout=hang_s(120)) == 1, output(second)
             out = output(second)
             assert len(error_lines(out)) == 1, out  # the same on every rank: printed once
             for line in error_lines(out):
@@ -382,7 +382,7 @@ def test_a_second_train_job_on_a_held_log_dir_exits_1_naming_the_holder_and_touc
         os.killpg(first.pid, signal.SIGCONT)
     wait_for(lambda: saved(log_dir, 15), first, 120, "the first job's step 15")
     os.kill(first.pid, signal.SIGTERM)
-    assert first.wait(timeout=60) == 75, output(first)
+    assert first.wait(timeout=hang_s(60)) == 75, output(first)
     assert "preempted" in output(first), output(first)
     assert not error_lines(output(first)) and "Traceback" not in output(first), output(first)
 
@@ -398,14 +398,14 @@ def test_a_requeued_job_waits_for_the_one_finishing_then_resumes_from_its_last_s
     assert "training on" not in output(second)  # it waits before anything else
 
     os.kill(first.pid, signal.SIGTERM)  # preempted: it saves its current step, then exits 75
-    assert first.wait(timeout=60) == 75, output(first)
+    assert first.wait(timeout=hang_s(60)) == 75, output(first)
     last = int(re.search(r"preempted .*saved step (\d+)", output(first)).group(1))
     resumed = wait_for_text(second, r"(?i)resum\w*[^\n]*?\bstep\s+(\d+)", 120)
     assert int(resumed.group(1)) == last, output(second)[-3000:]
     nxt = (last // 5 + 1) * 5
     wait_for(lambda: saved(log_dir, nxt), second, 120, f"the second job's step {nxt}")
     os.kill(second.pid, signal.SIGTERM)
-    assert second.wait(timeout=60) == 75, output(second)
+    assert second.wait(timeout=hang_s(60)) == 75, output(second)
     assert not (log_dir / "incomplete").exists()  # nothing of the first job was set aside
     for out in (output(first), output(second)):
         assert not error_lines(out) and "Traceback" not in out, out

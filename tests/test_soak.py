@@ -31,7 +31,7 @@ import pytest
 import torch
 
 from cluster_sim import matches_manifest
-from conftest import (MPIEXEC, PY, REPO, child_env, deep_diff, process_tree, resumed_step,
+from conftest import (MPIEXEC, PY, REPO, child_env, deep_diff, hang_s, process_tree, resumed_step,
                       run_module_mpi, signal_all, write_images)
 
 pytestmark = pytest.mark.slow
@@ -164,9 +164,9 @@ def trained_past(log_dir, step, lines_before):
 
 
 def wait_until(pred, proc, timeout=120):
-    end = time.monotonic() + timeout
+    end = time.monotonic() + hang_s(timeout)
     while not pred() and proc.poll() is None:
-        assert time.monotonic() < end, f"waited {timeout} s for the job to start training"
+        assert time.monotonic() < end, f"waited {hang_s(timeout)} s for the job to start training"
         time.sleep(0.01)
 
 
@@ -201,7 +201,7 @@ def run_job(images, log_dir, ranks, max_steps, action, rng, log_path):
             time.sleep(rng.uniform(0.0, 1.0))
             if proc.poll() is None:
                 os.kill(rng.choice(rank_pids(proc.pid) or [proc.pid]), signal.SIGTERM)
-        proc.wait(timeout=180)
+        proc.wait(timeout=hang_s(180))
     finally:
         if proc.poll() is None:
             signal_all(process_tree(proc.pid), signal.SIGKILL)

@@ -392,3 +392,23 @@ def test_phema_evaluate_bad_input_is_one_line_and_writes_nothing(phema_run, digi
         assert got == code, (extra, err)
         assert len(err.strip().splitlines()) == 1 and words in err, (extra, err)
     assert sorted(p.name for p in phema_run.iterdir()) == before
+
+
+@pytest.mark.timeout(240)
+def test_a_relative_eval_ref_batch_is_recorded_absolute_and_a_resume_from_elsewhere_finds_it(
+        tmp_path, digits_data):
+    """Issue 43, item 17: `--eval_ref_batch ref.npz` typed in the reference's folder went into
+    the manifests as typed, and a flagless resume from another directory could not find it."""
+    data, ref = digits_data
+    here, elsewhere = tmp_path / "here", tmp_path / "elsewhere"
+    here.mkdir()
+    elsewhere.mkdir()
+    shutil.copy(ref, here / "ref.npz")
+    log = tmp_path / "log"
+    args = [PY, REPO / "scripts" / "train.py", "--data_dir", data, "--log_dir", log]
+    _run([*args, *TINY, "--max_steps", "2", *evals("ref.npz")], 180, cwd=here)
+    manifest = json.loads((log / "manifest000002.json").read_text())
+    assert manifest["run_flags"]["eval_ref_batch"] == str(here / "ref.npz")
+    proc = _run([*args, "--max_steps", "4"], 180, cwd=elsewhere, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert [r["step"] for r in rows(log) if r.get(FID)] == ["2", "4"], rows(log)

@@ -18,7 +18,7 @@ import time
 import pytest
 import torch
 
-from conftest import PY, REPO, child_env, resumed_step, write_images
+from conftest import PY, REPO, child_env, hang_s, resumed_step, write_images
 from test_disk_faults import step_problem
 
 from improved_diffusion.ckpt import run_lock, writer_process
@@ -28,7 +28,7 @@ TINY = ["--image_size", "8", "--num_channels", "32", "--num_res_blocks", "1",
         "--attention_resolutions", "", "--diffusion_steps", "20", "--noise_schedule", "cosine",
         "--batch_size", "2", "--seed", "0", "--log_interval", "100", "--ema_rate", "0.9999",
         "--save_interval", "2", "--save_writer", "process"]  # the process, whatever the size
-BOUND_S = 120  # how long a test waits for something that should happen (a hang fails)
+BOUND_S = hang_s(120)  # how long a test waits for something that should happen (a hang fails)
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +47,7 @@ def shm_unchanged():
     time) may hold an entry for a moment: a new one must be gone within a few seconds."""
     before = shm_names()
     yield
-    end = time.monotonic() + 10
+    end = time.monotonic() + hang_s(10)
     while not shm_names() <= before and time.monotonic() < end:
         time.sleep(0.1)
     assert shm_names() <= before, sorted(shm_names() - before)

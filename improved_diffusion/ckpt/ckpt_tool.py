@@ -1270,8 +1270,8 @@ def _phema_sweep(args, stds, out):
     rows = phema.evaluate_stds(
         plan, args.evaluate, features, opts["num_samples"], opts["sample_steps"],
         batch_size=opts["sample_batch"], seed=opts["seed"], device=device,
-        recon_batch=args.batch, log=None if args.json else
-        (lambda line: args.err.write(line + "\n")))
+        recon_batch=args.batch, log=lambda line: (args.err.write(line + "\n"),
+                                                  args.err.flush()))  # --json too: progress
     plot = _plot_sweep_to(out_dir, rows, plan.step, features.name)
     best = phema.best_row(rows)
     rep = {"dir": args.dir, "step": plan.step, "nimg": plan.nimg, "ref_batch": args.evaluate,
