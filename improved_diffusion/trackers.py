@@ -16,8 +16,9 @@ save and the preemption save included). A job killed between a logged step and t
 has sent none of the steps after that save; its resume trains them again and sends them once.
 The steps of the resumed step and before that the killed job had not sent yet (killed while
 they were queued, or between the manifest and the send) are sent by the resume, from
-progress.csv and LOG_DIR/samples/ (``replay``): each tracker records the last step it sent in
-LOG_DIR/trackers/NAME.json.
+progress.csv and LOG_DIR/samples/ (``_replay``): each tracker records the last step it sent in
+LOG_DIR/trackers/NAME.json (W&B at a clean end only: its service process dies with a killed job
+and may lose what it was given; W&B drops a resent step it has, whose values are the same).
 
 The tracker run's id is recorded in each step's manifest (its ``run_flags``' ``tracker_runs``,
 beside the run's settings), so a resume from that step, flagless or not, on any number of ranks,
@@ -196,6 +197,11 @@ class _Tracker:
     array)``, ``end(ok)``."""
 
     name = None
+    # whether a sent row is kept once the call returns (MLflow's server has it); W&B's records
+    # are written by its own service process, which a kill -9 of the job ends too: its sent
+    # step is recorded when the run ends cleanly (a resume resends the rest, which W&B drops
+    # where it has the step: the same committed values)
+    durable = True
 
     def __init__(self, log_dir, run_id, config, step, rows, grids):
         self.log_dir, self.run_id, self.config = log_dir, run_id, dict(config)
@@ -203,6 +209,7 @@ class _Tracker:
         self.run_id = run_id or self.new_id()
         self.step = int(step)  # the committed step the job starts from
         self.queue = queue.Queue()
+        self.queued_step = self.sent_step = None  # the last step queued / sent (the thread's)
         self.dead = False
         self._warning, self._warned = None, False
         self._lock = threading.Lock()
@@ -219,6 +226,13 @@ class _Tracker:
     def send(self, items):
         if not self.dead:
             self.queue.put(("items", items))
+            self.queued_step = items[-1][0]
+
+    @property
+    def drained(self):
+        """Whether everything queued was sent (or the tracker is off)."""
+        return self.dead or (self.sent_step is not None and (self.queued_step is None or
+                                                             self.sent_step >= self.queued_step))
 
     def finish(self, ok):
         self.queue.put(("end", ok))
@@ -252,6 +266,7 @@ class _Tracker:
                 kind, payload = self.queue.get()
                 if kind == "end":
                     self.end(payload)
+                    self._record_sent(self.sent_step, durable=True)
                     return
                 for step, what, data in payload:
                     if what == "row":
@@ -288,7 +303,10 @@ class _Tracker:
         doc = read_state(self.log_dir, self.name)
         return int(doc.get("sent_step", 0)) if doc.get("run_id") == self.run_id else 0
 
-    def _record_sent(self, step):
+    def _record_sent(self, step, durable=None):
+        self.sent_step = int(step)
+        if not (self.durable if durable is None else durable):
+            return
         data = json.dumps({"run_id": self.run_id, "sent_step": int(step)}).encode()
         path = self._state_path()
         if storage.is_remote(path):
@@ -302,6 +320,7 @@ class _Tracker:
 
 class WandbTracker(_Tracker):
     name = "wandb"
+    durable = False
 
     def new_id(self):  # chosen here, so that the next manifest records it at once
         # not the training's seeded RNG: its state stays untouched, and runs get other ids
