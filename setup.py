@@ -15,9 +15,10 @@ setup(
         # ... and the real servers test_object_store.py runs them against (Azurite: npm, below
         # the Makefile's install)
         "test": ["pytest", "pytest-timeout", "pytest-xdist", "fsspec", "s3fs", "gcsfs", "adlfs",
-                 "moto[server]", "gcp-storage-emulator"],
+                 "moto[server]", "gcp-storage-emulator", "wandb", "mlflow-skinny"],
         "demo": ["scikit-learn", "matplotlib"],  # the loss curve (progress_plot)
         "safetensors": ["safetensors"],
         "tensorboard": ["tensorboard"],  # --tensorboard True
+        "tracking": ["wandb", "mlflow-skinny"],  # --tracker wandb,mlflow (trackers.py)
     },
 )

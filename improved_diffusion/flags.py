@@ -251,6 +251,10 @@ FLAG_HELP = {
                           "2015-12-05-6726825d.pth); '' = $ID_INCEPTION_WEIGHTS"),
     "tensorboard": ("logging", "also log the progress scalars and the sample grids to "
                     "TensorBoard in LOG_DIR/tb/ (needs the tensorboard package)"),
+    "tracker": ("logging", "also log the progress scalars, the sample grids and the flags to "
+                "these trackers, comma-separated: wandb, mlflow (rank 0; a step once a "
+                "checkpoint holds it; a resume continues the tracker run; needs pip install -e "
+                "'.[tracking]')"),
     # distributed
     "dist_timeout": ("distributed", "seconds any wait between ranks may take; a dead rank ends "
                      "the job within about this long"),

@@ -8,8 +8,10 @@ adds it to a configured logger, with images through ``write_image``). Rank 0 log
 "stdout,log,csv" by default (``configure(stdout_format="progress")``: "progress,log,csv", what
 train.py does); other ranks log nothing unless asked. ``Progress`` reports a long loop: a bar on
 a terminal, plain lines otherwise. Files in an existing log directory are APPENDED to, never
-truncated, so a resumed run continues its progress.csv; when new keys appear, the csv header is
-rewritten and the old rows are kept (padded with empty cells).
+truncated, so a resumed run continues its progress.csv (``drop_rows_after`` first removes the rows
+of steps after the resumed one); when new keys appear, the csv header is rewritten and the old
+rows are kept (padded with empty cells). ``committed`` tells outputs that hold rows back until a
+save has them (trackers.py) that a save is complete.
 
 `dumpkvs()` is a collective when torch.distributed is initialised: the values are averaged
 across ranks, weighted by how many times each rank logged them, and rank 0 writes.
@@ -304,8 +306,50 @@ class CSVOutputFormat(KVWriter):
         self.file.write("\n")
         self.file.flush()
 
+    def rows(self):
+        """The rows so far: [{key: float}] (empty cells and non-numbers left out)."""
+        self.file.seek(0)
+        lines = self.file.read().split("\n")
+        self.file.seek(0, os.SEEK_END)
+        out = []
+        for line in lines[1:]:
+            if line:
+                cells = line.split(self.sep)
+                out.append({k: float(c) for k, c in zip(self.keys, cells) if _is_float(c)})
+        return out
+
+    def drop_rows_after(self, step):
+        """Remove the rows of steps after ``step`` (a resumed run's step: a job killed after its
+        last save logged them, and they are trained again); returns how many."""
+        if "step" not in self.keys:
+            return 0
+        self.file.seek(0)
+        lines = [line for line in self.file.read().split("\n") if line]
+        i = self.keys.index("step")
+        kept = [lines[0]] + [line for line in lines[1:] if not _after(line.split(self.sep), i,
+                                                                        step)]
+        if len(kept) < len(lines):
+            self.file.seek(0)
+            self.file.truncate()
+            self.file.write("\n".join(kept) + "\n")
+            self.file.flush()
+        self.file.seek(0, os.SEEK_END)
+        return len(lines) - len(kept)
+
     def close(self):
         self.file.close()
+
+
+def _is_float(text):
+    try:
+        float(text)
+        return True
+    except ValueError:
+        return False
+
+
+def _after(cells, i, step):
+    return i < len(cells) and _is_float(cells[i]) and float(cells[i]) > step
 
 
 class TensorBoardOutputFormat(KVWriter):
@@ -449,8 +493,37 @@ def start_progress(step, total_steps=0):
     ``total_steps`` (0: unknown) gives it an ETA. Not collective (a no-op on ranks without a
     progress line)."""
     for fmt in get_current().output_formats:
-        if isinstance(fmt, (ProgressOutputFormat, TensorBoardOutputFormat)):
+        if hasattr(fmt, "start"):  # the progress line, TensorBoard, the trackers
             fmt.start(step, total_steps)
+
+
+def drop_rows_after(step):
+    """A resumed run at ``step``: remove progress.csv's rows of later steps (logged by a job
+    killed after its last save; trained again now, so each step shows once), with one log line.
+    Not collective (a no-op on ranks that write no progress.csv)."""
+    dropped = sum(fmt.drop_rows_after(step) for fmt in get_current().output_formats
+                  if isinstance(fmt, CSVOutputFormat))
+    if dropped:
+        log(f"progress.csv: removed {dropped} row(s) of steps after {step}, logged by a job "
+            f"that ended before saving them (they are trained again)")
+    return dropped
+
+
+def logged_rows(up_to=None):
+    """progress.csv's rows so far ([{key: float}]), those of steps up to ``up_to`` when given;
+    [] without one."""
+    for fmt in get_current().output_formats:
+        if isinstance(fmt, CSVOutputFormat):
+            return [r for r in fmt.rows() if "step" in r and (up_to is None or r["step"] <= up_to)]
+    return []
+
+
+def committed(step):
+    """The save of ``step`` is complete (its manifest written): the outputs that hold rows back
+    until a checkpoint has them (trackers.Trackers) send them. Not collective."""
+    for fmt in list(get_current().output_formats):
+        if hasattr(fmt, "committed"):
+            fmt.committed(step)
 
 
 class _Mirror:
@@ -553,9 +626,9 @@ def remove_output(fmt):
 
 def write_image(tag, image, step):
     """Write ``image`` (uint8 [H, W, C] numpy) at ``step`` to the outputs that take images
-    (TensorBoard); a no-op without one. Not collective."""
-    get_current()._each_output(TensorBoardOutputFormat,
-                               lambda fmt: fmt.write_image(tag, image, step))
+    (TensorBoard, the trackers); a no-op without one. Not collective."""
+    get_current()._each_output(KVWriter, lambda fmt: fmt.write_image(tag, image, step)
+                               if hasattr(fmt, "write_image") else None)
 
 
 def append_to_log_files(text):

@@ -159,6 +159,8 @@ def train_defaults():
         sample_steps=25,
         # Also log the progress scalars and the sample grids to TensorBoard, LOG_DIR/tb/.
         tensorboard=False,
+        # Also log them to these trackers (comma-separated: wandb, mlflow; trackers.py).
+        tracker="",
         # FID while training (train_eval.py): every this many steps, all ranks sample
         # --eval_num_samples images of the EMA (DDIM, --sample_steps) and rank 0 logs
         # fid_ema_RATE / is_ema_RATE against --eval_ref_batch (an npz, arr_0 uint8 NHWC); 0: off.

@@ -34,7 +34,7 @@ import torch as th
 from torch.nn.parallel.distributed import DistributedDataParallel as DDP
 from torch.optim import AdamW
 
-from . import amp, dist_util, fsdp, guidance, image_datasets, logger, phema
+from . import amp, dist_util, fsdp, guidance, image_datasets, logger, phema, trackers
 from .ckpt import checkpoint, run_dir
 from .ckpt import storage as bf  # blobfile's names, for local paths and s3:// gs:// az://
 from .ckpt.checkpointer import (PREEMPTED_EXIT_CODE, CheckpointConfig, Checkpointer, NonFiniteError,
@@ -82,6 +82,7 @@ class TrainConfig:
     sample_interval: rank 0 writes a grid of EMA samples every this many steps and at the end
         (0: off; sample_grids.py). sample_count: images per grid. sample_steps: their DDIM steps.
     tensorboard: rank 0 also logs the scalars and the grids to log_dir/tb/ (TensorBoard).
+    tracker: comma-separated trackers rank 0 also logs them to: wandb, mlflow (trackers.py).
     phema_stds: comma-separated post-hoc EMA widths ("0.05,0.1", EDM2's sigma_rel; "": off): one
         power-function EMA each (phema.RunTracker), its snapshots written with saves.
     phema_interval: snapshots every this many steps, a multiple of save_interval (snapshots are
@@ -116,6 +117,7 @@ class TrainConfig:
     sample_count: int
     sample_steps: int
     tensorboard: bool
+    tracker: str
     phema_stds: str
     phema_interval: int
     eval_interval: int
@@ -150,6 +152,7 @@ class TrainConfig:
             raise UsageError("--tensorboard True needs the tensorboard package: "
                              "pip install tensorboard (or the project's extra, "
                              "pip install -e '.[tensorboard]')")
+        trackers.parse(self.tracker)
         phema.check_flags(self.phema_stds, self.phema_interval, self.checkpoint.save_interval)
         check_eval_flags(self)
         if self.fsdp:
@@ -313,10 +316,15 @@ class TrainLoop:
         self.grids = (SampleGrids.of_training(cfg, self.model, self.ema_params, self.diffusion,
                                               self.model_flags, sample_kwargs)
                       if cfg.sample_interval else None)
-        self._tensorboard = None
+        self._tensorboard = self._trackers = None
         if cfg.tensorboard and self.rank == 0:  # purge: steps a killed job logged past its save
             self._tensorboard = logger.add_tensorboard(
                 os.path.join(cfg.checkpoint.log_dir, "tb"), purge_step=self.step + 1)
+        if self.rank == 0:  # each step once: progress.csv's rows past the save, the trackers'
+            logger.drop_rows_after(self.step)  # held back until saved (trackers.py)
+            self._trackers = trackers.start(
+                cfg.tracker, cfg.checkpoint.log_dir, step=self.step, settings=self.checkpointer
+                .settings, config={**self.model_flags, **cfg.flags()}, resumed=self._runs)
         self.use_ddp = self.world_size > 1 and not cfg.fsdp
         self.ddp_model = self._wrap_ddp() if self.use_ddp else self.model
         if cfg.compile:  # only the forward/backward: self.model keeps its state-dict keys
@@ -472,6 +480,10 @@ class TrainLoop:
         if self._tensorboard is not None:
             logger.remove_output(self._tensorboard)
             self._tensorboard = None
+        if self._trackers is not None:
+            self._trackers.ok = sync
+            logger.remove_output(self._trackers)
+            self._trackers = None
         if self.use_ddp and self.ddp_model is not self.model:
             if sync:
                 dist_util.barrier()
@@ -484,9 +496,11 @@ class TrainLoop:
         """The resume (Checkpointer's story, module docstring there), through upstream's hook
         names so that a subclass's overrides are called. Collective."""
         self._resuming = self.checkpointer.begin_resume()
+        self._runs = None  # the resumed step's tracker runs (trackers.py)
         if self._resuming is None:
             return
         self._load_and_sync_parameters()
+        self._runs = self._resuming.saved_settings.get(trackers.MANIFEST_KEY)
         self._match_class_names()  # before anything of the log dir changes
         if self.phema is not None:
             self.phema.check_resume(self._resuming)

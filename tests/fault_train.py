@@ -6,7 +6,9 @@ Usage: python tests/fault_train.py [train.py flags...]
   group is up (a test can then ``kill -9`` one rank, or check that every process is gone).
 * ``FAULT_RANK``, ``FAULT_STEP``, ``FAULT_RAISE``: rank FAULT_RANK raises, at the start of the
   step after FAULT_STEP completed steps, ``KeyboardInterrupt`` (FAULT_RAISE=KeyboardInterrupt) or
-  ``SystemExit(N)`` (FAULT_RAISE=SystemExit:N), as a Ctrl-C or a ``sys.exit`` on that rank would.
+  ``SystemExit(N)`` (FAULT_RAISE=SystemExit:N), as a Ctrl-C or a ``sys.exit`` on that rank would,
+  or is killed there by SIGKILL (FAULT_RAISE=SIGKILL), as ``kill -9`` would (once its --tracker
+  threads sent all they were given: what they hold back is all that is not sent).
 * ``FAULT_LATE_RANK``, ``FAULT_LATE_S``: that rank (its launcher's rank variable) sleeps
   FAULT_LATE_S seconds before the rendezvous (under mpiexec: after MPI_Init), so the others
   wait in it. Every rank prints ``FAULT: rank R enters the rendezvous`` as it does.
@@ -29,6 +31,7 @@ import builtins
 import errno
 import io
 import os
+import signal
 import sys
 import time
 
@@ -74,6 +77,12 @@ _run_step = train_util.TrainLoop.run_step
 def _run_step_with_fault(self, batch, cond):
     if ("FAULT_RANK" in os.environ and dist_util.get_rank() == int(os.environ["FAULT_RANK"])
             and self.step == int(os.environ.get("FAULT_STEP", "0"))):
+        if os.environ.get("FAULT_RAISE") == "SIGKILL":
+            deadline = time.time() + 120
+            while (self._trackers is not None and time.time() < deadline
+                   and not all(b.drained for b in self._trackers.backends)):
+                time.sleep(0.05)
+            os.kill(os.getpid(), signal.SIGKILL)
         raise _fault()
     return _run_step(self, batch, cond)
 

@@ -150,6 +150,22 @@ def progress_lines(log_dir):
         return []
 
 
+def progress_rows_up_to(log_dir, step):
+    """progress.csv's rows (lists of cells) of steps up to ``step``."""
+    rows = progress_lines(log_dir)
+    if not rows:
+        return []
+    i = rows[0].split(",").index("step")
+    out = []
+    for r in rows[1:]:
+        try:
+            if float(r.split(",")[i]) <= step:
+                out.append(r)
+        except (IndexError, ValueError):  # a row cut short by a kill
+            pass
+    return out
+
+
 def trained_past(log_dir, step, lines_before):
     """This job (progress.csv grew beyond `lines_before` lines) logged a step > `step`: it is
     training, past its resume point (with its preemption handlers installed)."""
@@ -178,7 +194,8 @@ def run_job(images, log_dir, ranks, max_steps, action, rng, log_path):
     if ranks > 1:
         cmd = [MPIEXEC, "-n", ranks, *cmd]
     start_step = newest_complete(log_dir) or 0
-    lines_before = len(progress_lines(log_dir))
+    # the rows up to the resumed step: the job drops those of later steps (a killed job's)
+    lines_before = 1 + sum(1 for r in progress_rows_up_to(log_dir, start_step))
     with open(log_path, "w") as f:
         proc = subprocess.Popen([str(c) for c in cmd], cwd=REPO, env=child_env(), stdout=f,
                                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)

@@ -561,6 +561,7 @@ class Checkpointer:
         logger.log(f"saved step {step} to {self.config.log_dir} in {took:.2f} s{pause}")
         for line in prune_lines:
             logger.log(line)
+        logger.committed(step)  # --tracker: the rows held back until a checkpoint has them
 
     def wait_for_save(self):
         """Wait until the background save (if any) is complete on disk; its failure is raised on
