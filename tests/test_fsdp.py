@@ -336,14 +336,63 @@ def test_a_flipped_byte_in_a_shard_is_found_by_verify_and_the_resume_takes_the_s
     assert warned and "resumed at step 2" in out, out[-3000:]
 
 
+def resumed_line(out):
+    lines = [line for line in out.splitlines() if line.startswith("resumed at step")]
+    assert len(lines) == 1, out[-3000:]
+    return lines[0]
+
+
+@pytest.mark.timeout(600)
+def test_a_sharded_step_resumes_with_fsdp_false_under_ddp_and_on_1_rank_then_saves_full_files(
+        images, sharded_run, tmp_path):
+    """The same command plus --fsdp False (issue 43, items 2, 3, 13): step 2 of the 2-rank
+    sharded run, named with a trailing slash, loads through DCP into the whole model of 2 DDP
+    ranks and of 1 process, every weight, EMA and Adam moment the consolidated step's; the
+    flags are still the checkpoint's, the layout is full from then on (one line saying so), and
+    a flagless continuation on another rank count trains on in the full layout."""
+    log = (sharded_run / "log.txt").read_text()
+    assert "--fsdp True: parameters, gradients, Adam moments and EMAs sharded over 2 rank(s); " \
+           "steps saved in the sharded layout" in log, log[-2000:]
+    want = state_of(consolidated(sharded_run, 2, tmp_path / "c2"), 2)
+    ddp, one = tmp_path / "ddp", tmp_path / "one"
+    out = run_mpi(2, "train.py", "--data_dir", images, "--log_dir", ddp, "--resume_checkpoint",
+                  f"{sharded_run / 'step000002.dcp'}/", "--fsdp", "False", "--max_steps", "2",
+                  "--num_workers", "1", timeout=300).stdout
+    line = resumed_line(out)
+    assert "step000002.dcp" in line and "ema_0.99_000002.pt" not in line, line
+    assert "--num_channels 32" in out and "--fsdp True:" not in out, out[-3000:]
+    switched = [ln for ln in out.splitlines() if "save_layout" in ln and "full" in ln]
+    assert len(switched) == 1 and "--fsdp False" in switched[0], out[-3000:]
+    assert deep_diff(want, state_of(ddp, 2)) == [], "2 DDP ranks"
+    assert trainer(ddp, 2)["data"] == trainer(tmp_path / "c2", 2)["data"]
+    run_script("train.py", "--data_dir", images, "--log_dir", one, "--resume_checkpoint",
+               sharded_run / "step000002.dcp", "--fsdp", "False", "--max_steps", "2",
+               timeout=300)
+    assert deep_diff(want, state_of(one, 2)) == [], "1 process"
+    out = run_script("train.py", "--data_dir", images, "--log_dir", ddp, "--max_steps", "4",
+                     timeout=300).stdout  # flagless: the DDP run's full layout goes on
+    assert "resumed at step 2" in out and "--fsdp True" not in out, out[-3000:]
+    assert sorted(p.name for p in ddp.iterdir() if "000004" in p.name) == [
+        "ema_0.99_000004.pt", "manifest000004.json", "model000004.pt", "opt000004.pt"]
+    assert run_script("ckpt.py", "verify", ddp).returncode == 0
+    assert deep_diff(state_of(ddp, 2)[KINDS[0]], state_of(ddp, 4)[KINDS[0]]), "trained on"
+
+
 @pytest.mark.timeout(300)
-def test_a_sharded_step_under_ddp_is_one_line_naming_consolidate(images, sharded_run, tmp_path):
-    proc = run_mpi(2, "train.py", "--data_dir", images, "--log_dir", tmp_path / "run",
-                   "--resume_checkpoint", sharded_run / "step000002.dcp", "--fsdp", "False",
-                   "--save_layout", "full", timeout=300, check=False)
-    errors = [line for line in proc.stdout.splitlines() if line.startswith("error:")]
-    assert proc.returncode != 0 and len(errors) == 1 and "consolidate" in errors[0], \
-        proc.stdout[-2000:]
+def test_a_layout_the_flags_refuse_writes_nothing_into_the_log_dir(images, sharded_run,
+                                                                   tmp_path):
+    """--save_layout sharded without --fsdp True, on a fresh start and on a resume into a new
+    --log_dir: one line, before the log dir is created (issue 43, item 13)."""
+    for i, extra in enumerate((["--save_layout", "sharded"],
+                               ["--resume_checkpoint", sharded_run, "--fsdp", "False",
+                                "--save_layout", "sharded"])):
+        log_dir = tmp_path / f"new{i}"
+        proc = run_script("train.py", "--data_dir", images, "--log_dir", log_dir, *extra,
+                          timeout=120, check=False)
+        errors = [line for line in proc.stdout.splitlines() if line.startswith("error:")]
+        assert proc.returncode == 2 and len(errors) == 1, proc.stdout[-2000:]
+        assert "--save_layout sharded needs --fsdp True" in errors[0], errors
+        assert not log_dir.exists(), sorted(p.name for p in log_dir.iterdir())
 
 
 @pytest.mark.timeout(600)
