@@ -134,6 +134,48 @@ def test_a_ddp_run_goes_on_under_fsdp_as_under_ddp_to_the_order_of_the_reduction
                     torch.testing.assert_close(b[key][name], t, rtol=1e-4, atol=1e-5)
 
 
+def logged(log_dir, key):
+    with open(log_dir / "progress.csv") as f:
+        return {int(float(row["step"])): float(row[key]) for row in csv.DictReader(f)
+                if row.get(key)}
+
+
+@pytest.mark.timeout(500)
+def test_under_fsdp_the_grad_norm_the_ema_and_a_nan_on_one_slice_are_the_whole_models(
+        images, tmp_path):
+    """Issue 43, item 18, each over all slices: the logged grad norm is the DDP run's (not this
+    rank's slice's); the EMA follows the weights (ema = 0.5 ema + 0.5 weights, not a frozen
+    copy); a NaN, then an Inf, in rank 1's slice of a gradient (tests/nan_train.py) skips the
+    step on every rank (--nan_policy skip): steps 3 and 4 hold step 2's weights, EMA and
+    moments exactly."""
+    flags = ["--data_dir", images, *MODEL, "--batch_size", "4", "--save_interval", "1",
+             "--log_interval", "1", "--ema_rate", "0.5", "--nan_policy", "skip",
+             "--dist_timeout", "60"]
+    ddp, run = tmp_path / "ddp", tmp_path / "fsdp"
+    run_mpi(2, "train.py", *flags, "--log_dir", ddp, "--max_steps", "2", timeout=300)
+    out = _run([MPIEXEC, "-n", "2", PY, REPO / "tests" / "nan_train.py", *flags, "--log_dir", run,
+                "--max_steps", "4", "--fsdp", "True"], timeout=300,
+               env={"NAN_GRAD_STEPS": "3", "INF_GRAD_STEPS": "4", "NAN_RANKS": "1"}).stdout
+    want, got = logged(ddp, "grad_norm"), logged(run, "grad_norm")
+    for step in (1, 2):
+        assert got[step] == pytest.approx(want[step], rel=1e-3), (step, got, want)
+    e1, e2 = (load(run / f"ema_0.5_{s:06d}.pt")["state_dict"] for s in (1, 2))
+    w2 = load(run / "model000002.pt")["state_dict"]
+    for name, t in e2.items():
+        if t.is_floating_point():
+            torch.testing.assert_close(t, 0.5 * e1[name] + 0.5 * w2[name], rtol=0, atol=1e-6)
+    for step in (3, 4):
+        assert f"step {step}: the loss or gradients are not finite" in out, out[-3000:]
+        assert deep_diff(tensors_of(run, 2), tensors_of(run, step)) == [], step
+
+
+def tensors_of(run, step):
+    """The weights, the 0.5 EMA and the Adam moments of a step."""
+    return [load(run / f"model{step:06d}.pt")["state_dict"],
+            load(run / f"ema_0.5_{step:06d}.pt")["state_dict"],
+            load(run / f"opt{step:06d}.pt")["optimizer"]["state"]]
+
+
 def logged_steps(log_dir):
     with open(log_dir / "progress.csv") as f:
         return [int(float(row["step"])) for row in csv.DictReader(f)]
@@ -304,13 +346,19 @@ def test_a_sharded_run_resumes_bitwise_and_consolidates_to_the_full_layouts_file
 def test_a_sharded_step_of_2_ranks_resumes_on_3_and_on_1(images, straight, sharded_run,
                                                          tmp_path):
     """2 ranks -> 3 (uneven shards; writing step 2 back sharded) -> 1 (writing it back in the
-    full layout): every weight, EMA and Adam moment is the straight run's step 2."""
+    full layout): every weight, EMA and Adam moment is the straight run's step 2. The hop to 3
+    adds an EMA rate, which starts from the model weights with one warning, as in the full
+    layout (issue 43, item 14)."""
     three = tmp_path / "three"
-    run_mpi(3, "train.py", "--data_dir", images, "--log_dir", three, "--resume_checkpoint",
-            sharded_run / "step000002.dcp", "--max_steps", "2", "--num_workers", "1",
-            timeout=300)
-    assert deep_diff(state_of(straight, 2), state_of(consolidated(three, 2, tmp_path / "c"), 2)) \
-        == []
+    out = run_mpi(3, "train.py", "--data_dir", images, "--log_dir", three, "--resume_checkpoint",
+                  sharded_run / "step000002.dcp", "--max_steps", "2", "--num_workers", "1",
+                  "--ema_rate", "0.99,0.999", timeout=300).stdout
+    warned = [line for line in out.splitlines() if "no EMA file for rate 0.999" in line]
+    assert len(warned) == 1 and "starts from the model weights" in warned[0], out[-3000:]
+    c = consolidated(three, 2, tmp_path / "c")
+    assert deep_diff(state_of(straight, 2), state_of(c, 2)) == []
+    new_ema = load(c / "ema_0.999_000002.pt")["state_dict"]
+    assert deep_diff(load(c / "model000002.pt")["state_dict"], new_ema) == []
     one = tmp_path / "one"
     run_script("train.py", "--data_dir", images, "--log_dir", one, "--resume_checkpoint",
                three / "step000002.dcp", "--max_steps", "2", "--save_layout", "full",
