@@ -251,6 +251,11 @@ def test_an_own_model_with_tied_weights_and_batchnorm_trains_and_resumes_sharded
     for kind in ("model{:06d}.pt", "ema_0.9999_{:06d}.pt", "opt{:06d}.pt"):
         a = load(tmp_path / "straight" / kind.format(4))
         assert deep_diff(a, load(tmp_path / "resumed" / kind.format(4))) == [], kind
+    # the sharded layout of the same step 2: rank 0's BatchNorm buffers, as the full layout's
+    # (each rank's own differ: its own batches; issue 43, item 18)
+    train(tmp_path / "sharded", "--max_steps", "2", "--save_layout", "sharded")
+    same_step_files(tmp_path / "straight", consolidated(tmp_path / "sharded", 2, tmp_path / "c"),
+                    2)
     sd = load(tmp_path / "straight" / "model000004.pt")["state_dict"]
     assert torch.equal(sd["a.weight"], sd["b.weight"]) and "norm.running_mean" in sd
     assert int(sd["norm.num_batches_tracked"]) == 4
@@ -382,6 +387,33 @@ def test_a_flipped_byte_in_a_shard_is_found_by_verify_and_the_resume_takes_the_s
                   "--max_steps", "2", timeout=300).stdout
     warned = [line for line in out.splitlines() if "step000004.dcp" in line or "step 4" in line]
     assert warned and "resumed at step 2" in out, out[-3000:]
+
+
+@pytest.mark.timeout(400)
+def test_a_sharded_steps_kind_and_flags_are_read_from_its_manifest(images, sharded_run,
+                                                                   tmp_path):
+    """A noised classifier's sharded step given to train.py, and train.py's to
+    classifier_train.py: neither takes the other's flags (the manifest's kind), each refuses in
+    one line naming what the step holds (issue 43, item 18)."""
+    cls = tmp_path / "cls"
+    run_script("classifier_train.py", "--data_dir", write_class_folder(tmp_path / "classes",
+                                                                       per_class=2),
+               "--log_dir", cls, "--image_size", "8", "--classifier_width", "32",
+               "--classifier_depth", "1", "--classifier_attention_resolutions", "4",
+               "--diffusion_steps", "20", "--batch_size", "2", "--max_steps", "1",
+               "--fsdp", "True", "--save_layout", "sharded", timeout=300)
+    assert (cls / "step000001.dcp").is_dir()
+    for script, data, step, holds in (
+            ("train.py", images, cls / "step000001.dcp", "noised-classifier weights"),
+            ("classifier_train.py", tmp_path / "classes", sharded_run / "step000002.dcp",
+             "a model state dict")):
+        proc = run_script(script, "--data_dir", data, "--log_dir", tmp_path / f"new_{script}",
+                          "--resume_checkpoint", step, "--fsdp", "True", timeout=300,
+                          check=False)
+        errors = [line for line in proc.stdout.splitlines() if line.startswith("error:")]
+        assert proc.returncode == 1 and len(errors) == 1, proc.stdout[-3000:]
+        assert f"holds {holds}, not" in errors[0], errors
+        assert "from the checkpoint" not in proc.stdout, proc.stdout[-3000:]
 
 
 def resumed_line(out):
