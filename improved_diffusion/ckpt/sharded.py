@@ -590,8 +590,9 @@ def _with_structure(template):
 
 def read_step(step_dir, template):
     """
-    Load a sharded step into ``template`` ({file name: payload} of the live sharded model,
-    EMAs and optimizer: DTensor leaves, loaded in place, resharded by DCP to this world) and
+    Load a sharded step into ``template`` ({file name: payload} of the live model, EMAs and
+    optimizer, loaded in place: DTensor leaves resharded by DCP to this world, or plain
+    tensors, which every rank reads whole: a sharded step resumed with --fsdp False) and
     return it with the non-tensor values replaced by the saved ones. Verify the step first
     (``verify``; the resume's plan does): DCP does not check content. ShardedStepError (one
     line) when the step does not hold what the template asks.
