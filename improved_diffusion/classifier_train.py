@@ -87,6 +87,7 @@ def check_args(args):
         raise UsageError(f"--class_map must be one of {', '.join(CLASS_MAPS)} "
                          f"(got {args.class_map!r})")
     CheckpointConfig.from_flags(args)  # --log_dir, --save_interval, --keep_checkpoints
+    fsdp.check_layout(args.fsdp, args.save_layout)
 
 
 # What --diffusion_from takes from the model the classifier will guide.
@@ -134,7 +135,8 @@ def run_job(args, given=None):
     save. ``given``: the flags typed on the command line (flags.explicit_args): a resume
     then takes the others from its classifier file, and --diffusion_from the noise process of
     the model to guide (take_flags). Collective: call from all ranks with the same arguments."""
-    train_job.check_before_start(args, check_args)
+    train_job.check_before_start(args, check_args, None if given is None else
+                                 lambda resumed: take_flags(resumed, given))
     lock = train_job.start_job(args)
     try:
         if given is not None:
@@ -185,6 +187,7 @@ class ClassifierLoop:
             self.device, args.classifier_use_fp16, args.fp16_scale_growth)
         if args.fsdp:  # before the optimizer: it is made of the shards
             fsdp.shard_model(self.model, self.device, param_dtype=self.amp_dtype)
+            logger.log(fsdp.active_line(self.world_size, args.save_layout))
         self.opt = make_adamw(self.model.parameters(), lr=args.lr,
                               weight_decay=args.weight_decay)
         self.checkpointer = Checkpointer(

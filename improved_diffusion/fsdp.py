@@ -72,6 +72,23 @@ def check_flags(config):
                              f"type --{name} {off} to turn it off, or --fsdp False")
 
 
+def check_layout(fsdp_on, save_layout):
+    """UsageError for --save_layout sharded without --fsdp True (a whole model per rank has no
+    shards to write): checked with the other flags, before the job writes anything."""
+    from .errors import UsageError
+    if save_layout == "sharded" and not fsdp_on:
+        raise UsageError("--save_layout sharded needs --fsdp True (every rank writes its shards "
+                         "of a sharded model); without --fsdp, use --save_layout full")
+
+
+def active_line(world, save_layout):
+    """The log line of a job that trains under --fsdp True: its rank count and save layout."""
+    where = ("every rank writes its shards of stepNNNNNN.dcp/" if save_layout == "sharded"
+             else "gathered to rank 0, which writes the model/ema/opt files")
+    return (f"--fsdp True: parameters, gradients, Adam moments and EMAs sharded over {world} "
+            f"rank(s); steps saved in the {save_layout} layout ({where})")
+
+
 def _dtensor_cls():
     from torch.distributed.tensor import DTensor
     return DTensor

@@ -1013,6 +1013,18 @@ def configure(dir=None, format_strs=None, rank=None, log_suffix="", stdout_forma
     return Logger.CURRENT
 
 
+@contextmanager
+def quiet():
+    """Within: log() and the key/value functions write nothing anywhere (a dry run of code that
+    logs, e.g. the flags a resume would take, checked before the job starts)."""
+    saved = Logger.CURRENT
+    Logger.CURRENT = Logger(dir=None, output_formats=[], rank=get_rank_without_dist())
+    try:
+        yield
+    finally:
+        Logger.CURRENT = saved
+
+
 def _configure_default_logger():
     """The logger of a process that never called configure(): rank 0 prints to stdout and
     nothing is written to disk (a library call such as sampling.generate leaves no files

@@ -13,6 +13,7 @@ signal before the loop ends the job at the next of preemption.check()'s points (
 rendezvous, each second of the lock wait, after ``build``, after the resume) with exit 75 and
 nothing new in the log dir; in the loop, the loop saves first (preemption.py).
 """
+import copy
 import os
 import shlex
 from typing import Any, Callable, NamedTuple
@@ -74,20 +75,30 @@ def check_train_args(args):
     train_eval.check_inputs(config)  # its files, before the log dir is touched
 
 
-def check_before_start(args, check):
+def check_before_start(args, check, take=None):
     """Run ``check(args)`` (a script's flag checks) before the job touches anything. When it
     fails and the command may resume a checkpoint (run_dir.may_resume: names only, on this
     rank), the flags the command left out are the checkpoint's, not the defaults the check saw
-    (a resume typing --large_size 16 is no error against the default --small_size 64): the
-    check is left for run_training, which runs it again once they are taken. Raises the check's
-    error for a fresh start; the job's own flags (check_job_flags) are checked first in any
-    case. Not collective."""
+    (a resume typing --large_size 16 is no error against the default --small_size 64): with
+    ``take`` (a function that gives a Namespace the flags the resume takes, e.g.
+    take_checkpoint_flags with the flags typed), they are taken now on a copy of ``args``,
+    quietly and by every rank itself (no process group yet), and the check runs again on it,
+    so that an error that stands with the checkpoint's flags too is raised before anything is
+    written (a log.txt in a new --log_dir). The job takes them for real, logged, once it holds
+    its log dir, and checks again. Raises the check's error for a fresh start; the job's own
+    flags (check_job_flags) are checked first in any case. Not collective."""
     check_job_flags(args)
     try:
         check(args)
     except UsageError:
         if not run_dir.may_resume(args.log_dir, getattr(args, "resume_checkpoint", "")):
             raise
+        if take is None:
+            return
+        resumed = copy.copy(args)
+        with logger.quiet():
+            take(resumed)
+        check(resumed)
 
 
 def run_flags(args, defaults=None):
@@ -181,6 +192,7 @@ def take_checkpoint_flags(args, given, kinds=("model", "ema"), resolved_later=("
                 and not same_flag_value(getattr(args, k), v, k)):
             setattr(args, k, v)
             taken[k] = v
+    _full_layout_without_fsdp(args, taken)  # the resume logs the change (Checkpointer)
     if taken:
         logger.log(f"resume: from the checkpoint ({checkpoint.basename(path)}): "
                    f"{flags_text(taken)}")
@@ -211,6 +223,16 @@ def _check_trainer_settings(args, given, path, settings):
     logger.log(f"resume: {checkpoint.manifest_filename(step)} records no run settings (an older "
                f"release's): taken from the trainer state of {checkpoint.opt_filename(step)}; "
                f"the settings it does not record are as typed or their defaults")
+
+
+def _full_layout_without_fsdp(args, taken):
+    """A run saved in the sharded layout resumed with --fsdp False (typed, or not recorded):
+    its --save_layout sharded, taken from the checkpoint, becomes full from here on (a whole
+    model per rank has no shards; the sharded step itself loads into the whole model), which
+    the resume logs in one line (``resume: --save_layout sharded -> full (...)``)."""
+    if taken.get("save_layout") == "sharded" and not getattr(args, "fsdp", True):
+        args.save_layout = "full"
+        del taken["save_layout"]
 
 
 def _allow_hint(clash):
@@ -321,7 +343,8 @@ def run_training(args, build: Callable[[Any], Parts], given=None, check=None):
     Collective: call from all ranks with the same arguments.
     """
     if check is not None:
-        check_before_start(args, check)
+        check_before_start(args, check, None if given is None else
+                           lambda resumed: take_checkpoint_flags(resumed, given))
     lock = start_job(args)
     try:
         if given is not None:

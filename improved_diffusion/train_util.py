@@ -157,6 +157,7 @@ class TrainConfig:
         check_eval_flags(self)
         if self.fsdp:
             fsdp.check_flags(self)
+        fsdp.check_layout(self.fsdp, self.checkpoint.save_layout)
         if self.class_map not in image_datasets.CLASS_MAPS:
             raise UsageError(f"--class_map must be one of {', '.join(image_datasets.CLASS_MAPS)} "
                              f"(got {self.class_map!r})")
@@ -287,6 +288,7 @@ class TrainLoop:
         self.amp_dtype, self.grad_scaler = amp.make_amp(self.device, use_fp16, fp16_scale_growth)
         if cfg.fsdp:  # before the optimizer and the EMAs: they are made of the shards
             fsdp.shard_model(self.model, self.device, param_dtype=self.amp_dtype)
+            logger.log(fsdp.active_line(self.world_size, cfg.checkpoint.save_layout))
         self.named_params = list(self.model.named_parameters())
         self.opt = self._make_optimizer()
         self.ema_params = [[p.detach().clone() for p in self.model.parameters()]

@@ -134,6 +134,48 @@ def test_a_ddp_run_goes_on_under_fsdp_as_under_ddp_to_the_order_of_the_reduction
                     torch.testing.assert_close(b[key][name], t, rtol=1e-4, atol=1e-5)
 
 
+def logged(log_dir, key):
+    with open(log_dir / "progress.csv") as f:
+        return {int(float(row["step"])): float(row[key]) for row in csv.DictReader(f)
+                if row.get(key)}
+
+
+@pytest.mark.timeout(500)
+def test_under_fsdp_the_grad_norm_the_ema_and_a_nan_on_one_slice_are_the_whole_models(
+        images, tmp_path):
+    """Issue 43, item 18, each over all slices: the logged grad norm is the DDP run's (not this
+    rank's slice's); the EMA follows the weights (ema = 0.5 ema + 0.5 weights, not a frozen
+    copy); a NaN, then an Inf, in rank 1's slice of a gradient (tests/nan_train.py) skips the
+    step on every rank (--nan_policy skip): steps 3 and 4 hold step 2's weights, EMA and
+    moments exactly."""
+    flags = ["--data_dir", images, *MODEL, "--batch_size", "4", "--save_interval", "1",
+             "--log_interval", "1", "--ema_rate", "0.5", "--nan_policy", "skip",
+             "--dist_timeout", "60"]
+    ddp, run = tmp_path / "ddp", tmp_path / "fsdp"
+    run_mpi(2, "train.py", *flags, "--log_dir", ddp, "--max_steps", "2", timeout=300)
+    out = _run([MPIEXEC, "-n", "2", PY, REPO / "tests" / "nan_train.py", *flags, "--log_dir", run,
+                "--max_steps", "4", "--fsdp", "True"], timeout=300,
+               env={"NAN_GRAD_STEPS": "3", "INF_GRAD_STEPS": "4", "NAN_RANKS": "1"}).stdout
+    want, got = logged(ddp, "grad_norm"), logged(run, "grad_norm")
+    for step in (1, 2):
+        assert got[step] == pytest.approx(want[step], rel=1e-3), (step, got, want)
+    e1, e2 = (load(run / f"ema_0.5_{s:06d}.pt")["state_dict"] for s in (1, 2))
+    w2 = load(run / "model000002.pt")["state_dict"]
+    for name, t in e2.items():
+        if t.is_floating_point():
+            torch.testing.assert_close(t, 0.5 * e1[name] + 0.5 * w2[name], rtol=0, atol=1e-6)
+    for step in (3, 4):
+        assert f"step {step}: the loss or gradients are not finite" in out, out[-3000:]
+        assert deep_diff(tensors_of(run, 2), tensors_of(run, step)) == [], step
+
+
+def tensors_of(run, step):
+    """The weights, the 0.5 EMA and the Adam moments of a step."""
+    return [load(run / f"model{step:06d}.pt")["state_dict"],
+            load(run / f"ema_0.5_{step:06d}.pt")["state_dict"],
+            load(run / f"opt{step:06d}.pt")["optimizer"]["state"]]
+
+
 def logged_steps(log_dir):
     with open(log_dir / "progress.csv") as f:
         return [int(float(row["step"])) for row in csv.DictReader(f)]
@@ -209,6 +251,11 @@ def test_an_own_model_with_tied_weights_and_batchnorm_trains_and_resumes_sharded
     for kind in ("model{:06d}.pt", "ema_0.9999_{:06d}.pt", "opt{:06d}.pt"):
         a = load(tmp_path / "straight" / kind.format(4))
         assert deep_diff(a, load(tmp_path / "resumed" / kind.format(4))) == [], kind
+    # the sharded layout of the same step 2: rank 0's BatchNorm buffers, as the full layout's
+    # (each rank's own differ: its own batches; issue 43, item 18)
+    train(tmp_path / "sharded", "--max_steps", "2", "--save_layout", "sharded")
+    same_step_files(tmp_path / "straight", consolidated(tmp_path / "sharded", 2, tmp_path / "c"),
+                    2)
     sd = load(tmp_path / "straight" / "model000004.pt")["state_dict"]
     assert torch.equal(sd["a.weight"], sd["b.weight"]) and "norm.running_mean" in sd
     assert int(sd["norm.num_batches_tracked"]) == 4
@@ -304,13 +351,19 @@ def test_a_sharded_run_resumes_bitwise_and_consolidates_to_the_full_layouts_file
 def test_a_sharded_step_of_2_ranks_resumes_on_3_and_on_1(images, straight, sharded_run,
                                                          tmp_path):
     """2 ranks -> 3 (uneven shards; writing step 2 back sharded) -> 1 (writing it back in the
-    full layout): every weight, EMA and Adam moment is the straight run's step 2."""
+    full layout): every weight, EMA and Adam moment is the straight run's step 2. The hop to 3
+    adds an EMA rate, which starts from the model weights with one warning, as in the full
+    layout (issue 43, item 14)."""
     three = tmp_path / "three"
-    run_mpi(3, "train.py", "--data_dir", images, "--log_dir", three, "--resume_checkpoint",
-            sharded_run / "step000002.dcp", "--max_steps", "2", "--num_workers", "1",
-            timeout=300)
-    assert deep_diff(state_of(straight, 2), state_of(consolidated(three, 2, tmp_path / "c"), 2)) \
-        == []
+    out = run_mpi(3, "train.py", "--data_dir", images, "--log_dir", three, "--resume_checkpoint",
+                  sharded_run / "step000002.dcp", "--max_steps", "2", "--num_workers", "1",
+                  "--ema_rate", "0.99,0.999", timeout=300).stdout
+    warned = [line for line in out.splitlines() if "no EMA file for rate 0.999" in line]
+    assert len(warned) == 1 and "starts from the model weights" in warned[0], out[-3000:]
+    c = consolidated(three, 2, tmp_path / "c")
+    assert deep_diff(state_of(straight, 2), state_of(c, 2)) == []
+    new_ema = load(c / "ema_0.999_000002.pt")["state_dict"]
+    assert deep_diff(load(c / "model000002.pt")["state_dict"], new_ema) == []
     one = tmp_path / "one"
     run_script("train.py", "--data_dir", images, "--log_dir", one, "--resume_checkpoint",
                three / "step000002.dcp", "--max_steps", "2", "--save_layout", "full",
@@ -336,14 +389,90 @@ def test_a_flipped_byte_in_a_shard_is_found_by_verify_and_the_resume_takes_the_s
     assert warned and "resumed at step 2" in out, out[-3000:]
 
 
+@pytest.mark.timeout(400)
+def test_a_sharded_steps_kind_and_flags_are_read_from_its_manifest(images, sharded_run,
+                                                                   tmp_path):
+    """A noised classifier's sharded step given to train.py, and train.py's to
+    classifier_train.py: neither takes the other's flags (the manifest's kind), each refuses in
+    one line naming what the step holds (issue 43, item 18)."""
+    cls = tmp_path / "cls"
+    run_script("classifier_train.py", "--data_dir", write_class_folder(tmp_path / "classes",
+                                                                       per_class=2),
+               "--log_dir", cls, "--image_size", "8", "--classifier_width", "32",
+               "--classifier_depth", "1", "--classifier_attention_resolutions", "4",
+               "--diffusion_steps", "20", "--batch_size", "2", "--max_steps", "1",
+               "--fsdp", "True", "--save_layout", "sharded", timeout=300)
+    assert (cls / "step000001.dcp").is_dir()
+    for script, data, step, holds in (
+            ("train.py", images, cls / "step000001.dcp", "noised-classifier weights"),
+            ("classifier_train.py", tmp_path / "classes", sharded_run / "step000002.dcp",
+             "a model state dict")):
+        proc = run_script(script, "--data_dir", data, "--log_dir", tmp_path / f"new_{script}",
+                          "--resume_checkpoint", step, "--fsdp", "True", timeout=300,
+                          check=False)
+        errors = [line for line in proc.stdout.splitlines() if line.startswith("error:")]
+        assert proc.returncode == 1 and len(errors) == 1, proc.stdout[-3000:]
+        assert f"holds {holds}, not" in errors[0], errors
+        assert "from the checkpoint" not in proc.stdout, proc.stdout[-3000:]
+
+
+def resumed_line(out):
+    lines = [line for line in out.splitlines() if line.startswith("resumed at step")]
+    assert len(lines) == 1, out[-3000:]
+    return lines[0]
+
+
+@pytest.mark.timeout(600)
+def test_a_sharded_step_resumes_with_fsdp_false_under_ddp_and_on_1_rank_then_saves_full_files(
+        images, sharded_run, tmp_path):
+    """The same command plus --fsdp False (issue 43, items 2, 3, 13): step 2 of the 2-rank
+    sharded run, named with a trailing slash, loads through DCP into the whole model of 2 DDP
+    ranks and of 1 process, every weight, EMA and Adam moment the consolidated step's; the
+    flags are still the checkpoint's, the layout is full from then on (one line saying so), and
+    a flagless continuation on another rank count trains on in the full layout."""
+    log = (sharded_run / "log.txt").read_text()
+    assert "--fsdp True: parameters, gradients, Adam moments and EMAs sharded over 2 rank(s); " \
+           "steps saved in the sharded layout" in log, log[-2000:]
+    want = state_of(consolidated(sharded_run, 2, tmp_path / "c2"), 2)
+    ddp, one = tmp_path / "ddp", tmp_path / "one"
+    out = run_mpi(2, "train.py", "--data_dir", images, "--log_dir", ddp, "--resume_checkpoint",
+                  f"{sharded_run / 'step000002.dcp'}/", "--fsdp", "False", "--max_steps", "2",
+                  "--num_workers", "1", timeout=300).stdout
+    line = resumed_line(out)
+    assert "step000002.dcp" in line and "ema_0.99_000002.pt" not in line, line
+    assert "--num_channels 32" in out and "--fsdp True:" not in out, out[-3000:]
+    switched = [ln for ln in out.splitlines() if "save_layout" in ln and "full" in ln]
+    assert len(switched) == 1 and "--fsdp False" in switched[0], out[-3000:]
+    assert deep_diff(want, state_of(ddp, 2)) == [], "2 DDP ranks"
+    assert trainer(ddp, 2)["data"] == trainer(tmp_path / "c2", 2)["data"]
+    run_script("train.py", "--data_dir", images, "--log_dir", one, "--resume_checkpoint",
+               sharded_run / "step000002.dcp", "--fsdp", "False", "--max_steps", "2",
+               timeout=300)
+    assert deep_diff(want, state_of(one, 2)) == [], "1 process"
+    out = run_script("train.py", "--data_dir", images, "--log_dir", ddp, "--max_steps", "4",
+                     timeout=300).stdout  # flagless: the DDP run's full layout goes on
+    assert "resumed at step 2" in out and "--fsdp True" not in out, out[-3000:]
+    assert sorted(p.name for p in ddp.iterdir() if "000004" in p.name) == [
+        "ema_0.99_000004.pt", "manifest000004.json", "model000004.pt", "opt000004.pt"]
+    assert run_script("ckpt.py", "verify", ddp).returncode == 0
+    assert deep_diff(state_of(ddp, 2)[KINDS[0]], state_of(ddp, 4)[KINDS[0]]), "trained on"
+
+
 @pytest.mark.timeout(300)
-def test_a_sharded_step_under_ddp_is_one_line_naming_consolidate(images, sharded_run, tmp_path):
-    proc = run_mpi(2, "train.py", "--data_dir", images, "--log_dir", tmp_path / "run",
-                   "--resume_checkpoint", sharded_run / "step000002.dcp", "--fsdp", "False",
-                   "--save_layout", "full", timeout=300, check=False)
-    errors = [line for line in proc.stdout.splitlines() if line.startswith("error:")]
-    assert proc.returncode != 0 and len(errors) == 1 and "consolidate" in errors[0], \
-        proc.stdout[-2000:]
+def test_a_layout_the_flags_refuse_writes_nothing_into_the_log_dir(images, sharded_run,
+                                                                   tmp_path):
+    """--save_layout sharded without --fsdp True, on a fresh start and on a resume into a new
+    --log_dir: one line, before the log dir is created (issue 43, item 13)."""
+    for i, extra in enumerate((["--save_layout", "sharded"],
+                               ["--resume_checkpoint", sharded_run, "--fsdp", "False",
+                                "--save_layout", "sharded"])):
+        log_dir = tmp_path / f"new{i}"
+        proc = run_script("train.py", "--data_dir", images, "--log_dir", log_dir, *extra,
+                          timeout=120, check=False)
+        errors = [line for line in proc.stdout.splitlines() if line.startswith("error:")]
+        assert proc.returncode == 2 and len(errors) == 1, proc.stdout[-2000:]
+        assert "--save_layout sharded needs --fsdp True" in errors[0], errors
+        assert not log_dir.exists(), sorted(p.name for p in log_dir.iterdir())
 
 
 @pytest.mark.timeout(600)

@@ -15,7 +15,7 @@ import re
 
 import pytest
 
-from conftest import PY, REPO, _run, write_images
+from conftest import MPIEXEC, PY, REPO, _run, write_images
 
 RECORD_IO_TRAIN = REPO / "tests" / "record_io_train.py"
 TINY = ["--image_size", "8", "--num_channels", "32", "--num_res_blocks", "1",
@@ -137,3 +137,42 @@ def test_a_save_writes_temporary_files_renames_them_in_order_manifest_last_and_p
     assert all(removed[s] > appeared[f"manifest{s + 1:06d}.json"] for s in (1, 2))  # was complete
     on_disk = sorted(n for n in os.listdir(log) if step_of(n))
     assert on_disk == sorted(data + ["manifest000003.json"]), on_disk
+
+
+@pytest.mark.timeout(300)
+def test_a_sharded_save_fsyncs_every_shard_renames_the_folder_fsyncs_the_log_dir_then_the_manifest(
+        tmp_path):
+    """--save_layout sharded on 2 ranks (issue 43, item 19), recorded in both ranks: every
+    rank's shards and DCP's index are written and fsynced under the temporary folder, the
+    folder fsynced, then renamed into place (stepNNNNNN.dcp), the log dir fsynced, and only then
+    is the step's manifest written."""
+    log, record = tmp_path / "run", tmp_path / "events.jsonl"
+    _run([MPIEXEC, "-n", "2", PY, RECORD_IO_TRAIN, *TINY, "--data_dir",
+          write_images(tmp_path / "data", n=4), "--log_dir", log, "--max_steps", "2",
+          "--save_interval", "1", "--fsdp", "True", "--save_layout", "sharded"], timeout=240,
+         env={"RECORD_IO": str(record), "RECORD_IO_DIR": str(log)})
+    events = [json.loads(line) for line in record.read_text().splitlines()]
+    log = os.path.realpath(log)
+    for step in (1, 2):
+        final = os.path.join(log, f"step{step:06d}.dcp")
+        renames = [(i, e) for i, e in enumerate(events)
+                   if e["op"] in RENAMES and e["to"] == final]
+        assert len(renames) == 1, renames
+        r, tmp = renames[0][0], renames[0][1]["path"]
+        assert os.path.basename(tmp).startswith(f"step{step:06d}.dcp.tmp-"), tmp
+        shards = sorted(os.listdir(final))
+        assert shards == [".metadata", "__0_0.distcp", "__1_0.distcp"], shards
+        for name in shards:  # DCP writes .metadata as .metadata.tmp, then renames it
+            path = os.path.join(tmp, name)
+            path = next((e["path"] for e in reversed(events[:r])
+                         if e["op"] in RENAMES and e["to"] == path), path)
+            writes = [i for i, e in enumerate(events[:r]) if e == {"op": "write", "path": path}]
+            syncs = [i for i, e in enumerate(events[:r]) if e == {"op": "fsync", "path": path}]
+            assert writes and syncs and syncs[-1] > writes[-1], (step, name)
+        assert {"op": "fsync", "path": tmp} in events[:r], f"step {step}: folder not fsynced"
+        manifest = f"manifest{step:06d}.json"
+        touched = [i for i, e in enumerate(events)
+                   if os.path.basename(e.get("to") or e["path"]).startswith(manifest)]
+        assert touched and touched[0] > r, f"step {step}: the manifest came before the rename"
+        assert {"op": "fsync", "path": log} in events[r + 1:touched[0]], \
+            f"step {step}: the log dir was not fsynced between the rename and the manifest"

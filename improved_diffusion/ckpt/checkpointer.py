@@ -727,19 +727,7 @@ class Resume:
             return self._load_sharded()
         c = self._load(path)
         if c.kind not in MODEL_FILE_KINDS[ckpt.model_kind]:
-            classifier = ckpt.model_kind == "classifier"
-            if self.plan.source == "auto":  # a run dir's newest step: --log_dir's or another's
-                run = ("a diffusion model's run (train.py's)" if classifier
-                       else "a noised classifier's run (classifier_train.py's)")
-                flag, where = (("--log_dir", ckpt.config.log_dir) if self.plan.in_log_dir
-                               else ("--resume_checkpoint", checkpoint.dirname(path)))
-                raise ResumeError(
-                    f"{flag} {where}: its newest step ({checkpoint.basename(path)}) holds "
-                    f"{checkpoint.describe(c)}: this is {run}; give another {flag}")
-            want = ("a noised classifier's weights; pass a model file of a classifier run"
-                    if classifier else "model weights; pass a model file")
-            raise ResumeError(f"--resume_checkpoint {path}: holds {checkpoint.describe(c)}, not "
-                              f"{want} (modelNNNNNN.pt)")
+            raise self._wrong_kind(path, checkpoint.describe(c))
         sd = checkpoint.model_state_from(c, want="model")  # prefixes already stripped
         if not sd:
             raise ResumeError(f"--resume_checkpoint {path}: no model weights found in the file")
@@ -771,30 +759,47 @@ class Resume:
         self._refuse_overwrite()
         return self.step
 
+    def _wrong_kind(self, path, holds):
+        """The ResumeError of a model file or sharded step (``path``) that holds ``holds`` (a
+        phrase: checkpoint.describe's) instead of this run's kind of model."""
+        ckpt = self.ckpt
+        classifier = ckpt.model_kind == "classifier"
+        if self.plan.source == "auto":  # a run dir's newest step: --log_dir's or another's
+            run = ("a diffusion model's run (train.py's)" if classifier
+                   else "a noised classifier's run (classifier_train.py's)")
+            flag, where = (("--log_dir", ckpt.config.log_dir) if self.plan.in_log_dir
+                           else ("--resume_checkpoint", checkpoint.dirname(path)))
+            return ResumeError(f"{flag} {where}: its newest step ({checkpoint.basename(path)}) "
+                               f"holds {holds}: this is {run}; give another {flag}")
+        want = ("a noised classifier's weights; pass a model file of a classifier run"
+                if classifier else "model weights; pass a model file")
+        return ResumeError(f"--resume_checkpoint {path}: holds {holds}, not {want} "
+                           f"(modelNNNNNN.pt)")
+
     def _refuse_overwrite(self):
         """A step from elsewhere (a file, another run) never goes over --log_dir's history."""
         if not (self.plan.source == "auto" and self.plan.in_log_dir):
             run_dir.refuse_overwrite(self.plan, self.step)
 
     def _load_sharded(self):
-        """load_model() of a sharded step (its folder, verified by the plan): whether it fits
-        the model is read from its index; then one DCP read loads every tensor of the step
-        (weights, EMAs, Adam moments) in place into the live shards, resharded to this world,
-        and its values (the trainer state). Collective."""
+        """load_model() of a sharded step (its folder, verified by the plan): its kind (the
+        manifest's) must be this run's and whether it fits the model is read from its index;
+        then one DCP read loads every tensor of the step this run has (weights, the EMAs of
+        the rates it holds, Adam moments) in place, and its values (the trainer state). A
+        sharded model's shards are resharded to this world; a whole model (--fsdp False: DDP,
+        or one process) gets whole tensors, which every rank reads. Collective."""
         ckpt, folder = self.ckpt, self.plan.model
         step = self.plan.step
-        if not ckpt.sharded:
-            raise ResumeError(
-                f"{folder}: a sharded step (--save_layout sharded) loads into a sharded model "
-                f"only: pass --fsdp True, or make its files with `python scripts/ckpt.py "
-                f"consolidate {checkpoint.dirname(folder)} --step {step} --out DIR` and resume "
-                f"from DIR")
         name = checkpoint.model_filename(step)
-        shapes, flags, self.saved_settings = dist_util.run_on_rank0(lambda: (
-            sharded.state_dict_shapes(folder, name), sharded.read_flags(folder),
-            run_dir.step_settings(folder)))
+        doc, held, shapes, self.saved_settings = dist_util.run_on_rank0(lambda: (
+            sharded.read_manifest(folder) or {}, sharded.held_files(folder),
+            sharded.state_dict_shapes(folder, name), run_dir.step_settings(folder)))
+        kind = doc.get("kind")
+        if kind in checkpoint.KIND_PHRASES and kind not in MODEL_FILE_KINDS[ckpt.model_kind]:
+            raise self._wrong_kind(folder, checkpoint.KIND_PHRASES[kind])
+        flags = doc.get("flags") if isinstance(doc.get("flags"), dict) else {}
         mine = ckpt.model.state_dict()
-        fit = state_fit.fit_state_dict(state_fit.shapes_of(mine), shapes, flags or {},
+        fit = state_fit.fit_state_dict(state_fit.shapes_of(mine), shapes, flags,
                                        ckpt.model_flags)
         if not fit.ok:
             change = ("; a sharded step cannot go into a changed model: consolidate it "
@@ -802,7 +807,10 @@ class Resume:
                       "--allow_model_change True" if ckpt.config.allow_model_change else "")
             raise ResumeError(misfit_message(folder, fit) + change)
         sharded.init_optim_state(ckpt.optimizer)  # moments to load into
-        files = sharded.read_step(folder, ckpt.step_files(step, []))
+        # the EMAs of rates the step does not hold are left out (load_ema starts them)
+        template = {k: v for k, v in ckpt.step_files(step, []).items()
+                    if k in held or getattr(checkpoint.name_info(k), "kind", None) != "ema"}
+        files = sharded.read_step(folder, template)
         self.sharded_files = files
         model = files[name]
         self.model_file = checkpoint.CkptFile(
@@ -820,21 +828,25 @@ class Resume:
         dict's EMA entry), else a copy of the (loaded) model weights with one warning.
         Collective."""
         rate_str = str(float(rate))
-        if self.sharded_files is not None:  # loaded in place by _load_sharded
+        c = self.model_file
+        if self.sharded_files is not None:  # loaded in place by _load_sharded (if held)
             name = next(checkpoint.ema_filename(r, self.step) for r in self.ckpt.emas
                         if float(r) == float(rate))
-            self.ema_loaded.append(name)
-            sd = self.sharded_files[name]["state_dict"]
-            return [sd[n] for n, _ in self.ckpt.named_params]
-        path = self.plan.files_of(self.step)["ema"].get(rate_str)
-        c = self.model_file
+            if name in self.sharded_files:
+                self.ema_loaded.append(f"{checkpoint.basename(str(c.path))}[ema {rate}]")
+                sd = self.sharded_files[name]["state_dict"]
+                return [sd[n] for n, _ in self.ckpt.named_params]
+            path = None
+        else:
+            path = self.plan.files_of(self.step)["ema"].get(rate_str)
         if path is None and c.kind == "combined":
             sd = checkpoint.combined_ema_or_none(c)
             if sd is not None:
                 self.ema_loaded.append(f"{checkpoint.basename(str(c.path))}[ema]")
                 return self._params_from(sd, c.path, c.flags)
         if path is None:
-            logger.warn(f"no EMA file for rate {rate_str} beside {c.path}; EMA starts from the "
+            where = "in" if self.sharded_files is not None else "beside"
+            logger.warn(f"no EMA file for rate {rate_str} {where} {c.path}; EMA starts from the "
                         f"model weights")
             return [p.detach().clone() for _, p in self.ckpt.named_params]
         ema = self._load(path)
@@ -1029,7 +1041,9 @@ def _log_changes(ckpt, trainer, saved_settings=None):
     for k, v in {**ckpt.run_flags, **ckpt.settings}.items():
         if k in OWN_LINES or k not in old_flags or same_flag_value(old_flags[k], v, k):
             continue
-        logger.log(f"resume: --{k} {_shown(old_flags[k])} -> {_shown(v)}")
+        why = (" (a whole model per rank: --fsdp False saves the full layout)"
+               if k == "save_layout" and old_flags[k] == "sharded" and not ckpt.sharded else "")
+        logger.log(f"resume: --{k} {_shown(old_flags[k])} -> {_shown(v)}{why}")
 
 
 # Settings that _log_changes words in lines of their own (above), not as "--k A -> B" again.

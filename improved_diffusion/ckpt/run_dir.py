@@ -489,6 +489,15 @@ class ResumePlan:
         return next((s for s, complete in self.log_steps if complete), None)
 
 
+def resume_arg(resume_checkpoint):
+    """--resume_checkpoint as the path it names ("" for none): without trailing slashes, so
+    that a folder typed with one (``RUN/step000006.dcp/``, ``RUN/``) is that folder, whose
+    parent holds its manifest."""
+    arg = os.fspath(resume_checkpoint or "")
+    stripped = arg.rstrip("/")
+    return stripped if stripped and not stripped.endswith(":") else arg
+
+
 def plan_resume(log_dir, resume_checkpoint=""):
     """
     Decide the resume from one listing of ``log_dir`` (and of the model file's directory when it
@@ -505,7 +514,7 @@ def plan_resume(log_dir, resume_checkpoint=""):
     plan = ResumePlan(log_dir=log_dir)
     plan.temp_files = [n for n in names if getattr(ckpt.name_info(n), "kind", None) == "temp"]
     steps = list_steps(log_dir, names=names)
-    arg = os.fspath(resume_checkpoint or "")
+    arg = resume_arg(resume_checkpoint)
     if arg and _sharded_step(arg) is not None:  # a sharded step's folder, given by name
         plan.source, plan.model, plan.layout = "explicit", arg, "sharded"
         plan.step = _sharded_step(arg)
@@ -538,7 +547,7 @@ def likely_resume_model(log_dir, resume_checkpoint=""):
     from the step actually resumed; verify_step remembers the match, so the plan does not read
     the step again). None when there is none or a read fails (the plan then says why). Not
     collective."""
-    arg = os.fspath(resume_checkpoint or "")
+    arg = resume_arg(resume_checkpoint)
     try:
         if arg and arg != "auto" and (not _is_dir(arg) or _sharded_step(arg) is not None):
             return arg  # a model file, or a sharded step's folder
@@ -607,7 +616,7 @@ def may_resume(log_dir, resume_checkpoint=""):
     directory given to resume, or a step in ``log_dir`` that was once saved completely): the
     flags a command leaves out may then be the checkpoint's rather than the defaults. Cheap,
     never raises. Not collective."""
-    arg = os.fspath(resume_checkpoint or "")
+    arg = resume_arg(resume_checkpoint)
     if arg and arg != "auto":
         return True
     try:

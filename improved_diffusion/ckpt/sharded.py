@@ -590,8 +590,9 @@ def _with_structure(template):
 
 def read_step(step_dir, template):
     """
-    Load a sharded step into ``template`` ({file name: payload} of the live sharded model,
-    EMAs and optimizer: DTensor leaves, loaded in place, resharded by DCP to this world) and
+    Load a sharded step into ``template`` ({file name: payload} of the live model, EMAs and
+    optimizer, loaded in place: DTensor leaves resharded by DCP to this world, or plain
+    tensors, which every rank reads whole: a sharded step resumed with --fsdp False) and
     return it with the non-tensor values replaced by the saved ones. Verify the step first
     (``verify``; the resume's plan does): DCP does not check content. ShardedStepError (one
     line) when the step does not hold what the template asks.
@@ -676,10 +677,9 @@ def consolidate(step_dir):
     return _unpack(_rebuild(json.loads(structure), sd, step_dir))
 
 
-def read_flags(step_dir, kinds=None):
-    """The model flags a sharded step's manifest records (start_save's ``flags``), or None
-    (also when its model's kind is not in ``kinds``, when given). Not collective; never
-    raises."""
+def read_manifest(step_dir):
+    """The manifest of a sharded step's folder (a dict: its "kind", "flags", "holds", ...), or
+    None when it cannot be read. Not collective; never raises."""
     step = dir_step(step_dir)
     if step is None:
         return None
@@ -688,7 +688,23 @@ def read_flags(step_dir, kinds=None):
                                                    ckpt.manifest_filename(step))))
     except Exception:  # the resume's own checks word a bad step
         return None
-    if not isinstance(doc, dict) or (kinds is not None and doc.get("kind") not in kinds):
+    return doc if isinstance(doc, dict) else None
+
+
+def held_files(step_dir):
+    """The names of the full-layout files whose payloads a sharded step holds (``model*.pt``,
+    each ``ema_*.pt``, ``opt*.pt``), from its index alone. Not collective."""
+    meta = read_metadata(step_dir)
+    return {path[0] for path in (meta.planner_data or {}).values()
+            if path and path[0] != _STRUCTURE}
+
+
+def read_flags(step_dir, kinds=None):
+    """The model flags a sharded step's manifest records (start_save's ``flags``), or None
+    (also when its model's kind is not in ``kinds``, when given). Not collective; never
+    raises."""
+    doc = read_manifest(step_dir)
+    if doc is None or (kinds is not None and doc.get("kind") not in kinds):
         return None
     flags = doc.get("flags")
     return dict(flags) if isinstance(flags, dict) else None
