@@ -17,7 +17,7 @@ import os
 import shlex
 from typing import Any, Callable, NamedTuple
 
-from . import cli, dist_util, image_datasets, logger, train_eval, train_util
+from . import cli, dist_util, image_datasets, logger, train_eval, train_util, virtual_shards
 from .ckpt import checkpoint, checkpointer, preemption, run_dir, run_lock
 from .errors import UsageError, UserError
 from .script_util import (DIFFUSION_FLAG_KEYS, JOB_FLAGS, run_flag_keys, same_flag_value,
@@ -63,6 +63,7 @@ def check_train_args(args):
         raise UsageError("--data_dir is required: a folder of images")
     if args.microbatch == 0 or args.microbatch < -1:
         raise UsageError(f"--microbatch must be -1 (off) or >= 1 (got {args.microbatch})")
+    virtual_shards.resolve_batch_flags(args)  # --global_batch_size: --batch_size is G/ranks
     config = train_util.TrainConfig.from_flags(args)
     train_eval.check_inputs(config)  # its files, before the log dir is touched
 
@@ -283,12 +284,15 @@ def run_training(args, build: Callable[[Any], Parts], given=None, check=None):
 
     Collective: call from all ranks with the same arguments.
     """
+    if given is not None:
+        virtual_shards.refuse_batch_size(args, given)
     if check is not None:
         check_before_start(args, check)
     lock = start_job(args)
     try:
         if given is not None:
             take_checkpoint_flags(args, given)
+            virtual_shards.refuse_batch_size(args, given)
         if check is not None:
             check(args)
         parts = build(args)

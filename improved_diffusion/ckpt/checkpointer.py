@@ -1008,7 +1008,10 @@ def _log_changes(ckpt, trainer, saved_settings=None):
     --seed, --ema_rate, and each of the run_flags and settings that the step recorded
     (trainer["flags"], the manifest's ``saved_settings``)."""
     old_ws, old_gb = trainer.get("world_size"), trainer.get("global_batch")
-    if old_ws != ckpt.world_size:
+    shards = ckpt.states.get("virtual_shards")  # --global_batch_size: TrainLoop's VirtualShards
+    if shards is not None and old_gb == ckpt.global_batch:
+        logger.log(shards.resume_line(old_ws))
+    elif old_ws != ckpt.world_size:
         logger.log(
             f"resume: world size {old_ws} -> {ckpt.world_size}, global batch size "
             f"{old_gb} -> {ckpt.global_batch} (per-rank batch {trainer.get('batch_size')} -> "
