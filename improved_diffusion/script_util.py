@@ -265,7 +265,8 @@ def classifier_sample_defaults():
 CLASSIFIER_TRAIN_SHARED_FLAGS = (
     "log_dir", "max_steps", "seed", "keep_checkpoints", "async_save", "save_writer",
     "save_layout", "allow_model_change", "nan_policy", "lock_wait", "dist_timeout",
-    "num_workers", "log_format", "fp16_scale_growth", "class_map", "fsdp")
+    "num_workers", "log_format", "fp16_scale_growth", "class_map", "fsdp",
+    "global_batch_size")
 
 
 def classifier_train_defaults():

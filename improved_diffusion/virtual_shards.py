@@ -147,18 +147,24 @@ def refuse_batch_size(args, given):
 # ---------------------------------------------------------------------- randomness of a shard
 
 
-def shard_seed(seed, step, shard):
-    """One 32-bit seed from (seed, step, shard): a stream of its own for every shard of every step
-    (the 1 keeps these streams apart from rng.seed_rngs' (seed, step, rank) ones)."""
-    return int(np.random.SeedSequence([int(seed), int(step), int(shard), 1]).generate_state(1)[0])
+# The kinds of shard streams: a shard's training draws, and its evaluation draws (a loop's
+# validation batch cut into the same shards), apart from each other.
+TRAIN_STREAM, EVAL_STREAM = 1, 2
+
+
+def shard_seed(seed, step, shard, kind=TRAIN_STREAM):
+    """One 32-bit seed from (seed, step, shard, kind): a stream of its own for every shard of
+    every step (kind >= 1 keeps these streams apart from rng.seed_rngs' (seed, step, rank))."""
+    return int(np.random.SeedSequence([int(seed), int(step), int(shard), int(kind)])
+               .generate_state(1)[0])
 
 
 @contextlib.contextmanager
-def shard_stream(seed, step, shard):
+def shard_stream(seed, step, shard, kind=TRAIN_STREAM):
     """Within: python's, numpy's and torch's (CPU and CUDA) global generators draw the stream of
-    (seed, step, shard); on exit they are what they were on entry. Not collective."""
+    (seed, step, shard, kind); on exit they are what they were on entry. Not collective."""
     saved = get_rng_state()
-    s = shard_seed(seed, step, shard)
+    s = shard_seed(seed, step, shard, kind)
     random.seed(s)
     np.random.seed(s)
     th.manual_seed(s)  # every CUDA device too
@@ -292,6 +298,7 @@ class VirtualShards:
         records = shards.step(step, batch, cond, shard_backward)   # collective
         # every parameter's .grad is now the step's gradient, the same on every rank and every W;
         # records: {name: tensor [G]} of every sample of the step, in global order (all ranks)
+        rows = shards.records(step, val_batch, val_cond, shard_eval)  # no backward, collective
 
     ``shard_backward(micro, micro_cond)`` runs one shard's forward and backward (into .grad) and
     returns {name: float tensor [m]} of per-sample numbers to gather (losses, timesteps); it is
@@ -319,9 +326,7 @@ class VirtualShards:
         """Run this rank's shards of ``step`` (the 1-based number of the step being taken),
         reduce, and gather the records. Collective: call from all ranks."""
         plan, m = self.plan, self.plan.microbatch
-        if batch.shape[0] != plan.rank_batch:
-            raise ValueError(f"virtual shards: a batch of {batch.shape[0]} on rank {plan.rank}, "
-                             f"expected G/W = {plan.rank_batch}")
+        self._check(batch)
         buffers = [b for b in self.model.buffers()]
         start = [b.detach().clone() for b in buffers]
         first = None
@@ -353,6 +358,23 @@ class VirtualShards:
             self.sum.write_grads()
         self._end_buffers(buffers, first)
         return gather_records(records)
+
+    def records(self, step, batch, cond, shard_fn, kind=EVAL_STREAM):
+        """Run ``shard_fn(micro, micro_cond)`` (no backward: an evaluation) on this rank's shards
+        of ``batch``, each in the stream (seed, step, shard, ``kind``), and gather its records
+        as ``step`` does: the same numbers on every W. Collective: call from all ranks."""
+        self._check(batch)
+        m, out = self.plan.microbatch, []
+        for j, k in enumerate(self.plan.shards):
+            sub = slice(j * m, (j + 1) * m)
+            with shard_stream(self.seed, step, k, kind):
+                out.append(shard_fn(batch[sub], {n: v[sub] for n, v in cond.items()}))
+        return gather_records(out)
+
+    def _check(self, batch):
+        if batch.shape[0] != self.plan.rank_batch:
+            raise ValueError(f"virtual shards: a batch of {batch.shape[0]} on rank "
+                             f"{self.plan.rank}, expected G/W = {self.plan.rank_batch}")
 
     def _end_buffers(self, buffers, first):
         """The buffers shard 0 left (rank 0 ran it), on every rank. Collective."""
