@@ -194,10 +194,7 @@ class ClassifierLoop:
         if args.fsdp:  # before the optimizer: it is made of the shards
             fsdp.shard_model(self.model, self.device, param_dtype=self.amp_dtype)
         # --global_batch_size: the step as virtual shards, the same run on any rank count
-        plan = virtual_shards.plan_from_flags(args.global_batch_size, args.microbatch)
-        self.shards = (None if plan is None else
-                       virtual_shards.VirtualShards(plan, self.model, args.seed,
-                                                    exact=not args.fsdp))
+        self.shards = virtual_shards.from_flags(args, self.model, exact=not args.fsdp)
         self.opt = make_adamw(self.model.parameters(), lr=args.lr,
                               weight_decay=args.weight_decay)
         self.checkpointer = Checkpointer(

@@ -125,13 +125,18 @@ def plan_from_flags(global_batch_size, microbatch, world_size=None, rank=None):
 def resolve_batch_flags(args):
     """With --global_batch_size G (typed or taken from a resumed checkpoint): check the plan on
     this job's ranks (UsageError) and set ``args.batch_size`` to G/W, the loader's per-rank
-    batch. Nothing without G. Not collective (every rank decides alike)."""
+    batch. Nothing without G. Also before the process group exists (the rank count is the
+    launcher's). Not collective (every rank decides alike)."""
     G = getattr(args, "global_batch_size", 0)
-    if not G:
-        return None
-    plan = ShardPlan(G, args.microbatch, dist_util.launch_world_size())
-    args.batch_size = plan.rank_batch
-    return plan
+    if G:
+        args.batch_size = ShardPlan(G, args.microbatch, dist_util.launch_world_size()).rank_batch
+
+
+def from_flags(args, model, exact=True):
+    """The VirtualShards of ``args``' --global_batch_size, --microbatch and --seed for ``model``
+    on this process group's ranks, or None without G. Not collective."""
+    plan = plan_from_flags(args.global_batch_size, args.microbatch)
+    return None if plan is None else VirtualShards(plan, model, args.seed, exact=exact)
 
 
 def refuse_batch_size(args, given):
@@ -389,7 +394,8 @@ class VirtualShards:
                     dist.broadcast(b, 0)
 
     def state_dict(self):
-        return dict(self.sum.state_dict() if self.sum is not None else {}, global_batch=self.plan.global_batch,
+        return dict(self.sum.state_dict() if self.sum is not None else {},
+                    global_batch=self.plan.global_batch,
                     microbatch=self.plan.microbatch, name=self.name)
 
     def load_state_dict(self, sd):
