@@ -173,6 +173,9 @@ def take_checkpoint_flags(args, given, kinds=("model", "ema"), resolved_later=("
                 and not same_flag_value(getattr(args, k), v, k)):
             setattr(args, k, v)
             taken[k] = v
+    if "batch_size" in taken:  # a run with G: the per-rank batch is G / this job's ranks
+        virtual_shards.resolve_batch_flags(args)
+        taken["batch_size"] = args.batch_size
     if taken:
         logger.log(f"resume: from the checkpoint ({checkpoint.basename(path)}): "
                    f"{flags_text(taken)}")

@@ -408,11 +408,16 @@ class VirtualShards:
             self.sum.load_state_dict(sd)
 
     def resume_line(self, old_world_size):
-        """The resume's line for the rank count (instead of the batch-size change)."""
-        was = (f" (saved on {old_world_size})" if old_world_size not in (None, self.plan.world_size)
-               else "")
-        return (f"resume: same run on {self.plan.world_size} rank(s){was} (global batch "
-                f"{self.plan.global_batch}, microbatch {self.plan.microbatch})")
+        """The resume's line for the rank count (instead of the batch-size change); under
+        --fsdp (no exact sum) it says what holds and what does not."""
+        W = self.plan.world_size
+        was = f" (saved on {old_world_size})" if old_world_size not in (None, W) else ""
+        shards = f"global batch {self.plan.global_batch}, microbatch {self.plan.microbatch}"
+        if self.sum is None and was:
+            return (f"resume: the same global batch and shards on {W} rank(s){was} ({shards}); "
+                    f"--fsdp reduce-scatters the gradients in float, in its own order: the "
+                    f"weights differ from the {old_world_size}-rank run's in the last bits")
+        return f"resume: same run on {W} rank(s){was} ({shards})"
 
 
 def gather_records(records):

@@ -176,6 +176,11 @@ def test_a_run_sigtermed_on_2_ranks_resumed_on_3_by_torchrun_then_on_1_is_the_st
     assert resumed_step(out) == saved, out[-3000:]
     assert (f"same run on 3 rank(s) (saved on 2) (global batch 12, microbatch 2)" in out), \
         out[-3000:]
+    # the flags taken show the per-rank batch used (12/3), not the saved 2-rank one; no
+    # "RNG reseeded" line: the training draws from the shards' streams, not the ranks'
+    taken = next(ln for ln in out.splitlines() if ln.startswith("resume: from the checkpoint"))
+    assert "--batch_size 4 " in taken and "--global_batch_size 12" in taken, taken
+    assert "RNG reseeded" not in out, out[-3000:]
     out = job(1, data, log_dir, "--max_steps", end).stdout
     assert resumed_step(out) == saved + 1 and "same run on 1 rank(s) (saved on 3)" in out, \
         out[-3000:]
@@ -204,6 +209,44 @@ def test_an_own_model_with_batchnorm_is_the_same_run_on_1_and_3_ranks_buffers_in
     assert any(k.endswith("running_mean") for k in sd), sorted(sd)[:20]
     diffs = same_run(runs[1], runs[3], 3)
     assert not diffs, "own model, 1 vs 3 ranks:\n" + "\n".join(diffs[:30])
+
+
+@pytest.mark.timeout(600)
+def test_a_dit_is_the_same_run_on_1_and_2_ranks(tmp_path, data):
+    """--arch DiT-S/2 (tiny, as test_dit_train's): its label dropout draws inside the model's
+    forward (dit.LabelEmbedder), in each shard's stream."""
+    dit = ["--arch", "DiT-S/2", "--dit_depth", "2", "--dit_hidden_size", "32", "--dit_num_heads",
+           "2", "--image_size", "8", "--learn_sigma", "True", "--class_cond", "True",
+           "--class_dropout_prob", "0.2", "--diffusion_steps", "20", "--schedule_sampler",
+           "loss-second-moment", "--global_batch_size", "12", "--microbatch", "2", "--ema_rate",
+           RATES, "--log_interval", "1", "--seed", "3", "--save_interval", "1000",
+           "--max_steps", "3"]
+    runs = {}
+    for ranks in (1, 2):
+        runs[ranks] = tmp_path / f"dit{ranks}"
+        job(ranks, data, runs[ranks], *dit)
+    assert load(runs[1] / "model000003.pt")["flags"]["arch"] == "DiT-S/2"
+    diffs = same_run(runs[1], runs[2], 3)
+    assert not diffs, "DiT, 1 vs 2 ranks:\n" + "\n".join(diffs[:30])
+
+
+@pytest.mark.timeout(600)
+def test_under_fsdp_a_resume_on_another_rank_count_keeps_the_global_batch_and_says_not_bitwise(
+        tmp_path, data):
+    """--fsdp True with G: the shards, streams and global batch hold, FSDP's float
+    reduce-scatter does not (docs/CLUSTERS.md has the measured differences): the resume line
+    says so instead of "same run"."""
+    log_dir = tmp_path / "fsdp"
+    job(2, data, log_dir, *RUN, "--fsdp", "True", "--max_steps", 1)
+    out = job(3, data, log_dir, "--max_steps", 2).stdout  # flagless: G, m, --fsdp taken
+    assert resumed_step(out) == 1, out[-3000:]
+    assert ("resume: the same global batch and shards on 3 rank(s) (saved on 2) (global batch "
+            "12, microbatch 2); --fsdp reduce-scatters the gradients in float" in out), out[-3000:]
+    assert "same run on" not in out and "RNG reseeded" not in out, out[-3000:]
+    trainer = load(log_dir / "opt000002.pt")["trainer"]
+    assert (trainer["data"]["position"], trainer["batch_size"], trainer["world_size"]) == (
+        24, 4, 3)
+    assert trainer["schedule_sampler"]["_loss_counts"].sum() == 24
 
 
 @pytest.mark.slow

@@ -1054,7 +1054,10 @@ def restore_rng(ckpt, rngs, old_world_size, step):
         rng.seed_rngs(ckpt.seed, step, ckpt.rank)
         why = (f"world size changed ({old_world_size} -> {ckpt.world_size})"
                if old_world_size != ckpt.world_size else "no RNG state of every rank saved")
-        logger.log(f"resume: {why}; RNG reseeded from (seed={ckpt.seed}, step={step}, rank)")
+        # --global_batch_size: the training draws from each shard's own stream, not these (the
+        # resume line said "same run"); without it the reseed changes the run: said
+        if ckpt.states.get("virtual_shards") is None:
+            logger.log(f"resume: {why}; RNG reseeded from (seed={ckpt.seed}, step={step}, rank)")
         note = None
     notes = dist_util.all_gather_object(note)
     for r, n in enumerate(notes):
