@@ -31,6 +31,10 @@ Where it differs from guided's:
 - Validation is at steps that are multiples of --eval_interval, on the bare classifier in eval
   mode; the validation loader's position is part of the trainer state, so a resumed run
   validates on the batches a straight run would.
+- ``--global_batch_size G --microbatch m`` (instead of --batch_size): the step's G samples in
+  G/m virtual shards (virtual_shards.py), each shard's timesteps and noise drawn in its own
+  stream, the gradients summed exactly, and the train_* and val_* numbers gathered in shard
+  order: the same run, logged numbers included, bit for bit on any rank count dividing G/m.
 """
 import contextlib
 
@@ -38,7 +42,7 @@ import torch as th
 import torch.nn.functional as F
 from torch.nn.parallel.distributed import DistributedDataParallel as DDP
 
-from . import amp, dist_util, fsdp, image_datasets, logger, train_job
+from . import amp, dist_util, fsdp, image_datasets, logger, train_job, virtual_shards
 from .ckpt import checkpoint, checkpointer, preemption
 from .ckpt.checkpointer import CheckpointConfig, Checkpointer
 from .config_check import check_config_on_all_ranks, data_fingerprint, show_fingerprint
@@ -59,7 +63,7 @@ from .train_util import (NAN_POLICIES, _poison_if_not_finite, grad_norm, grads_f
 # The settings of the training math that opt files record (a resume with others says so); every
 # setting of the run goes to the manifests (settings).
 RECORDED = ("lr", "weight_decay", "anneal_lr", "iterations", "noised", "microbatch",
-            "nan_policy", "fp16_scale_growth")
+            "global_batch_size", "nan_policy", "fp16_scale_growth")
 
 
 def check_args(args):
@@ -80,6 +84,7 @@ def check_args(args):
                          "--iterations N")
     if args.microbatch == 0 or args.microbatch < -1:
         raise UsageError(f"--microbatch must be -1 (off) or >= 1 (got {args.microbatch})")
+    virtual_shards.resolve_batch_flags(args)  # --global_batch_size: --batch_size is G/ranks
     if args.nan_policy not in NAN_POLICIES:
         raise UsageError(f"--nan_policy must be one of {', '.join(NAN_POLICIES)} "
                          f"(got {args.nan_policy!r})")
@@ -135,12 +140,15 @@ def run_job(args, given=None):
     save. ``given``: the flags typed on the command line (flags.explicit_args): a resume
     then takes the others from its classifier file, and --diffusion_from the noise process of
     the model to guide (take_flags). Collective: call from all ranks with the same arguments."""
+    if given is not None:
+        virtual_shards.refuse_batch_size(args, given)
     train_job.check_before_start(args, check_args, None if given is None else
                                  lambda resumed: take_flags(resumed, given))
     lock = train_job.start_job(args)
     try:
         if given is not None:
             take_flags(args, given)
+            virtual_shards.refuse_batch_size(args, given)  # the resumed run's G
         check_args(args)  # again: on the flags a resume took
         loop = ClassifierLoop(args)
         try:
@@ -188,6 +196,8 @@ class ClassifierLoop:
         if args.fsdp:  # before the optimizer: it is made of the shards
             fsdp.shard_model(self.model, self.device, param_dtype=self.amp_dtype)
             logger.log(fsdp.active_line(self.world_size, args.save_layout))
+        # --global_batch_size: the step as virtual shards, the same run on any rank count
+        self.shards = virtual_shards.from_flags(args, self.model, exact=not args.fsdp)
         self.opt = make_adamw(self.model.parameters(), lr=args.lr,
                               weight_decay=args.weight_decay)
         self.checkpointer = Checkpointer(
@@ -197,12 +207,13 @@ class ClassifierLoop:
             settings=train_job.run_flags(args, classifier_train_defaults()),
             model_kind="classifier",
             states={"schedule_sampler": self.sampler, "grad_scaler": self.grad_scaler,
-                    "val_data": self.val_data})
+                    "val_data": self.val_data,
+                    **({} if self.shards is None else {self.shards.name: self.shards})})
         self.checkpointer.file_tags["class_names"] = list(self.data.class_names)
         self.step = self.resume_step = self._resume()
         self.microbatch = args.microbatch if args.microbatch > 0 else args.batch_size
         self.ddp_model = (self._wrap_ddp() if self.world_size > 1 and not args.fsdp
-                          else self.model)
+                          and self.shards is None else self.model)
         self._ddp_primed = self.ddp_model is self.model
         logger.start_progress(self.step, self.last_step)
 
@@ -306,7 +317,10 @@ class ClassifierLoop:
     def forward_backward(self, batch, cond, prefix="train"):
         """Noise this rank's batch [B, C, H, W] (with --noised), then the cross-entropy of the
         logits [B, classes] against cond["y"] [B], accumulated over microbatches (DDP syncs on the
-        last). Collective (DDP all-reduce)."""
+        last). With --global_batch_size: the step's virtual shards (_forward_backward_shards).
+        Collective (DDP all-reduce)."""
+        if self.shards is not None:
+            return self._forward_backward_shards(batch, cond)
         batch, labels = batch.to(self.device), cond["y"].to(self.device)
         t = self._noise_levels(batch)
         if self.sampler is not None:
@@ -324,16 +338,64 @@ class ClassifierLoop:
                 with amp.autocast(self.device, self.amp_dtype):
                     logits = self.ddp_model(batch[sub], t[sub])
                 loss = self._log_losses(logits.float(), labels[sub], t[sub], prefix)
-                loss = _poison_if_not_finite(loss.mean() * (labels[sub].shape[0] / n))
-                if self.grad_scaler is not None:
-                    self.grad_scaler.scale(loss).backward()
-                else:
-                    loss.backward()
+                self._backward(loss.mean() * (labels[sub].shape[0] / n))
+
+    def _backward(self, loss):
+        """The backward of ``loss`` (NaN-poisoned when not finite; scaled with a GradScaler)."""
+        loss = _poison_if_not_finite(loss)
+        if self.grad_scaler is not None:
+            self.grad_scaler.scale(loss).backward()
+        else:
+            loss.backward()
+
+    def _forward_backward_shards(self, batch, cond):
+        """--global_batch_size: this rank's virtual shards of the step, each noised in its own
+        RNG stream, their gradients reduced alike on every rank count (virtual_shards.py); the
+        ``train_*`` log from every shard's numbers in shard order (the same on every rank).
+        Collective."""
+        def shard(x, micro_cond):
+            t, metrics = self._shard_metrics(self.ddp_model, x, micro_cond)
+            self._backward(metrics["loss"].mean() * (self.shards.loss_scale or 1.0))
+            return {"t": t, **{k: v.detach() for k, v in metrics.items()}}
+
+        self._log_records(self.shards.step(self.step + 1, batch, cond, shard), "train")
+
+    def _shard_metrics(self, model, x, cond):
+        """One shard: its timesteps and noise (drawn in the shard's stream), the forward, and
+        the per-sample numbers (_metrics); returns (t, metrics)."""
+        x, labels = x.to(self.device), cond["y"].to(self.device)
+        t = self._noise_levels(x)
+        if self.sampler is not None:
+            x = self.diffusion.q_sample(x, t)
+        with amp.autocast(self.device, self.amp_dtype):
+            logits = model(x, t)
+        return t, self._metrics(logits.float(), labels)
+
+    def _log_records(self, rows, prefix):
+        """Log gathered shard records ({name: [G]}, global order) shard by shard, as the
+        microbatches of a step without G are logged."""
+        t = rows.pop("t").long()
+        for s in self.shards.plan.global_slices():
+            log_loss_dict(self.diffusion, t[s],
+                          {f"{prefix}_{k}": v[s].float() for k, v in rows.items()})
 
     def evaluate(self, batch, cond):
         """The ``val_*`` losses and accuracies of a --val_data_dir batch: the bare classifier in
         eval mode, no gradients (its noise comes from this rank's RNG, as guided's). Not
-        collective."""
+        collective; with --global_batch_size: in virtual shards, each noised in its own stream,
+        the numbers gathered as the training's, so collective)."""
+        if self.shards is not None:
+            def shard(x, micro_cond):
+                t, metrics = self._shard_metrics(self.model, x, micro_cond)
+                return {"t": t, **metrics}
+
+            self.model.eval()
+            try:
+                with th.no_grad():
+                    rows = self.shards.records(self.step, batch, cond, shard)
+            finally:
+                self.model.train()
+            return self._log_records(rows, "val")
         batch, labels = batch.to(self.device), cond["y"].to(self.device)
         t = self._noise_levels(batch)
         if self.sampler is not None:
@@ -358,13 +420,15 @@ class ClassifierLoop:
     def _log_losses(self, logits, labels, t, prefix):
         """Log ``{prefix}_loss``, ``_acc@1``, ``_acc@5`` (and by timestep quarter); returns the
         per-sample cross-entropy [N]."""
-        loss = F.cross_entropy(logits, labels, reduction="none")
-        log_loss_dict(self.diffusion, t, {
-            f"{prefix}_loss": loss.detach(),
-            f"{prefix}_acc@1": top_k_hits(logits, labels, 1),
-            f"{prefix}_acc@5": top_k_hits(logits, labels, 5),
-        })
-        return loss
+        metrics = self._metrics(logits, labels)
+        log_loss_dict(self.diffusion, t, {f"{prefix}_{k}": v.detach() for k, v in metrics.items()})
+        return metrics["loss"]
+
+    @staticmethod
+    def _metrics(logits, labels):
+        """{"loss": the cross-entropy, "acc@1", "acc@5": top_k_hits}, each per sample [N]."""
+        return {"loss": F.cross_entropy(logits, labels, reduction="none"),
+                "acc@1": top_k_hits(logits, labels, 1), "acc@5": top_k_hits(logits, labels, 5)}
 
     def optimize(self):
         """Unscale (GradScaler), log the grad norm, step. Returns False for a skipped step

@@ -452,6 +452,17 @@ def timeout_s():
     return _timeout_s if _timeout_s is not None else DEFAULT_TIMEOUT_S
 
 
+def launch_world_size():
+    """The number of ranks of this job, also before setup_dist: the process group's, else the
+    launcher's (torchrun's WORLD_SIZE, an MPI launcher's size), else 1. Not collective."""
+    if is_distributed():
+        return get_world_size()
+    if "WORLD_SIZE" in os.environ:
+        return int(os.environ["WORLD_SIZE"])
+    comm = _mpi_comm()
+    return comm.Get_size() if comm is not None else 1
+
+
 def get_rank():
     return dist.get_rank() if is_distributed() else 0
 

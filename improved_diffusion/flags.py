@@ -169,7 +169,12 @@ FLAG_HELP = {
     "lr_anneal_steps": ("training", "anneal the lr linearly to 0 over this many steps, then stop; "
                         "0 = constant lr, no stop"),
     "batch_size": ("training", "images per rank per step (sampling: per forward pass)"),
-    "microbatch": ("training", "split each batch into microbatches of this size; -1 = off"),
+    "microbatch": ("training", "split each batch into microbatches of this size; -1 = off "
+                   "(with --global_batch_size: the samples of one virtual shard)"),
+    "global_batch_size": ("training", "samples per optimizer step over all ranks, in virtual "
+                          "shards of --microbatch: the same run bit for bit on any rank count "
+                          "dividing G/microbatch (virtual_shards.py); 0 = off (--batch_size per "
+                          "rank)"),
     "ema_rate": ("training", "comma-separated EMA rates, e.g. 0.9999,0.999"),
     "schedule_sampler": ("training", "timestep sampler: uniform or loss-second-moment"),
     "use_fp16": ("training", "mixed precision (autocast; fp16 + loss scaling on GPU)"),

@@ -744,7 +744,9 @@ def weighted_mean_across_ranks(name2valcount):
     """
     Average {name: (value, count)} over all ranks of torch.distributed, weighted by count.
     Keys logged on only some ranks are averaged over those. Non-numeric values keep rank 0's;
-    integer values that agree on every rank (step, samples) stay integers.
+    a value that is the same on every rank that logs it is written as it is (integers such as
+    step and samples stay integers; --global_batch_size's losses and grad norm, computed alike on
+    every rank, are the same numbers on any rank count, unrounded by the sum).
 
     Collective: call from all ranks with the same arguments.
     """
@@ -767,7 +769,7 @@ def weighted_mean_across_ranks(name2valcount):
     out = {k: sums[k] / counts[k] for k in sums if counts[k] > 0}
     for k in out:
         values = {d[k][0] for d in gathered if k in d}
-        if len(values) == 1 and isinstance(next(iter(values)), int):
+        if len(values) == 1:
             out[k] = next(iter(values))
     for k, v in others.items():
         out.setdefault(k, v)

@@ -97,6 +97,9 @@ def train_defaults():
         lr_anneal_steps=0,
         batch_size=1,
         microbatch=-1,  # -1 disables microbatches
+        # Samples per step over all ranks, in virtual shards of --microbatch (virtual_shards.py):
+        # the run is then the same bit for bit on any rank count dividing G/microbatch. 0: off.
+        global_batch_size=0,
         ema_rate="0.9999",  # comma-separated list of EMA values
         log_interval=10,
         log_format="progress",  # stdout: one progress line per log_interval, or "table"
@@ -264,7 +267,8 @@ def classifier_sample_defaults():
 CLASSIFIER_TRAIN_SHARED_FLAGS = (
     "log_dir", "max_steps", "seed", "keep_checkpoints", "async_save", "save_writer",
     "save_layout", "allow_model_change", "nan_policy", "lock_wait", "dist_timeout",
-    "num_workers", "log_format", "fp16_scale_growth", "class_map", "fsdp")
+    "num_workers", "log_format", "fp16_scale_growth", "class_map", "fsdp",
+    "global_batch_size")
 
 
 def classifier_train_defaults():

@@ -18,7 +18,7 @@ import os
 import shlex
 from typing import Any, Callable, NamedTuple
 
-from . import cli, dist_util, image_datasets, logger, train_eval, train_util
+from . import cli, dist_util, image_datasets, logger, train_eval, train_util, virtual_shards
 from .ckpt import checkpoint, checkpointer, preemption, run_dir, run_lock
 from .errors import UsageError, UserError
 from .script_util import (DIFFUSION_FLAG_KEYS, JOB_FLAGS, run_flag_keys, same_flag_value,
@@ -71,6 +71,7 @@ def check_train_args(args):
         raise UsageError("--data_dir is required: a folder of images")
     if args.microbatch == 0 or args.microbatch < -1:
         raise UsageError(f"--microbatch must be -1 (off) or >= 1 (got {args.microbatch})")
+    virtual_shards.resolve_batch_flags(args)  # --global_batch_size: --batch_size is G/ranks
     config = train_util.TrainConfig.from_flags(args)
     train_eval.check_inputs(config)  # its files, before the log dir is touched
 
@@ -193,6 +194,9 @@ def take_checkpoint_flags(args, given, kinds=("model", "ema"), resolved_later=("
             setattr(args, k, v)
             taken[k] = v
     _full_layout_without_fsdp(args, taken)  # the resume logs the change (Checkpointer)
+    if "batch_size" in taken:  # a run with G: the per-rank batch is G / this job's ranks
+        virtual_shards.resolve_batch_flags(args)
+        taken["batch_size"] = args.batch_size
     if taken:
         logger.log(f"resume: from the checkpoint ({checkpoint.basename(path)}): "
                    f"{flags_text(taken)}")
@@ -342,6 +346,8 @@ def run_training(args, build: Callable[[Any], Parts], given=None, check=None):
 
     Collective: call from all ranks with the same arguments.
     """
+    if given is not None:
+        virtual_shards.refuse_batch_size(args, given)
     if check is not None:
         check_before_start(args, check, None if given is None else
                            lambda resumed: take_checkpoint_flags(resumed, given))
@@ -349,6 +355,7 @@ def run_training(args, build: Callable[[Any], Parts], given=None, check=None):
     try:
         if given is not None:
             take_checkpoint_flags(args, given)
+            virtual_shards.refuse_batch_size(args, given)
         if check is not None:
             check(args)
         parts = build(args)

@@ -34,7 +34,8 @@ import torch as th
 from torch.nn.parallel.distributed import DistributedDataParallel as DDP
 from torch.optim import AdamW
 
-from . import amp, dist_util, fsdp, guidance, image_datasets, logger, phema, trackers
+from . import (amp, dist_util, fsdp, guidance, image_datasets, logger, phema, trackers,
+               virtual_shards)
 from .ckpt import checkpoint, run_dir
 from .ckpt import storage as bf  # blobfile's names, for local paths and s3:// gs:// az://
 from .ckpt.checkpointer import (PREEMPTED_EXIT_CODE, CheckpointConfig, Checkpointer, NonFiniteError,
@@ -64,6 +65,9 @@ class TrainConfig:
 
     batch_size: samples per rank per optimizer step (the global batch is this times the ranks).
     microbatch: split each batch into pieces of this size, accumulating gradients (<= 0: off).
+    global_batch_size: G > 0: the step is G samples over all ranks in virtual shards of
+        microbatch (virtual_shards.py; batch_size must then be G / ranks): the same run bit for
+        bit on any rank count. 0: off.
     lr: AdamW's learning rate. weight_decay: AdamW's decoupled weight decay.
     ema_rate: comma-separated EMA rates ("0.9999,0.999"); one EMA of the parameters each.
     log_interval: log (progress line, progress.csv) every this many steps.
@@ -99,6 +103,7 @@ class TrainConfig:
 
     batch_size: int
     microbatch: int
+    global_batch_size: int
     lr: float
     ema_rate: str
     log_interval: int
@@ -134,7 +139,8 @@ class TrainConfig:
     # values says so (seed, ema_rate and the batch size have lines of their own). Every setting
     # of the run (run_settings) goes to the manifests, not to the checkpoint files: runs that
     # differ in where to write, how to save or what to log write the same bytes.
-    RECORDED = ("lr", "weight_decay", "lr_anneal_steps", "microbatch", "use_fp16",
+    RECORDED = ("lr", "weight_decay", "lr_anneal_steps", "microbatch", "global_batch_size",
+                "use_fp16",
                 "fp16_scale_growth", "nan_policy")
 
     def __post_init__(self):
@@ -272,6 +278,11 @@ class TrainLoop:
         self.model_flags = dict(model_flags or {})
         self.rank, self.world_size = dist_util.get_rank(), dist_util.get_world_size()
         self.global_batch = batch_size * self.world_size
+        self.shard_plan = virtual_shards.plan_from_flags(cfg.global_batch_size, microbatch)
+        if self.shard_plan is not None and batch_size != self.shard_plan.rank_batch:
+            raise UsageError(f"--global_batch_size {cfg.global_batch_size} on {self.world_size} "
+                             f"rank(s): the per-rank batch (and the loader's) must be "
+                             f"{self.shard_plan.rank_batch}, not {batch_size}")
         self.device = dist_util.dev()
         self.step = self.resume_step = 0
 
@@ -290,6 +301,8 @@ class TrainLoop:
             fsdp.shard_model(self.model, self.device, param_dtype=self.amp_dtype)
             logger.log(fsdp.active_line(self.world_size, cfg.checkpoint.save_layout))
         self.named_params = list(self.model.named_parameters())
+        self.virtual_shards = (None if self.shard_plan is None else virtual_shards.VirtualShards(
+            self.shard_plan, self.model, cfg.seed, exact=not cfg.fsdp))
         self.opt = self._make_optimizer()
         self.ema_params = [[p.detach().clone() for p in self.model.parameters()]
                            for _ in self.ema_rate]
@@ -303,7 +316,9 @@ class TrainLoop:
             run_flags={k: getattr(cfg, k) for k in TrainConfig.RECORDED},
             settings=run_settings,
             states={"schedule_sampler": self.schedule_sampler, "grad_scaler": self.grad_scaler,
-                    "phema": self.phema})
+                    "phema": self.phema,
+                    **({} if self.virtual_shards is None else
+                       {virtual_shards.VirtualShards.name: self.virtual_shards})})
         names = getattr(data, "class_names", None)  # image_datasets.load_data's, in label order
         if names:
             self.checkpointer.file_tags["class_names"] = [str(n) for n in names]
@@ -327,7 +342,7 @@ class TrainLoop:
             self._trackers = trackers.start(
                 cfg.tracker, cfg.checkpoint.log_dir, step=self.step, settings=self.checkpointer
                 .settings, config={**self.model_flags, **cfg.flags()}, resumed=self._runs)
-        self.use_ddp = self.world_size > 1 and not cfg.fsdp
+        self.use_ddp = self.world_size > 1 and not cfg.fsdp and self.shard_plan is None
         self.ddp_model = self._wrap_ddp() if self.use_ddp else self.model
         if cfg.compile:  # only the forward/backward: self.model keeps its state-dict keys
             self.ddp_model = th.compile(self.ddp_model)
@@ -387,7 +402,10 @@ class TrainLoop:
         self.log_step()
 
     def forward_backward(self, batch, cond):
-        """Accumulate gradients over microbatches; DDP syncs only on the last one."""
+        """Accumulate gradients over microbatches; DDP syncs only on the last one. With
+        --global_batch_size: the step's virtual shards (_forward_backward_shards)."""
+        if self.virtual_shards is not None:
+            return self._forward_backward_shards(batch, cond)
         for i in range(0, batch.shape[0], self.microbatch):
             micro = batch[i : i + self.microbatch].to(self.device)
             micro_cond = {k: v[i : i + self.microbatch].to(self.device) for k, v in cond.items()}
@@ -397,25 +415,55 @@ class TrainLoop:
             if i == 0:
                 self.opt.zero_grad(set_to_none=True)
             last = i + self.microbatch >= batch.shape[0]
-            t, weights = self.schedule_sampler.sample(micro.shape[0], self.device)
             sync = (contextlib.nullcontext() if last or not self.use_ddp
                     else self.ddp_model.no_sync())
             with sync:
-                with amp.autocast(self.device, self.amp_dtype):
-                    losses = self.diffusion.training_losses(
-                        self.ddp_model, micro, t, model_kwargs=micro_cond)
-                losses = {k: v.float() for k, v in losses.items()}
+                t, weights, losses = self._microbatch_backward(micro, micro_cond)
                 if isinstance(self.schedule_sampler, LossAwareSampler):
                     self.schedule_sampler.update_with_local_losses(
                         *_finite_only(t, losses["loss"].detach()))
-                loss = (losses["loss"] * weights).mean()
-                if self.grad_scaler is None:
-                    loss = _poison_if_not_finite(loss)
                 log_loss_dict(self.diffusion, t, {k: v * weights for k, v in losses.items()})
-                if self.grad_scaler is not None:
-                    self.grad_scaler.scale(loss).backward()
-                else:
-                    loss.backward()
+
+    def _microbatch_backward(self, micro, micro_cond, loss_scale=None):
+        """One microbatch's timesteps, forward and backward (into .grad; the loss times
+        ``loss_scale`` if given): returns (t, weights, {term: per-sample loss [n]})."""
+        t, weights = self.schedule_sampler.sample(micro.shape[0], self.device)
+        with amp.autocast(self.device, self.amp_dtype):
+            losses = self.diffusion.training_losses(self.ddp_model, micro, t,
+                                                    model_kwargs=micro_cond)
+        losses = {k: v.float() for k, v in losses.items()}
+        loss = (losses["loss"] * weights).mean()
+        if loss_scale is not None:
+            loss = loss * loss_scale
+        if self.grad_scaler is None:
+            loss = _poison_if_not_finite(loss)
+        if self.grad_scaler is not None:
+            self.grad_scaler.scale(loss).backward()
+        else:
+            loss.backward()
+        return t, weights, losses
+
+    def _forward_backward_shards(self, batch, cond):
+        """--global_batch_size: this rank's virtual shards of the step, each in its own RNG
+        stream, their gradients reduced alike on every rank count (virtual_shards.py); then the
+        loss-aware sampler and the loss log from every shard's numbers in shard order (the same
+        on every rank). Collective."""
+        def shard(micro, micro_cond):
+            micro_cond = guidance.drop_labels_in(
+                {k: v.to(self.device) for k, v in micro_cond.items()}, self.model_flags)
+            t, weights, losses = self._microbatch_backward(
+                micro.to(self.device), micro_cond, self.virtual_shards.loss_scale)
+            return {"t": t, "w": weights, **{f"l:{k}": v.detach() for k, v in losses.items()}}
+
+        rows = self.virtual_shards.step(self.step + 1, batch, cond, shard)
+        t = rows.pop("t").long()
+        weights = rows.pop("w").float()
+        losses = {k[2:]: v.float() for k, v in rows.items()}
+        if isinstance(self.schedule_sampler, LossAwareSampler):
+            self.schedule_sampler.update_with_all_losses(
+                *(x.tolist() for x in _finite_only(t, losses["loss"].double())))
+        for s in self.virtual_shards.plan.global_slices():
+            log_loss_dict(self.diffusion, t[s], {k: v[s] * weights[s] for k, v in losses.items()})
 
     def optimize(self):
         """Unscale, log grad norm, anneal lr, step. Returns False if the step was skipped (fp16

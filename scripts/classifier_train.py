@@ -16,7 +16,9 @@ steps the same on --val_data_dir (val_*).
 Checkpoints as train.py's, in --log_dir: model{S}.pt (kind "classifier": the weights and the
 classifier's and diffusion's flags), opt{S}.pt (optimizer and trainer state), manifest{S}.json
 last. The same command again auto-resumes the newest complete step, bitwise equal to a straight
-run on the same ranks; another rank count continues the data. guided-diffusion's raw files
+run on the same ranks; another rank count continues the data. With --global_batch_size G
+--microbatch m instead of --batch_size, the run is the same bit for bit on any rank count
+dividing G/m (virtual shards: improved_diffusion/virtual_shards.py), validation included. guided-diffusion's raw files
 resume as they are: --resume_checkpoint RUN/model010000.pt (its opt010000.pt beside).
 
 Exit codes: 0 done; 75 after a SIGTERM/SIGUSR1 save (requeue on it); 1 on errors (one line

@@ -43,15 +43,16 @@ def launcher(ranks, how="mpiexec"):
     return [MPIEXEC, "-n", str(ranks), PY]
 
 
-def train_cmd(ranks, data, log_dir, *extra, how="mpiexec"):
+def train_cmd(ranks, data, log_dir, *extra, how="mpiexec", tiny=TINY):
     train_dir, val_dir = data
-    return [*launcher(ranks, how), SCRIPT, *TINY, "--data_dir", train_dir, "--val_data_dir",
+    return [*launcher(ranks, how), SCRIPT, *tiny, "--data_dir", train_dir, "--val_data_dir",
             val_dir, "--log_dir", log_dir, *map(str, extra)]
 
 
-def train(ranks, data, log_dir, *extra, how="mpiexec", expect=0, timeout=150):
+def train(ranks, data, log_dir, *extra, how="mpiexec", expect=0, timeout=150, tiny=TINY):
     """Run classifier_train.py; returns its output (stdout and stderr)."""
-    proc = _run(train_cmd(ranks, data, log_dir, *extra, how=how), timeout, check=False)
+    proc = _run(train_cmd(ranks, data, log_dir, *extra, how=how, tiny=tiny), timeout,
+                check=False)
     assert proc.returncode == expect, f"exit {proc.returncode}:\n{proc.stdout[-4000:]}"
     return proc.stdout
 
@@ -145,6 +146,77 @@ def test_a_run_of_torchrun_on_2_ranks_continues_in_plain_python_on_1_without_rep
     assert (first["world_size"], trainer["world_size"]) == (2, 1)
     # the data position is global: 3 steps of 2 x 4 images, then 3 steps of 1 x 4
     assert (first["data"]["position"], trainer["data"]["position"]) == (24, 36)
+
+
+# ------------------------------------------------------------------------------ global batch
+
+# --global_batch_size 6 in shards of 1 (1, 2, 3 or 6 ranks), instead of TINY's --batch_size;
+# the loss-aware sampler and validation every 2 steps, both drawn in the shards' streams.
+TINY_G = [a for i, a in enumerate(TINY) if "--batch_size" not in TINY[max(i - 1, 0):i + 1]]
+SHARDS = ["--global_batch_size", "6", "--microbatch", "1", "--schedule_sampler",
+          "loss-second-moment", "--eval_interval", "2", "--num_workers", "1", "--iterations",
+          100000, "--save_interval", 100000]
+
+
+@pytest.mark.timeout(400)
+def test_a_global_batch_run_sigtermed_on_2_ranks_and_resumed_on_3_is_bitwise_a_1_rank_run(
+        tmp_path, data):
+    """issue 44: the same run on any rank count. 2 ranks SIGTERMed at a step S, resumed on 3
+    (no flag retyped: G and m are the checkpoint's) to S+2, against a straight run on 1 rank:
+    the classifier, Adam moments, sampler, data and validation positions, the fixed-point
+    state and every logged number (train_*, val_*, grad_norm) bit for bit."""
+    run, straight = tmp_path / "chain", tmp_path / "straight"
+    cmd = train_cmd(2, data, run, *SHARDS, tiny=TINY_G)
+    with open(tmp_path / "first.log", "w") as log:
+        proc = subprocess.Popen([str(c) for c in cmd], cwd=REPO, env=child_env(), stdout=log,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+    try:
+        end = time.monotonic() + 120
+        while not ((run / "progress.csv").exists() and len(progress(run)) >= 1):
+            assert proc.poll() is None and time.monotonic() < end, (tmp_path / "first.log"
+                                                                    ).read_text()[-3000:]
+            time.sleep(0.02)
+        os.kill(rank_pid(proc.pid, 1), signal.SIGTERM)
+        assert proc.wait(timeout=60) == 75, (tmp_path / "first.log").read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    saved = max(int(p.name[8:14]) for p in run.glob("manifest*.json"))
+    out = train(3, data, run, "--max_steps", saved + 2, how="torchrun", tiny=TINY_G)
+    assert (f"resumed at step {saved}" in out and "same run on 3 rank(s) (saved on 2) (global "
+            "batch 6, microbatch 1)" in out), out[-3000:]
+    train(1, data, straight, *SHARDS, "--max_steps", saved + 2, tiny=TINY_G)
+
+    end = saved + 2
+    (ma, oa), (mb, ob) = (assert_complete_classifier_step(d, end) for d in (straight, run))
+    diffs = deep_diff(ma, mb)  # the opt file's RNG and rank count differ by design
+    diffs += [f"optimizer{d}" for d in deep_diff(oa["optimizer"], ob["optimizer"])]
+    for key in ("schedule_sampler", "virtual_shards", "data", "val_data", "global_batch"):
+        diffs += [f"trainer/{key}{d}" for d in deep_diff(oa["trainer"][key], ob["trainer"][key])]
+    assert oa["trainer"]["virtual_shards"]["global_batch"] == 6
+    assert not diffs, f"step {end}, 1 rank vs 2 -> 3:\n" + "\n".join(diffs[:30])
+    rows_a, rows_b = progress(straight), progress(run)
+    logged = [c for c in rows_a[end] if re.match(r"(train|val)_(loss|acc@[15])|grad_norm", c)]
+    assert {"val_loss", "train_acc@5_q3", "grad_norm"} <= set(logged), logged
+    assert sorted(rows_a) == sorted(rows_b) == list(range(1, end + 1))
+    bad = [(s, c, rows_a[s][c], rows_b[s].get(c)) for s in rows_a for c in logged
+           if rows_a[s][c] != rows_b[s].get(c)]
+    assert not bad, f"progress.csv differs (step, column, 1 rank, 2 -> 3): {bad[:10]}"
+
+
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("ranks,extra,says", [
+    (4, [], "6 virtual shards do not split over 4 ranks; run on 1, 2, 3, 6 rank(s)"),
+    (1, ["--batch_size", "2"], "--batch_size and --global_batch_size 6 together"),
+], ids=["4-ranks-for-6-shards", "with-batch_size"])
+def test_a_global_batch_the_ranks_cannot_split_is_refused_in_one_line(tmp_path, data, ranks,
+                                                                      extra, says):
+    out = train(ranks, data, tmp_path / "run", *SHARDS, *extra, tiny=TINY_G, expect=2)
+    errors = [ln for ln in out.splitlines() if ln.startswith("error:")]
+    assert errors == [errors[0]] and says in errors[0], out[-3000:]
+    assert not (tmp_path / "run").exists(), sorted(os.listdir(tmp_path / "run"))
 
 
 # ------------------------------------------------------------------------------ preemption, lock

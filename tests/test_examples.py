@@ -186,6 +186,33 @@ def test_ones_own_loop_is_preempted_with_exit_75_and_resumes_bitwise(tmp_path, d
         assert_same_step(straight, resumed, 28)  # a --save_interval save after the resume
 
 
+@pytest.mark.timeout(300)
+def test_ones_own_loop_with_a_global_batch_on_2_ranks_resumed_on_1_is_bitwise_a_1_rank_run(
+        tmp_path, data):
+    """issue 44 in a loop of one's own: --global_batch_size 4 --microbatch 1 (VirtualShards):
+    2 ranks SIGTERMed, resumed on 1, end as a straight 1-rank run: model, Adam moments, data
+    position and fixed-point state bit for bit, and every logged loss."""
+    straight, chain = tmp_path / "straight", tmp_path / "chain"
+    args = ["--data_dir", data, "--global_batch_size", 4, "--microbatch", 1, "--log_interval", 1,
+            "--seed", 3, "--save_interval", 1000, "--max_steps", 12]
+    run(OWN_LOOP, 1, *args, "--log_dir", straight)
+    rc, out = preempted(OWN_LOOP, 2, chain, *args, "--log_dir", chain)
+    assert rc == 75, f"exit {rc}:\n{out[-3000:]}"
+    stopped = max(int(n[8:14]) for n in os.listdir(chain) if n.startswith("manifest"))
+    assert stopped < 12, out[-3000:]
+    out = run(OWN_LOOP, 1, *args, "--log_dir", chain)
+    assert resumed_step(out) == stopped and "same run on 1 rank(s) (saved on 2)" in out, out[-3000:]
+    a, b = (load(d / "model000012.pt") for d in (straight, chain))
+    diffs = deep_diff(a, b)
+    a, b = (load(d / "opt000012.pt") for d in (straight, chain))
+    diffs += [f"opt/optimizer{d}" for d in deep_diff(a["optimizer"], b["optimizer"])]
+    for key in ("data", "virtual_shards", "global_batch"):  # (its RNG: each rank's, by design)
+        diffs += [f"opt/trainer/{key}{d}" for d in deep_diff(a["trainer"][key], b["trainer"][key])]
+    assert not diffs, "1 rank vs 2 -> 1, step 12:\n" + "\n".join(diffs[:30])
+    losses = [(d / "progress.csv").read_text().splitlines() for d in (straight, chain)]
+    assert losses[0] == losses[1] and len(losses[0]) == 13, losses
+
+
 @pytest.mark.slow  # make soak: the lock is the checkpointer's, test_run_lock tests it through train.py
 @pytest.mark.timeout(120)
 def test_ones_own_loop_holds_the_log_dir_lock(tmp_path, data):

@@ -1021,7 +1021,10 @@ def _log_changes(ckpt, trainer, saved_settings=None):
     --seed, --ema_rate, and each of the run_flags and settings that the step recorded
     (trainer["flags"], the manifest's ``saved_settings``)."""
     old_ws, old_gb = trainer.get("world_size"), trainer.get("global_batch")
-    if old_ws != ckpt.world_size:
+    shards = ckpt.states.get("virtual_shards")  # --global_batch_size: TrainLoop's VirtualShards
+    if shards is not None and old_gb == ckpt.global_batch:
+        logger.log(shards.resume_line(old_ws))
+    elif old_ws != ckpt.world_size:
         logger.log(
             f"resume: world size {old_ws} -> {ckpt.world_size}, global batch size "
             f"{old_gb} -> {ckpt.global_batch} (per-rank batch {trainer.get('batch_size')} -> "
@@ -1066,7 +1069,10 @@ def restore_rng(ckpt, rngs, old_world_size, step):
         rng.seed_rngs(ckpt.seed, step, ckpt.rank)
         why = (f"world size changed ({old_world_size} -> {ckpt.world_size})"
                if old_world_size != ckpt.world_size else "no RNG state of every rank saved")
-        logger.log(f"resume: {why}; RNG reseeded from (seed={ckpt.seed}, step={step}, rank)")
+        # --global_batch_size: the training draws from each shard's own stream, not these (the
+        # resume line said "same run"); without it the reseed changes the run: said
+        if ckpt.states.get("virtual_shards") is None:
+            logger.log(f"resume: {why}; RNG reseeded from (seed={ckpt.seed}, step={step}, rank)")
         note = None
     notes = dist_util.all_gather_object(note)
     for r, n in enumerate(notes):

@@ -216,6 +216,14 @@ def inspect_file(path):
         if isinstance(tracked, dict) and "stds" in tracked:  # train.py --phema_stds's tracker
             rep["trainer"]["phema_stds"] = ",".join(phema.std_str(s) for s in tracked["stds"])
             rep["trainer"]["phema_nimg"] = tracked.get("nimg")
+        shards = c.trainer.get("virtual_shards")
+        if isinstance(shards, dict) and shards.get("global_batch"):  # --global_batch_size
+            G, m = shards["global_batch"], shards.get("microbatch")
+            position = (c.trainer.get("data") or {}).get("position")
+            rep["trainer"]["virtual_shards"] = (
+                f"G={G} m={m}: {G // m if m else '?'} shards a step"
+                + (f", the next step's shard 0 starts at global sample {position}"
+                   if position is not None else ""))
     if c.kind == "combined" and isinstance(c.raw.get("args"), dict):  # DiT's args, as data
         rep["args"] = dict(c.raw["args"])
     changes = (c.trainer or {}).get("model_changes")
