@@ -3,17 +3,18 @@ another rank count and launcher each time, must equal a straight run bit for bit
 it stopped at. Anyone can repeat it (``make conformance``); it is not part of ``make test``
 (tests/test_same_run.py keeps a 2-hop chain there).
 
-    python benchmarks/conformance.py [--seed 0] [--quick] [--steps 14] [--microbatch 1]
+    python benchmarks/conformance.py [--seed 0] [--quick] [--steps 19] [--microbatch 1]
 
 What it runs (scripts/train.py, the tiny class-conditional UNet of tests/test_same_run.py: label
 dropout, dropout, the loss-aware schedule sampler, two EMAs; --num_workers 1; a generated image
 folder with class-named files; ``--global_batch_size 12 --microbatch 1``, so K = 12 virtual
 shards and 1, 2, 3, 4, 6 ranks all work; ``--save_interval 1``: every step's files exist):
 
-1. a straight run of --steps steps on 1 rank (plain python);
+1. a straight run of --steps steps (19; 7 with --quick) on 1 rank (plain python);
 2. the chain, one segment after another in one log dir, on 2 -> 3 -> 1 -> 4 -> 6 ranks (--quick:
-   2 -> 3), launched by mpiexec and torchrun in turn (the first segment types the run flags, the
-   others resume flagless: G, m and the run flags come from the checkpoint). Every segment but
+   2 -> 3), launched by mpiexec and torchrun in turn (a segment types the run flags only while
+   the log dir has no complete step; the others resume flagless: G, m and the run flags come
+   from the checkpoint). Every segment but
    the last is interrupted once its run has a complete step ``k`` (1 or 2) past where it began,
    by one of: SIGTERM to one rank (a random one), SIGTERM to every process of the job (launcher,
    ranks, loader workers: as SLURM does), or ``kill -9`` of every process after a random delay
@@ -28,14 +29,15 @@ The table, one row per segment:
 
     seg  ranks  launcher  interruption  exit  resumed at  ended at  equal  first difference
 
-``resumed at``: the step the segment said it resumed at ("-": the first); ``ended at``: the
+``resumed at``: the step the segment said it resumed at ("-": it started fresh); ``ended at``: the
 newest complete step when it exited; ``equal``: whether the log dir's files at that step equal
 the straight run's at the same step, compared as tests/test_same_run.py's ``same_run`` does
 (model and EMA files byte for byte, Adam moments, the schedule sampler's history, the
 fixed-point exponents, the data position; progress.csv's loss, grad norm, lr and sample columns
 of every step up to it; the trainer state's rank count and RNGs differ by design); ``first
 difference``: the first thing that differs (a tensor's path in the file), or a failed check of
-the segment (its exit, its resume step, its last step's manifest). Exit 0 only when every row
+the segment (its exit, its resume step, its last step's manifest, no step within --timeout
+seconds: a hang, the job then killed). Exit 0 only when every row
 says yes. The work dir (runs and each job's output) is kept with --keep or when a row says no.
 """
 import argparse
@@ -74,6 +76,12 @@ def run_flags(microbatch):
     for name, value in (("--microbatch", microbatch), ("--save_interval", 1)):
         flags[flags.index(name) + 1] = str(value)
     return flags
+
+
+def min_steps(ranks_chain):
+    """The run's steps for a chain: each interrupted segment takes up to 4 (1-2 past its start,
+    then the SIGTERM is acted on a step or two later), and the last segment trains 3 at least."""
+    return 4 * (len(ranks_chain) - 1) + 3
 
 
 def plan(seed, ranks_chain):
@@ -125,11 +133,14 @@ def newest(log_dir):
 
 
 def run_segment(i, seg, work, log_dir, data, flags, steps, timeout):
-    """Run one segment; returns its row (a dict of COLUMNS' values) and its output."""
+    """Run one segment: (its row, a dict of COLUMNS' values up to "ended at"; the problems
+    found with it, such as an exit that is not a preemption after a SIGTERM; its output)."""
     ranks, launcher, kind, past, delay, victim = seg
     start = newest(log_dir)
+    # the run flags while there is no step to resume (a first segment, or one after a segment
+    # that saved nothing), else none: they come from the checkpoint
     args = ["--data_dir", data, "--log_dir", log_dir, "--num_workers", "1", "--save_interval",
-            "1", "--max_steps", str(steps), *(flags if i == 0 else [])]
+            "1", "--max_steps", str(steps), *(flags if start == 0 else [])]
     out_path = work / f"segment{i + 1}.out"
     proc = cs.start(launch(ranks, launcher, args), out_path)
     problems, done = [], kind
@@ -139,6 +150,9 @@ def run_segment(i, seg, work, log_dir, data, flags, steps, timeout):
                           f"step {start + past}")
         except RuntimeError:  # it ended first (finished, or failed: its exit says)
             done = f"none ({kind}: ended first)" if kind else None
+        except TimeoutError:
+            problems.append(f"no step {start + past} within {timeout} s (a hang?)")
+            done = f"none (no step {start + past} in {timeout} s)"
         if done == kind and kind is not None:
             if kind == "SIGTERM to one rank":
                 pids = rank_pids(proc.pid)
@@ -154,7 +168,10 @@ def run_segment(i, seg, work, log_dir, data, flags, steps, timeout):
                 time.sleep(delay)
                 cs.kill9(cs.process_tree(proc.pid))
                 done = f"kill -9 {delay:.2f} s after step {start + past}"
-        cs.wait_exit(proc, timeout)
+        try:
+            cs.wait_exit(proc, timeout)
+        except TimeoutError:
+            problems.append(f"still running {timeout} s later (a hang?): killed")
     finally:
         if proc.poll() is None:
             cs.kill9(cs.process_tree(proc.pid))
@@ -168,14 +185,16 @@ def run_segment(i, seg, work, log_dir, data, flags, steps, timeout):
         if not ok or "preempted" not in out:
             problems.append(f"exit {rc} (workers {workers}) after a SIGTERM, not a preemption")
     elif kind is None or done.startswith("none"):
-        if rc != 0:
+        if rc != 0 and not problems:
             problems.append(f"exit {rc}")
     end = newest(log_dir)
     if end and cs.step_problems(log_dir, end):
         problems.append(f"step {end}: {cs.step_problems(log_dir, end)[0]}")
-    resumed = resumed_step(out) if i else None
-    if i and resumed != start:
+    resumed = resumed_step(out) if start else None
+    if start and resumed != start:
         problems.append(f"resumed at {resumed}, not at the last complete step {start}")
+    if end <= start:  # nothing of this rank count was checked
+        problems.append(f"trained no step ({start} -> {end}): raise --steps")
     return dict(zip(COLUMNS, (i + 1, ranks, launcher, done or "none", rc,
                               "-" if resumed is None else resumed, end))), problems, out
 
@@ -236,7 +255,8 @@ def main():
     ap.add_argument("--quick", action="store_true",
                     help="2 segments (2 -> 3 ranks) instead of 5 (2 -> 3 -> 1 -> 4 -> 6)")
     ap.add_argument("--steps", type=int, default=None,
-                    help="steps of the run (default: 14; 5 with --quick)")
+                    help=f"steps of the run (default: {min_steps(CHAIN)}; {min_steps(QUICK_CHAIN)} "
+                         f"with --quick, the fewest it takes)")
     ap.add_argument("--microbatch", type=int, default=1,
                     help="samples per virtual shard (the global batch is 12): 1 lets 4 ranks in")
     ap.add_argument("--work", default=None, help="work dir (default: a new temporary one)")
@@ -244,15 +264,15 @@ def main():
     ap.add_argument("--timeout", type=int, default=900, help="seconds a job may take (hangs)")
     args = ap.parse_args()
     chain = QUICK_CHAIN if args.quick else CHAIN
-    steps = args.steps or (5 if args.quick else 14)
+    steps = args.steps or min_steps(chain)
     K = 12 // args.microbatch
     if 12 % args.microbatch or any(K % r for r in chain):
         ap.error(f"--microbatch {args.microbatch}: 12/m shards must split over "
                  f"{', '.join(map(str, chain))} ranks (take 1)")
     segments = plan(args.seed, chain)
-    if steps < 3 * (len(chain) - 1) + 2:
+    if steps < min_steps(chain):
         ap.error(f"--steps {steps}: too few for {len(chain)} segments (at least "
-                 f"{3 * (len(chain) - 1) + 2})")
+                 f"{min_steps(chain)})")
     work = Path(args.work or tempfile.mkdtemp(prefix="conformance"))
     work.mkdir(parents=True, exist_ok=True)
     data = write_class_folder(work / "data", per_class=5)
