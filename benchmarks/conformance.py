@@ -259,7 +259,8 @@ def main():
                          f"with --quick, the fewest it takes)")
     ap.add_argument("--microbatch", type=int, default=1,
                     help="samples per virtual shard (the global batch is 12): 1 lets 4 ranks in")
-    ap.add_argument("--work", default=None, help="work dir (default: a new temporary one)")
+    ap.add_argument("--work", default=None,
+                    help="work dir (default: a new temporary one; runs left there are replaced)")
     ap.add_argument("--keep", action="store_true", help="keep the work dir")
     ap.add_argument("--timeout", type=int, default=900, help="seconds a job may take (hangs)")
     args = ap.parse_args()
@@ -275,6 +276,8 @@ def main():
                  f"{min_steps(chain)})")
     work = Path(args.work or tempfile.mkdtemp(prefix="conformance"))
     work.mkdir(parents=True, exist_ok=True)
+    for old in [work / "straight", work / "chain", *work.glob("at[0-9]*")]:  # a --work used before
+        shutil.rmtree(old, ignore_errors=True)
     data = write_class_folder(work / "data", per_class=5)
     flags = run_flags(args.microbatch)
     print(f"conformance: seed {args.seed}, {steps} steps, global batch 12, microbatch "
