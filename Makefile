@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 STORES_STAMP := .stores/.installed
 
-.PHONY: demo demo-run test soak install clean-venv
+.PHONY: demo demo-run test soak conformance install clean-venv
 DEMO_ARGS ?=
 
 $(STAMP): setup.py
@@ -41,6 +41,15 @@ test: $(STAMP) $(STORES_STAMP)
 # counts, signals, launchers, parameters; `pytest -m slow --collect-only -q tests` lists them).
 soak: $(STAMP) $(STORES_STAMP)
 	$(PY) -m pytest -q -m slow tests
+
+# The resume conformance run (issue 44, docs/RELIABILITY.md): a straight 1-rank run against the
+# same run SIGTERMed and kill -9ed on 2 -> 3 -> 1 -> 4 -> 6 ranks (mpiexec and torchrun in turn),
+# one table; exit 0 only if every segment equals the straight run. Not part of `make test`.
+# CONFORMANCE_ARGS="--quick" (2 segments), "--seed N" (other interruptions).
+CONFORMANCE_ARGS ?=
+
+conformance: $(STAMP)
+	PATH="$(dir $(abspath $(PY))):$$PATH" $(PY) benchmarks/conformance.py $(CONFORMANCE_ARGS)
 
 demo: $(STAMP)
 	$(MAKE) --no-print-directory demo-run PY=$(PY)
