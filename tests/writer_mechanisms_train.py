@@ -20,6 +20,8 @@ from train_driver import run_train_py  # tests/ (this script's folder)
 
 from improved_diffusion.ckpt import writer_process
 
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
 
 def _guards_off():
     """In the writer process: turn off the guards that WRITER_GUARDS_OFF names; their names."""
@@ -27,11 +29,11 @@ def _guards_off():
     if __name__ != "__mp_main__":
         return off
     if "pdeathsig" in off:
-        ctypes.CDLL(None, use_errno=True).prctl(writer_process._PR_SET_PDEATHSIG, 0, 0, 0, 0)
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, 0, 0, 0, 0)
     if "watch" in off:
         writer_process.WATCH_S = 1e9
     if "guard" in off:
-        writer_process._PublishGuard.check_dir = lambda self, directory: None
+        writer_process.PublishGuard.check_dir = lambda self, directory: None
     return off
 
 

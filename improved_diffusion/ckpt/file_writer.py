@@ -144,7 +144,7 @@ def _fsync_dir(d):
 
 # Called with a file's final path just before the file is put in place (linked or renamed there,
 # or uploaded); None, or a check that ends this process when it may no longer write into that
-# directory. Only the checkpoint writer process sets one (writer_process._PublishGuard: a write
+# directory. Only the checkpoint writer process sets one (writer_process.PublishGuard: a write
 # whose trainer is gone, or whose job no longer holds the log dir's lock, puts nothing in place).
 publish_check = None
 

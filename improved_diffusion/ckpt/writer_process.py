@@ -496,7 +496,7 @@ def _child_main(conn, prep):
     sys.path, pid, the arena's descriptor, its main script when that is importable, the job's
     lock descriptors, whether the kernel may end it with the thread that started it): end with
     the trainer (the kernel's signal, else a watch of the parent pid), ignore the trainer's
-    signals, guard every file put in place (_PublishGuard), run the main script as spawn would
+    signals, guard every file put in place (PublishGuard), run the main script as spawn would
     (so what it sets up at import, a test's slow or recorded writes, holds here too), then serve
     writes until the connection closes."""
     from . import file_writer
@@ -510,7 +510,7 @@ def _child_main(conn, prep):
     signal.pthread_sigmask(signal.SIG_UNBLOCK, _signals_blocked.SIGNALS)
     threading.Thread(target=_watch_parent, args=(prep["parent"],), name="parent-watch",
                      daemon=True).start()
-    guard = _PublishGuard(prep["parent"], prep["locks"])
+    guard = PublishGuard(prep["parent"], prep["locks"])
     file_writer.publish_check = guard
     if prep["main"]:
         import runpy
@@ -599,7 +599,7 @@ def _watch_parent(parent_pid):
         time.sleep(WATCH_S)
 
 
-class _PublishGuard:
+class PublishGuard:
     """The child's check before it puts a file in place in a log dir (file_writer.publish_check,
     called with the file's final path) or prunes one (``check_dir``): this process ends at once,
     putting nothing more in place and removing nothing, when its trainer is gone (its parent pid
