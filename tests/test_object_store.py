@@ -14,7 +14,8 @@ import time
 import pytest
 
 import stores
-from conftest import MPIEXEC, PY, REPO, child_env, rank_pids, write_images
+from conftest import (MPIEXEC, PY, REPO, child_env, deep_diff, rank_pids, resumed_step,
+                      write_images)
 
 TRAIN = REPO / "scripts" / "train.py"
 CKPT = REPO / "scripts" / "ckpt.py"
@@ -380,6 +381,56 @@ def test_train_resume_verify_and_logs_on_each_store(any_store, images, tmp_path)
     rows = storage.read_bytes(f"{url}/sample_indices/rank0.csv").decode().splitlines()
     assert [int(r.split(",")[0]) for r in rows] == [1, 2, 3, 4], rows
     assert all(len(r.split(",")) == 3 for r in rows), rows  # the step and --batch_size 2 indices
+
+
+# The run's settings, every one other than its default (test_resume_flags.py's, in a bucket).
+RUN_FLAGS = ["--lr", "2e-3", "--batch_size", "4", "--ema_rate", "0.99", "--max_steps", "6",
+             "--save_interval", "3", "--log_interval", "3", "--seed", "3"]
+
+
+@pytest.mark.timeout(900)
+def test_a_flagless_resume_from_a_bucket_takes_the_runs_flags_and_ends_as_a_straight_run(
+        any_store, images, tmp_path):
+    """Issue 43 item 8: the checkpoint's model flags and its manifest's run_flags are read from
+    a bucket as from a local run dir: `train.py --data_dir D --log_dir URL` resumes a 2-rank run
+    of non-default flags as it was trained, ends at its --max_steps, and writes step 6 equal to
+    the straight run's."""
+    import io
+
+    import torch
+    storage = any_store.client()
+    bucket = new_bucket(any_store)
+    model = TINY[:TINY.index("--batch_size")]  # the model flags alone
+    straight = f"{bucket}/straight"
+    first = run([MPIEXEC, "-n", "2", PY, TRAIN, *model, *RUN_FLAGS, "--data_dir", images,
+                 "--log_dir", straight], any_store.env, tmp_path)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    # the run as a job preempted after step 3 leaves it, in another prefix
+    url = f"{bucket}/run"
+    for name in storage.listdir(straight):
+        if "000006" not in name:
+            storage.copy(f"{straight}/{name}", f"{url}/{name}")
+    again = run([MPIEXEC, "-n", "2", PY, TRAIN, "--data_dir", images, "--log_dir", url],
+                any_store.env, tmp_path)
+    out = again.stdout + again.stderr
+    assert again.returncode == 0, out[-3000:]
+    assert resumed_step(out) == 3, out[-3000:]
+    line = next(ln for ln in out.splitlines() if "resume: from the checkpoint" in ln)
+    for flag in ("--num_channels 32", "--diffusion_steps 20", "--lr 0.002", "--batch_size 4",
+                 "--ema_rate 0.99", "--max_steps 6", "--save_interval 3", "--seed 3"):
+        assert flag in line, (flag, line)
+    names = storage.listdir(url)
+    six = sorted(n for n in storage.listdir(straight) if "000006" in n and n.endswith(".pt"))
+    assert six == ["ema_0.99_000006.pt", "model000006.pt", "opt000006.pt"], six
+    assert not [n for n in names if "000007" in n], names  # it stopped at --max_steps 6
+    for name in six:
+        a, b = (torch.load(io.BytesIO(storage.read_bytes(f"{d}/{name}")), weights_only=True)
+                for d in (straight, url))
+        diffs = deep_diff(a, b)  # the optimizer file's trainer state has volatile keys
+        assert not diffs, (name, diffs[:10])
+        if not name.startswith("opt"):
+            assert storage.read_bytes(f"{url}/{name}") == \
+                storage.read_bytes(f"{straight}/{name}"), name
 
 
 @pytest.mark.timeout(120)

@@ -941,15 +941,20 @@ def model_state_from(ckpt, want="model"):
 
 
 def read_flags(path, kinds=None):
-    """The model flags a local tagged model/EMA file stores, read without loading its tensors
-    (torch.load with mmap), or None: an untagged, remote or unreadable file, one without
-    flags, or one whose kind is not in ``kinds`` (when given). Not collective; never raises
-    (for a peek before the real, checked load)."""
+    """The model flags a tagged model/EMA file stores, read without loading its tensors (a
+    local file: torch.load with mmap; an object: torch.load onto the meta device through a
+    ranged read of its zip directory and pickle, storage.PEEK_BYTES at a time), or None: an
+    untagged or unreadable file, one without flags, or one whose kind is not in ``kinds``
+    (when given). Not collective; never raises (for a peek before the real, checked load)."""
     path = os.fspath(path)
-    if is_remote(path):
-        return None
     try:
-        obj = th.load(path, map_location="cpu", weights_only=True, mmap=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            if is_remote(path):
+                with storage.open(path, "rb", block_size=storage.PEEK_BYTES) as f:
+                    obj = th.load(f, map_location="meta", weights_only=True)
+            else:
+                obj = th.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception:  # anything: the resume's own load words the file's problem
         return None
     if not (isinstance(obj, dict) and obj.get("schema") == SCHEMA):

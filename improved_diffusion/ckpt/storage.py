@@ -52,8 +52,12 @@ from ..errors import UserError
 # Pauses (seconds) between the tries of one store call that failed transiently (throttling, 5xx,
 # a dropped connection): about 30 s in all before the error is raised.
 RETRY_PAUSES = (0.5, 1.0, 2.0, 4.0, 8.0, 15.0)
-# Part size of a streamed upload (the memory one open write holds).
+# Part size of a streamed upload (the memory one open write holds), and of a streamed read's
+# ranged requests.
 BLOCK_BYTES = 16 << 20
+# A peek's ranged requests (open's block_size): a checkpoint's pickle and zip directory without
+# its tensors is a few of these.
+PEEK_BYTES = 256 << 10
 
 
 class StoreError(OSError):
@@ -469,9 +473,11 @@ def open_write(path, exclusive=False):
     return _StreamedWrite(path, exclusive)
 
 
-def open(path, mode="rb"):  # noqa: A001 - blobfile's BlobFile, under the name readers expect
+def open(path, mode="rb", block_size=None):  # noqa: A001 - blobfile's BlobFile
     """A file for ``mode`` "rb"/"r" (read, streamed in blocks) or "wb"/"w" (open_write); text
-    modes wrap it in UTF-8."""
+    modes wrap it in UTF-8. ``block_size``: an object read's bytes per ranged request
+    (BLOCK_BYTES when None): a small one (PEEK_BYTES) for a reader that reads a few places of
+    a large object (a checkpoint's pickle, not its tensors: checkpoint.read_flags)."""
     import builtins
 
     path = os.fspath(path)
@@ -479,7 +485,7 @@ def open(path, mode="rb"):  # noqa: A001 - blobfile's BlobFile, under the name r
         return builtins.open(path, mode)
     if "r" in mode:
         fs, p = filesystem(path)
-        f = retrying(lambda: fs.open(p, "rb"), path)
+        f = retrying(lambda: fs.open(p, "rb", block_size=block_size or BLOCK_BYTES), path)
     elif "w" in mode or "x" in mode:
         f = open_write(path, exclusive="x" in mode)
     else:
