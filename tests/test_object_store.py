@@ -408,6 +408,43 @@ def test_check_store_says_its_line_after_one_call_without_our_retries(s3, monkey
         storage.forget_clients()
 
 
+@pytest.mark.timeout(180)
+def test_a_store_that_ran_out_of_retries_is_tried_once_per_call_until_it_answers(
+        s3, monkeypatch):
+    """After one call failed through all of ID_STORE_RETRY_S, the next calls make one try each
+    (a job ending on a store that is down does not spend the retries again in each call of its
+    teardown); once a call succeeds, a failing call is retried again. Requests counted."""
+    storage = s3.client()
+    bucket = new_bucket(s3)
+    storage.put(f"{bucket}/run/a.txt", b"a")
+    proxy = stores.Proxy(s3.port)
+    for k, v in s3.env_with(proxy.port).items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
+    monkeypatch.setenv(storage.RETRY_ENV, "0.3")
+    storage.forget_clients()
+
+    def requests_of(call):
+        before = len(proxy.requests)
+        with pytest.raises(OSError):
+            call()
+        return len(proxy.requests) - before
+
+    read = lambda: storage.read_bytes(f"{bucket}/run/a.txt")  # noqa: E731
+    try:
+        proxy.answer(503, "SlowDown", "Please reduce your request rate.")
+        retried = requests_of(read)
+        once = requests_of(read)
+        assert retried == (len(storage.RETRY_PAUSES) + 1) * once, (retried, once)
+        proxy.heal()
+        assert read() == b"a"
+        proxy.answer(503, "SlowDown", "Please reduce your request rate.")
+        assert requests_of(read) == retried
+    finally:
+        proxy.heal()
+        storage.forget_clients()
+
+
 class _RacedStore:
     """A lock job's store that lets another job take the lock right after this one found it
     free (its first read), before this one creates it: the race the conditional create
