@@ -52,8 +52,16 @@ def run_main(main, argv=None):
     own handling. After an error on some ranks only, the whole job is ended instead of left
     hanging (``heartbeat.end_job_after_error``), within a bounded wait. A preemption signal
     before training began (``preemption.Preempted``, or a collective that failed because ranks
-    ended for one) ends every rank with exit 75 and its one line.
+    ended for one) ends every rank with exit 75 and its one line. A log dir in an object store
+    gets its last lines before the interpreter's exit (logger.upload_spools).
     """
+    try:
+        return _run_main(main, argv)
+    finally:
+        logger.upload_spools()
+
+
+def _run_main(main, argv):
     lost = ()
     error, tb = None, None
     heartbeat.set_error_line_hook(_record_error_line)

@@ -20,8 +20,11 @@ A log directory in an object store (``s3://``, ``gs://``, ``az://``: ckpt/storag
 append: the text files (log.txt, progress.csv, progress.json, TensorBoard's event files) are
 written to a local spool directory (``_Mirror``; the existing objects downloaded into it first,
 so a resumed run continues them) and each changed file is put back whole at every ``dumpkvs``
-(at most every ``_Mirror.EVERY_S`` seconds), at ``close`` and at the process's exit. Nothing is
-written to a local folder named like the URL. A failed upload is a warning, retried at the next
+(at most every ``_Mirror.EVERY_S`` seconds), at ``close``, with each line of
+``append_to_log_files`` (an error's, before a job is ended) and at a script's end
+(``upload_spools``, from cli.run_main: before the interpreter's exit, where the stores' clients
+can no longer run, so the atexit upload is a last resort only). Nothing is written to a local
+folder named like the URL. A failed upload is a warning, retried at the next
 one (the whole file goes up each time, so nothing is lost while the process lives).
 """
 import atexit
@@ -31,6 +34,7 @@ import os
 import os.path as osp
 import sys
 import tempfile
+import threading
 import time
 import warnings
 import weakref
@@ -540,6 +544,7 @@ class _Mirror:
         self._sent = {}  # relative path -> (size, mtime_ns) last uploaded
         self._last = 0.0
         self._warned = False
+        self._lock = threading.Lock()  # an error line's upload may come from another thread
         _Mirror._live.add(self)
 
     def fetch(self, name):
@@ -567,6 +572,10 @@ class _Mirror:
     def sync(self, force=False):
         """Put each file changed since its last upload (at most every EVERY_S unless
         ``force``)."""
+        with self._lock:
+            self._sync(force)
+
+    def _sync(self, force):
         now = time.monotonic()
         if not force and now - self._last < self.EVERY_S:
             return
@@ -591,10 +600,17 @@ class _Mirror:
                         self._warned = True
 
 
-@atexit.register
-def _sync_mirrors_at_exit():
+def upload_spools():
+    """Put each changed file of every log dir spool (a log dir in an object store: _Mirror) to
+    its store now. A script's end calls it (cli.run_main), before the interpreter's exit: by the
+    atexit handlers the stores' clients can no longer run (adlfs: "cannot schedule new futures
+    after shutdown"), so the upload there is a last resort for a process that ends otherwise.
+    Not collective; never raises (a failed upload is the spool's warning)."""
     for mirror in list(_Mirror._live):
         mirror.sync(force=True)
+
+
+atexit.register(upload_spools)
 
 
 def add_tensorboard(dir, purge_step=None):
@@ -632,7 +648,8 @@ def write_image(tag, image, step):
 
 
 def append_to_log_files(text):
-    """Append ``text`` (a line) to the current logger's text files (log.txt), not to stdout.
+    """Append ``text`` (a line) to the current logger's text files (log.txt), not to stdout;
+    a log dir in an object store gets them at once (a job may be ended right after the line).
     A no-op without a configured logger; never raises for a log dir that went away."""
     current = Logger.CURRENT
     if current is None:
@@ -643,6 +660,8 @@ def append_to_log_files(text):
                 fmt.writeseq([text.rstrip("\n")])
             except OSError:  # the log dir is full or gone: the line is on stderr already
                 pass
+    if current._mirror is not None:
+        current._mirror.sync(force=True)
 
 
 def log(*args, level=INFO):

@@ -7,10 +7,12 @@ fixtures of test_object_store.py:
 
 ``start(kind, tmp)`` returns a ``Store`` (its URL prefix, the environment variables that point a
 client at it, ``make_bucket``, ``stop``) or raises ``Unavailable`` with the reason (a test then
-skips with it). ``Proxy`` is a TCP proxy in front of a server that can answer HTTP 503 for a
-while or refuse connections: the fault cases.
+skips with it). ``Proxy`` is an HTTP proxy in front of a server that counts the requests and can
+answer 503 for a while, a store's error from some request on, or refuse connections: the fault
+cases.
 """
 import os
+import re
 import shutil
 import signal
 import socket
@@ -135,9 +137,20 @@ def start(kind, tmp):
 
 
 class Proxy:
-    """A TCP proxy on 127.0.0.1 in front of ``target_port``. ``fail_for(seconds)``: every
-    request in that window is answered ``HTTP/1.1 503 Slow Down`` (S3's throttling answer) and
-    the connection closed; ``down()``: connections refused from then on (the server gone)."""
+    """An HTTP/1.1 proxy on 127.0.0.1 in front of ``target_port``, one request at a time: each
+    request a client sends (on a kept-alive connection too) is read whole, counted
+    (``requests``: its request lines) and forwarded on a connection of its own, unless a fault
+    answers it (then the client's connection is closed after the answer):
+
+    * ``fail_for(seconds)``: every request in that window is answered ``503 Slow Down`` (S3's
+      throttling answer), counted in ``failed``;
+    * ``answer(status, code, message, after=None, times=None)``: every request from now on
+      (``after``: from the first request whose line matches that regular expression on, that
+      request included; ``times``: that many requests only) is answered ``status`` with the
+      store's error ``code`` and ``message`` in S3's XML (and Azure's x-ms-error-code header),
+      counted in ``failed``; ``heal()`` stops it;
+    * ``down()``: connections refused from then on (the server gone).
+    """
 
     def __init__(self, target_port):
         self.target = target_port
@@ -149,10 +162,23 @@ class Proxy:
         self.fail_until = 0.0
         self.failed = 0
         self.forwarded = 0
+        self.requests = []  # every request line seen, in order
+        self._fault = None  # (status, code, message) answered to every request
+        self._after = None  # the pattern of the request line that switches _fault on
+        self._times = None  # how many requests _fault answers (None: every one)
+        self._lock = threading.Lock()
         threading.Thread(target=self._accept, daemon=True).start()
 
     def fail_for(self, seconds):
         self.fail_until = time.monotonic() + seconds
+
+    def answer(self, status, code, message, after=None, times=None):
+        with self._lock:
+            self._fault, self._after, self._times = (status, code, message), after, times
+
+    def heal(self):
+        with self._lock:
+            self._fault, self._after, self._times = None, None, None
 
     def down(self):
         try:
@@ -168,42 +194,117 @@ class Proxy:
                 return
             threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
-    def _serve(self, conn):
-        if time.monotonic() < self.fail_until:
-            try:
-                conn.settimeout(2)
-                conn.recv(65536)
-                body = b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"
-                conn.sendall(b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\n"
-                             b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
-            except OSError:
-                pass
-            finally:
-                self.failed += 1
-                conn.close()
-            return
-        self.forwarded += 1
-        try:
-            up = socket.create_connection(("127.0.0.1", self.target))
-        except OSError:
-            conn.close()
-            return
-        for a, b in ((conn, up), (up, conn)):
-            threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+    def _fault_for(self, line):
+        with self._lock:
+            self.requests.append(line)
+            if time.monotonic() < self.fail_until:
+                return 503, "SlowDown", "Please reduce your request rate."
+            fault = self._fault
+            if fault is not None and self._after is not None:
+                if not re.search(self._after, line):
+                    return None
+                self._after = None  # on from here
+            if fault is not None and self._times is not None:
+                self._times -= 1
+                if self._times <= 0:
+                    self._fault = self._times = None
+            return fault
 
-    @staticmethod
-    def _pipe(a, b):
+    def _serve(self, conn):
+        reader = conn.makefile("rb")
         try:
             while True:
-                data = a.recv(1 << 16)
-                if not data:
-                    break
-                b.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for s in (a, b):
+                head = _read_head(reader)
+                if head is None:
+                    return
+                line = head.split(b"\r\n", 1)[0].decode("latin-1")
+                headers = _headers(head)
+                fault = self._fault_for(line)
+                if fault is not None:
+                    status, code, message = fault
+                    body = (f"<?xml version=\"1.0\" encoding=\"UTF-8\"?><Error><Code>{code}</Code>"
+                            f"<Message>{message}</Message></Error>").encode()
+                    conn.sendall(b"HTTP/1.1 %d %s\r\nContent-Type: application/xml\r\n"
+                                 b"x-ms-error-code: %s\r\nConnection: close\r\n"
+                                 b"Content-Length: %d\r\n\r\n"
+                                 % (status, code.encode(), code.encode(), len(body))
+                                 + (b"" if line.startswith("HEAD ") else body))
+                    with self._lock:
+                        self.failed += 1
+                    return
+                if headers.get(b"expect", b"").lower() == b"100-continue":
+                    conn.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
+                body = _read_body(reader, headers)
+                with self._lock:
+                    self.forwarded += 1
                 try:
-                    s.shutdown(socket.SHUT_RDWR)
+                    up = socket.create_connection(("127.0.0.1", self.target))
                 except OSError:
-                    pass
+                    return
+                with up:
+                    up.sendall(_without(head, (b"expect", b"connection"), b"Connection: close")
+                               + body)
+                    while True:  # the answer, until the server closes (Connection: close)
+                        data = up.recv(1 << 16)
+                        if not data:
+                            break
+                        conn.sendall(data)
+                return  # the answer may say keep-alive: the client finds this one closed
+        except OSError:
+            return
+        finally:
+            reader.close()
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            conn.close()
+
+
+def _read_head(reader):
+    """A request's line and headers (bytes up to the blank line), or None at the end."""
+    head = b""
+    while not head.endswith(b"\r\n\r\n"):
+        line = reader.readline(65536)
+        if not line:
+            return None
+        if head == b"" and line in (b"\r\n", b"\n"):
+            continue
+        head += line
+    return head
+
+
+def _headers(head):
+    out = {}
+    for raw in head.split(b"\r\n")[1:]:
+        if b":" in raw:
+            k, v = raw.split(b":", 1)
+            out[k.strip().lower()] = v.strip()
+    return out
+
+
+def _read_body(reader, headers):
+    """The request's body as sent (Content-Length, or chunked with its framing)."""
+    if b"chunked" in headers.get(b"transfer-encoding", b"").lower():
+        out = b""
+        while True:
+            size_line = reader.readline()
+            out += size_line
+            size = int(size_line.split(b";")[0].strip() or b"0", 16)
+            if size == 0:
+                while True:  # trailers, then the blank line
+                    t = reader.readline()
+                    out += t
+                    if t in (b"\r\n", b"\n", b""):
+                        return out
+            out += reader.read(size + 2)
+    n = int(headers.get(b"content-length", b"0") or 0)
+    return reader.read(n) if n else b""
+
+
+def _without(head, names, extra):
+    """``head`` without the headers ``names`` (lowercase), ``extra`` added."""
+    lines = head.rstrip(b"\r\n").split(b"\r\n")
+    kept = [lines[0]] + [ln for ln in lines[1:]
+                         if ln.split(b":", 1)[0].strip().lower() not in names]
+    return b"\r\n".join(kept + [extra]) + b"\r\n\r\n"

@@ -941,10 +941,10 @@ def model_state_from(ckpt, want="model"):
 
 
 def read_flags(path, kinds=None):
-    """The model flags a local tagged model/EMA file stores, read without loading its tensors
-    (torch.load with mmap), or None: an untagged, remote or unreadable file, one without
-    flags, or one whose kind is not in ``kinds`` (when given). Not collective; never raises
-    (for a peek before the real, checked load)."""
+    """The model flags a tagged model/EMA file stores, read without loading its tensors
+    (_peek), or None: an untagged or unreadable file, one without flags, or one whose kind is
+    not in ``kinds`` (when given). Not collective; never raises (for a peek before the real,
+    checked load)."""
     obj = _peek(path)
     if obj is None or (kinds is not None and obj.get("kind") not in kinds):
         return None
@@ -953,7 +953,7 @@ def read_flags(path, kinds=None):
 
 
 def read_trainer(path):
-    """The trainer state (``"trainer"``: step, batch sizes, seed, EMA rates, flags, ...) a local
+    """The trainer state (``"trainer"``: step, batch sizes, seed, EMA rates, flags, ...) a
     tagged opt file stores, read without loading its tensors, or None, as read_flags. Not
     collective; never raises."""
     obj = _peek(path)
@@ -962,12 +962,18 @@ def read_trainer(path):
 
 
 def _peek(path):
-    """A local tagged file's top-level dict, its tensors memory-mapped (not read), or None."""
+    """A tagged file's top-level dict without its tensors' data, or None: a local file through
+    torch.load with mmap (tensors mapped, not read); an object onto the meta device through a
+    ranged read of its zip directory and pickle, storage.PEEK_BYTES at a time."""
     path = os.fspath(path)
-    if is_remote(path):
-        return None
     try:
-        obj = th.load(path, map_location="cpu", weights_only=True, mmap=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            if is_remote(path):
+                with storage.open(path, "rb", block_size=storage.PEEK_BYTES) as f:
+                    obj = th.load(f, map_location="meta", weights_only=True)
+            else:
+                obj = th.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception:  # anything: the resume's own load words the file's problem
         return None
     return obj if isinstance(obj, dict) and obj.get("schema") == SCHEMA else None

@@ -493,8 +493,15 @@ def _human_bytes(n):
 
 def write_fault_message(e, directory, doing, kept):
     """The one-line message for a write that failed with ``e`` in ``directory`` when it is a disk
-    fault (full, quota, read-only, permission, vanished directory), else None (a bug: re-raise).
-    ``doing``: "saving step 6 (model000006.pt)"; ``kept``: what is left intact."""
+    fault (full, quota, read-only, permission, vanished directory) or, for a directory in an
+    object store, any other error of the store (storage.write_failure_message: its answer),
+    else None
+    (a bug: re-raise). ``doing``: "saving step 6 (model000006.pt)"; ``kept``: what is left
+    intact."""
+    if is_remote(directory):
+        said = storage.write_failure_message(e, directory, doing, kept)
+        if said is not None:
+            return said
     if not isinstance(e, (OSError, RuntimeError)):
         return None
     fault = _disk_fault(e, directory)

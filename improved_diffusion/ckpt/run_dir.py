@@ -815,13 +815,14 @@ def write_step(log_dir, step, files, crc_threads=None, settings=None):
         if ckpt.basename(name) != name or info is None or info.kind in ("temp", "manifest"):
             raise CheckpointError(f"{name}: not a valid checkpoint file name for save_step")
     manifest = ckpt.manifest_filename(step)
-    for name in names + [manifest]:
-        p = ckpt.join(log_dir, name)
-        if ckpt.exists(p):
-            raise CheckpointError(f"{p}: already exists; refusing to overwrite a checkpoint "
-                                  f"(move it away or start from a later step)")
     written, current = [], None
     try:
+        for name in names + [manifest]:
+            current = name
+            p = ckpt.join(log_dir, name)
+            if ckpt.exists(p):
+                raise CheckpointError(f"{p}: already exists; refusing to overwrite a checkpoint "
+                                      f"(move it away or start from a later step)")
         entries = {}
         for name in names:
             current = name
@@ -832,7 +833,11 @@ def write_step(log_dir, step, files, crc_threads=None, settings=None):
         data = _manifest_bytes(step, entries, settings)
         file_writer.write_file(ckpt.join(log_dir, manifest), data)
     except BaseException as e:
-        _remove_written(log_dir, written)
+        left = _remove_written(log_dir, written)
+        if left:  # the store refuses their removal too: a resume moves them aside
+            kept = (f"step {step} was not saved (no manifest; {', '.join(left)} left behind, "
+                    f"which a resume moves to incomplete/) and the last complete step is "
+                    f"intact, so a rerun resumes from it")
         message = file_writer.write_fault_message(e, log_dir, f"saving step {step} ({current})", kept)
         if message is None:
             raise
@@ -867,12 +872,17 @@ def _manifest_bytes(step, entries, settings=None, extra=None):
 
 
 def _remove_written(log_dir, names):
-    """Best effort: remove the files of an unfinished save (no manifest), newest first."""
+    """Best effort: remove the files of an unfinished save (no manifest), newest first;
+    returns the names that could not be removed."""
+    left = []
     for name in reversed(names):
         try:
             _remove(ckpt.join(log_dir, name))
-        except OSError:  # no manifest: the step is never taken for complete anyway
+        except FileNotFoundError:
             pass
+        except OSError:  # no manifest: the step is never taken for complete anyway
+            left.append(name)
+    return left[::-1]
 
 
 # ---------------------------------------------------------------------------------------------

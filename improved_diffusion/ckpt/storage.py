@@ -29,10 +29,12 @@ conditional create (S3 ``If-None-Match: *``, GCS ``ifGenerationMatch=0``, Azure
 
 Errors: a store's error that is not already an OSError is raised as ``StoreError`` (an OSError,
 so every caller that handles a failed read or write handles it); not found is
-FileNotFoundError, refused credentials PermissionError. Throttling, 5xx answers and dropped
-connections are retried ``len(RETRY_PAUSES)`` times with growing pauses (``retrying``), on top
-of the client library's own retries; a whole streamed write is retried only where the caller
-can write it again (put). ``check_store(url)`` is the one-line ``StoreUnreachableError`` (a
+FileNotFoundError, refused credentials or access (401, 403) PermissionError. Throttling, 5xx
+answers and dropped connections are retried ``len(RETRY_PAUSES)`` times with growing pauses,
+about 30 s in all (``retrying``; ``ID_STORE_RETRY_S`` sets another total), on top of the client
+library's own retries; nothing else is retried; a whole streamed write is retried only where
+the caller can write it again (put). ``write_failure_message`` words a failed write in one line
+(the URL, the store's answer, what to do: file_writer.write_fault_message for a store). ``check_store(url)`` is the one-line ``StoreUnreachableError`` (a
 UserError) for a store that cannot be reached or refuses the credentials, raised before
 training starts (run_lock calls it).
 
@@ -50,10 +52,16 @@ from dataclasses import dataclass
 from ..errors import UserError
 
 # Pauses (seconds) between the tries of one store call that failed transiently (throttling, 5xx,
-# a dropped connection): about 30 s in all before the error is raised.
+# a dropped connection): about 30 s in all before the error is raised; $RETRY_ENV (seconds)
+# scales them to another total (retry_pauses).
 RETRY_PAUSES = (0.5, 1.0, 2.0, 4.0, 8.0, 15.0)
-# Part size of a streamed upload (the memory one open write holds).
+RETRY_ENV = "ID_STORE_RETRY_S"
+# Part size of a streamed upload (the memory one open write holds), and of a streamed read's
+# ranged requests.
 BLOCK_BYTES = 16 << 20
+# A peek's ranged requests (open's block_size): a checkpoint's pickle and zip directory without
+# its tensors is a few of these.
+PEEK_BYTES = 256 << 10
 
 
 class StoreError(OSError):
@@ -136,9 +144,11 @@ def filesystem(path):
 
 
 def forget_clients():
-    """Drop this process's store clients: the next call makes new ones from the environment as
-    it is then (a test that points a store's variables elsewhere)."""
+    """Drop this process's store clients, and what ``retrying`` learned of their stores: the
+    next call makes new ones from the environment as it is then (a test that points a store's
+    variables elsewhere)."""
     _FS.clear()
+    _GAVE_UP.clear()
 
 
 def _options(scheme):
@@ -174,6 +184,23 @@ _TRANSIENT = re.compile(
     re.I)
 
 
+def retry_pauses():
+    """The pauses of ``retrying``: RETRY_PAUSES, scaled to add up to $ID_STORE_RETRY_S seconds
+    when that is set (0: no retries of ours, the client library's own remain)."""
+    budget = os.environ.get(RETRY_ENV, "").strip()
+    if not budget:
+        return RETRY_PAUSES
+    try:
+        total = float(budget)
+    except ValueError:
+        raise UserError(f"{RETRY_ENV}={budget!r}: not a number of seconds; set it to the "
+                        f"seconds a failing store call is retried (default "
+                        f"{sum(RETRY_PAUSES):.0f}), or unset it") from None
+    if total <= 0:
+        return ()
+    return tuple(p * total / sum(RETRY_PAUSES) for p in RETRY_PAUSES)
+
+
 def is_transient(e):
     """Whether a store's error is worth another try (throttling, 5xx, a dropped connection)."""
     if isinstance(e, (FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError,
@@ -189,8 +216,13 @@ def is_transient(e):
 
 
 def _as_oserror(e, path):
-    """A store's exception as an OSError (the same object when it is one)."""
+    """A store's exception as an OSError (the same object when it is one, but a refusal that
+    a client raised as a plain OSError, gcsfs' "Forbidden: URL ...", is a PermissionError)."""
     if isinstance(e, OSError):
+        if type(e) is OSError and e.errno is None and re.match(r"(Forbidden|Unauthorized)\b",
+                                                                str(e)):
+            return PermissionError(errno.EACCES, " ".join(str(e).split())[:300],
+                                   os.fspath(path))
         return e
     name = type(e).__name__
     text = " ".join(str(e).split())[:300] or name
@@ -198,26 +230,42 @@ def _as_oserror(e, path):
         return FileNotFoundError(errno.ENOENT, text, os.fspath(path))
     if name in ("ResourceExistsError",):
         return FileExistsError(errno.EEXIST, text, os.fspath(path))
-    if name in ("ClientAuthenticationError", "NoCredentialsError", "Forbidden",
-                "HttpResponseError") and re.search(r"\b(401|403)\b|auth|credential|Forbidden",
-                                                   text, re.I):
+    status = getattr(e, "status_code", None) or getattr(e, "code", None)  # azure, gcsfs
+    if status in (401, 403) or (
+            name in ("ClientAuthenticationError", "NoCredentialsError", "Forbidden",
+                     "HttpResponseError", "HttpError")
+            and re.search(r"\b(401|403)\b|auth|credential|Forbidden|AccessDenied", text, re.I)):
         return PermissionError(errno.EACCES, f"{name}: {text}", os.fspath(path))
     return StoreError(f"{name}: {text}")
 
 
 def retrying(fn, path, pauses=None):
-    """``fn()``, tried again after each of ``pauses`` (RETRY_PAUSES) while it fails transiently
-    (is_transient); the last error is raised as an OSError (_as_oserror). Local paths: once."""
-    pauses = RETRY_PAUSES if pauses is None else pauses
+    """``fn()``, tried again after each of ``pauses`` (retry_pauses()) while it fails
+    transiently (is_transient); the last error is raised as an OSError (_as_oserror). Once a
+    call of a store has failed transiently through all its pauses, the next calls of that
+    store are tried once each until one succeeds (a job that ends on a store that is down
+    spends the retries once, not again in each call of its teardown). Local paths: once."""
     if not is_remote(path):
         return fn()
+    scheme = protocol(path)
+    if pauses is None:
+        pauses = () if scheme in _GAVE_UP else retry_pauses()
     for pause in (*pauses, None):
         try:
-            return fn()
+            result = fn()
         except Exception as e:
             if pause is None or not is_transient(e):
+                if pause is None and pauses and is_transient(e):
+                    _GAVE_UP.add(scheme)
                 raise _as_oserror(e, path) from e
             time.sleep(pause)
+        else:
+            _GAVE_UP.discard(scheme)
+            return result
+
+
+# The stores (protocols) whose last call failed transiently through all its retries (retrying).
+_GAVE_UP = set()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -469,9 +517,11 @@ def open_write(path, exclusive=False):
     return _StreamedWrite(path, exclusive)
 
 
-def open(path, mode="rb"):  # noqa: A001 - blobfile's BlobFile, under the name readers expect
+def open(path, mode="rb", block_size=None):  # noqa: A001 - blobfile's BlobFile
     """A file for ``mode`` "rb"/"r" (read, streamed in blocks) or "wb"/"w" (open_write); text
-    modes wrap it in UTF-8."""
+    modes wrap it in UTF-8. ``block_size``: an object read's bytes per ranged request
+    (BLOCK_BYTES when None): a small one (PEEK_BYTES) for a reader that reads a few places of
+    a large object (a checkpoint's pickle, not its tensors: checkpoint.read_flags)."""
     import builtins
 
     path = os.fspath(path)
@@ -479,7 +529,7 @@ def open(path, mode="rb"):  # noqa: A001 - blobfile's BlobFile, under the name r
         return builtins.open(path, mode)
     if "r" in mode:
         fs, p = filesystem(path)
-        f = retrying(lambda: fs.open(p, "rb"), path)
+        f = retrying(lambda: fs.open(p, "rb", block_size=block_size or BLOCK_BYTES), path)
     elif "w" in mode or "x" in mode:
         f = open_write(path, exclusive="x" in mode)
     else:
@@ -539,3 +589,57 @@ def check_store(url, flag="--log_dir", pauses=()):
         raise StoreUnreachableError(
             f"{flag} {url}: the store cannot be reached ({type(e).__name__}: "
             f"{' '.join(str(e).split())[:160]}); {hint}") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# a failed write, in one line
+
+
+def answer_of(e):
+    """The store's answer that ``e`` (an error of a store call) carries, on one line: its
+    type and text, an XML error body as ``Code: Message``, and the status or error code of its
+    cause when its own text has none."""
+    def text(x):
+        t = " ".join(str(x).split())
+        code = re.search(r"<Code>(.*?)</Code>", t)
+        if code:
+            msg = re.search(r"<Message>(.*?)</Message>", t)
+            status = re.search(r"\b([45]\d\d)\b\W*$", t)
+            t = code.group(1) + (f": {msg.group(1)}" if msg else "") + \
+                (f" ({status.group(1)})" if status else "")
+        return t
+    own = e.strerror if isinstance(e, OSError) and e.strerror else e  # without errno, path
+    out = f"{type(e).__name__}: {text(own)}".rstrip(": ")
+    cause = e.__cause__ or e.__context__
+    if cause is not None and cause is not e and not re.search(r"\b[45]\d\d\b", out):
+        extra = text(cause)
+        if extra and extra not in out:
+            out += f" ({type(cause).__name__}: {extra})"
+    return out[:300]
+
+
+def write_failure_message(e, url, doing, kept):
+    """One line for a write into ``url`` (a log dir or folder in a store) that failed with
+    ``e``: "URL: <what the store answered> while <doing>; <kept>; <what to do>"; None when
+    ``e`` is no store's error (not an OSError: a bug, raised as it is). Refused access (401,
+    403) names the variables to check; an answer that stayed transient through the retries
+    says how long they were. A full or read-only local disk under the client (its temporary
+    files) is not worded here (file_writer's disk faults)."""
+    if not isinstance(e, OSError) or e.errno in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
+        return None
+    answer = answer_of(e)
+    scheme = {"s3a": "s3", "gcs": "gs", "abfs": "az", "abfss": "az"}.get(protocol(url),
+                                                                          protocol(url))
+    hint = _WHAT_TO_SET.get(scheme, "check the store's environment variables")
+    if isinstance(e, PermissionError):
+        what = f"permission denied by the store ({answer})"
+        todo = f"give these credentials write access there ({hint}) and rerun"
+    elif is_transient(e) or e.errno in (errno.EBUSY, errno.EAGAIN):
+        pauses = retry_pauses()
+        what = f"the store kept failing ({answer}; retried for up to {sum(pauses):.0f} s)"
+        todo = (f"rerun once the store answers again ({RETRY_ENV} sets the seconds a failing "
+                f"call is retried)")
+    else:
+        what = f"the store answered {answer}"
+        todo = "rerun the same command"
+    return f"{url}: {what} while {doing}; {kept}; {todo}"
