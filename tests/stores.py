@@ -198,6 +198,7 @@ class Proxy:
         with self._lock:
             self.requests.append(line)
             if time.monotonic() < self.fail_until:
+                self.failed += 1
                 return 503, "SlowDown", "Please reduce your request rate."
             fault = self._fault
             if fault is not None and self._after is not None:
@@ -208,6 +209,8 @@ class Proxy:
                 self._times -= 1
                 if self._times <= 0:
                     self._fault = self._times = None
+            if fault is not None:
+                self.failed += 1  # before the answer: a client that has it sees the count
             return fault
 
     def _serve(self, conn):
@@ -229,14 +232,12 @@ class Proxy:
                                  b"Content-Length: %d\r\n\r\n"
                                  % (status, code.encode(), code.encode(), len(body))
                                  + (b"" if line.startswith("HEAD ") else body))
-                    with self._lock:
-                        self.failed += 1
                     return
                 if headers.get(b"expect", b"").lower() == b"100-continue":
                     conn.sendall(b"HTTP/1.1 100 Continue\r\n\r\n")
                 body = _read_body(reader, headers)
                 with self._lock:
-                    self.forwarded += 1
+                    self.forwarded += 1  # (counted before the answer, as ``failed``)
                 try:
                     up = socket.create_connection(("127.0.0.1", self.target))
                 except OSError:
