@@ -13,6 +13,8 @@ What a step is on disk (step 10 of a run saved by 2 ranks)::
                                            the full-layout files the step holds ("holds":
                                            ["model000010.pt", "ema_0.9999_000010.pt",
                                            "opt000010.pt"]), the ranks that wrote it ("ranks")
+    runs/a/phema_0.050_000010.pt           a state's file (--phema_stds), whole, beside the
+                                           folder (write_beside), listed in "files" too
 
 The state saved is ``{file name: payload}``, exactly the payloads the full layout writes
 (checkpoint.model_payload / ema_payload / opt_payload with the named-v1 optimizer state), but
