@@ -195,9 +195,9 @@ class SampleGrids:
     def at_step(self, step, shape, resumed=False):
         """Before training step ``step`` + 1, with a batch of samples [C, H, W] ``shape``: the grid
         of ``step`` if it is a multiple of the interval (``resumed``: the job's first step, the
-        state it resumed: only when the file is missing). Not collective. Samples that are no
-        image (latents: not 1 or 3 channels) are a UsageError, raised on every rank at the first
-        step."""
+        state it resumed: only when the file is missing). Not collective (but for a sharded
+        model). Samples that are no image (latents: not 1 or 3 channels) are a UsageError,
+        raised on every rank at the first step."""
         if self.shape is None:
             check_image_channels(shape, f"--sample_interval {self.interval}",
                                  "no grid can show them; pass --sample_interval 0 and decode "
@@ -223,7 +223,8 @@ class SampleGrids:
 
     def at_end(self, step):
         """After the run's final step ``step``: its grid, unless this job drew it already or
-        trained no step (nothing tells it the samples' shape then). Not collective."""
+        trained no step (nothing tells it the samples' shape then). Not collective (but for a
+        sharded model)."""
         if not self._mine or self.shape is None or self.written == step:
             return None
         return self.write(step)
