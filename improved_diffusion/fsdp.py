@@ -29,6 +29,7 @@ The grad norm and the finiteness decision are taken over all slices (``grad_norm
 Buffers (BatchNorm's running statistics) are not sharded: each rank keeps its own, as the ranks
 of an unsharded run without DDP's buffer broadcast would; the full layout saves rank 0's.
 """
+import contextlib
 import warnings
 
 import torch as th
@@ -43,33 +44,15 @@ BLOCK_CLASSES = ("ResBlock", "AttentionBlock", "DiTBlock")
 NORM_TYPES = (th.nn.GroupNorm, th.nn.LayerNorm, th.nn.modules.batchnorm._BatchNorm)
 
 
-# What --fsdp does not do yet, each with what to do instead: these read or sample the EMA on rank
-# 0 alone (a sharded model cannot run a forward on one rank) or keep tensors this module does not
-# cut yet.
-UNSUPPORTED = {
-    "sample_interval": "write grids afterwards with sample.py --model_path LOG_DIR/ema_*.pt",
-    "eval_interval": "evaluate the saved EMA files with sample.py and evaluate.py",
-    "phema_stds": "post-hoc EMA needs a run without --fsdp for now",
-}
-
-
 def check_flags(config):
-    """UsageError naming the first setting of ``config`` (a TrainConfig) that --fsdp True cannot
-    run with yet (UNSUPPORTED), and what to do instead. Either value may have been typed or
-    taken from a resumed checkpoint (the config does not say which), so the line says what to
-    type, which overrides both: the setting's off value, or --fsdp False."""
+    """UsageError when a setting of ``config`` (a TrainConfig) cannot run under --fsdp True:
+    --find_unused_parameters True (FSDP2 reduces only the gradients a rank has)."""
     from .errors import UsageError
     if config.find_unused_parameters:
         raise UsageError(
             "--find_unused_parameters True does not work with --fsdp True: FSDP2 reduces only "
             "the gradients a rank has, so a parameter left out of the loss on some ranks breaks "
             "the reduction; train such a model with DDP (--fsdp False)")
-    for name, instead in UNSUPPORTED.items():
-        value = getattr(config, name)
-        if value:
-            off = "''" if isinstance(value, str) else "0"
-            raise UsageError(f"--{name} {value} does not work with --fsdp True yet ({instead}); "
-                             f"type --{name} {off} to turn it off, or --fsdp False")
 
 
 def check_layout(fsdp_on, save_layout):
@@ -262,3 +245,50 @@ def any_non_finite(tensors):
     if dist.is_initialized():
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return bool(flag.item())
+
+
+# ---------------------------------------------------------------------- sampling other weights
+
+
+@contextlib.contextmanager
+def params_swapped_in(model, params):
+    """Within: ``model`` in eval mode holding ``params`` (tensors in ``model.parameters()``
+    order, e.g. an EMA: DTensors sharded as the parameters) in place of its parameters, this
+    rank's slices copied into the live shards (no whole copy of the model on any rank). On exit,
+    whatever ran: the parameters bit for bit, the buffers (BatchNorm statistics) and every
+    module's training mode as they were, and every FSDP unit resharded (none keeps the swapped
+    weights gathered for the next training forward). A sharded model's forward is collective:
+    every rank enters and calls the model alike (the same number of calls, in the same order).
+    Not collective itself."""
+    _reshard(model)  # model.parameters() are the shards only while no unit is gathered
+    own, params = list(model.parameters()), list(params)
+    if len(own) != len(params):
+        raise ValueError(f"{len(params)} tensors for a model of {len(own)} parameters")
+    saved = [local(p).detach().clone() for p in own]
+    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    modes = [(m, m.training) for m in model.modules()]
+    try:
+        with th.no_grad():
+            for p, q in zip(own, params):
+                if p is not q:
+                    local(p).copy_(local(q.detach()))
+        model.eval()
+        yield model
+    finally:
+        _reshard(model)
+        with th.no_grad():
+            for p, s in zip(own, saved):
+                local(p).copy_(s)
+            for b, s in buffers:
+                b.copy_(s)
+        for m, mode in modes:
+            m.training = mode
+
+
+def _reshard(model):
+    """Free the gathered weights of every FSDP unit of ``model`` (the root keeps its own after
+    a forward without backward), so that its parameters are the sharded DTensors again."""
+    from torch.distributed.fsdp import FSDPModule
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()

@@ -55,6 +55,7 @@ from typing import List, Optional
 import numpy as np
 import torch as th
 
+from . import fsdp
 from .ckpt import checkpoint, run_dir as run_dir_mod, state_fit
 from .errors import UsageError, UserError
 
@@ -221,7 +222,8 @@ class PowerFunctionEMA:
     device, in their dtype); ``update`` moves it towards the current parameters with EDM2's
     per-step beta, computed from the images seen, so a resume on any number of ranks continues
     the same profile. Not collective: every rank updates its own copy identically (the
-    parameters are the same on every rank after the optimizer step).
+    parameters are the same on every rank after the optimizer step). Sharded parameters
+    (DTensors, --fsdp True): each EMA is sharded alike, and a rank updates its own slices.
 
     :param named_params: iterable of (name, tensor), e.g. ``model.named_parameters()``.
     :param stds: relative widths, e.g. ``[0.05, 0.1]`` (parse_stds validates a flag's text).
@@ -256,9 +258,10 @@ class PowerFunctionEMA:
         if not 0 < t_delta <= t_next or t_next <= self.nimg:
             raise ValueError(f"update(images_seen_total={t_next}, batch_images={t_delta}) after "
                              f"{self.nimg} images: need 0 < batch <= total and a growing total")
+        params = [fsdp.local(p) for p in params]  # --fsdp: this rank's slices
         for std, ema in zip(self.stds, self.emas):
             beta = float(power_function_beta(std, t_next, t_delta))
-            th._foreach_lerp_(ema, params, 1.0 - beta)
+            th._foreach_lerp_([fsdp.local(e) for e in ema], params, 1.0 - beta)
         self.nimg = t_next
 
     def snapshot_payloads(self, step, flags, model_state, tied=None):
@@ -296,8 +299,9 @@ class PowerFunctionEMA:
     @th.no_grad()
     def load_state_dict(self, state):
         """Take ``state`` (from ``state_dict`` or ``state_from_snapshots``) bit for bit, into the
-        tracker's tensors (their device and dtype). The stds and the parameter names and shapes
-        must be this tracker's (PhemaStateError otherwise; nothing is changed then)."""
+        tracker's tensors (their device and dtype; a whole tensor into a sharded one: this
+        rank's slice, fsdp.localize). The stds and the parameter names and shapes must be this
+        tracker's (PhemaStateError otherwise; nothing is changed then)."""
         if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
             raise PhemaStateError(f"post-hoc EMA state of an unknown format "
                                   f"{state.get('format') if isinstance(state, dict) else state!r}")
@@ -324,7 +328,7 @@ class PowerFunctionEMA:
                                           f"{list(s.shape)}, the model {list(t.shape)}")
         for name_std, ema in zip(mine, self.emas):
             for t, s in zip(ema, by_std[name_std]):
-                t.copy_(s)
+                t.copy_(s if fsdp.is_dtensor(s) else fsdp.localize(s, like=t))
         self.nimg = int(state["nimg"])
 
 

@@ -24,11 +24,19 @@ What it leaves alone:
 - training's RNG streams: all noise comes from the per-sample generators, and the process's
   global RNG states (rng.get_rng_state) are put back afterwards, whatever the model draws;
 - the other ranks: sampling calls no collective; they go on into the next step and wait for
-  rank 0 in its first collective, as long as the sampling takes. That wait is bounded by
+  rank 0 in its first collective, as long as the sampling takes (a sharded model, --fsdp True,
+  is the exception, below). That wait is bounded by
   --dist_timeout (the process group's timeout): a grid gets half of it (``budget_s``); the clock
   is read before each model call, and a grid whose time is up stops there, writes nothing, says
   so in one line, and turns grids off for the rest of the job, long before another rank times
   out. With one rank there is no bound.
+
+A sharded model (--fsdp True: no rank holds the whole model, and its forward is collective):
+every rank samples the grid together, the EMA's slices swapped into the live shards in place
+(fsdp.params_swapped_in: the parameters, buffers and modes put back bit for bit afterwards, so
+the training is the same to the bit), the same samples on every rank; rank 0 alone writes them.
+No rank waits for another, so a grid has no budget there; a grid that fails on one rank turns
+grids off on every rank alike (one exchange of flags after it).
 
 A grid that fails (a model that cannot be copied, out of memory, a full disk) logs its traceback
 and turns grids off for the rest of the job; training goes on. Each grid logs one line: its file,
@@ -39,6 +47,7 @@ S is drawn from the state after S steps, before step S + 1 trains, so a resumed 
 grid of its resume step only when that file is missing (a job preempted right after it saved a
 multiple of the interval) and then goes on at the same steps as a straight run.
 """
+import contextlib
 import copy
 import os
 import time
@@ -47,7 +56,7 @@ import traceback
 import numpy as np
 import torch as th
 
-from . import dist_util, logger, sampling
+from . import dist_util, fsdp, logger, sampling
 from .errors import UsageError
 from .gaussian_diffusion import GaussianDiffusion
 from .respace import respaced
@@ -93,6 +102,16 @@ def copy_with_params(model, params):
     return out.eval()
 
 
+def model_with_params(model, params):
+    """A context giving ``model`` with ``params`` (tensors in ``model.parameters()`` order) to
+    sample from, leaving the training model as it was: a copy (copy_with_params), or for a
+    sharded model (--fsdp True) the live one with the params' slices swapped in
+    (fsdp.params_swapped_in), whose forward is collective: every rank then calls it alike."""
+    if fsdp.is_sharded(model):
+        return fsdp.params_swapped_in(model, params)
+    return contextlib.nullcontext(copy_with_params(model, params))
+
+
 def ddim_diffusion(diffusion, steps, flag):
     """The training ``diffusion`` respaced to ``steps`` timesteps (--sample_steps) for sampling
     while training; UsageError naming ``flag`` (the feature's on/off flag) or --sample_steps
@@ -124,7 +143,8 @@ class SampleGrids:
     """
     The grids of one training job (module docstring). Build it on every rank with the same
     arguments (it checks them: UsageError naming the flag); at_step/at_end are called by every
-    rank and return at once off rank 0.
+    rank and return at once off rank 0, but for a sharded model (every rank samples: they are
+    collective then).
 
     model: the bare training module (its parameters' device is the grid's); params: the tensors
     to sample with, in model.parameters() order; what: how the log line names them ("EMA 0.9999");
@@ -144,6 +164,9 @@ class SampleGrids:
         self.seed, self.num_classes, self.model_kwargs = seed, num_classes, model_kwargs
         self.budget_s, self.clock = budget_s, clock
         self.rank0 = dist_util.get_rank() == 0
+        self.sharded = fsdp.is_sharded(model)  # every rank samples (module docstring)
+        if self.sharded:
+            self.budget_s = None  # no rank waits for another
         self.shape = None  # [C, H, W] of a sample: the training batches'
         self.off = False
         self.written = None  # the step of this job's last grid
@@ -172,42 +195,58 @@ class SampleGrids:
     def at_step(self, step, shape, resumed=False):
         """Before training step ``step`` + 1, with a batch of samples [C, H, W] ``shape``: the grid
         of ``step`` if it is a multiple of the interval (``resumed``: the job's first step, the
-        state it resumed: only when the file is missing). Not collective. Samples that are no
-        image (latents: not 1 or 3 channels) are a UsageError, raised on every rank at the first
-        step."""
+        state it resumed: only when the file is missing). Not collective (but for a sharded
+        model). Samples that are no image (latents: not 1 or 3 channels) are a UsageError,
+        raised on every rank at the first step."""
         if self.shape is None:
             check_image_channels(shape, f"--sample_interval {self.interval}",
                                  "no grid can show them; pass --sample_interval 0 and decode "
                                  "sample.py's latents (datasets/vae_latents.py)")
         self.shape = tuple(int(s) for s in shape)
-        if not self.rank0 or step == 0 or step % self.interval:
+        if not self._mine or step == 0 or step % self.interval:
             return None
-        if resumed and bf.exists(grid_path(self.log_dir, step)):
+        if resumed and self._exists(grid_path(self.log_dir, step)):
             return None
         return self.write(step)
 
+    @property
+    def _mine(self):
+        """Whether this rank samples: rank 0, or every rank for a sharded model."""
+        return self.rank0 or self.sharded
+
+    def _exists(self, path):
+        """Whether ``path`` exists, as rank 0 sees it (every rank gets its answer for a sharded
+        model: collective then)."""
+        if self.sharded:
+            return dist_util.run_on_rank0(lambda: bf.exists(path))
+        return bf.exists(path)
+
     def at_end(self, step):
         """After the run's final step ``step``: its grid, unless this job drew it already or
-        trained no step (nothing tells it the samples' shape then). Not collective."""
-        if not self.rank0 or self.shape is None or self.written == step:
+        trained no step (nothing tells it the samples' shape then). Not collective (but for a
+        sharded model)."""
+        if not self._mine or self.shape is None or self.written == step:
             return None
         return self.write(step)
 
     def write(self, step):
-        """Rank 0: sample the grid of ``step`` and write it (PNG, and TensorBoard's "sample_grid"
-        image when the logger has one); one log line. Returns its path, or None when grids are
-        off or it did not end. Not collective."""
-        if not self.rank0 or self.off or self.shape is None:
+        """Rank 0 (every rank for a sharded model): sample the grid of ``step``; rank 0 writes it
+        (PNG, and TensorBoard's "sample_grid" image when the logger has one); one log line.
+        Returns its path, or None when grids are off or it did not end. Not collective, but for
+        a sharded model."""
+        if not self._mine or self.off or self.shape is None:
             return None
         t0 = self.clock()
         deadline = None if self.budget_s is None else t0 + self.budget_s
         path = grid_path(self.log_dir, step)
         state = get_rng_state()
+        failed = None
         try:
-            images = self.sample(TimedModel(copy_with_params(self.model, self.params), deadline,
-                                            self.clock))
-            grid = write_png(path, images, ncol=min(self.count, GRID_COLUMNS))
-            logger.write_image("sample_grid", grid, step)
+            with self._sampling_model() as model:
+                images = self.sample(TimedModel(model, deadline, self.clock))
+            if self.rank0:
+                grid = write_png(path, images, ncol=min(self.count, GRID_COLUMNS))
+                logger.write_image("sample_grid", grid, step)
         except OverBudget:
             self.off = True
             logger.warn(
@@ -217,16 +256,25 @@ class SampleGrids:
                 f"or --sample_steps, or raise --dist_timeout")
             return None
         except Exception:
-            self.off = True
-            logger.warn(f"samples: the grid of step {step} failed; no more grids in this job, "
-                        f"training goes on:\n{traceback.format_exc().rstrip()}")
-            return None
+            failed = traceback.format_exc().rstrip()
         finally:
             set_rng_state(state)
+        if self.sharded:  # every rank turns grids off alike
+            failed_here = failed
+            (somewhere,) = dist_util.any_rank_async([failed is not None]).wait()
+            failed = failed_here or ("(on another rank)" if somewhere else None)
+        if failed is not None:
+            self.off = True
+            logger.warn(f"samples: the grid of step {step} failed; no more grids in this job, "
+                        f"training goes on:\n{failed}")
+            return None
         self.written = step
         logger.log(f"samples: {path} ({self.count} samples of the {self.what}, {self.steps} DDIM "
                    f"steps) in {self.clock() - t0:.2f}s")
         return path
+
+    def _sampling_model(self):
+        return model_with_params(self.model, self.params)
 
     def sample(self, model):
         """The grid's samples from ``model``: uint8 [count, H, W, C] numpy."""

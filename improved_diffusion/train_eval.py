@@ -23,7 +23,11 @@ What it leaves alone (the run with an evaluation is the run without it, bit for 
 model, EMA and optimizer tensors, the same losses):
 
 - the training model: a copy holds the EMA parameters and the model's live buffers, in eval
-  mode (sample_grids.copy_with_params); nothing runs through the model or its DDP wrapper;
+  mode (sample_grids.copy_with_params); nothing runs through the model or its DDP wrapper. A
+  sharded model (--fsdp True) has no whole copy: the EMA's slices are swapped into its shards
+  and back (fsdp.params_swapped_in: parameters, buffers and modes put back bit for bit), and as
+  its forward is collective, every rank draws each batch at rank 0's batch size (a rank with
+  fewer samples pads its batch with sample 0's seeds and drops those samples);
 - training's RNG streams: the noise comes from per-sample generators, and every rank's global
   RNG states are put back afterwards;
 - the data: nothing is read from the loader.
@@ -43,6 +47,7 @@ checked at start-up (check_flags, check_inputs): UsageError naming the flag, or 
 the file (EvaluationError, InceptionWeightsError), printed once for the job (on several ranks
 the files are checked once the ranks have met: rank 0's verdict, raised on every rank).
 """
+import contextlib
 import json
 import os
 import sys
@@ -52,11 +57,11 @@ import traceback
 import numpy as np
 import torch as th
 
-from . import dist_util, evaluation, logger, sampling
+from . import dist_util, evaluation, fsdp, logger, sampling
 from .ckpt import storage
 from .ckpt.rng import get_rng_state, set_rng_state
 from .errors import UsageError
-from .sample_grids import check_image_channels, copy_with_params, ddim_diffusion, label_count
+from .sample_grids import check_image_channels, ddim_diffusion, label_count, model_with_params
 
 
 # Images per forward pass of the feature network over the reference batch.
@@ -323,10 +328,12 @@ class TrainEval:
 
     # ------------------------------------------------------------------ the work
 
-    def my_indices(self):
-        """This rank's sample indices, in batches: the same number of batches on every rank
-        (some may be empty), so the per-batch exchange matches up."""
-        mine = np.arange(self.num_samples, dtype=np.int64)[self.rank::self.world]
+    def my_indices(self, rank=None):
+        """This rank's (or ``rank``'s) sample indices, in batches: the same number of batches on
+        every rank (some may be empty), so the per-batch exchange matches up; rank 0's are the
+        largest."""
+        rank = self.rank if rank is None else rank
+        mine = np.arange(self.num_samples, dtype=np.int64)[rank::self.world]
         per_rank = -(-self.num_samples // self.world)
         n_batches = max(1, -(-per_rank // self.batch_size))
         return [mine[i * self.batch_size:(i + 1) * self.batch_size] for i in range(n_batches)]
@@ -336,23 +343,28 @@ class TrainEval:
         on). Collective."""
         model = failed = None
         pools, logits, indices = [], [], []
-        for idx in self.my_indices():
-            if failed is None and len(idx):
-                try:
-                    if model is None:
-                        model = copy_with_params(self.model, self.params)
-                    pool, logit = self._features_of(model, idx)
-                    pools.append(pool)
-                    logits.append(logit)
-                    indices.append(idx)
-                except Exception:
-                    failed = traceback.format_exc().rstrip()
-            preempted, any_failed = dist_util.any_rank_async(
-                [bool(signal and signal["set"]), failed is not None]).wait()
-            if any_failed:
-                return self._turn_off(failed)
-            if preempted:
-                return "preempted"
+        sharded = fsdp.is_sharded(self.model)  # every rank calls the model alike (docstring)
+        widths = [len(b) for b in self.my_indices(0)]
+        with contextlib.ExitStack() as swapped:
+            for idx, width in zip(self.my_indices(), widths):
+                if failed is None and (len(idx) or sharded):
+                    try:
+                        if model is None:
+                            model = swapped.enter_context(
+                                model_with_params(self.model, self.params))
+                        pool, logit = self._features_of(model, idx, width if sharded else None)
+                        if len(idx):
+                            pools.append(pool)
+                            logits.append(logit)
+                            indices.append(idx)
+                    except Exception:
+                        failed = traceback.format_exc().rstrip()
+                preempted, any_failed = dist_util.any_rank_async(
+                    [bool(signal and signal["set"]), failed is not None]).wait()
+                if any_failed:
+                    return self._turn_off(failed)
+                if preempted:
+                    return "preempted"
         del model
         dims = self.features.dims
         gathered = [self._gather(parts, width, dtype) for parts, width, dtype in (
@@ -374,13 +386,22 @@ class TrainEval:
             return self._turn_off(problem if self.rank == 0 else None)
         return result
 
-    def _features_of(self, model, idx):
-        """(pool, logits) float32 of the samples ``idx``. Not collective."""
+    def _features_of(self, model, idx, width=None):
+        """(pool, logits) float32 of the samples ``idx`` (None for none). ``width``: draw a
+        batch of that many, ``idx`` padded with sample 0's (a sharded model's collective
+        forward: every rank's batch of rank 0's size), the padding dropped. Not collective but
+        for a sharded model."""
+        n = len(idx)
+        if width is not None and width > n:
+            idx = np.concatenate([idx, np.zeros(width - n, np.int64)])
         images, _ = sampling.sample_indices(
             model, self.diffusion, idx, shape=self.shape, seed=self.seed, use_ddim=True,
             num_classes=self.num_classes,
             classes=list(range(self.num_classes)) if self.num_classes else None,
             extra_kwargs=self.model_kwargs, device=next(self.model.parameters()).device)
+        images, idx = images[:n], idx[:n]
+        if not n:
+            return None, None
         if images.shape[-1] == 1:
             images = np.repeat(images, 3, axis=-1)
         pool, _, logit = self.features(images)

@@ -24,11 +24,11 @@ def main(argv):
     rank, marker, argv = int(argv[0]), Path(argv[1]), argv[2:]
     features_of = train_eval.TrainEval._features_of
 
-    def preempted_features_of(self, model, idx):
+    def preempted_features_of(self, model, idx, *rest):
         if dist_util.get_rank() == rank and not marker.exists():
             marker.write_text(f"SIGTERM during the evaluation, rank {rank}\n")
             os.kill(os.getpid(), signal.SIGTERM)
-        return features_of(self, model, idx)
+        return features_of(self, model, idx, *rest)
 
     train_eval.TrainEval._features_of = preempted_features_of
     train = runpy.run_path(str(REPO / "scripts" / "train.py"), run_name="train_module")

@@ -40,8 +40,9 @@ the model's kind, diffusion. What it is given:
   not restored, with one log line; None means "this run has none" (a GradScaler without
   --use_fp16). Such an object may also define (each optional):
   ``save_files(step)`` -> {file name: payload}: files that join the save of ``step`` (called on
-  rank 0; names of a checkpoint kind, checkpoint.name_info; written with the step's other files,
-  listed in its manifest, host-copied for async saves like them); ``finite_tensors()`` ->
+  rank 0, on every rank for a sharded model; names of a checkpoint kind, checkpoint.name_info;
+  written with the step's other files, whole beside the folder in the sharded layout, listed in
+  its manifest, host-copied for async saves like them); ``finite_tensors()`` ->
   {label: [tensor]}: checked on every rank before every save with the weights (a NaN/Inf refuses
   the save, naming the label); ``resume_without_state(step)``: called instead of starting it
   fresh when the resumed step holds no state for it (raise a UserError to refuse the resume).
@@ -430,14 +431,36 @@ class Checkpointer:
         rngs = dist_util.all_gather_object(rng.get_rng_state())
         self._collect_sharded()
         mode = "thread" if self.config.async_save else "sync"  # docs/checkpoints.md: why
-        pending = sharded.start_save(self.config.log_dir, step, self.step_files(step, rngs),
+        beside = self._write_beside(step)
+        pending = sharded.start_save(self.config.log_dir, step,
+                                     self.step_files(step, rngs, state_files=False),
                                      self.settings, mode=mode, flags=self.model_flags,
                                      kind="classifier" if self.model_kind == "classifier"
-                                     else "model")
+                                     else "model", beside=beside)
         self._pending = (pending, began, time.perf_counter() - began if mode != "sync" else None)
         self.last_saved_step = step
         if wait or mode == "sync":
             self._collect_sharded()
+
+    def _write_beside(self, step):
+        """The sharded layout: the files the states add to ``step`` (save_files: post-hoc EMA
+        snapshots) as whole files beside the step's folder, the full layout's bytes, kept like
+        them when the step is pruned: one at a time, gathered to rank 0 (fsdp.gather_full),
+        which writes it (sharded.write_beside). Returns {name: manifest entry} (rank 0's, on
+        every rank); a failure removes what was written and is raised on every rank.
+        Collective."""
+        entries = {}
+        try:
+            for name, payload in self.state_files(step).items():
+                whole = fsdp.gather_full(payload)
+                entries[name] = dist_util.run_on_rank0(lambda: sharded.write_beside(
+                    self.config.log_dir, step, name, to_host(whole)))
+                del whole
+        except BaseException:
+            if self.rank == 0:
+                run_dir._remove_written(self.config.log_dir, list(entries))
+            raise
+        return entries
 
     def _collect_sharded(self):
         """Finish the sharded save under way, if any: wait for every rank's shards, rank 0
@@ -474,9 +497,11 @@ class Checkpointer:
                                         dist_util.get_local_world_size(),
                                         dist_util.usable_cores(), os.cpu_count() or 1)
 
-    def step_files(self, step, rngs):
+    def step_files(self, step, rngs, state_files=True):
         """{file name: payload} of ``step``, with the live tensors (the caller copies them).
-        ``rngs``: every rank's rng.get_rng_state(), by rank. Not collective."""
+        ``rngs``: every rank's rng.get_rng_state(), by rank; ``state_files``: with the files
+        the states add (state_files; the sharded layout writes them beside its folder). Not
+        collective."""
         flags = self.model_flags
         sd = {k: v.detach() for k, v in self.model.state_dict().items()}
         payload = (checkpoint.classifier_payload if self.model_kind == "classifier"
@@ -489,12 +514,24 @@ class Checkpointer:
         named = optim_state.named_optimizer_state(self.optimizer, self.named_params, copy=False)
         files[checkpoint.opt_filename(step)] = checkpoint.opt_payload(
             step, named, self._trainer_state(step, rngs))
+        extra = self.state_files(step) if state_files else {}
+        taken = set(extra) & set(files)
+        if taken:
+            raise ValueError(f"Checkpointer: the states save files the step already has: "
+                             f"{sorted(taken)}")
+        files.update(extra)
+        return files
+
+    def state_files(self, step):
+        """{file name: payload} the states add to ``step`` (their save_files). Not
+        collective."""
+        files = {}
         for name, obj in self.states.items():
             extra = obj.save_files(step) if hasattr(obj, "save_files") else {}
             taken = set(extra) & set(files)
             if taken:
-                raise ValueError(f"Checkpointer: state {name!r} saves files the step already "
-                                 f"has: {sorted(taken)}")
+                raise ValueError(f"Checkpointer: state {name!r} saves files another state "
+                                 f"saves: {sorted(taken)}")
             files.update(extra)
         return files
 
@@ -807,8 +844,9 @@ class Resume:
                       "--allow_model_change True" if ckpt.config.allow_model_change else "")
             raise ResumeError(misfit_message(folder, fit) + change)
         sharded.init_optim_state(ckpt.optimizer)  # moments to load into
-        # the EMAs of rates the step does not hold are left out (load_ema starts them)
-        template = {k: v for k, v in ckpt.step_files(step, []).items()
+        # the EMAs of rates the step does not hold are left out (load_ema starts them); the
+        # states' files (post-hoc EMA snapshots) lie beside the folder, not in it
+        template = {k: v for k, v in ckpt.step_files(step, [], state_files=False).items()
                     if k in held or getattr(checkpoint.name_info(k), "kind", None) != "ema"}
         files = sharded.read_step(folder, template)
         self.sharded_files = files

@@ -311,13 +311,14 @@ def _check_manifest(st, log_dir):
 
 
 def _check_sharded_listing(st, log_dir, doc):
-    """A sharded step's manifest must list every file of its folder and nothing outside it
-    (a listing of one folder; raises _Problem)."""
+    """A sharded step's manifest must list every file of its folder and, outside it, only whole
+    files of the step beside it (a state's: post-hoc EMA snapshots, sharded.write_beside) (a
+    listing of one folder; raises _Problem)."""
     folder = doc.get("dir")
     if not isinstance(folder, str) or _sharded_step(folder) != st.step:
         raise _Problem(f"manifest {ckpt.basename(st.manifest_path)} names no folder of step "
                        f"{st.step}")
-    listed = set(doc["files"])
+    listed = {n for n in doc["files"] if not _beside_of(n, st.step)}
     present = {f"{folder}/{n}" for n in listdir(ckpt.join(log_dir, folder))}
     if not present:
         raise _Problem(f"{folder} is missing")
@@ -325,6 +326,14 @@ def _check_sharded_listing(st, log_dir, doc):
         extra = sorted(present - listed) + sorted(listed - present)
         raise _Problem(f"{folder}: its files are not those manifest "
                        f"{ckpt.basename(st.manifest_path)} lists ({', '.join(extra[:3])})")
+
+
+def _beside_of(name, step):
+    """Whether a sharded step's manifest may list ``name`` outside its folder: a whole file of
+    that step (present and of the listed size: _check_manifest)."""
+    info = ckpt.name_info(name) if "/" not in name else None
+    return info is not None and info.step == step and info.kind not in (
+        "temp", "manifest", "sharded")
 
 
 # Steps whose checksums matched in this process: {identity: True} (_identity). A start-up reads

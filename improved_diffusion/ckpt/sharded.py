@@ -13,6 +13,8 @@ What a step is on disk (step 10 of a run saved by 2 ranks)::
                                            the full-layout files the step holds ("holds":
                                            ["model000010.pt", "ema_0.9999_000010.pt",
                                            "opt000010.pt"]), the ranks that wrote it ("ranks")
+    runs/a/phema_0.050_000010.pt           a state's file (--phema_stds), whole, beside the
+                                           folder (write_beside), listed in "files" too
 
 The state saved is ``{file name: payload}``, exactly the payloads the full layout writes
 (checkpoint.model_payload / ema_payload / opt_payload with the named-v1 optimizer state), but
@@ -374,6 +376,7 @@ class PendingSave:
     mode: str
     flags: Optional[dict] = None
     kind: Optional[str] = None
+    beside: Optional[dict] = None  # {name: manifest entry} of whole files beside the folder
     future: object = None
     error: Optional[BaseException] = None
     collected: bool = False
@@ -424,6 +427,7 @@ class PendingSave:
         if failed:
             if rank == 0:
                 _rmtree(folder)
+                run_dir._remove_written(log_dir, list(self.beside or {}))
             dist_util.barrier()
             faults = [r[2] for r in failed if not r[2].startswith("rank ")]
             if err is not None and not faults and _fault_line(err, log_dir, step) is None:
@@ -461,7 +465,8 @@ class PendingSave:
                 extra["flags"] = dict(self.flags)
                 extra["kind"] = self.kind
             file_writer.write_file(manifest, run_dir._manifest_bytes(
-                step, dict(sorted(entries.items())), self.settings, extra=extra))
+                step, dict(sorted({**entries, **(self.beside or {})}.items())), self.settings,
+                extra=extra))
         except BaseException as e:
             _rmtree(folder)
             if not ckpt.exists(manifest):
@@ -498,7 +503,7 @@ def _check_names(log_dir, step, files):
 
 
 def start_save(log_dir, step, files, settings=None, *, mode="process", flags=None,
-               kind="model"):
+               kind="model", beside=None):
     """
     Start saving ``files`` ({file name: payload}, DTensor leaves, the same structure on every
     rank) as step ``step``'s sharded layout; returns a PendingSave once DCP has staged the
@@ -509,7 +514,9 @@ def start_save(log_dir, step, files, settings=None, *, mode="process", flags=Non
     save and before exit: only then is the manifest written. ``settings``: the manifest's
     run_flags, as run_dir.write_step; ``flags``: the model's flags, which the manifest records
     as "flags" and ``kind`` (the model file's: "model" or "classifier") beside them (read_flags:
-    a resume takes them without reading the shards). Tensors that
+    a resume takes them without reading the shards); ``beside``: {name: manifest entry} of
+    whole files of the step already written beside the folder (write_beside), which the
+    manifest lists too. Tensors that
     are not DTensors (buffers, which each rank keeps its own of) are saved from rank 0, as
     the full layout saves them.
 
@@ -529,7 +536,8 @@ def start_save(log_dir, step, files, settings=None, *, mode="process", flags=Non
                               single_file_per_rank=True)
     pending = PendingSave(log_dir=log_dir, step=step, tmp_name=tmp, holds=holds,
                           settings=dict(settings) if settings else None, mode=mode,
-                          flags=None if flags is None else dict(flags), kind=kind)
+                          flags=None if flags is None else dict(flags), kind=kind,
+                          beside=dict(beside or {}))
     from torch.distributed.checkpoint import DefaultSavePlanner
     planner = DefaultSavePlanner(dedup_save_to_lowest_rank=True)
     distributed = dist_util.is_distributed()
@@ -550,6 +558,31 @@ def start_save(log_dir, step, files, settings=None, *, mode="process", flags=Non
             raise
         pending.error = e
     return pending
+
+
+def write_beside(log_dir, step, name, payload):
+    """Rank 0's part of a file that a sharded step keeps whole beside its folder (a state's
+    file: a post-hoc EMA snapshot, which outlives its step when that is pruned): ``payload``
+    (whole CPU tensors) written as ``name`` by file_writer.write_file (temp name, fsync,
+    no-overwrite rename), the full layout's bytes. Returns its manifest entry (size, CRC-32),
+    for start_save's ``beside``. A disk fault is one line (CheckpointError). Not
+    collective."""
+    log_dir = os.fspath(log_dir)
+    info = ckpt.name_info(name)
+    if ckpt.basename(name) != name or info is None or info.kind in ("temp", "manifest") \
+            or info.step != step:
+        raise CheckpointError(f"{name}: not a checkpoint file name of step {step}")
+    path = ckpt.join(log_dir, name)
+    if ckpt.exists(path):
+        raise CheckpointError(f"{path}: already exists; refusing to overwrite a checkpoint "
+                              f"(move it away or start from a later step)")
+    try:
+        return file_writer.write_file(path, payload)
+    except BaseException as e:
+        line = _fault_line(e, log_dir, step)
+        if line is None:
+            raise
+        raise CheckpointError(line) from None
 
 
 def write_step(log_dir, step, files, settings=None, *, mode="sync"):
