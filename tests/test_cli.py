@@ -36,7 +36,9 @@ LAUNCHER_FLAGS = {"--nproc_per_node", "--nnodes", "--standalone", "--rdzv_endpoi
                   "--open-mode", "--output", "--requeue", "--signal", "--time", "--gpus-per-task",
                   "--signals_to_handle", "--shutdown_timeout",
                   # unshare's and setpriv's, in docs/RELIABILITY.md
-                  "--mount", "--bounding-set"}
+                  "--mount", "--bounding-set",
+                  # gcp-storage-emulator's, in docs/CLUSTERS.md (trying a bucket locally)
+                  "--host", "--port", "--in-memory"}
 # What docs/flags.md shows as mistakes (typos, a shortened flag) and the usage line's placeholder.
 EXAMPLE_MISTAKES = {"--num_chanels", "--num_channel", "--lr_anneal", "--bad_flag", "--flag"}
 TINY = ["--image_size", "8", "--num_channels", "32", "--channel_mult", "1",
