@@ -47,11 +47,16 @@ def put_in_place_after(log_dir, at_death):
 
 
 @pytest.mark.timeout(600)
-def test_pdeathsig_alone_ends_the_writer_as_its_trainer_is_killed(images, tmp_path):
-    """No poll of the parent, no check before a rename: only the kernel's signal stops the
-    writer from putting step 4's files (its manifest at least) in place after the trainer died."""
+@pytest.mark.parametrize("guard, off", [("pdeathsig", ["watch", "guard"]),
+                                        ("check_before_rename", ["pdeathsig", "watch"])])
+def test_one_guard_alone_puts_nothing_in_place_after_the_trainer_was_killed(
+        images, tmp_path, guard, off):
+    """With the other guards off (``off``), one alone stops the writer from putting step 4's
+    files (its manifest at least) in place after its trainer was killed: the kernel's signal
+    (pdeathsig), or the check before each file is put in place (the writer goes on writing
+    step 4 and ends there)."""
     log_dir = tmp_path / "run"
-    proc = start(log_dir, images, ["watch", "guard"])
+    proc = start(log_dir, images, off)
     try:
         writer = wait_for_write_of(proc, log_dir, 4)
         kill_trainer(proc)
@@ -83,21 +88,3 @@ def test_the_lock_copy_alone_keeps_the_log_dir_locked_while_the_writer_lives(ima
         finish(proc)
     wait_gone(writer)  # its check before a rename ends it: the trainer is gone
     assert run_lock.live_holder(log_dir) is None  # the copy went with it
-
-
-@pytest.mark.timeout(600)
-def test_the_check_before_a_rename_alone_puts_nothing_in_place_after_the_trainer_died(
-        images, tmp_path):
-    """No kernel signal, no poll of the parent: the writer goes on writing step 4 after its
-    trainer was killed, and its check before each file is put in place ends it there."""
-    log_dir = tmp_path / "run"
-    proc = start(log_dir, images, ["pdeathsig", "watch"])
-    try:
-        writer = wait_for_write_of(proc, log_dir, 4)
-        kill_trainer(proc)
-        at_death = set(os.listdir(log_dir))
-    finally:
-        finish(proc)
-    wait_gone(writer)
-    assert not put_in_place_after(log_dir, at_death), put_in_place_after(log_dir, at_death)
-    assert "manifest000004.json" not in os.listdir(log_dir)

@@ -514,12 +514,8 @@ class Checkpointer:
         named = optim_state.named_optimizer_state(self.optimizer, self.named_params, copy=False)
         files[checkpoint.opt_filename(step)] = checkpoint.opt_payload(
             step, named, self._trainer_state(step, rngs))
-        extra = self.state_files(step) if state_files else {}
-        taken = set(extra) & set(files)
-        if taken:
-            raise ValueError(f"Checkpointer: the states save files the step already has: "
-                             f"{sorted(taken)}")
-        files.update(extra)
+        if state_files:
+            _add_files(files, self.state_files(step), "the states save files the step already has")
         return files
 
     def state_files(self, step):
@@ -527,12 +523,9 @@ class Checkpointer:
         collective."""
         files = {}
         for name, obj in self.states.items():
-            extra = obj.save_files(step) if hasattr(obj, "save_files") else {}
-            taken = set(extra) & set(files)
-            if taken:
-                raise ValueError(f"Checkpointer: state {name!r} saves files another state "
-                                 f"saves: {sorted(taken)}")
-            files.update(extra)
+            if hasattr(obj, "save_files"):
+                _add_files(files, obj.save_files(step),
+                           f"state {name!r} saves files another state saves")
         return files
 
     def _params_to_state_dict(self, params):
@@ -1207,3 +1200,12 @@ def misfit_message(path, fit):
     return (f"{path}: weights do not fit the model built from the flags ({fit.summary()}); "
             f"check {flag}, or pass --allow_model_change True to keep the tensors that match "
             f"and start the others fresh")
+
+
+def _add_files(files, extra, clash):
+    """``files.update(extra)``; a name in both is a ValueError (``clash``: what it means), a bug
+    of a loop's states, never a file overwritten."""
+    taken = set(extra) & set(files)
+    if taken:
+        raise ValueError(f"Checkpointer: {clash}: {sorted(taken)}")
+    files.update(extra)
