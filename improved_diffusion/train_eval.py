@@ -240,9 +240,12 @@ class TrainEval:
             return None
 
     def logged(self, step):
-        """Whether the figures of ``step`` (of this evaluation's kind) were logged already, by
-        this job or one before it in this log dir (rank 0 reads its record). Collective."""
-        return dist_util.run_on_rank0(lambda: self._same_kind(self._read_record(step)))
+        """The figures ({name: value}) of ``step`` (of this evaluation's kind) when a job in this
+        log dir logged them already, else None (rank 0 reads its record). Collective."""
+        def figures():
+            record = self._read_record(step)
+            return {n: record[n] for n in self.names} if self._same_kind(record) else None
+        return dist_util.run_on_rank0(figures)
 
     def _write_record(self, record):
         """Rank 0: the record, replaced whole; a disk fault costs only the record (a line)."""
@@ -276,7 +279,7 @@ class TrainEval:
         """Before a resumed job trains: the evaluation of ``step`` when it is an evaluation step
         whose figures were never logged (a preemption abandoned it), in a row of its own.
         Returns False when a preemption abandoned it again. Collective."""
-        if not self.due(step) or self.logged(step):
+        if not self.due(step) or self.logged(step) is not None:
             return True
         shape = self.shape or self.shape_hint
         if shape is None:
@@ -292,7 +295,9 @@ class TrainEval:
     def at_step(self, step, shape, signal, check_logged=True):
         """After training step ``step`` on samples of shape [C, H, W] ``shape``: the evaluation
         of ``step`` when it is due and was not logged before (its figures logged with
-        logger.logkv on rank 0, for the loop's next dumpkvs, and recorded). Returns False when
+        logger.logkv on rank 0, for the loop's next dumpkvs, and recorded); one a job before
+        logged (a killed job's step past the resume, whose progress.csv row the resume dropped)
+        is not evaluated again: its recorded figures go into this step's row. Returns False when
         a preemption signal on some rank (``signal``: Checkpointer.watch_signals' flag)
         abandoned it, else True. Samples that are no image (not 1 or 3 channels) are a
         UsageError, raised on every rank at the first step. Collective."""
@@ -300,7 +305,13 @@ class TrainEval:
             check_image_channels(shape, f"--eval_interval {self.interval}",
                                  "no feature network can score them; pass --eval_interval 0")
         self.shape = tuple(int(s) for s in shape)
-        if not self.due(step) or (check_logged and self.logged(step)):
+        if not self.due(step):
+            return True
+        figures = self.logged(step) if check_logged else None
+        if figures is not None:  # a killed job's step past the resume: its row was dropped
+            if self.rank == 0:  # (each step once), so the recorded figures go in this one
+                for name, value in figures.items():
+                    logger.logkv(name, value)
             return True
         t0 = self.clock()
         state = get_rng_state()

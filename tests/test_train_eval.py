@@ -119,7 +119,9 @@ def test_a_run_with_evaluations_is_bitwise_the_run_without_them(tmp_path, digits
 def test_a_resume_before_a_logged_evaluation_does_not_log_it_again(tmp_path, digits_data,
                                                                    eval_run):
     """A job killed after logging step 4's figures but before step 4 was saved resumes at step
-    2: neither step 2's evaluation (at_resume) nor step 4's (at_step) is done or logged again."""
+    2: neither step 2's evaluation (at_resume) nor step 4's (at_step) is done again, and each
+    step's figures are in progress.csv once (the killed job's row of step 4 is dropped by the
+    resume, the recorded figures go into the resumed job's row)."""
     data, ref = digits_data
     log = tmp_path / "run"
     shutil.copytree(eval_run[0], log)
