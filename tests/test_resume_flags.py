@@ -130,19 +130,26 @@ def test_flags_come_from_the_step_resumed_when_a_newer_one_of_other_flags_fails_
     assert load(run / "model000004.pt")["flags"]["num_channels"] == 32
 
 
+def clash_error(images, other_model, tmp_path, *typed):
+    """A copy of ``other_model``'s run resumed with the model flags ``typed``: (the run dir, the
+    one error line), exit 1 asserted."""
+    run = tmp_path / "run"
+    shutil.copytree(other_model, run)
+    proc = run_script("train.py", "--data_dir", images, "--log_dir", run, *typed,
+                      "--num_workers", "0", timeout=120, check=False)
+    errors = [ln for ln in proc.stdout.splitlines() if ln.startswith("error:")]
+    assert proc.returncode == 1 and len(errors) == 1, proc.stdout[-3000:]
+    return run, errors[0]
+
+
 @pytest.mark.timeout(300)
 def test_list_and_set_flags_written_otherwise_do_not_clash_and_a_noise_clash_is_worded_as_such(
         images, other_model, tmp_path):
     """Item 12: `--attention_resolutions 4,8` is the file's `8,4` (a set), `--channel_mult
     1.0,2.0` its `1,2`; a noise-schedule clash names the noise process, not a model change."""
-    run = tmp_path / "run"
-    shutil.copytree(other_model, run)
-    proc = run_script("train.py", "--data_dir", images, "--log_dir", run, "--noise_schedule",
-                      "cosine", "--num_workers", "0", timeout=120, check=False)
-    errors = [ln for ln in proc.stdout.splitlines() if ln.startswith("error:")]
-    assert proc.returncode == 1 and len(errors) == 1, proc.stdout[-3000:]
-    assert "--noise_schedule cosine (the file's: linear)" in errors[0], errors[0]
-    assert "noise process" in errors[0] and "change the model" not in errors[0], errors[0]
+    run, error = clash_error(images, other_model, tmp_path, "--noise_schedule", "cosine")
+    assert "--noise_schedule cosine (the file's: linear)" in error, error
+    assert "noise process" in error and "change the model" not in error, error
     assert step_files(run, 3) == []
     proc = run_script("train.py", "--data_dir", images, "--log_dir", run,
                       "--attention_resolutions", "4,8", "--channel_mult", "1.0,2.0",
@@ -226,12 +233,7 @@ def test_the_wording_of_a_learn_sigma_clash(
     """Issue 43, item 17: the hint of a --learn_sigma clash said "every tensor still fits" (the
     output layer is reshaped and starts fresh). (Its other half, the wording of --fsdp's refusal of
     --sample_interval, went with the refusal: grids work under --fsdp, issue 45.)"""
-    run = tmp_path / "run"
-    shutil.copytree(other_model, run)
-    proc = run_script("train.py", "--data_dir", images, "--log_dir", run, "--learn_sigma",
-                      "True", "--num_workers", "0", timeout=120, check=False)
-    errors = [ln for ln in proc.stdout.splitlines() if ln.startswith("error:")]
-    assert proc.returncode == 1 and len(errors) == 1, proc.stdout[-3000:]
-    assert "--learn_sigma True (the file's: False)" in errors[0], errors[0]
-    assert "every tensor but the output layer still fits" in errors[0], errors[0]
-    assert "every tensor still fits" not in errors[0]
+    _, error = clash_error(images, other_model, tmp_path, "--learn_sigma", "True")
+    assert "--learn_sigma True (the file's: False)" in error, error
+    assert "every tensor but the output layer still fits" in error, error
+    assert "every tensor still fits" not in error
