@@ -83,13 +83,14 @@ BOUND_S = 300  # how long the test waits for the job to reach its save (a hang f
 @pytest.mark.timeout(900)
 def test_prune_refuses_a_run_dir_that_a_live_job_holds_and_its_save_in_progress_finishes(
         images, tmp_path):
-    """A job held inside its save of step 4 (tests/slow_save_train.py: each file's write pauses
-    mid-file, its temp file in the log dir): `ckpt.py prune --keep 1` refuses in one line
-    naming the job, deletes nothing (the temp file stays), and the job completes step 4."""
+    """A job held inside its save of step 4 (tests/slow_save_train.py: each of step 4's file
+    writes pauses mid-file, its temp file in the log dir): `ckpt.py prune --keep 1` refuses in
+    one line naming the job, deletes nothing (the temp file stays), and the job completes step 4."""
     run = tmp_path / "run"
     cmd = [PY, REPO / "tests" / "slow_save_train.py", "--data_dir", images, "--log_dir", run,
            *TINY, "--max_steps", "4", "--save_interval", "2", "--async_save", "False"]
-    proc = subprocess.Popen([str(c) for c in cmd], cwd=REPO, env=child_env({"SLOW_SAVE_S": "3"}),
+    slow = {"SLOW_SAVE_S": "3", "SLOW_SAVE_STEP": "4"}  # step 2's save at full speed
+    proc = subprocess.Popen([str(c) for c in cmd], cwd=REPO, env=child_env(slow),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         end = time.monotonic() + BOUND_S

@@ -272,6 +272,8 @@ def test_two_creates_of_one_lock_object_one_wins(s3):
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("any_store", ["s3", "gs", pytest.param("az", marks=pytest.mark.slow)],
+                         indirect=True)  # az: make soak
 def test_a_store_answering_503_for_a_while_is_retried_and_the_step_finishes(any_store):
     import torch
     from improved_diffusion.ckpt import run_dir
@@ -306,8 +308,9 @@ SAVE_FAULTS = {
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("any_store,fault", [("s3", "403"), ("gs", "403"), ("az", "403"),
-                                             ("s3", "503"), ("az", "InvalidBlockList")],
+@pytest.mark.parametrize("any_store,fault", [  # the two other 403s: make soak
+    pytest.param("s3", "403", marks=pytest.mark.slow), ("gs", "403"),
+    pytest.param("az", "403", marks=pytest.mark.slow), ("s3", "503"), ("az", "InvalidBlockList")],
                          indirect=["any_store"])
 def test_a_store_error_during_a_save_is_one_line_naming_the_url_and_the_answer(
         any_store, fault, images, tmp_path):
@@ -348,6 +351,8 @@ def test_a_store_error_during_a_save_is_one_line_naming_the_url_and_the_answer(
 
 
 @pytest.mark.timeout(180)
+@pytest.mark.parametrize("any_store", ["s3", "gs", pytest.param("az", marks=pytest.mark.slow)],
+                         indirect=True)  # az: make soak
 def test_a_4xx_answer_is_not_retried_and_a_503_is(any_store):
     """A 403 is final: the store gets the one request the client makes, never our retries; a
     503 once is retried and the put goes through. Requests counted at the proxy."""
@@ -555,6 +560,9 @@ def test_the_server_gone_for_good_is_an_error_naming_the_url_and_nothing_is_publ
 
 
 @pytest.mark.timeout(600)
+# s3 in make soak: the flagless resume below trains and resumes there
+@pytest.mark.parametrize("any_store", [pytest.param("s3", marks=pytest.mark.slow), "gs", "az"],
+                         indirect=True)
 def test_train_resume_verify_and_logs_on_each_store(any_store, images, tmp_path):
     url = f"{new_bucket(any_store)}/run"
     cmd = [PY, TRAIN, *TINY, "--data_dir", images, "--log_dir", url, "--save_interval", "2",
@@ -598,6 +606,8 @@ RUN_FLAGS = ["--lr", "2e-3", "--batch_size", "4", "--ema_rate", "0.99", "--max_s
 
 
 @pytest.mark.timeout(900)
+@pytest.mark.parametrize("any_store", ["s3", pytest.param("gs", marks=pytest.mark.slow),
+                                       pytest.param("az", marks=pytest.mark.slow)], indirect=True)
 def test_a_flagless_resume_from_a_bucket_takes_the_runs_flags_and_ends_as_a_straight_run(
         any_store, images, tmp_path):
     """Issue 43 item 8: the checkpoint's model flags and its manifest's run_flags are read from
