@@ -91,14 +91,17 @@ def test_a_sharded_step_moves_to_3_ranks_to_1_and_to_ddp_with_every_tensor_uncha
         images, straight, tmp_path):
     """Each hop loads step 2 of the one before on another world and writes it back (--max_steps
     2: nothing to train, the step saved in its own log dir): 2 FSDP ranks -> 3 (uneven slices)
-    -> 1 -> 2 DDP ranks -> 2 FSDP ranks. Every weight, EMA and Adam moment is the straight run's."""
+    -> 1 -> 2 DDP ranks -> 2 FSDP ranks. Every weight, EMA and Adam moment is the straight run's.
+    The hops to 3 and 1 save with --async_save False (gathered and written one file at a time,
+    uneven and empty slices on 3), the others through the background writer."""
     want = state_of(straight, 2)
     prev = straight
     for i, (n, sharded) in enumerate(((3, True), (1, True), (2, False), (2, True))):
         run = tmp_path / f"hop{i}"
         out = run_mpi(n, "train.py", "--data_dir", images, "--log_dir", run,
                       "--resume_checkpoint", prev / "model000002.pt", "--max_steps", "2",
-                      "--fsdp", str(sharded), "--num_workers", "1", timeout=300).stdout
+                      "--fsdp", str(sharded), "--num_workers", "1", "--async_save",
+                      str(n == 2), timeout=300).stdout
         assert "resumed at step 2" in out, out[-2000:]
         assert deep_diff(want, state_of(run, 2)) == [], (n, sharded)
         assert trainer(run, 2)["world_size"] == n
