@@ -374,7 +374,8 @@ class Checkpointer:
         and sends its RNG state to rank 0; rank 0 alone builds the payloads. With async_save,
         rank 0 copies them to host memory (buffers reused from save to save, pinned on CUDA) and
         a background thread writes the files and the manifest (run_dir.write_step), then prunes,
-        while training goes on; without it rank 0 writes them now. A save first waits for the
+        while training goes on; without it rank 0 writes them now (a sharded model: one file
+        at a time, each gathered to rank 0 just before, _save_streamed). A save first waits for the
         one before it, whose failure is raised here on every rank (between saves, the loop
         raises it at the next step boundary: stop_requested). ``wait``: return only once this
         save is complete on disk (the final and the preemption save). Each save logs one line:
