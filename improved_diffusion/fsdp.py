@@ -13,7 +13,10 @@ here:
 - a save (collective): ``gather_full(files)`` turns every DTensor in the step's payloads
   (checkpointer.step_files: weights, EMAs, the optimizer state keyed by parameter name) into the
   whole tensor on rank 0, on the CPU, one tensor at a time; the other ranks get ``None`` for the
-  payloads. Rank 0 then writes today's model/ema/opt files, which any tool reads.
+  payloads. Rank 0 then writes today's model/ema/opt files, which any tool reads. A synchronous
+  save calls it once per file (checkpointer._save_streamed: gathered, written, dropped), so rank
+  0 holds one file's tensors at most; an asynchronous one once for the whole step (the
+  background writer's host copy holds it all anyway).
 - a load (not collective): every rank reads the same full file (as on DDP); ``localize_*`` cut each whole tensor to
   this rank's slice of the live DTensor it goes to (no communication: each rank takes its own
   slice of the tensor it already holds). A file written on any number of ranks, by DDP or FSDP,

@@ -115,9 +115,9 @@ def step_problem(log_dir, step):
     return None
 
 
-def train_cmd(images, log_dir, max_steps):
+def train_cmd(images, log_dir, max_steps, extra=()):
     return [MPIEXEC, "-n", "2", PY, TRAIN, *TINY, "--data_dir", images, "--log_dir", log_dir,
-            "--save_interval", N, "--max_steps", max_steps]
+            "--save_interval", N, "--max_steps", max_steps, *extra]
 
 
 def resume(images, log_dir, max_steps):
@@ -142,12 +142,13 @@ def frozen(proc):
         signal_all(pids, signal.SIGCONT)
 
 
-def run_into_fault(tmp_path, images, log_dir, inject):
-    """Start a 2-rank job, freeze it once step N is saved, inject(), let it run into its save
-    of step 2N. Returns the job's output (it must have exited by itself)."""
+def run_into_fault(tmp_path, images, log_dir, inject, extra=()):
+    """Start a 2-rank job (``extra``: more flags), freeze it once step N is saved, inject(), let
+    it run into its save of step 2N. Returns the job's output (it must have exited by itself)."""
     log_path = tmp_path / "job.log"
     with open(log_path, "w") as log_f:
-        proc = subprocess.Popen([str(c) for c in train_cmd(images, log_dir, 3 * N)], cwd=REPO,
+        proc = subprocess.Popen([str(c) for c in train_cmd(images, log_dir, 3 * N, extra)],
+                                cwd=REPO,
                                 env=child_env(), stdout=log_f, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL)
     try:
@@ -191,8 +192,14 @@ def assert_step_n_kept_and_nothing_of_2n(log_dir):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("fsdp", [
+    False,
+    # --fsdp True --async_save False: the save streams, one file gathered and written at a
+    # time; the disk fits the model and EMA files and half the opt file, so the write fails
+    # mid-stream and every rank must leave the gathers together (make soak)
+    pytest.param(True, marks=pytest.mark.slow)])
 def test_a_disk_that_fills_up_before_a_save_ends_every_rank_with_one_line_and_step_n_resumes(
-        tmp_path, images, can_mount, mounts):
+        tmp_path, images, can_mount, mounts, fsdp):
     disk = tmp_path / "disk"
     disk.mkdir()
     mounts("-t", "tmpfs", "-o", "size=64m", "tmpfs", disk)
@@ -201,11 +208,15 @@ def test_a_disk_that_fills_up_before_a_save_ends_every_rank_with_one_line_and_st
     def fill_up():  # shrink the file system to what it holds now plus half a checkpoint file
         st = os.statvfs(disk)
         used = (st.f_blocks - st.f_bfree) * st.f_frsize
-        half = min((log_dir / n).stat().st_size for n in names_in(log_dir) if n.endswith(".pt"))
-        res = _sh("mount", "-o", f"remount,size={(used + half // 2) // 1024}k", disk)
+        sizes = {n.split("0")[0]: (log_dir / n).stat().st_size for n in names_in(log_dir)
+                 if n.endswith(".pt")}
+        room = (sizes["model"] + sizes["ema_"] + sizes["opt"] // 2 if fsdp
+                else min(sizes.values()) // 2)
+        res = _sh("mount", "-o", f"remount,size={(used + room) // 1024}k", disk)
         assert res.returncode == 0, res.stdout
 
-    rc, out = run_into_fault(tmp_path, images, log_dir, fill_up)
+    rc, out = run_into_fault(tmp_path, images, log_dir, fill_up,
+                             ["--fsdp", "True", "--async_save", "False"] if fsdp else ())
     assert_one_line_on_every_rank(rc, out, log_dir, "no space left on device")
     assert_step_n_kept_and_nothing_of_2n(log_dir)
 

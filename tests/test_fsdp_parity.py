@@ -4,7 +4,8 @@ with the digits and the Inception features, post-hoc EMA snapshots, in both layo
 Through the real scripts on 2 ranks with a loader worker, one tiny UNet trained 4 steps (saves
 at 2 and 4) in five jobs:
 
-- ``full``: --fsdp True, --phema_stds, to step 2, then resumed to step 4 (full layout);
+- ``full``: --fsdp True, --phema_stds, to step 2, then resumed to step 4 (full layout; the
+  resumed job with --async_save False: its saves gathered and written one file at a time);
 - ``seen``: the same training straight to 4, with grids and the Inception FID while training;
 - ``sharded``: the same training in the sharded layout with grids and the digits FID, to step
   2, then resumed to 4;
@@ -78,7 +79,7 @@ def runs(tmp_path_factory):
     logs = {k: d / k for k in ("full", "seen", "sharded", "ddp")}
     out = {}
     train(data, logs["full"], steps=2)
-    out["full"] = train(data, logs["full"])
+    out["full"] = train(data, logs["full"], "--async_save", "False")  # streamed, file by file
     out["seen"] = train(data, logs["seen"], *GRIDS, *evals(ref, "inception", 3),
                         "--inception_weights", weights)
     sharded = [*GRIDS, *evals(ref, "digits", 5), "--save_layout", "sharded"]

@@ -374,7 +374,8 @@ class Checkpointer:
         and sends its RNG state to rank 0; rank 0 alone builds the payloads. With async_save,
         rank 0 copies them to host memory (buffers reused from save to save, pinned on CUDA) and
         a background thread writes the files and the manifest (run_dir.write_step), then prunes,
-        while training goes on; without it rank 0 writes them now. A save first waits for the
+        while training goes on; without it rank 0 writes them now (a sharded model: one file
+        at a time, each gathered to rank 0 just before, _save_streamed). A save first waits for the
         one before it, whose failure is raised here on every rank (between saves, the loop
         raises it at the next step boundary: stop_requested). ``wait``: return only once this
         save is complete on disk (the final and the preemption save). Each save logs one line:
@@ -393,6 +394,10 @@ class Checkpointer:
             return
         rngs = dist_util.gather_object(rng.get_rng_state(), dst=0)
         gathered = None
+        if self.sharded and not self.config.async_save:
+            self._save_streamed(step, rngs, began)
+            self.last_saved_step = step
+            return
         if self.sharded:  # every rank takes part in making each tensor whole on rank 0
             gathered = fsdp.gather_full(self.step_files(step, rngs or []))
         # the other ranks wait as long as rank 0 lives: a save may outlast --dist_timeout
@@ -400,6 +405,40 @@ class Checkpointer:
             lambda: self._save_on_rank0(step, rngs, began, wait, gathered),
             f"the save of step {step}")
         self.last_saved_step = step
+
+    def _save_streamed(self, step, rngs, began):
+        """save() of a sharded model in the full layout, synchronous: the step's files made whole
+        on rank 0 and written one at a time (model, each EMA, opt, the states' files: the
+        order of step_files), so that rank 0 holds at most one file's tensors on the host,
+        never the whole state; the manifest last. Every rank takes part in each file's gather
+        (fsdp.gather_full), then waits while rank 0 writes it (run_on_rank0_unbounded: a file
+        may take longer than --dist_timeout); a failure of a write is raised on every rank at
+        that file, the files already written removed (run_dir.StepWriter). The same bytes as
+        write_step of the whole state. Collective."""
+        files = self.step_files(step, rngs or [])
+        what = f"the save of step {step}"
+        held = {}  # rank 0: the StepWriter of this step
+
+        def begin():
+            self._collect_save(block=True)
+            held["w"] = run_dir.StepWriter(self.config.log_dir, step, list(files),
+                                           settings=self.settings)
+
+        def end():
+            held["w"].finish()
+            self._log_saved(step, time.perf_counter() - began, None, self._prune())
+
+        dist_util.run_on_rank0_unbounded(begin, what)
+        try:
+            for name in list(files):
+                whole = fsdp.gather_full(files.pop(name))
+                dist_util.run_on_rank0_unbounded(lambda: held["w"].add(name, whole), what)
+                del whole
+            dist_util.run_on_rank0_unbounded(end, what)
+        except BaseException:
+            if "w" in held:  # a gather that failed, an interrupt: no partial step left
+                held["w"].abort()
+            raise
 
     def _save_on_rank0(self, step, rngs, began, wait, gathered=None):
         """Rank 0's part of save(): wait for the previous save (raising its failure), then write

@@ -813,45 +813,88 @@ def write_step(log_dir, step, files, crc_threads=None, settings=None):
     run's settings, the manifest's ``run_flags`` (step_settings reads them back): in the
     manifest, not in the checkpoint files, so that two runs of the same training with other
     side settings (--eval_interval, --async_save, ...) write the same bytes."""
-    log_dir, step = os.fspath(log_dir), int(step)
-    kept = (f"step {step} was not saved (no manifest; its partial files were removed) and the "
-            f"last complete step is intact, so a rerun resumes from it")
-    if not ckpt.is_remote(log_dir) and not os.path.isdir(log_dir):
-        raise CheckpointError(file_writer.gone_message(log_dir, f"saving step {step}", kept))
-    names = list(files)
-    for name in names:
-        info = ckpt.name_info(name)
-        if ckpt.basename(name) != name or info is None or info.kind in ("temp", "manifest"):
-            raise CheckpointError(f"{name}: not a valid checkpoint file name for save_step")
-    manifest = ckpt.manifest_filename(step)
-    written, current = [], None
-    try:
-        for name in names + [manifest]:
-            current = name
-            p = ckpt.join(log_dir, name)
+    writer = StepWriter(log_dir, step, list(files), crc_threads, settings)
+    for name in files:
+        writer.add(name, files[name])
+    writer.finish()
+
+
+class StepWriter:
+    """write_step one file at a time, for a caller that makes each payload just before it is
+    written (the full layout under --fsdp: checkpointer gathers one file to rank 0, writes it,
+    drops it, so that rank 0 never holds the whole state). ``StepWriter(log_dir, step, names)``
+    checks that no file of the step (nor its manifest) exists, before anything is written;
+    ``add(name, payload)`` writes the next file (in ``names``' order); ``finish()`` the
+    manifest, last. A failure of any of them removes the files already written (a one-line
+    CheckpointError for a disk fault, as write_step); ``abort()`` does the same for a failure
+    elsewhere (a gather that failed). Not collective: one process writes."""
+
+    def __init__(self, log_dir, step, names, crc_threads=None, settings=None):
+        self.log_dir, self.step = os.fspath(log_dir), int(step)
+        self.crc_threads, self.settings = crc_threads, settings
+        self.names, self.entries, self.written = list(names), {}, []
+        if not ckpt.is_remote(self.log_dir) and not os.path.isdir(self.log_dir):
+            raise CheckpointError(file_writer.gone_message(
+                self.log_dir, f"saving step {self.step}", self._kept()))
+        for name in self.names:
+            info = ckpt.name_info(name)
+            if ckpt.basename(name) != name or info is None or info.kind in ("temp", "manifest"):
+                raise CheckpointError(f"{name}: not a valid checkpoint file name for save_step")
+        self.manifest = ckpt.manifest_filename(self.step)
+        self._guarded(None, self._check_free)
+
+    def _kept(self):
+        return (f"step {self.step} was not saved (no manifest; its partial files were removed) "
+                f"and the last complete step is intact, so a rerun resumes from it")
+
+    def _check_free(self):
+        for name in self.names + [self.manifest]:
+            p = ckpt.join(self.log_dir, name)
             if ckpt.exists(p):
                 raise CheckpointError(f"{p}: already exists; refusing to overwrite a checkpoint "
                                       f"(move it away or start from a later step)")
-        entries = {}
-        for name in names:
-            current = name
-            entries[name] = file_writer.write_file(ckpt.join(log_dir, name), files[name],
-                                                   crc_threads)
-            written.append(name)
-        current = manifest
-        data = _manifest_bytes(step, entries, settings)
-        file_writer.write_file(ckpt.join(log_dir, manifest), data)
-    except BaseException as e:
-        left = _remove_written(log_dir, written)
-        if left:  # the store refuses their removal too: a resume moves them aside
-            kept = (f"step {step} was not saved (no manifest; {', '.join(left)} left behind, "
-                    f"which a resume moves to incomplete/) and the last complete step is "
-                    f"intact, so a rerun resumes from it")
-        message = file_writer.write_fault_message(e, log_dir, f"saving step {step} ({current})", kept)
-        if message is None:
-            raise
-        raise CheckpointError(message) from None
-    remember_written(log_dir, step, json.loads(data))
+
+    def add(self, name, payload):
+        """Write the next file, ``name`` (of ``names``), with ``payload``."""
+        def write():
+            self.entries[name] = file_writer.write_file(ckpt.join(self.log_dir, name), payload,
+                                                        self.crc_threads)
+            self.written.append(name)
+        self._guarded(name, write)
+
+    def finish(self):
+        """Write the manifest (every file added): the step is complete."""
+        missing = [n for n in self.names if n not in self.entries]
+        if missing:
+            self.abort()
+            raise CheckpointError(f"step {self.step}: {', '.join(missing)} not written; "
+                                  f"no manifest")
+        data = _manifest_bytes(self.step, self.entries, self.settings)
+        self._guarded(self.manifest, lambda: file_writer.write_file(
+            ckpt.join(self.log_dir, self.manifest), data))
+        self.written = []  # a complete step: abort() leaves it
+        remember_written(self.log_dir, self.step, json.loads(data))
+
+    def abort(self):
+        """Remove the files written so far (no manifest was): returns those left behind."""
+        left, self.written = _remove_written(self.log_dir, self.written), []
+        return left
+
+    def _guarded(self, current, fn):
+        try:
+            fn()
+        except BaseException as e:
+            left = self.abort()
+            kept = self._kept()
+            if left:  # the store refuses their removal too: a resume moves them aside
+                kept = (f"step {self.step} was not saved (no manifest; {', '.join(left)} left "
+                        f"behind, which a resume moves to incomplete/) and the last complete "
+                        f"step is intact, so a rerun resumes from it")
+            doing = f"saving step {self.step}" + (f" ({current})" if current else "")
+            message = file_writer.write_fault_message(e, self.log_dir, doing, kept)
+            if message is None:
+                raise
+            raise CheckpointError(message) from None
 
 
 def remember_written(log_dir, step, manifest):
