@@ -28,9 +28,9 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
 from . import dist_util
-from .ckpt import preemption
-from .ckpt import storage as bf  # blobfile's names: local paths and s3://, gs://, az://
-from .errors import UserError
+from .infra import preemption
+from .infra import storage as bf  # blobfile's names: local paths and s3://, gs://, az://
+from .infra.errors import UserError
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "gif")
 LATENT_EXTENSIONS = ("npy", "npz")

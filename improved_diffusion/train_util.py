@@ -34,14 +34,14 @@ import torch as th
 from torch.nn.parallel.distributed import DistributedDataParallel as DDP
 from torch.optim import AdamW
 
-from . import (amp, dist_util, fsdp, guidance, image_datasets, logger, phema, trackers,
-               virtual_shards)
+from . import amp, dist_util, guidance, image_datasets, logger, phema, trackers, virtual_shards
+from .infra import fsdp
 from .ckpt import checkpoint, run_dir
-from .ckpt import storage as bf  # blobfile's names, for local paths and s3:// gs:// az://
+from .infra import storage as bf  # blobfile's names, for local paths and s3:// gs:// az://
 from .ckpt.checkpointer import (PREEMPTED_EXIT_CODE, CheckpointConfig, Checkpointer, NonFiniteError,
                                 ResumeError, copy_into, fields_from_flags)
-from .config_check import check_config_on_all_ranks, data_fingerprint, show_fingerprint
-from .errors import UsageError, UserError
+from .infra.config_check import check_config_on_all_ranks, data_fingerprint, show_fingerprint
+from .infra.errors import UsageError, UserError
 from .nn import update_ema
 from .resample import LossAwareSampler, UniformSampler
 from .ckpt.rng import get_rng_state, seed_rngs, set_rng_state

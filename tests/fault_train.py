@@ -38,7 +38,8 @@ import time
 from train_driver import run_train_py  # tests/ (this script's folder); makes the repo importable
 
 from improved_diffusion import dist_util, logger, train_util  # noqa: E402
-from improved_diffusion.ckpt import checkpoint, preemption, run_dir  # noqa: E402
+from improved_diffusion.ckpt import checkpoint, run_dir
+from improved_diffusion.infra import preemption  # noqa: E402
 
 if os.environ.get("FAULT_HARD_EXIT_S"):
     preemption.HARD_EXIT_S = float(os.environ["FAULT_HARD_EXIT_S"])

@@ -41,10 +41,11 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 from . import checkpoint as ckpt
-from . import file_writer, run_lock, storage
+from . import file_writer, run_lock
+from ..infra import storage
 from .. import dist_util
 from .checkpoint import CheckpointError, CheckpointReadError
-from ..errors import typed_one_line
+from ..infra.errors import typed_one_line
 
 _SHARDED_DIR_RE = re.compile(r"^step(\d+)\.dcp$")  # sharded.STEP_DIR_RE (no import cycle)
 
@@ -817,7 +818,7 @@ def write_step(log_dir, step, files, crc_threads=None, settings=None):
     kept = (f"step {step} was not saved (no manifest; its partial files were removed) and the "
             f"last complete step is intact, so a rerun resumes from it")
     if not ckpt.is_remote(log_dir) and not os.path.isdir(log_dir):
-        raise CheckpointError(file_writer.gone_message(log_dir, f"saving step {step}", kept))
+        raise CheckpointError(storage.gone_message(log_dir, f"saving step {step}", kept))
     names = list(files)
     for name in names:
         info = ckpt.name_info(name)
@@ -847,7 +848,7 @@ def write_step(log_dir, step, files, crc_threads=None, settings=None):
             kept = (f"step {step} was not saved (no manifest; {', '.join(left)} left behind, "
                     f"which a resume moves to incomplete/) and the last complete step is "
                     f"intact, so a rerun resumes from it")
-        message = file_writer.write_fault_message(e, log_dir, f"saving step {step} ({current})", kept)
+        message = storage.write_fault_message(e, log_dir, f"saving step {step} ({current})", kept)
         if message is None:
             raise
         raise CheckpointError(message) from None
