@@ -59,8 +59,9 @@ from .script_util import (
     create_classifier_and_diffusion,
 )
 from .infra.flags import args_to_dict
-from .train_util import (NAN_POLICIES, _poison_if_not_finite, grad_norm, grads_finite,
-                         keep_model_state, log_loss_dict, make_adamw, non_finite_step)
+from .train_config import NAN_POLICIES
+from .train_util import (_poison_if_not_finite, grad_norm, grads_finite, keep_model_state,
+                         log_loss_dict, make_adamw, non_finite_step)
 
 # The settings of the training math that opt files record (a resume with others says so); every
 # setting of the run goes to the manifests (settings).

@@ -80,8 +80,8 @@ def _run_step_with_fault(self, batch, cond):
             and self.step == int(os.environ.get("FAULT_STEP", "0"))):
         if os.environ.get("FAULT_RAISE") == "SIGKILL":
             deadline = time.time() + 120
-            while (self._trackers is not None and time.time() < deadline
-                   and not all(b.drained for b in self._trackers.backends)):
+            while (self.outputs.trackers is not None and time.time() < deadline
+                   and not all(b.drained for b in self.outputs.trackers.backends)):
                 time.sleep(0.05)
             os.kill(os.getpid(), signal.SIGKILL)
         raise _fault()

@@ -169,3 +169,10 @@ def test_no_module_uses_a_private_name_of_another_package():
     found += [use for p in outside for package, use in private_uses(p)
               if package == "improved_diffusion.ckpt"]
     assert not found, f"private names used outside their package: {found}"
+
+
+def test_the_flags_help_states_the_async_writers_threshold_of_ckpt():
+    """flags (ground floor) words --save_writer auto's threshold without importing ckpt/."""
+    from improved_diffusion.ckpt import writer_process
+    from improved_diffusion.infra.flags import FLAG_HELP
+    assert f"{writer_process.PROCESS_MIN_BYTES >> 20} MiB or more" in FLAG_HELP["save_writer"][1]
