@@ -10,7 +10,7 @@ setup(
     install_requires=["torch>=2.1", "numpy", "blobfile", "mpi4py", "pillow", "tqdm"],
     extras_require={
         "mpi": ["mpich"],
-        # object-store log dirs (s3://, gs://, az://: ckpt/storage.py)
+        # object-store log dirs (s3://, gs://, az://: infra/storage.py)
         "cloud": ["fsspec", "s3fs", "gcsfs", "adlfs"],
         # ... and the real servers test_object_store.py runs them against (Azurite: npm, below
         # the Makefile's install)

@@ -28,7 +28,8 @@ sys.path.insert(0, str(REPO / "tests"))
 import torch as th  # noqa: E402
 
 import stores  # noqa: E402  (tests/stores.py: the servers the tests use)
-from improved_diffusion.ckpt import checkpoint, run_dir, storage  # noqa: E402
+from improved_diffusion.ckpt import checkpoint, run_dir
+from improved_diffusion.infra import storage  # noqa: E402
 
 
 def step_files(mb, step):

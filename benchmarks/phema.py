@@ -33,7 +33,7 @@ CHILD = r"""
 import io, json, os, sys, threading, time
 sys.path.insert(0, sys.argv[1])
 import torch
-from improved_diffusion.ckpt import ckpt_tool
+from improved_diffusion.apps import ckpt_tool
 page = os.sysconf("SC_PAGE_SIZE")
 def rss():
     with open("/proc/self/statm") as f:

@@ -48,7 +48,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from improved_diffusion import cli  # noqa: E402
+from improved_diffusion.infra import cli  # noqa: E402
 from improved_diffusion.image_datasets import (  # noqa: E402
     DataError,
     center_crop_arr,

@@ -20,13 +20,14 @@ import torch as th  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
-from improved_diffusion import cli, dist_util, logger, train_job, virtual_shards  # noqa: E402
+from improved_diffusion.infra import cli
+from improved_diffusion import dist_util, logger, train_job, virtual_shards  # noqa: E402
 from improved_diffusion.ckpt.checkpointer import (  # noqa: E402
     PREEMPTED_EXIT_CODE, CheckpointConfig, Checkpointer)
 from improved_diffusion.image_datasets import load_data  # noqa: E402
 from improved_diffusion.ckpt.rng import seed_rngs  # noqa: E402
 from improved_diffusion.script_util import train_defaults  # noqa: E402
-from improved_diffusion.flags import create_parser  # noqa: E402
+from improved_diffusion.infra.flags import create_parser  # noqa: E402
 
 FLAGS = ("data_dir", "log_dir", "batch_size", "lr", "max_steps", "save_interval", "log_interval",
          "keep_checkpoints", "async_save", "save_writer", "resume_checkpoint", "seed", "lock_wait",

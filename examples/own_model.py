@@ -26,7 +26,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch as th  # noqa: E402
 from torch import nn  # noqa: E402
 
-from improved_diffusion import cli, dist_util, logger, train_job  # noqa: E402
+from improved_diffusion.infra import cli
+from improved_diffusion import dist_util, logger, train_job  # noqa: E402
 from improved_diffusion.image_datasets import load_data, resolve_num_classes  # noqa: E402
 from improved_diffusion.resample import create_named_schedule_sampler  # noqa: E402
 from improved_diffusion.ckpt.rng import seed_rngs  # noqa: E402
@@ -35,7 +36,7 @@ from improved_diffusion.script_util import (  # noqa: E402
     model_and_diffusion_defaults,
     train_defaults,
 )
-from improved_diffusion.flags import create_parser, explicit_args  # noqa: E402
+from improved_diffusion.infra.flags import create_parser, explicit_args  # noqa: E402
 
 OWN_FLAGS = dict(dim=64, depth=2, heads=4, patch_size=2)
 DIFFUSION_FLAGS = ("diffusion_steps", "learn_sigma", "sigma_small", "noise_schedule",

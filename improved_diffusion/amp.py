@@ -88,3 +88,21 @@ def scale_tensor(scaler):
     """The GradScaler's current scale as a device tensor (not read to the host)."""
     get = getattr(scaler, "_get_scale_async", None)
     return get() if callable(get) else th.tensor(scaler.get_scale())
+
+
+def scaled_step(scaler, opt, step):
+    """The optimizer step of training step ``step`` through ``scaler`` (its gradients already
+    unscaled): step, update, and the loss scale logged (on the device). Returns False when the
+    scaler skipped it (NaN/inf float16 gradients: the scale went down, said in one line), else
+    True. One host sync: the comparison of the scales."""
+    scale = scale_tensor(scaler).clone()
+    scaler.step(opt)
+    scaler.update()
+    new_scale = scale_tensor(scaler)
+    logger.logkv_device("loss_scale", new_scale)
+    if bool(new_scale < scale):
+        logger.logkv_mean("fp16_skipped", 1)
+        logger.log(f"step {step} skipped: NaN/inf float16 gradients at loss scale "
+                   f"{float(scale):g} (now {float(new_scale):g}; usual in the first steps)")
+        return False
+    return True

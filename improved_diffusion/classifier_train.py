@@ -42,11 +42,13 @@ import torch as th
 import torch.nn.functional as F
 from torch.nn.parallel.distributed import DistributedDataParallel as DDP
 
-from . import amp, dist_util, fsdp, image_datasets, logger, train_job, virtual_shards
-from .ckpt import checkpoint, checkpointer, preemption
+from . import amp, dist_util, image_datasets, logger, train_job, virtual_shards
+from .infra import fsdp
+from .ckpt import checkpoint, checkpointer
+from .infra import preemption
 from .ckpt.checkpointer import CheckpointConfig, Checkpointer
-from .config_check import check_config_on_all_ranks, data_fingerprint, show_fingerprint
-from .errors import UsageError
+from .infra.config_check import check_config_on_all_ranks, data_fingerprint, show_fingerprint
+from .infra.errors import UsageError
 from .image_datasets import CLASS_MAPS, load_data
 from .resample import create_named_schedule_sampler
 from .ckpt.rng import seed_rngs
@@ -56,9 +58,10 @@ from .script_util import (
     classifier_train_defaults,
     create_classifier_and_diffusion,
 )
-from .flags import args_to_dict
-from .train_util import (NAN_POLICIES, _poison_if_not_finite, grad_norm, grads_finite,
-                         keep_model_state, log_loss_dict, make_adamw, non_finite_step)
+from .infra.flags import args_to_dict
+from .train_config import NAN_POLICIES
+from .train_util import (_poison_if_not_finite, grad_norm, grads_finite, keep_model_state,
+                         log_loss_dict, make_adamw, non_finite_step)
 
 # The settings of the training math that opt files record (a resume with others says so); every
 # setting of the run goes to the manifests (settings).

@@ -45,9 +45,9 @@ import warnings
 import torch as th
 import torch.distributed as dist
 
-from . import heartbeat, rendezvous
-from .errors import UserError, typed_one_line
-from .rendezvous import RendezvousError
+from .infra import heartbeat, rendezvous
+from .infra.errors import UserError, typed_one_line
+from .infra.rendezvous import RendezvousError
 
 # Payloads bigger than this are broadcast in pieces (bounded extra memory, works over gloo).
 _CHUNK_BYTES = 64 * 1024 * 1024
@@ -748,7 +748,7 @@ def open_local(path):
     """Open ``path`` (local or an object-store URL, through ckpt/storage.py) for reading in this
     process (not collective); returns (binary file, None) or (None, (error type name, one-line
     message naming the path)), the messages of read_local."""
-    from .ckpt import storage
+    from .infra import storage
 
     try:
         if storage.isdir(path):

@@ -49,7 +49,7 @@ import zipfile
 
 import numpy as np
 
-from .errors import UsageError, UserError
+from .infra.errors import UsageError, UserError
 
 __all__ = [
     "FIDStatistics", "compute_statistics", "compute_inception_score", "compute_prec_recall",
@@ -420,7 +420,7 @@ def _local_copy(path):
     import shutil
     import tempfile
 
-    from .ckpt import storage
+    from .infra import storage
 
     if not storage.is_remote(path):
         return path
@@ -1069,7 +1069,7 @@ def write_reference_batch(data_dir, image_size, path, num_images=0, seed=0, batc
         raise UsageError(f"--num_images {num_images}: must be 0 (all the images) or more")
     if not path.endswith(".npz"):
         raise UsageError(f"{path}: the reference batch to write must be named *.npz")
-    from .ckpt import storage
+    from .infra import storage
 
     remote = storage.is_remote(path)
     storage.check_store(path, "REF_BATCH")
@@ -1163,7 +1163,7 @@ train.py --data_dir DIR --image_size N resizes them. See docs/evaluation.md.
 def create_parser():
     import argparse
 
-    from .flags import FlagParser
+    from .infra.flags import FlagParser
 
     p = FlagParser(prog="evaluate.py", description=USAGE,
                    formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -1220,7 +1220,8 @@ def main(argv=None, feature_factories=None):
     """
     import json
 
-    from . import cli, dist_util, inception
+    from .infra import cli
+    from . import dist_util, inception
 
     args = create_parser().parse_args(argv)
     if args.batch_size < 1:

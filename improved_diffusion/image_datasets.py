@@ -28,9 +28,9 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
 from . import dist_util
-from .ckpt import preemption
-from .ckpt import storage as bf  # blobfile's names: local paths and s3://, gs://, az://
-from .errors import UserError
+from .infra import preemption
+from .infra import storage as bf  # blobfile's names: local paths and s3://, gs://, az://
+from .infra.errors import UserError
 
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "gif")
 LATENT_EXTENSIONS = ("npy", "npz")
@@ -293,6 +293,25 @@ def relabel(loader, label_names):
     loader.dataset.local_classes = [to_new[c] for c in loader.dataset.local_classes]
     loader.class_names = list(label_names)
     loader.close()  # workers started with the old labels (none before the first batch)
+
+
+def match_resumed_classes(loader, resuming, class_map, num_classes=None):
+    """A class-conditional resume of ``loader`` (load_data's; nothing for data without class
+    names): its folder's classes meet the class names the resumed model file stores
+    (``resuming``: the checkpointer's Resume) as ``class_map`` says (resumed_class_names: a
+    difference stops the run with one line naming it unless mapped); the loader is relabelled
+    to the names trained with. Returns (those names, a note to log or None), or None. Every rank
+    decides alike: the same file, the same data (its fingerprint was compared)."""
+    names = getattr(loader, "class_names", None)
+    if not names:
+        return None
+    raw = resuming.model_file.raw
+    label_names, note = resumed_class_names(
+        raw.get("class_names") if isinstance(raw, dict) else None, names, class_map,
+        data_dir=getattr(getattr(loader, "dataset", None), "root", None),
+        source=str(resuming.plan.model), num_classes=num_classes)
+    relabel(loader, label_names)
+    return label_names, note
 
 
 class _FileDataset(Dataset):

@@ -29,7 +29,7 @@ import torch as th
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .errors import UserError
+from .infra.errors import UserError
 
 WEIGHTS_NAME = "weights-inception-2015-12-05-6726825d.pth"
 WEIGHTS_URL = ("https://github.com/toshas/torch-fidelity/releases/download/v0.2.0/"

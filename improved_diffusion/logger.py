@@ -44,9 +44,8 @@ from contextlib import contextmanager
 import torch as th
 
 from . import dist_util
-from .ckpt import storage
-from .ckpt.file_writer import write_fault_message
-from .errors import UserError
+from .infra import storage
+from .infra.errors import UserError
 
 DEBUG = 10
 INFO = 20
@@ -954,7 +953,7 @@ class Logger:
 
     def _each_output(self, kind, write):
         """``write(fmt)`` for each output of ``kind``. A disk fault under the log dir (full, quota,
-        read-only, vanished directory: file_writer.write_fault_message) becomes LogWriteError, one
+        read-only, vanished directory: storage.write_fault_message) becomes LogWriteError, one
         line naming the file, as a failed checkpoint write does; any other error (a bug, a closed
         stdout) is raised as it is."""
         for fmt in self.output_formats:
@@ -966,7 +965,7 @@ class Logger:
                 name = getattr(getattr(fmt, "file", None), "name", None)
                 if not isinstance(name, str) or not self.dir:
                     raise
-                msg = write_fault_message(e, self.dir, f"writing {osp.basename(name)}",
+                msg = storage.write_fault_message(e, self.dir, f"writing {osp.basename(name)}",
                                           "the saved checkpoints are intact")
                 if msg is None:
                     raise

@@ -55,9 +55,9 @@ from typing import List, Optional
 import numpy as np
 import torch as th
 
-from . import fsdp
+from .infra import fsdp
 from .ckpt import checkpoint, run_dir as run_dir_mod, state_fit
-from .errors import UsageError, UserError
+from .infra.errors import UsageError, UserError
 
 # stds must be below this (EDM2's reconstruct_phema.parse_std_list): exp_to_std is at most
 # sqrt(1/12) = 0.2887 for exp >= 0.

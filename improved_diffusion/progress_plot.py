@@ -12,7 +12,7 @@ import math
 import os
 import re
 
-from .errors import UserError
+from .infra.errors import UserError
 
 QUARTILE_KEYS = ("loss_q0", "loss_q1", "loss_q2", "loss_q3")
 # One colour per quartile (q0: the least noisy timesteps).

@@ -12,7 +12,7 @@ import numpy as np
 import torch as th
 
 from . import dist_util
-from .errors import UsageError
+from .infra.errors import UsageError
 
 
 def create_named_schedule_sampler(name, diffusion):

@@ -56,11 +56,12 @@ import traceback
 import numpy as np
 import torch as th
 
-from . import dist_util, fsdp, logger, sampling
-from .errors import UsageError
+from . import dist_util, logger, sampling
+from .infra import fsdp
+from .infra.errors import UsageError
 from .gaussian_diffusion import GaussianDiffusion
 from .respace import respaced
-from .ckpt import storage as bf  # blobfile's names: local paths and s3://, gs://, az://
+from .infra import storage as bf  # blobfile's names: local paths and s3://, gs://, az://
 from .ckpt.rng import get_rng_state, set_rng_state
 
 # The share of --dist_timeout a grid may take: the other ranks wait for it in a collective.

@@ -33,10 +33,11 @@ import re
 import numpy as np
 import torch as th
 
-from . import cli, dist_util, logger
-from .errors import UserError
+from .infra import cli
+from . import dist_util, logger
+from .infra.errors import UserError
 from .script_util import FlagError, same_flag_value
-from .flags import explicit_args
+from .infra.flags import explicit_args
 from .ckpt.state_fit import fit_state_dict, shapes_of
 
 # Model/diffusion flags that may legitimately differ from the training run at sampling time.
@@ -834,7 +835,7 @@ def save_samples(log_dir, images, labels=None, *, ncol=None, grid=True, overwrit
     existing npz unless `overwrite` (SampleError naming the file and --overwrite).
     :return: (npz path, png path or None).
     """
-    from .ckpt import storage as bf  # blobfile's names: local paths and object stores
+    from .infra import storage as bf  # blobfile's names: local paths and object stores
 
     npz_path, png_path = sample_paths(log_dir, images.shape)
     if not overwrite and bf.exists(npz_path):

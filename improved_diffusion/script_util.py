@@ -21,9 +21,9 @@ import inspect
 
 from .dit import DIT_CONFIGS, DiT
 from .unet import ENCODER_POOLS, EncoderUNetModel, SuperResModel, UNetModel
-from .errors import UsageError
+from .infra.errors import UsageError
 # upstream's names for its argparse helpers, kept for upstream's scripts (their home: flags.py)
-from .flags import add_dict_to_argparser, args_to_dict, str2bool  # noqa: F401
+from .infra.flags import add_dict_to_argparser, args_to_dict, str2bool  # noqa: F401
 
 NUM_CLASSES = 1000
 # --arch: upstream's UNet, or one of DiT's models (DiT's table: dit.DIT_CONFIGS).

@@ -45,8 +45,8 @@ import threading
 import time
 
 from . import logger
-from .ckpt import storage
-from .errors import UsageError
+from .infra import storage
+from .infra.errors import UsageError
 
 # --tracker NAME -> the module it needs
 LIBRARIES = {"wandb": "wandb", "mlflow": "mlflow"}

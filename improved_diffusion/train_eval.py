@@ -57,10 +57,11 @@ import traceback
 import numpy as np
 import torch as th
 
-from . import dist_util, evaluation, fsdp, logger, sampling
-from .ckpt import storage
+from . import dist_util, evaluation, logger, sampling
+from .infra import fsdp
+from .infra import storage
 from .ckpt.rng import get_rng_state, set_rng_state
-from .errors import UsageError
+from .infra.errors import UsageError
 from .sample_grids import check_image_channels, ddim_diffusion, label_count, model_with_params
 
 

@@ -18,9 +18,11 @@ import os
 import shlex
 from typing import Any, Callable, NamedTuple
 
-from . import cli, dist_util, image_datasets, logger, train_eval, train_util, virtual_shards
-from .ckpt import checkpoint, checkpointer, preemption, run_dir, run_lock
-from .errors import UsageError, UserError
+from .infra import cli
+from . import dist_util, image_datasets, logger, train_eval, train_util, virtual_shards
+from .ckpt import checkpoint, checkpointer, run_dir, run_lock
+from .infra import preemption
+from .infra.errors import UsageError, UserError
 from .script_util import (DIFFUSION_FLAG_KEYS, JOB_FLAGS, run_flag_keys, same_flag_value,
                           train_defaults)
 
@@ -62,7 +64,7 @@ def check_train_args(args):
     --eval_ref_batch is made absolute first: the manifests record it for a resume, which may
     run from another directory."""
     check_job_flags(args)
-    from .ckpt import storage
+    from .infra import storage
 
     ref = getattr(args, "eval_ref_batch", "")
     if ref and not storage.is_remote(ref):

@@ -21,189 +21,31 @@ Where it differs from upstream's:
   returns PREEMPTED_EXIT_CODE (75).
 - The settings are one TrainConfig, checked when it is built.
 """
-import atexit
 import contextlib
-import dataclasses
 import gc
-import importlib.util
 import os
-from dataclasses import dataclass
 
-import numpy as np
 import torch as th
 from torch.nn.parallel.distributed import DistributedDataParallel as DDP
 from torch.optim import AdamW
 
-from . import (amp, dist_util, fsdp, guidance, image_datasets, logger, phema, trackers,
-               virtual_shards)
+from . import amp, dist_util, guidance, image_datasets, logger, phema, trackers, virtual_shards
 from .ckpt import checkpoint, run_dir
-from .ckpt import storage as bf  # blobfile's names, for local paths and s3:// gs:// az://
-from .ckpt.checkpointer import (PREEMPTED_EXIT_CODE, CheckpointConfig, Checkpointer, NonFiniteError,
-                                ResumeError, copy_into, fields_from_flags)
-from .config_check import check_config_on_all_ranks, data_fingerprint, show_fingerprint
-from .errors import UsageError, UserError
+from .ckpt.checkpointer import (PREEMPTED_EXIT_CODE, Checkpointer, NonFiniteError, ResumeError,
+                                copy_into)
+from .ckpt.rng import get_rng_state, seed_rngs, set_rng_state
+from .infra import fsdp
+from .infra.config_check import check_config_on_all_ranks, data_fingerprint, show_fingerprint
+from .infra.errors import UsageError, UserError
 from .nn import update_ema
 from .resample import LossAwareSampler, UniformSampler
-from .ckpt.rng import get_rng_state, seed_rngs, set_rng_state
-from .sample_grids import SampleGrids
-from .train_eval import TrainEval, check_flags as check_eval_flags
+from .train_config import TrainConfig, loop_settings, parse_ema_rates, rank_flags
+from .train_outputs import RunOutputs
 
 __all__ = ["TrainLoop", "TrainConfig", "PREEMPTED_EXIT_CODE", "NonFiniteError", "ResumeError",
            "seed_rngs", "get_rng_state", "set_rng_state", "update_ema", "parse_ema_rates",
            "find_resume_checkpoint", "find_ema_checkpoint", "get_blob_logdir",
            "parse_resume_step_from_filename"]
-
-# --nan_policy: what a step with a non-finite loss or gradient does (without a GradScaler).
-NAN_POLICIES = ("stop", "skip")
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    """The training settings of a TrainLoop, one field per flag of the same name (defaults are
-    script_util.train_defaults()'s: see ``from_flags``). Checked when built (UsageError naming
-    the flag).
-
-    batch_size: samples per rank per optimizer step (the global batch is this times the ranks).
-    microbatch: split each batch into pieces of this size, accumulating gradients (<= 0: off).
-    global_batch_size: G > 0: the step is G samples over all ranks in virtual shards of
-        microbatch (virtual_shards.py; batch_size must then be G / ranks): the same run bit for
-        bit on any rank count. 0: off.
-    lr: AdamW's learning rate. weight_decay: AdamW's decoupled weight decay.
-    ema_rate: comma-separated EMA rates ("0.9999,0.999"); one EMA of the parameters each.
-    log_interval: log (progress line, progress.csv) every this many steps.
-    use_fp16: mixed precision (amp.py: fp16 + GradScaler on CUDA, bf16 on CPUs with bf16 units).
-    fp16_scale_growth: upstream's log2 loss-scale growth per good step (GradScaler's interval).
-    lr_anneal_steps: linear decay of lr to 0 over this many steps, and stop there (0: off).
-    max_steps: stop after this many steps (0: no limit but lr_anneal_steps).
-    seed: the seed of model init, data order, noise and dropout (with the step and rank).
-    log_sample_indices: append each step's dataset indices to log_dir/sample_indices/ (per rank).
-    nan_policy: a step with a NaN/Inf loss or gradient, without a GradScaler: "stop" or "skip".
-    compile: run the forward/backward through torch.compile.
-    fsdp: shard parameters, gradients, Adam moments and EMAs over the ranks (FSDP2: fsdp.py)
-        instead of DDP's whole copy on every rank; checkpoints are the same files.
-    find_unused_parameters: DDP's, for a model that leaves parameters out of the loss on some
-        steps or ranks (train_job.Parts can ask for it too).
-    sample_interval: rank 0 writes a grid of EMA samples every this many steps and at the end
-        (0: off; sample_grids.py). sample_count: images per grid. sample_steps: their DDIM steps.
-    tensorboard: rank 0 also logs the scalars and the grids to log_dir/tb/ (TensorBoard).
-    tracker: comma-separated trackers rank 0 also logs them to: wandb, mlflow (trackers.py).
-    phema_stds: comma-separated post-hoc EMA widths ("0.05,0.1", EDM2's sigma_rel; "": off): one
-        power-function EMA each (phema.RunTracker), its snapshots written with saves.
-    phema_interval: snapshots every this many steps, a multiple of save_interval (snapshots are
-        part of a step's save); 0: at every save_interval save. The run's last step has them too.
-    eval_interval: every this many steps (a multiple of log_interval), all ranks sample
-        eval_num_samples images of the EMA (DDIM, sample_steps) and rank 0 logs their FID and
-        IS against eval_ref_batch (0: off; train_eval.py). eval_features: "inception" (the FID
-        Inception, weights from inception_weights or $ID_INCEPTION_WEIGHTS) or "digits".
-    class_map: how a resume's class labels meet the class names its checkpoint stores: "check"
-        (refuse a difference), "keep" (the checkpoint's labels, by name), "data" (the folder's);
-        image_datasets.CLASS_MAPS, TrainLoop._match_class_names.
-    checkpoint: the checkpointer's settings (log_dir, resume, saving; CheckpointConfig).
-    """
-
-    batch_size: int
-    microbatch: int
-    global_batch_size: int
-    lr: float
-    ema_rate: str
-    log_interval: int
-    use_fp16: bool
-    fp16_scale_growth: float
-    weight_decay: float
-    lr_anneal_steps: int
-    max_steps: int
-    seed: int
-    log_sample_indices: bool
-    nan_policy: str
-    compile: bool
-    fsdp: bool
-    find_unused_parameters: bool
-    sample_interval: int
-    sample_count: int
-    sample_steps: int
-    tensorboard: bool
-    tracker: str
-    phema_stds: str
-    phema_interval: int
-    eval_interval: int
-    eval_ref_batch: str
-    eval_num_samples: int
-    eval_features: str
-    inception_weights: str
-    class_map: str
-    checkpoint: CheckpointConfig
-
-    # Settings that may differ between ranks (each rank's own diagnostics).
-    PER_RANK = ("log_sample_indices",)
-    # Settings of the training math that the trainer state records, so that a resume with other
-    # values says so (seed, ema_rate and the batch size have lines of their own). Every setting
-    # of the run (run_settings) goes to the manifests, not to the checkpoint files: runs that
-    # differ in where to write, how to save or what to log write the same bytes.
-    RECORDED = ("lr", "weight_decay", "lr_anneal_steps", "microbatch", "global_batch_size",
-                "use_fp16",
-                "fp16_scale_growth", "nan_policy")
-
-    def __post_init__(self):
-        for name in ("batch_size", "log_interval", "sample_count", "sample_steps"):
-            if getattr(self, name) < 1:
-                raise UsageError(f"--{name} must be >= 1 (got {getattr(self, name)})")
-        for name in ("max_steps", "lr_anneal_steps", "sample_interval"):
-            if getattr(self, name) < 0:
-                raise UsageError(f"--{name} must be >= 0 (got {getattr(self, name)})")
-        if self.nan_policy not in NAN_POLICIES:
-            raise UsageError(f"--nan_policy must be one of {', '.join(NAN_POLICIES)} "
-                             f"(got {self.nan_policy!r})")
-        parse_ema_rates(self.ema_rate)
-        if self.tensorboard and importlib.util.find_spec("tensorboard") is None:
-            raise UsageError("--tensorboard True needs the tensorboard package: "
-                             "pip install tensorboard (or the project's extra, "
-                             "pip install -e '.[tensorboard]')")
-        trackers.parse(self.tracker)
-        phema.check_flags(self.phema_stds, self.phema_interval, self.checkpoint.save_interval)
-        check_eval_flags(self)
-        if self.fsdp:
-            fsdp.check_flags(self)
-        fsdp.check_layout(self.fsdp, self.checkpoint.save_layout)
-        if self.class_map not in image_datasets.CLASS_MAPS:
-            raise UsageError(f"--class_map must be one of {', '.join(image_datasets.CLASS_MAPS)} "
-                             f"(got {self.class_map!r})")
-
-    @classmethod
-    def from_flags(cls, flags, **overrides):
-        """The config of ``flags`` (an argparse Namespace or a dict; missing names take
-        script_util.train_defaults()'s values), with ``overrides`` applied."""
-        ckpt = CheckpointConfig.from_flags(flags, **overrides)
-        return fields_from_flags(cls, flags, dict(overrides, checkpoint=ckpt))
-
-    @property
-    def last_step(self):
-        """The step the run stops at (max_steps or lr_anneal_steps, the earlier); 0: none."""
-        return min([n for n in (self.max_steps, self.lr_anneal_steps) if n > 0], default=0)
-
-    @property
-    def phema_std_list(self):
-        """The post-hoc EMA widths, sorted ([] when off)."""
-        text = str(self.phema_stds).strip()
-        return phema.parse_stds([text], "--phema_stds") if text else []
-
-    @property
-    def phema_every(self):
-        """Snapshots every this many steps: --phema_interval, else --save_interval."""
-        return self.phema_interval or self.checkpoint.save_interval
-
-    @property
-    def ema_rates(self):
-        """The EMA rates as upstream names files: ["0.9999", "0.999"]."""
-        return parse_ema_rates(self.ema_rate)
-
-    def flags(self):
-        """{flag: value} of every setting (the checkpointer's included), as on the command
-        line: what ranks compare and what checkpoints record."""
-        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-               if f.name != "checkpoint"}
-        out.update(dataclasses.asdict(self.checkpoint))
-        return out
-
 
 class TrainLoop:
     """Upstream's TrainLoop: the same keyword arguments, plus ``log_dir``, ``model_flags`` and
@@ -254,7 +96,7 @@ class TrainLoop:
                  run_settings=None, **settings):
         if log_dir is None:  # upstream's TrainLoop wrote to get_blob_logdir()
             log_dir = get_blob_logdir()
-        self.config = cfg = TrainConfig.from_flags(_settings(settings, dict(
+        self.config = cfg = TrainConfig.from_flags(loop_settings(settings, dict(
             batch_size=batch_size, microbatch=microbatch, lr=lr, ema_rate=ema_rate,
             log_interval=log_interval, save_interval=save_interval,
             resume_checkpoint=resume_checkpoint or "", use_fp16=use_fp16,
@@ -288,7 +130,7 @@ class TrainLoop:
 
         fingerprint = data_fingerprint(data)
         digest = check_config_on_all_ranks(
-            _rank_flags(cfg, self.model_flags, self.schedule_sampler), fingerprint)
+            rank_flags(cfg, self.model_flags, self.schedule_sampler), fingerprint)
         logger.log(f"flags (sha256 {digest[:12]}) and data ({show_fingerprint(fingerprint)}) "
                    f"agree on all {self.world_size} rank(s)")
         seed_rngs(cfg.seed, 0, self.rank)
@@ -309,41 +151,12 @@ class TrainLoop:
         self.phema = (phema.RunTracker(self.model, cfg.phema_std_list, cfg.phema_every,
                                        cfg.last_step, self.model_flags)
                       if cfg.phema_std_list else None)
-        self.checkpointer = Checkpointer(
-            cfg.checkpoint, model=self.model, optimizer=self.opt,
-            emas=dict(zip(cfg.ema_rates, self.ema_params)), data=data, batch_size=batch_size,
-            seed=cfg.seed, model_flags=self.model_flags,
-            run_flags={k: getattr(cfg, k) for k in TrainConfig.RECORDED},
-            settings=run_settings,
-            states={"schedule_sampler": self.schedule_sampler, "grad_scaler": self.grad_scaler,
-                    "phema": self.phema,
-                    **({} if self.virtual_shards is None else
-                       {virtual_shards.VirtualShards.name: self.virtual_shards})})
-        names = getattr(data, "class_names", None)  # image_datasets.load_data's, in label order
-        if names:
-            self.checkpointer.file_tags["class_names"] = [str(n) for n in names]
-        vae = getattr(data, "vae", None)  # a latent folder's vae.json: decode with that VAE
-        if vae:
-            self.checkpointer.file_tags["vae"] = {k: vae[k] for k in ("source", "sha256", "scale")
-                                                  if k in vae}
+        self.checkpointer = make_checkpointer(self, data, batch_size, run_settings)
         self._resume()
-        self.evaluator = (TrainEval.of_training(cfg, self.model, self.ema_params, self.diffusion,
-                                                self.model_flags, sample_kwargs)
-                          if cfg.eval_interval else None)
-        self.grids = (SampleGrids.of_training(cfg, self.model, self.ema_params, self.diffusion,
-                                              self.model_flags, sample_kwargs)
-                      if cfg.sample_interval else None)
-        self._tensorboard = self._trackers = None
-        if cfg.tensorboard and self.rank == 0:  # purge: steps a killed job logged past its save
-            self._tensorboard = logger.add_tensorboard(
-                os.path.join(cfg.checkpoint.log_dir, "tb"), purge_step=self.step + 1)
-        if self.rank == 0:  # each step once: progress.csv's rows past the save, the trackers'
-            logger.drop_rows_after(self.step)  # held back until saved (trackers.py)
-            self._trackers = trackers.start(
-                cfg.tracker, cfg.checkpoint.log_dir, step=self.step, settings=self.checkpointer
-                .settings, config={**self.model_flags, **cfg.flags()}, resumed=self._runs)
+        self.outputs = RunOutputs(self, sample_kwargs, self._runs)
         self.use_ddp = self.world_size > 1 and not cfg.fsdp and self.shard_plan is None
-        self.ddp_model = self._wrap_ddp() if self.use_ddp else self.model
+        self.ddp_model = (wrap_ddp(self.model, self.device, cfg.find_unused_parameters)
+                          if self.use_ddp else self.model)
         if cfg.compile:  # only the forward/backward: self.model keeps its state-dict keys
             self.ddp_model = th.compile(self.ddp_model)
         self._ddp_primed = not self.use_ddp
@@ -358,20 +171,15 @@ class TrainLoop:
         """
         data = iter(self.data)
         with self.checkpointer.watch_signals() as signal:
-            if self.evaluator is not None and not self.evaluator.at_resume(self.step, signal):
+            if not self.outputs.at_resume(self.step, signal):
                 return self.checkpointer.save_for_preemption(self.step)
             while not self._done():
                 self.checkpointer.step_begins()  # all ranks exchange their flags meanwhile
                 batch, cond = next(data)
-                if self.grids is not None:  # the state after self.step steps
-                    self.grids.at_step(self.step, batch.shape[1:],
-                                       resumed=self.step == self.resume_step)
-                if self.config.log_sample_indices:
-                    record_indices(self.config.checkpoint.log_dir, self.rank, self.step + 1,
-                                   getattr(self.data, "last_indices", None))
+                self.outputs.before_step(self.step, batch, self.step == self.resume_step,
+                                         getattr(self.data, "last_indices", None))
                 self.run_step(batch, cond)
-                evaluated = (self.evaluator is None  # False: a preemption abandoned it
-                             or self.evaluator.at_step(self.step, batch.shape[1:], signal))
+                evaluated = self.outputs.after_step(self.step, batch, signal)  # False: abandoned
                 if self.step % self.log_interval == 0:
                     logger.dumpkvs()
                 if self.save_interval and self.step % self.save_interval == 0:
@@ -383,8 +191,7 @@ class TrainLoop:
             if self.step == self.resume_step and self.checkpointer.last_saved_step == self.step:
                 logger.log(f"already at step {self.step}; nothing to train")
             self.save(wait=True)
-            if self.grids is not None:
-                self.grids.at_end(self.step)
+            self.outputs.at_end(self.step)
         return 0
 
     def run_step(self, batch, cond):
@@ -456,14 +263,7 @@ class TrainLoop:
             return {"t": t, "w": weights, **{f"l:{k}": v.detach() for k, v in losses.items()}}
 
         rows = self.virtual_shards.step(self.step + 1, batch, cond, shard)
-        t = rows.pop("t").long()
-        weights = rows.pop("w").float()
-        losses = {k[2:]: v.float() for k, v in rows.items()}
-        if isinstance(self.schedule_sampler, LossAwareSampler):
-            self.schedule_sampler.update_with_all_losses(
-                *(x.tolist() for x in _finite_only(t, losses["loss"].double())))
-        for s in self.virtual_shards.plan.global_slices():
-            log_loss_dict(self.diffusion, t[s], {k: v[s] * weights[s] for k, v in losses.items()})
+        take_shard_losses(rows, self.virtual_shards.plan, self.schedule_sampler, self.diffusion)
 
     def optimize(self):
         """Unscale, log grad norm, anneal lr, step. Returns False if the step was skipped (fp16
@@ -474,7 +274,7 @@ class TrainLoop:
         the loss scale stay on the device until the next dumpkvs()."""
         if self.grad_scaler is None:
             norm = self._log_grad_norm()
-            if not self._grads_finite(norm):
+            if not grads_finite(self.model.parameters(), norm):  # one host sync (fsdp: all)
                 return self._non_finite_step(float(norm))
             self._anneal_lr()
             self.opt.step()
@@ -482,17 +282,7 @@ class TrainLoop:
         self.grad_scaler.unscale_(self.opt)
         self._log_grad_norm()
         self._anneal_lr()
-        scale = amp.scale_tensor(self.grad_scaler).clone()
-        self.grad_scaler.step(self.opt)
-        self.grad_scaler.update()
-        new_scale = amp.scale_tensor(self.grad_scaler)
-        logger.logkv_device("loss_scale", new_scale)
-        if bool(new_scale < scale):
-            logger.logkv_mean("fp16_skipped", 1)
-            logger.log(f"step {self.step + 1} skipped: NaN/inf float16 gradients at loss scale "
-                       f"{float(scale):g} (now {float(new_scale):g}; usual in the first steps)")
-            return False
-        return True
+        return amp.scaled_step(self.grad_scaler, self.opt, self.step + 1)
 
     def optimize_normal(self):
         """Upstream's name for the optimizer step without --use_fp16: the one optimize() step.
@@ -525,15 +315,7 @@ class TrainLoop:
         process at exit ("terminate called without an active exception", signal 6).
         """
         self.checkpointer.close(sync=sync)
-        for spool in _INDEX_SPOOLS.values():  # --log_sample_indices' rows of a bucket log dir,
-            spool.sync(True)  # put now: at exit a store's client may be gone (adlfs)
-        if self._tensorboard is not None:
-            logger.remove_output(self._tensorboard)
-            self._tensorboard = None
-        if self._trackers is not None:
-            self._trackers.ok = sync
-            logger.remove_output(self._trackers)
-            self._trackers = None
+        self.outputs.close(ok=sync)
         if self.use_ddp and self.ddp_model is not self.model:
             if sync:
                 dist_util.barrier()
@@ -562,25 +344,14 @@ class TrainLoop:
         self._resuming = None
 
     def _match_class_names(self):
-        """A class-conditional resume whose --data_dir classes differ from the class names its
-        model file stores stops here with one line naming the differences, unless --class_map
-        maps them (image_datasets.resumed_class_names); the data is relabelled to the names
-        trained with, and the files store them. Every rank decides alike: the same file, the
-        same data (its fingerprint was compared)."""
-        names = getattr(self.data, "class_names", None)
-        if not names:
-            return
-        raw = self._resuming.model_file.raw
-        label_names, note = image_datasets.resumed_class_names(
-            raw.get("class_names") if isinstance(raw, dict) else None, names,
-            self.config.class_map, data_dir=getattr(getattr(self.data, "dataset", None), "root",
-                                                    None),
-            source=str(self._resuming.plan.model),
-            num_classes=self.model_flags.get("num_classes"))
-        image_datasets.relabel(self.data, label_names)
-        self.checkpointer.file_tags["class_names"] = [str(n) for n in label_names]
-        if note:
-            logger.log(f"resume: {note}")
+        """The data's classes against the resumed model file's class names (one line, or a
+        relabelling that the files then store: image_datasets.match_resumed_classes)."""
+        matched = image_datasets.match_resumed_classes(
+            self.data, self._resuming, self.config.class_map, self.model_flags.get("num_classes"))
+        if matched is not None:
+            self.checkpointer.file_tags["class_names"] = [str(n) for n in matched[0]]
+            if matched[1]:
+                logger.log(f"resume: {matched[1]}")
 
     def _load_and_sync_parameters(self):
         """Upstream's name: load the model weights of the resume step (collective; every rank
@@ -603,25 +374,10 @@ class TrainLoop:
         """AdamW over the model's parameters (a subclass may build its own param groups)."""
         return make_adamw(self.model.parameters(), lr=self.lr, weight_decay=self.weight_decay)
 
-    def _wrap_ddp(self):
-        kwargs = dict(bucket_cap_mb=128,
-                      find_unused_parameters=self.config.find_unused_parameters)
-        if self.device.type == "cuda":
-            kwargs.update(device_ids=[self.device], output_device=self.device)
-        return DDP(self.model, **kwargs)
-
     def _prime_ddp_buckets(self, micro, micro_cond):
-        """One throw-away forward/backward so that DDP settles its gradient buckets now: DDP
-        re-orders them after the first synchronised backward, which changes the order of the
-        cross-rank sums (on 3+ ranks: the last bits), so without it the first step after a resume
-        would differ from a straight run's. It changes no state: the (zero) gradients are dropped,
-        buffers (BatchNorm statistics) and RNG put back (keep_model_state). Collective."""
-        with keep_model_state(self.model):
-            t = th.zeros(micro.shape[0], dtype=th.long, device=self.device)
-            with amp.autocast(self.device, self.amp_dtype):
-                out = self.ddp_model(micro, t, **micro_cond)
-            (out.float().sum() * 0.0).backward()
-            self.opt.zero_grad(set_to_none=True)
+        """DDP's buckets settled before the first step (prime_ddp_buckets). Collective."""
+        prime_ddp_buckets(self.ddp_model, self.model, self.opt, micro, micro_cond,
+                          self.amp_dtype)
         self._ddp_primed = True
 
     def _log_grad_norm(self):
@@ -631,11 +387,6 @@ class TrainLoop:
         norm = grad_norm(grads) if grads else th.zeros((), device=self.device)
         logger.logkv_mean_device("grad_norm", norm, 1)
         return norm
-
-    def _grads_finite(self, norm):
-        """False if a gradient is NaN/Inf (the step's one host sync; grads_finite). Collective
-        under --fsdp."""
-        return grads_finite(self.model.parameters(), norm)
 
     def _non_finite_step(self, norm):
         """--nan_policy for a step with non-finite gradients: raise, or skip it (returns False)."""
@@ -651,14 +402,8 @@ class TrainLoop:
             group["lr"] = lr
 
     def _update_ema(self):
-        """Upstream's EMA of every trained parameter; a frozen one (requires_grad False, e.g.
-        DiT's pos_embed) keeps its value (rate * x + (1 - rate) * x drifts in floating point)."""
-        trained = [i for i, p in enumerate(self.model.parameters()) if p.requires_grad]
-        params = [fsdp.local(p.detach()) for p in self.model.parameters()]  # --fsdp: the slices
-        with th.no_grad():
-            for rate, ema in zip(self.ema_rate, self.ema_params):
-                update_ema([fsdp.local(ema[i]) for i in trained], [params[i] for i in trained],
-                           rate=rate)
+        """Upstream's EMA of every trained parameter (update_emas)."""
+        update_emas(self.model, self.ema_params, self.ema_rate)
 
     def _done(self):
         if self.config.max_steps and self.step >= self.config.max_steps:
@@ -672,65 +417,78 @@ class TrainLoop:
 
 
 
-def _rank_flags(config, model_flags, schedule_sampler):
-    """The flags every rank must agree on: model, diffusion and training ({name: value}). Left
-    out, since they may differ per rank: the data folder's path (its content is compared through
-    the dataset's fingerprint: ranks may read local copies), the number of loader workers (not
-    seen here) and TrainConfig.PER_RANK."""
-    flags = dict(model_flags)
-    flags.update({k: v for k, v in config.flags().items() if k not in TrainConfig.PER_RANK})
-    flags["schedule_sampler"] = (getattr(schedule_sampler, "name", None)
-                                 or type(schedule_sampler).__name__)
-    return flags
+def make_checkpointer(loop, data, batch_size, run_settings):
+    """The Checkpointer of a TrainLoop (its model, optimizer, EMAs and states: the timestep
+    sampler, the GradScaler, the post-hoc EMA tracker, the virtual shards), the files tagged
+    with the data's class names and a latent folder's VAE. Not collective."""
+    cfg = loop.config
+    states = {"schedule_sampler": loop.schedule_sampler, "grad_scaler": loop.grad_scaler,
+              "phema": loop.phema}
+    if loop.virtual_shards is not None:
+        states[virtual_shards.VirtualShards.name] = loop.virtual_shards
+    checkpointer = Checkpointer(
+        cfg.checkpoint, model=loop.model, optimizer=loop.opt,
+        emas=dict(zip(cfg.ema_rates, loop.ema_params)), data=data, batch_size=batch_size,
+        seed=cfg.seed, model_flags=loop.model_flags,
+        run_flags={k: getattr(cfg, k) for k in TrainConfig.RECORDED}, settings=run_settings,
+        states=states)
+    names = getattr(data, "class_names", None)  # image_datasets.load_data's, in label order
+    if names:
+        checkpointer.file_tags["class_names"] = [str(n) for n in names]
+    vae = getattr(data, "vae", None)  # a latent folder's vae.json: decode with that VAE
+    if vae:
+        checkpointer.file_tags["vae"] = {k: vae[k] for k in ("source", "sha256", "scale")
+                                         if k in vae}
+    return checkpointer
 
 
-# --log_sample_indices with a log dir in an object store: this process's local spool of
-# sample_indices/ (logger._Mirror, as log.txt's), by the URL of that folder
-_INDEX_SPOOLS = {}
+def wrap_ddp(model, device, find_unused_parameters):
+    """``model`` in DDP (128 MB buckets; the device's ids on CUDA). Collective."""
+    kwargs = dict(bucket_cap_mb=128, find_unused_parameters=find_unused_parameters)
+    if device.type == "cuda":
+        kwargs.update(device_ids=[device], output_device=device)
+    return DDP(model, **kwargs)
 
 
-def record_indices(log_dir, rank, step, indices):
-    """--log_sample_indices: append "step,i1,i2,..." (this rank's dataset indices of the batch of
-    ``step``) to log_dir/sample_indices/rank{rank}.csv; nothing for data that has none. A log dir
-    in an object store (no append): the rows go to a local spool of that folder (logger._Mirror:
-    the object downloaded first, so a resumed run continues it) and the whole file is put back
-    at most every _Mirror.EVERY_S seconds, at TrainLoop.close, and at the process's exit (a hook
-    of its own, for a run that ends without close; adlfs' client may be gone by then). Not collective: each rank
-    writes its own file."""
-    if indices is None:
-        return
-    d = bf.join(log_dir, "sample_indices")
-    name = f"rank{rank}.csv"
-    line = ",".join([str(step)] + [str(int(i)) for i in np.asarray(indices).ravel()])
-    spool = None
-    if bf.is_remote(d):
-        spool = _INDEX_SPOOLS.get(d)
-        if spool is None:
-            spool = _INDEX_SPOOLS[d] = logger._Mirror(d)
-            spool.fetch(name)  # makes the store's client: the exit hook below runs before its
-            # own clean-up (atexit runs last in, first out; logger's runs after it, too late
-            # for adlfs)
-            atexit.register(spool.sync, True)
-        path = os.path.join(spool.local, name)
-    else:
-        bf.makedirs(d)
-        path = os.path.join(d, name)
-    with open(path, "a") as f:
-        f.write(line + "\n")
-    if spool is not None:
-        spool.sync()
+def prime_ddp_buckets(ddp_model, model, opt, micro, micro_cond, amp_dtype):
+    """One throw-away forward/backward so that DDP settles its gradient buckets now: DDP
+    re-orders them after the first synchronised backward, which changes the order of the
+    cross-rank sums (on 3+ ranks: the last bits), so without it the first step after a resume
+    would differ from a straight run's. It changes no state: the (zero) gradients are dropped,
+    buffers (BatchNorm statistics) and RNG put back (keep_model_state). Collective."""
+    with keep_model_state(model):
+        t = th.zeros(micro.shape[0], dtype=th.long, device=micro.device)
+        with amp.autocast(micro.device, amp_dtype):
+            out = ddp_model(micro, t, **micro_cond)
+        (out.float().sum() * 0.0).backward()
+        opt.zero_grad(set_to_none=True)
 
 
-def _settings(settings, given):
-    """TrainLoop's keyword arguments as TrainConfig's flags: upstream's ``given`` plus ours by
-    name (a TypeError for a name that is no setting, as for any unknown keyword)."""
-    known = {f.name for f in dataclasses.fields(TrainConfig)} | {
-        f.name for f in dataclasses.fields(CheckpointConfig)}
-    unknown = sorted(set(settings) - known)
-    if unknown:
-        raise TypeError(f"TrainLoop() got unexpected keyword argument(s) {', '.join(unknown)} "
-                        f"(settings: {', '.join(sorted(known - {'checkpoint'}))})")
-    return dict(given, **settings)
+def take_shard_losses(rows, plan, sampler, diffusion):
+    """A --global_batch_size step's records of all shards in shard order (``rows``: "t", "w"
+    and "l:TERM" [G]; the same on every rank): the loss-aware ``sampler``'s update and the
+    loss log per shard, as the step's microbatches would have. Not collective."""
+    t = rows.pop("t").long()
+    weights = rows.pop("w").float()
+    losses = {k[2:]: v.float() for k, v in rows.items()}
+    if isinstance(sampler, LossAwareSampler):
+        finite = _finite_only(t, losses["loss"].double())
+        sampler.update_with_all_losses(*(x.tolist() for x in finite))
+    for s in plan.global_slices():
+        log_loss_dict(diffusion, t[s], {k: v[s] * weights[s] for k, v in losses.items()})
+
+
+def update_emas(model, ema_params, rates):
+    """Upstream's EMA of every trained parameter of ``model`` into each of ``ema_params`` (one
+    list per rate of ``rates``); a frozen one (requires_grad False, e.g. DiT's pos_embed) keeps
+    its value (rate * x + (1 - rate) * x drifts in floating point). Under --fsdp: the local
+    slices. Not collective."""
+    trained = [i for i, p in enumerate(model.parameters()) if p.requires_grad]
+    params = [fsdp.local(p.detach()) for p in model.parameters()]
+    with th.no_grad():
+        for rate, ema in zip(rates, ema_params):
+            update_ema([fsdp.local(ema[i]) for i in trained], [params[i] for i in trained],
+                       rate=rate)
 
 
 # DDP's words, at the next forward, for a parameter that got no gradient in a step on every rank
@@ -792,27 +550,6 @@ def keep_model_state(model):
 
 
 # ---------------------------------------------------------------------- module functions
-
-
-def parse_ema_rates(ema_rate):
-    """"0.9999,0.999" (or a float, or a list) -> ["0.9999", "0.999"] as upstream names files."""
-    if isinstance(ema_rate, (list, tuple)):
-        items = list(ema_rate)
-    elif isinstance(ema_rate, float):
-        items = [ema_rate]
-    else:
-        items = [x for x in str(ema_rate).split(",") if x.strip()]
-    out = []
-    for x in items:
-        try:
-            r = float(x)
-        except ValueError:
-            raise UsageError(f"--ema_rate: {x!r} is not a number; pass e.g. 0.9999 or "
-                             f"0.9999,0.999") from None
-        if not 0.0 <= r <= 1.0:
-            raise UsageError(f"--ema_rate: {x} is not in [0, 1]")
-        out.append(str(r))
-    return out
 
 
 def parse_resume_step_from_filename(filename):

@@ -55,7 +55,7 @@ import torch.distributed as dist
 
 from . import dist_util, logger
 from .ckpt.rng import get_rng_state, set_rng_state
-from .errors import UsageError
+from .infra.errors import UsageError
 
 # Bits above the largest |gradient| of the step before that a tensor's fixed-point range keeps:
 # a gradient may grow 2**HEADROOM_BITS-fold in one step before the step runs its shards again.

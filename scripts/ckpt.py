@@ -19,7 +19,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from improved_diffusion.ckpt.ckpt_tool import main  # noqa: E402
+from improved_diffusion.apps.ckpt_tool import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

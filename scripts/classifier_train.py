@@ -30,16 +30,17 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 if __name__ == "__main__":  # first, before torch is imported: SIGTERM/SIGUSR1 from here on
-    from improved_diffusion.ckpt import preemption  # end the job with exit 75 (preemption.py)
+    from improved_diffusion.infra import preemption  # end the job with exit 75 (preemption.py)
 
     preemption.install()
 
-from improved_diffusion import classifier_train, cli  # noqa: E402
+from improved_diffusion import classifier_train
+from improved_diffusion.infra import cli  # noqa: E402
 from improved_diffusion.script_util import (  # noqa: E402
     classifier_and_diffusion_defaults,
     classifier_train_defaults,
 )
-from improved_diffusion.flags import create_parser, explicit_args  # noqa: E402
+from improved_diffusion.infra.flags import create_parser, explicit_args  # noqa: E402
 
 
 def create_argparser():

@@ -55,8 +55,8 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from improved_diffusion.errors import UsageError, UserError  # noqa: E402
-from improved_diffusion.flags import FlagParser  # noqa: E402
+from improved_diffusion.infra.errors import UsageError, UserError  # noqa: E402
+from improved_diffusion.infra.flags import FlagParser  # noqa: E402
 BIN = os.path.dirname(sys.executable)
 PREEMPTED_EXIT_CODE = 75  # train_util.PREEMPTED_EXIT_CODE (not imported: keep startup light)
 # Stage 5's scales: --classifier_scale (classifier guidance) and --guidance_scale (classifier-free).
@@ -583,7 +583,7 @@ def phema_sweep(run_dir, out, ref_npz, s):
     eval/phema_sweep.png drawn, phema_sweep.json written. Returns its dict."""
     import io
 
-    from improved_diffusion.ckpt import ckpt_tool
+    from improved_diffusion.apps import ckpt_tool
 
     folder = os.path.join(out, "eval")
     argv = ["phema", run_dir, "--std", s["sweep_stds"], "--evaluate", ref_npz, "--num_samples",
@@ -959,7 +959,7 @@ def main(argv=None):
         f.write("\n".join(lines) + "\n")
     os.replace(summary_path + ".tmp", summary_path)
     print("\n".join(lines), flush=True)
-    from improved_diffusion.demo_page import write_page
+    from improved_diffusion.apps.demo_page import write_page
 
     print(f"page:    {write_page(out)}   (open it in a browser)", flush=True)
     return 0

@@ -16,7 +16,8 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from improved_diffusion import cli, evaluation  # noqa: E402
+from improved_diffusion.infra import cli
+from improved_diffusion import evaluation  # noqa: E402
 
 
 def digits_features():

@@ -29,7 +29,7 @@ from improved_diffusion.image_datasets import (  # noqa: E402
     load_data,
 )
 from improved_diffusion.script_util import model_and_diffusion_defaults, nll_defaults  # noqa: E402
-from improved_diffusion.flags import create_parser  # noqa: E402
+from improved_diffusion.infra.flags import create_parser  # noqa: E402
 
 TERMS = ("vb", "mse", "xstart_mse")
 

@@ -12,9 +12,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from improved_diffusion import cli  # noqa: E402
+from improved_diffusion.infra import cli  # noqa: E402
 from improved_diffusion.progress_plot import plot_loss_curve, run_events  # noqa: E402
-from improved_diffusion.flags import FlagParser  # noqa: E402
+from improved_diffusion.infra.flags import FlagParser  # noqa: E402
 
 
 def main(argv=None):

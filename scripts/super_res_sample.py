@@ -27,7 +27,7 @@ from improved_diffusion.script_util import (  # noqa: E402
     sr_create_model_and_diffusion,
     sr_model_and_diffusion_defaults,
 )
-from improved_diffusion.flags import create_parser  # noqa: E402
+from improved_diffusion.infra.flags import create_parser  # noqa: E402
 
 
 def create_argparser():

@@ -13,7 +13,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 if __name__ == "__main__":  # first, before torch is imported: SIGTERM/SIGUSR1 from here on
-    from improved_diffusion.ckpt import preemption  # end the job with exit 75 (preemption.py)
+    from improved_diffusion.infra import preemption  # end the job with exit 75 (preemption.py)
 
     preemption.install()
 
@@ -21,8 +21,9 @@ import numpy as np  # noqa: E402
 import torch as th  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from improved_diffusion import cli, dist_util, logger, train_job, train_util  # noqa: E402
-from improved_diffusion.errors import UsageError  # noqa: E402
+from improved_diffusion.infra import cli
+from improved_diffusion import dist_util, logger, train_job, train_util  # noqa: E402
+from improved_diffusion.infra.errors import UsageError  # noqa: E402
 from improved_diffusion.image_datasets import load_data  # noqa: E402
 from improved_diffusion.resample import create_named_schedule_sampler  # noqa: E402
 from improved_diffusion.script_util import (  # noqa: E402
@@ -30,7 +31,7 @@ from improved_diffusion.script_util import (  # noqa: E402
     sr_model_and_diffusion_defaults,
     train_defaults,
 )
-from improved_diffusion.flags import args_to_dict, create_parser, explicit_args  # noqa: E402
+from improved_diffusion.infra.flags import args_to_dict, create_parser, explicit_args  # noqa: E402
 
 
 class SuperResLoader:

@@ -12,14 +12,15 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from improved_diffusion.ckpt import preemption  # noqa: E402
+from improved_diffusion.infra import preemption  # noqa: E402
 
 preemption.install()
 
 import torch as th  # noqa: E402
 from torch import nn  # noqa: E402
 
-from improved_diffusion import cli, dist_util, train_job  # noqa: E402
+from improved_diffusion.infra import cli
+from improved_diffusion import dist_util, train_job  # noqa: E402
 from improved_diffusion.image_datasets import load_data  # noqa: E402
 from improved_diffusion.ckpt.rng import seed_rngs  # noqa: E402
 from improved_diffusion.script_util import (  # noqa: E402
@@ -27,7 +28,7 @@ from improved_diffusion.script_util import (  # noqa: E402
     model_and_diffusion_defaults,
     train_defaults,
 )
-from improved_diffusion.flags import create_parser  # noqa: E402
+from improved_diffusion.infra.flags import create_parser  # noqa: E402
 
 
 class EdgeModel(nn.Module):

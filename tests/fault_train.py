@@ -38,7 +38,8 @@ import time
 from train_driver import run_train_py  # tests/ (this script's folder); makes the repo importable
 
 from improved_diffusion import dist_util, logger, train_util  # noqa: E402
-from improved_diffusion.ckpt import checkpoint, preemption, run_dir  # noqa: E402
+from improved_diffusion.ckpt import checkpoint, run_dir
+from improved_diffusion.infra import preemption  # noqa: E402
 
 if os.environ.get("FAULT_HARD_EXIT_S"):
     preemption.HARD_EXIT_S = float(os.environ["FAULT_HARD_EXIT_S"])
@@ -79,8 +80,8 @@ def _run_step_with_fault(self, batch, cond):
             and self.step == int(os.environ.get("FAULT_STEP", "0"))):
         if os.environ.get("FAULT_RAISE") == "SIGKILL":
             deadline = time.time() + 120
-            while (self._trackers is not None and time.time() < deadline
-                   and not all(b.drained for b in self._trackers.backends)):
+            while (self.outputs.trackers is not None and time.time() < deadline
+                   and not all(b.drained for b in self.outputs.trackers.backends)):
                 time.sleep(0.05)
             os.kill(os.getpid(), signal.SIGKILL)
         raise _fault()

@@ -22,7 +22,8 @@ import torch
 import amp_train  # tests/ (this script's folder), as train_driver, which makes the repo importable
 from train_driver import run_train_py
 
-from improved_diffusion import fsdp, train_util  # noqa: E402
+from improved_diffusion.infra import fsdp
+from improved_diffusion import train_util  # noqa: E402
 
 
 def _ints(name):

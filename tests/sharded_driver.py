@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from improved_diffusion import dist_util  # noqa: E402
 from improved_diffusion.ckpt import checkpoint as ck, optim_state, run_dir, sharded  # noqa
-from improved_diffusion.errors import UserError  # noqa: E402
+from improved_diffusion.infra.errors import UserError  # noqa: E402
 
 RATES = ("0.9999", "0.999")
 FLAGS = {"width": None, "learn_sigma": False}

@@ -73,7 +73,7 @@ class Store:
     def client(self):
         """A storage-layer view of this server in this process (env set while it runs)."""
         os.environ.update(self.env)
-        from improved_diffusion.ckpt import storage
+        from improved_diffusion.infra import storage
         storage.forget_clients()
         return storage
 

@@ -131,7 +131,7 @@ class Tracked(Counter):
         return {"tracked weights": self.weights}
 
     def resume_without_state(self, step):
-        from improved_diffusion.errors import UserError
+        from improved_diffusion.infra.errors import UserError
 
         raise UserError(f"step {step} has no tracked state")
 
@@ -140,7 +140,7 @@ def test_a_states_own_files_join_the_step_its_tensors_are_checked_and_it_may_ref
     import json
 
     from improved_diffusion.ckpt.checkpointer import NonFiniteError
-    from improved_diffusion.errors import UserError
+    from improved_diffusion.infra.errors import UserError
 
     model, opt, ema = parts()
     ckpt = make(log, model, opt, ema, {"tracked": Tracked(), "counter": Counter()})
@@ -165,7 +165,7 @@ def test_states_may_not_take_the_trainer_states_own_names(log):
 
 
 def test_the_config_checks_its_values_and_names_the_flag(tmp_path):
-    from improved_diffusion.errors import UsageError
+    from improved_diffusion.infra.errors import UsageError
 
     with pytest.raises(UsageError, match="--keep_checkpoints must be >= 0"):
         config(tmp_path, keep_checkpoints=-1)
@@ -211,7 +211,7 @@ def test_without_preemption_install_watch_signals_owns_the_signals_for_its_block
 # process-wide handler.
 SIGNAL_DURING_RESUME = r"""
 import os, signal, sys
-from improved_diffusion.ckpt import preemption
+from improved_diffusion.infra import preemption
 preemption.install()
 import test_checkpointer as T
 from improved_diffusion import logger

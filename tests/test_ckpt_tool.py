@@ -13,7 +13,7 @@ import torch as th
 
 from improved_diffusion.ckpt import checkpoint as ckpt
 from improved_diffusion.ckpt import run_dir
-from improved_diffusion.ckpt.ckpt_tool import main
+from improved_diffusion.apps.ckpt_tool import main
 from improved_diffusion.ckpt.optim_state import named_optimizer_state
 
 from conftest import FIXTURES, hang_s, run_script
@@ -413,7 +413,7 @@ def test_prune_keeps_the_newest_complete_steps(tmp_path):
 def test_module_entry_point_runs_the_tool():
     from conftest import PY, _run
 
-    proc = _run([PY, "-m", "improved_diffusion.ckpt.ckpt_tool", "verify", RUN, "--json"], 60,
+    proc = _run([PY, "-m", "improved_diffusion.apps.ckpt_tool", "verify", RUN, "--json"], 60,
                 check=False)
     assert proc.returncode == 0, proc.stdout
     assert json.loads(proc.stdout[proc.stdout.index("{"):])["resume_step"] == 10

@@ -14,10 +14,10 @@ import torch as th
 from improved_diffusion.ckpt import checkpoint as ckpt
 from improved_diffusion.ckpt import file_writer
 from improved_diffusion import amp, logger, progress_plot, script_util
-from improved_diffusion import flags as flag_table
-from improved_diffusion.ckpt.ckpt_tool import build_parser as ckpt_parser
-from improved_diffusion.ckpt.ckpt_tool import main as ckpt_main
-from improved_diffusion.errors import UsageError
+from improved_diffusion.infra import flags as flag_table
+from improved_diffusion.apps.ckpt_tool import build_parser as ckpt_parser
+from improved_diffusion.apps.ckpt_tool import main as ckpt_main
+from improved_diffusion.infra.errors import UsageError
 
 from conftest import PY, REPO, _run, hang_s, run_mpi, run_script, write_class_folder
 

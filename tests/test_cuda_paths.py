@@ -9,7 +9,8 @@ import pytest
 import torch as th
 import torch.distributed as dist
 
-from improved_diffusion import dist_util, heartbeat
+from improved_diffusion import dist_util
+from improved_diffusion.infra import heartbeat
 from improved_diffusion.dist_util import DeviceError
 
 TIMEOUT = datetime.timedelta(seconds=20)

@@ -7,7 +7,7 @@ from urllib.parse import unquote
 
 from PIL import Image
 
-from improved_diffusion.demo_page import write_page
+from improved_diffusion.apps.demo_page import write_page
 
 
 def png(path, size=(80, 8)):

@@ -30,7 +30,7 @@ from cluster_sim import matches_manifest
 from improved_diffusion.ckpt import checkpoint as C
 from improved_diffusion.ckpt import file_writer as W
 from improved_diffusion.ckpt import run_dir as R
-from improved_diffusion.ckpt import storage
+from improved_diffusion.infra import storage
 
 TRAIN = REPO / "scripts" / "train.py"
 TINY = [

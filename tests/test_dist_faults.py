@@ -13,7 +13,8 @@ import pytest
 
 import cluster_sim as cs
 from conftest import REPO, hang_s, run_module_mpi, run_script
-from improved_diffusion import dist_util, heartbeat, rendezvous
+from improved_diffusion import dist_util
+from improved_diffusion.infra import heartbeat, rendezvous
 from test_train import error_lines, random_images
 
 # ------------------------------------------------------------------------------- timeouts
@@ -105,7 +106,8 @@ RENDEZVOUS_CHILD = """
 import os, socket, sys, json
 rank = int(os.environ["PMI_RANK"])
 socket.gethostname = lambda: f"host{rank}"
-from improved_diffusion import cli, dist_util, heartbeat, rendezvous
+from improved_diffusion.infra import cli, heartbeat, rendezvous
+from improved_diffusion import dist_util
 rendezvous.network_stack = lambda: f"stack{rank}"
 INJECT
 def main(argv):

@@ -17,7 +17,7 @@ import torch
 
 from conftest import deep_diff, resumed_step, run_mpi, run_script
 from improved_diffusion import train_util
-from improved_diffusion.ckpt import ckpt_tool
+from improved_diffusion.apps import ckpt_tool
 from improved_diffusion.dit import DiT
 from improved_diffusion.script_util import create_gaussian_diffusion
 

@@ -195,7 +195,7 @@ def evaluate_script():
 
 def run_inproc(script, capsys, *args):
     """scripts/evaluate.py in this process (one rank): (exit code, stdout, stderr)."""
-    from improved_diffusion import cli
+    from improved_diffusion.infra import cli
 
     capsys.readouterr()
     code = cli.run_main(script.main, [str(a) for a in args])
@@ -505,7 +505,7 @@ def test_a_hostile_batch_is_one_line_exit_1_in_every_entry_point_and_nothing_is_
     stored as object arrays (a traceback), 0x0 images (figures, exit 0), NaN statistics (`FID:
     nan`, exit 0; phema's `best:` line lost): evaluate.py, train.py --eval_ref_batch and
     `ckpt.py phema --evaluate` each say it in one line, exit 1, and cache nothing."""
-    from improved_diffusion.ckpt import ckpt_tool
+    from improved_diffusion.apps import ckpt_tool
 
     d = tmp_path / "batches"
     bad, words = _hostile(kind, d, digits)

@@ -134,7 +134,7 @@ def test_a_full_disk_under_the_log_dir_is_one_line_naming_the_file_and_keeps_wha
     naming the disk fault and the file, not an OSError traceback; earlier rows stay on disk."""
     import errno
 
-    from improved_diffusion.errors import UserError
+    from improved_diffusion.infra.errors import UserError
 
     disk = tmp_path / "disk"
     disk.mkdir()

@@ -12,7 +12,7 @@ import pytest
 import torch as th
 
 from improved_diffusion import logger, train_util
-from improved_diffusion.errors import UserError
+from improved_diffusion.infra.errors import UserError
 from improved_diffusion.script_util import create_model_and_diffusion, model_and_diffusion_defaults
 
 FLAGS = dict(model_and_diffusion_defaults(), image_size=8, num_channels=32, num_res_blocks=1,
@@ -226,7 +226,7 @@ def test_num_workers_below_minus_one_is_a_usage_error_naming_the_flag(tmp_path):
     import argparse
 
     from improved_diffusion import train_job
-    from improved_diffusion.errors import UsageError
+    from improved_diffusion.infra.errors import UsageError
     from improved_diffusion.script_util import train_defaults
 
     args = argparse.Namespace(**dict(model_and_diffusion_defaults(), **train_defaults()))

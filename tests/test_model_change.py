@@ -18,7 +18,8 @@ import torch as th
 
 from conftest import deep_diff, run_mpi, run_script, write_class_folder, write_images
 from improved_diffusion import logger, train_util
-from improved_diffusion.ckpt import ckpt_tool, optim_state
+from improved_diffusion.apps import ckpt_tool
+from improved_diffusion.ckpt import optim_state
 from improved_diffusion.script_util import create_model_and_diffusion
 
 import model_change_jobs

@@ -24,7 +24,8 @@ import torch
 import cluster_sim as cs
 import multihost as mh
 from conftest import deep_diff, hang_s, resumed_step, run_script, write_images
-from improved_diffusion import dist_util, heartbeat, rendezvous
+from improved_diffusion import dist_util
+from improved_diffusion.infra import heartbeat, rendezvous
 from test_train import error_lines
 
 # The simulated hosts have fixed names, addresses and disk paths: one test at a time (make
@@ -320,7 +321,8 @@ def mpiexec(hosts, n, cmd, tmp_path, tag, env=None):
 RENDEZVOUS_CHILD = """
 import json, socket, sys
 NAME
-from improved_diffusion import cli, dist_util, heartbeat, rendezvous
+from improved_diffusion.infra import cli, heartbeat, rendezvous
+from improved_diffusion import dist_util
 def main(argv):
     dist_util.setup_dist(timeout=20)
     hb = heartbeat._heartbeat

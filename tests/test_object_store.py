@@ -40,7 +40,7 @@ def _server(kind, tmp_path_factory):
         store.stop()
         os.environ.clear()
         os.environ.update(saved)
-        from improved_diffusion.ckpt import storage
+        from improved_diffusion.infra import storage
         storage.forget_clients()
 
 
@@ -387,7 +387,7 @@ def test_a_4xx_answer_is_not_retried_and_a_503_is(any_store):
 def test_check_store_says_its_line_after_one_call_without_our_retries(s3, monkeypatch):
     """storage.check_store makes one listing with the client's own retries only: as many
     requests as one plain listing call makes, never our ~30 s of retries on top."""
-    from improved_diffusion.ckpt.storage import StoreUnreachableError
+    from improved_diffusion.infra.storage import StoreUnreachableError
     storage = s3.client()
     bucket = new_bucket(s3)
     proxy = stores.Proxy(s3.port)
@@ -488,7 +488,7 @@ def test_two_jobs_that_both_saw_the_lock_free_one_holds_it(any_store):  # ignore
             mine.acquire(log=lambda m: None)
         assert other.held and not mine.held
         import json
-        from improved_diffusion.ckpt import storage
+        from improved_diffusion.infra import storage
         token = json.loads(storage.read_bytes(f"{url}/lock.json"))["token"]
         assert token == other._token
     finally:
@@ -498,7 +498,7 @@ def test_two_jobs_that_both_saw_the_lock_free_one_holds_it(any_store):  # ignore
 
 KILLED_WRITER = r"""
 import os, sys, time
-from improved_diffusion.ckpt import storage
+from improved_diffusion.infra import storage
 f = storage.open_write(sys.argv[1], exclusive=True)
 for _ in range(3):
     f.write(os.urandom(storage.BLOCK_BYTES))  # whole parts, uploaded as they fill

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from conftest import MPIEXEC, PY, REPO, _run, deep_diff, resumed_step, write_images
-from improved_diffusion.ckpt.ckpt_tool import main as ckpt_main
+from improved_diffusion.apps.ckpt_tool import main as ckpt_main
 
 DRIVER = REPO / "tests" / "edge_model_train.py"
 FLAGS = ["--image_size", "8", "--diffusion_steps", "20", "--noise_schedule", "cosine",

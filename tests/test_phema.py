@@ -18,7 +18,7 @@ from improved_diffusion.ckpt import checkpoint as C
 from improved_diffusion.ckpt import file_writer as W
 from improved_diffusion import phema as P
 from improved_diffusion.ckpt import run_dir as R
-from improved_diffusion.ckpt.ckpt_tool import main as ckpt_main
+from improved_diffusion.apps.ckpt_tool import main as ckpt_main
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

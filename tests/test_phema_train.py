@@ -15,8 +15,8 @@ from conftest import deep_diff, hang_s, resumed_step, run_mpi, run_script, write
 from improved_diffusion.ckpt import checkpoint as C
 from improved_diffusion import logger, phema, train_util
 from improved_diffusion.ckpt.checkpointer import NonFiniteError
-from improved_diffusion.ckpt.ckpt_tool import main as ckpt_main
-from improved_diffusion.errors import UsageError
+from improved_diffusion.apps.ckpt_tool import main as ckpt_main
+from improved_diffusion.infra.errors import UsageError
 from improved_diffusion.script_util import create_model_and_diffusion, model_and_diffusion_defaults
 
 TINY_FLAGS = dict(image_size=8, num_channels=32, num_res_blocks=1, attention_resolutions="",

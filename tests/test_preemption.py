@@ -24,7 +24,7 @@ import pytest
 import cluster_sim as cs
 from conftest import MPIEXEC, PY, REPO, child_env, hang_s, write_class_folder, write_images
 
-from improved_diffusion.ckpt.preemption import BEFORE_TRAINING
+from improved_diffusion.infra.preemption import BEFORE_TRAINING
 
 TRAIN = REPO / "scripts" / "train.py"
 DRIVER = REPO / "tests" / "fault_train.py"

@@ -7,7 +7,7 @@ import pytest
 import torch as th
 
 from conftest import run_module_mpi
-from improved_diffusion.errors import UsageError
+from improved_diffusion.infra.errors import UsageError
 from improved_diffusion.resample import (
     LossSecondMomentResampler,
     UniformSampler,

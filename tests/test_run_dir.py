@@ -22,7 +22,7 @@ from conftest import MPIEXEC, REPO, child_env, hang_s, run_script
 from improved_diffusion.ckpt import checkpoint as C
 from improved_diffusion.ckpt import file_writer as W
 from improved_diffusion.ckpt import run_dir as R
-from improved_diffusion.ckpt import storage
+from improved_diffusion.infra import storage
 
 
 def _sd(seed=0):

@@ -19,7 +19,7 @@ from torch import nn
 
 from conftest import deep_diff, run_mpi, run_script, write_class_folder, write_images
 from improved_diffusion import logger, sample_grids, sampling
-from improved_diffusion.errors import UsageError
+from improved_diffusion.infra.errors import UsageError
 from improved_diffusion.script_util import create_gaussian_diffusion
 
 HAS_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None

@@ -8,7 +8,7 @@ import pytest
 
 from conftest import run_script
 from improved_diffusion import logger, sampling
-from improved_diffusion.errors import UserError
+from improved_diffusion.infra.errors import UserError
 from test_cfg import tagged_file
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

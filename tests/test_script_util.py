@@ -130,7 +130,7 @@ def test_bad_image_size_raises_a_flag_error(bad):
 
 
 def test_flag_error_is_a_usage_error_that_exits_2():
-    from improved_diffusion.errors import UsageError, UserError
+    from improved_diffusion.infra.errors import UsageError, UserError
 
     assert issubclass(FlagError, UsageError) and issubclass(FlagError, UserError)
     assert FlagError("x").exit_code == 2 and not issubclass(FlagError, ValueError)
@@ -194,7 +194,7 @@ def test_a_linear_schedule_too_short_for_its_betas_is_one_line_naming_the_flags(
     ValueError traceback ("betas must lie in (0, 1]") from inside the diffusion."""
     import pytest as _pytest
 
-    from improved_diffusion.errors import UsageError
+    from improved_diffusion.infra.errors import UsageError
     from improved_diffusion.script_util import create_gaussian_diffusion
 
     with _pytest.raises(UsageError, match=r"--diffusion_steps 4 with --noise_schedule linear.*"

@@ -6,7 +6,7 @@ import pytest
 import torch as th
 
 from improved_diffusion.ckpt import checkpoint as ckpt
-from improved_diffusion.ckpt import ckpt_tool
+from improved_diffusion.apps import ckpt_tool
 from improved_diffusion.script_util import create_model_and_diffusion, model_and_diffusion_defaults
 from improved_diffusion.ckpt.state_fit import SHAPE_FLAGS, fit_state_dict, shapes_of
 

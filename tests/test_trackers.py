@@ -236,7 +236,7 @@ def test_an_unreachable_mlflow_server_is_one_warning_line_and_training_completes
 
 def test_a_tracker_whose_library_is_missing_is_one_line_naming_the_pip_extra(monkeypatch):
     from improved_diffusion import trackers
-    from improved_diffusion.errors import UsageError
+    from improved_diffusion.infra.errors import UsageError
 
     real = trackers.importlib.util.find_spec
     monkeypatch.setattr(trackers.importlib.util, "find_spec",

@@ -16,7 +16,7 @@ from conftest import (FIXTURES, MPIEXEC, PY, REPO, _run, deep_diff, run_script,
                       write_class_folder, write_images)
 
 from improved_diffusion import evaluation, sampling
-from improved_diffusion.ckpt import ckpt_tool
+from improved_diffusion.apps import ckpt_tool
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -13,11 +13,12 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 if __name__ == "__main__":  # as train.py: the preemption signals are owned from here on
-    from improved_diffusion.ckpt import preemption
+    from improved_diffusion.infra import preemption
 
     preemption.install()
 
-from improved_diffusion import cli, dist_util, train_eval  # noqa: E402
+from improved_diffusion.infra import cli
+from improved_diffusion import dist_util, train_eval  # noqa: E402
 
 
 def main(argv):

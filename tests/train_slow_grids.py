@@ -13,7 +13,8 @@ from torch import nn
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from improved_diffusion import cli, train_job  # noqa: E402
+from improved_diffusion.infra import cli
+from improved_diffusion import train_job  # noqa: E402
 
 
 class SlowWhenSampling(nn.Module):

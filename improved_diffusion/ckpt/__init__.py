@@ -2,8 +2,10 @@
 The checkpoint and resume system: the reason this project exists, in one package.
 
 Upstream's modules (train_util, dist_util, script_util, ...) sit one level up; this package knows
-nothing of diffusion. It imports nothing at package import time: scripts import
-``improved_diffusion.ckpt.preemption`` on their first lines, before torch.
+nothing of diffusion and builds on the ground floor, improved_diffusion/infra/ (errors, storage:
+every read and write of a run dir, local or in a bucket; preemption: the signals). The doctor
+that reads its files is an application above it (improved_diffusion/apps/ckpt_tool.py). It
+imports nothing at package import time.
 
 The modules, from the file up:
 
@@ -13,16 +15,13 @@ The modules, from the file up:
     safe_read     bytes to objects: torch.load (weights_only) with each record's CRC-32 checked
                   as it is read, the zip's records, stand-ins for refused pickled objects
     file_writer   writing one file: the atomic writer (write_file, atomic_write), the checksums
-                  a manifest lists (file_digest), the wording of disk faults
+                  a manifest lists (file_digest)
     torch_zip     torch.save's file byte for byte, the records' CRC-32s computed in parallel
                   with the write (else torch.save itself)
     optim_state   optimizer state keyed by parameter name; upstream's layouts in and out
     run_dir       a log dir of steps: write_step (files, then the manifest), listing, manifests,
                   verification of the candidate step, the resume plan (plan_resume),
                   refuse_overwrite, quarantine to incomplete/, pruning
-    storage       every read, write, list and remove of a run dir: local paths (os), object
-                  stores through fsspec (s3://, gs://, az://): streamed uploads, conditional
-                  creates, bounded retries, the one-line "store unreachable" error
     sharded       --save_layout sharded: a step as one torch.distributed.checkpoint folder of
                   every rank's shards, our manifest over its files written last (start_save /
                   collect, read_step resharded, verify, consolidate)
@@ -35,13 +34,11 @@ The modules, from the file up:
     state_fit     "does this state dict fit this model, and which flag is likely wrong"
     model_change  resume into a changed model (--allow_model_change): kept and fresh tensors
     rng           one process's seeding and RNG state
-    preemption    the one owner of SIGTERM/SIGUSR1, from a script's first line to its last
     checkpointer  the one owner of a run's checkpoint state for any loop and any model
-    ckpt_tool     the doctor (scripts/ckpt.py): inspect, verify, diff, convert, adapt, prune, phema
 
 What a loop uses (examples/own_loop.py; train_util.TrainLoop and classifier_train the same):
 
-    from improved_diffusion.ckpt import preemption           # preemption.install(), first line
+    from improved_diffusion.infra import preemption           # preemption.install(), first line
     from improved_diffusion.ckpt.checkpointer import (Checkpointer, CheckpointConfig,
                                                       PREEMPTED_EXIT_CODE)
     from improved_diffusion.ckpt.rng import seed_rngs

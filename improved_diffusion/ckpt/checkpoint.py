@@ -40,9 +40,10 @@ from typing import Any, Dict, List, Optional
 import torch as th
 
 from .. import dist_util
-from . import safe_read, storage
+from . import safe_read
+from ..infra import storage
 
-from ..errors import UserError, typed_one_line
+from ..infra.errors import UserError, typed_one_line
 
 SCHEMA = "improved_diffusion.checkpoint"
 VERSION = 1

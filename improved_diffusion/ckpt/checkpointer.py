@@ -99,13 +99,14 @@ from typing import Any, Dict, List, Optional
 
 import torch as th
 
-from . import (async_save, checkpoint, model_change, optim_state, preemption, rng, run_dir,
-               sharded, state_fit, writer_process)
-from .. import dist_util, fsdp, logger
+from . import (async_save, checkpoint, model_change, optim_state, rng, run_dir, sharded,
+               state_fit, writer_process)
+from .. import dist_util, logger
+from ..infra import fsdp, preemption
 from .async_save import BackgroundWriter, HostSnapshot, to_host
 from .writer_process import WriterProcess
-from ..config_check import by_rank
-from ..errors import UsageError, UserError
+from ..infra.config_check import by_rank
+from ..infra.errors import UsageError, UserError
 from ..script_util import same_flag_value
 
 # EX_TEMPFAIL: "try again later". A job script can requeue on it (preemption.py's).

@@ -37,7 +37,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch as th
 
-from ..errors import UserError
+from ..infra.errors import UserError
 from .checkpoint import (
     LAYOUT_FLAT1,
     LAYOUT_FLAT2,
@@ -138,7 +138,7 @@ def _family_of_class(optimizer) -> Optional[str]:
     return None
 
 
-def _family_of_state(states, groups) -> Optional[str]:
+def family_of_state(states, groups) -> Optional[str]:
     keys = set()
     for entry in states:
         if isinstance(entry, dict):
@@ -554,7 +554,7 @@ def _checked(payload, source, optimizer):
         saved_opt = payload.get("optimizer")
         saved_opt = saved_opt if isinstance(saved_opt, str) else None
         groups = payload.get("param_groups")
-        saved_family = _CLASS_FAMILY.get(saved_opt) or _family_of_state(
+        saved_family = _CLASS_FAMILY.get(saved_opt) or family_of_state(
             payload["state"].values(), groups if isinstance(groups, list) else [])
         _check_family(saved_family, family, target_name, source, saved_opt)
         _check_named(payload, source, needed)
@@ -562,7 +562,7 @@ def _checked(payload, source, optimizer):
     if isinstance(payload, dict) and "state" in payload and "param_groups" in payload:
         _check_state_container(payload["state"], source)
         groups = payload["param_groups"]
-        saved_family = _family_of_state(payload["state"].values(),
+        saved_family = family_of_state(payload["state"].values(),
                                         groups if isinstance(groups, list) else [])
         _check_family(saved_family, family, target_name, source)
         _check_raw(payload, source, needed)

@@ -41,10 +41,11 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 from . import checkpoint as ckpt
-from . import file_writer, run_lock, storage
+from . import file_writer, run_lock
+from ..infra import storage
 from .. import dist_util
 from .checkpoint import CheckpointError, CheckpointReadError
-from ..errors import typed_one_line
+from ..infra.errors import typed_one_line
 
 _SHARDED_DIR_RE = re.compile(r"^step(\d+)\.dcp$")  # sharded.STEP_DIR_RE (no import cycle)
 
@@ -834,7 +835,7 @@ class StepWriter:
         self.crc_threads, self.settings = crc_threads, settings
         self.names, self.entries, self.written = list(names), {}, []
         if not ckpt.is_remote(self.log_dir) and not os.path.isdir(self.log_dir):
-            raise CheckpointError(file_writer.gone_message(
+            raise CheckpointError(storage.gone_message(
                 self.log_dir, f"saving step {self.step}", self._kept()))
         for name in self.names:
             info = ckpt.name_info(name)
@@ -891,7 +892,7 @@ class StepWriter:
                         f"behind, which a resume moves to incomplete/) and the last complete "
                         f"step is intact, so a rerun resumes from it")
             doing = f"saving step {self.step}" + (f" ({current})" if current else "")
-            message = file_writer.write_fault_message(e, self.log_dir, doing, kept)
+            message = storage.write_fault_message(e, self.log_dir, doing, kept)
             if message is None:
                 raise
             raise CheckpointError(message) from None

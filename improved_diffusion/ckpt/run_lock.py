@@ -56,8 +56,8 @@ import threading
 import time
 import uuid
 
-from . import preemption, storage
-from ..errors import UserError
+from ..infra import preemption, storage
+from ..infra.errors import UserError
 
 DEFAULT_WAIT_S = 300.0
 DEFAULT_HEARTBEAT_S = 30.0

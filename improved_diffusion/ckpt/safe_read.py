@@ -35,7 +35,7 @@ import zlib
 
 import torch as th
 
-from ..errors import typed_one_line
+from ..infra.errors import typed_one_line
 
 
 def load_error_reason(e):

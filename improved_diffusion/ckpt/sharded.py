@@ -69,7 +69,8 @@ from . import checkpoint as ckpt
 from . import file_writer, run_dir
 from .checkpoint import CheckpointError, CheckpointReadError
 from .. import dist_util
-from ..errors import typed_one_line
+from ..infra import storage
+from ..infra.errors import typed_one_line
 
 LAYOUT = "sharded"
 FORMAT = "torch.distributed.checkpoint"
@@ -333,13 +334,13 @@ def _fault_line(e, log_dir, step):
     doing = f"saving step {step} ({step_dirname(step)})"
     inner = _errno_in(e)
     if inner is not None:
-        return file_writer.write_fault_message(inner, log_dir, doing, kept)
+        return storage.write_fault_message(inner, log_dir, doing, kept)
     text = str(e)
     for code, words in ((errno.ENOSPC, "No space left on device"),
                         (errno.EDQUOT, "Disk quota exceeded"),
                         (errno.EROFS, "Read-only file system")):
         if words in text:
-            return file_writer.write_fault_message(OSError(code, words), log_dir, doing, kept)
+            return storage.write_fault_message(OSError(code, words), log_dir, doing, kept)
     return None
 
 
@@ -493,7 +494,7 @@ def _check_names(log_dir, step, files):
         raise ShardedStepError(f"{log_dir}: the sharded layout writes local log dirs only; "
                                f"use the full layout (or a local --log_dir)")
     if not os.path.isdir(log_dir):
-        raise CheckpointError(file_writer.gone_message(
+        raise CheckpointError(storage.gone_message(
             log_dir, f"saving step {step}", f"nothing of step {step} was written"))
     for name in files:
         info = ckpt.name_info(name)

@@ -17,7 +17,7 @@ safetensors, and reconstruct post-hoc EMAs from a run's snapshots.
     python scripts/ckpt.py consolidate RUN --step N --out DIR   (a sharded step, step000010.dcp/,
         as the full layout's files; `inspect` and `verify` read sharded steps too)
 
-(also `python -m improved_diffusion.ckpt.ckpt_tool ...`). Human-readable output by default,
+(also `python -m improved_diffusion.apps.ckpt_tool ...`). Human-readable output by default,
 `--json` for scripts. Exit status: 0 healthy, 1 problem found, 2 bad usage. Errors are one line on
 stderr, never a traceback. Only `convert`, `adapt`, `phema` and `consolidate` (into --out) and `prune` write or delete
 anything;
@@ -39,21 +39,22 @@ import traceback
 
 import torch as th
 
-from . import checkpoint as ckpt
-from ..errors import UsageError, UserError
-from ..flags import FlagParser, flags_to_argv, unknown_flag_message
-from . import file_writer, model_change, run_dir, run_lock, sharded, storage
 from .. import phema
-from .state_fit import fit_state_dict, shapes_of
-from .optim_state import (
+from ..ckpt import checkpoint as ckpt
+from ..ckpt import file_writer, model_change, run_dir, run_lock, sharded
+from ..ckpt.optim_state import (
     FORMAT,
     OptimizerStateError,
-    _family_of_state,
+    family_of_state,
     convert_to_named,
     convert_with_report,
     named_to_raw,
     validate_optimizer_payload,
 )
+from ..ckpt.state_fit import fit_state_dict, shapes_of
+from ..infra import storage
+from ..infra.errors import UsageError, UserError
+from ..infra.flags import FlagParser, flags_to_argv, unknown_flag_message
 
 EXIT_OK, EXIT_PROBLEM, EXIT_USAGE = 0, 1, 2
 
@@ -135,7 +136,7 @@ def _opt_summary(opt):
             if isinstance(e, dict) and isinstance(e.get("exp_avg"), th.Tensor):
                 total += e["exp_avg"].numel()
         out["parameters"] = total or None
-        family = _family_of_state(states, groups)
+        family = family_of_state(states, groups)
         out["optimizer"] = {"Adam": "Adam/AdamW"}.get(family, family) or "unknown"
     if groups and isinstance(groups[0], dict):
         g = groups[0]
@@ -1007,7 +1008,7 @@ def _adapt_num_classes(args, c, flags):
 
 def cmd_adapt(args, out):
     """A complete tagged step in a new --out, adapted to the model of --flags (model_change.py)."""
-    from .rng import seed_rngs  # the seeding of train.py's build(): the same fresh init
+    from ..ckpt.rng import seed_rngs  # the seeding of train.py's build(): the same fresh init
 
     storage.check_store(args.src, "SRC")
     storage.check_store(args.out, "--out")

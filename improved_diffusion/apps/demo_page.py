@@ -1,7 +1,7 @@
 """The demo's one page to look at: ``write_page(out_dir)`` renders ``OUT/index.html`` from what
 ``scripts/demo.py`` leaves in its output folder.
 
-    from improved_diffusion.demo_page import write_page
+    from improved_diffusion.apps.demo_page import write_page
     write_page("demo_out")          # -> "demo_out/index.html"
 
 What it shows, each part only when its files are there:

@@ -21,7 +21,6 @@ Example::
 import argparse
 
 from .errors import UsageError
-from .ckpt import writer_process
 
 
 def add_dict_to_argparser(parser, default_dict):
@@ -213,7 +212,7 @@ FLAG_HELP = {
     "save_writer": ("checkpointing", "where async saves are written: process (a writer "
                     "process fed through shared memory, off the trainer's core), thread (a "
                     "thread of the trainer), auto (the process for steps of "
-                    f"{writer_process.PROCESS_MIN_BYTES >> 20} MiB or more where the training "
+                    "64 MiB or more where the training "  # ckpt.writer_process.PROCESS_MIN_BYTES
                     "leaves a core free for it, else the thread)"),
     "allow_model_change": ("checkpointing", "on resume, keep the tensors whose name and shape "
                            "fit the model of the flags and start the others fresh (off: a "

@@ -12,7 +12,7 @@ rank 3)").
 import hashlib
 import json
 
-from . import dist_util
+from .. import dist_util
 
 
 def check_config_on_all_ranks(flags, fingerprint=None):

@@ -11,8 +11,8 @@ import sys
 import time
 import traceback
 
-from . import dist_util, heartbeat, logger
-from .ckpt import preemption
+from .. import dist_util, logger
+from . import heartbeat, preemption
 
 from .errors import USAGE_EXIT_CODE, USER_ERROR_EXIT_CODE, UsageError, UserError, one_line
 

@@ -34,7 +34,8 @@ answers and dropped connections are retried ``len(RETRY_PAUSES)`` times with gro
 about 30 s in all (``retrying``; ``ID_STORE_RETRY_S`` sets another total), on top of the client
 library's own retries; nothing else is retried; a whole streamed write is retried only where
 the caller can write it again (put). ``write_failure_message`` words a failed write in one line
-(the URL, the store's answer, what to do: file_writer.write_fault_message for a store). ``check_store(url)`` is the one-line ``StoreUnreachableError`` (a
+(the URL, the store's answer, what to do: write_fault_message below, for a store).
+``check_store(url)`` is the one-line ``StoreUnreachableError`` (a
 UserError) for a store that cannot be reached or refuses the credentials, raised before
 training starts (run_lock calls it).
 
@@ -49,7 +50,7 @@ import re
 import time
 from dataclasses import dataclass
 
-from ..errors import UserError
+from .errors import UserError
 
 # Pauses (seconds) between the tries of one store call that failed transiently (throttling, 5xx,
 # a dropped connection): about 30 s in all before the error is raised; $RETRY_ENV (seconds)
@@ -643,3 +644,112 @@ def write_failure_message(e, url, doing, kept):
         what = f"the store answered {answer}"
         todo = "rerun the same command"
     return f"{url}: {what} while {doing}; {kept}; {todo}"
+
+
+# ------------------------------------------------- the wording of a failed write (disk faults)
+
+
+# errno -> (what happened, what to do); the message names the directory before them.
+_FAULTS = {
+    errno.ENOSPC: ("no space left on device",
+                   "free space there (delete old steps, or pass --keep_checkpoints N) or copy the "
+                   "log dir to a bigger disk and rerun with --log_dir there"),
+    errno.EDQUOT: ("disk quota exceeded (no space left for this user)",
+                   "free space there (delete old steps, or pass --keep_checkpoints N) or raise "
+                   "the quota"),
+    errno.EROFS: ("read-only file system",
+                  "remount it read-write, or copy the log dir to a writable disk and rerun with "
+                  "--log_dir there"),
+    errno.EACCES: ("permission denied",
+                   "give this user write access to it (or rerun with another --log_dir)"),
+    errno.EPERM: ("permission denied (operation not permitted)",
+                  "give this user write access to it (or rerun with another --log_dir)"),
+}
+_GONE = ("the log dir no longer exists (removed while the job ran?)",
+         "it is not recreated, since an empty log dir would hide the lost checkpoints: restore it "
+         "and rerun, or rerun with a new --log_dir to start over")
+# What is left of a log dir that is gone (in place of the caller's ``kept``, which speaks of the
+# steps in it: the last complete one went with it too).
+_GONE_KEPT = "nothing of it is intact: the steps saved in it went with it"
+# torch.save's text for a write that failed below it (the errno is lost on the way).
+_TORCH_WRITE_FAILED = re.compile(r"inline_container|PytorchStreamWriter|unexpected pos|"
+                                 r"file write failed", re.I)
+_LOW_SPACE_BYTES = 1 << 20
+
+
+def disk_fault(e, directory):
+    """(what happened, what to do) when ``e`` is a disk fault of writing into ``directory``.
+
+    Only these are mapped: ENOSPC, EDQUOT, EROFS, EACCES/EPERM, and a directory that no longer
+    exists; also torch.save's RuntimeError for a failed write when the file system is (nearly)
+    full (``os.statvfs``). Anything else (a bug, an unexpected errno) returns None.
+    """
+    if isinstance(e, OSError):
+        if e.errno == errno.ENOENT and not is_remote(directory) and not os.path.isdir(directory):
+            return _GONE
+        return _FAULTS.get(e.errno)
+    if isinstance(e, RuntimeError) and _TORCH_WRITE_FAILED.search(str(e)):
+        free = free_bytes(directory)
+        if free is not None and free < _LOW_SPACE_BYTES:
+            return _FAULTS[errno.ENOSPC]
+    return None
+
+
+def free_bytes(directory):
+    """Bytes available to this user on the file system of a local ``directory``, else None."""
+    if is_remote(directory):
+        return None
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def fault_message(fault, directory, doing, kept, free_at_failure=None):
+    """One line: "<dir>: <what happened> while <doing>[ (free space)]; <kept>; <what to do>".
+    The free space is the one when the write failed (``free_at_failure``, measured before the
+    partial files were removed), else the one now, said as such. For a log dir that is gone,
+    ``kept`` gives way to _GONE_KEPT: nothing in it can be intact."""
+    what, todo = fault
+    if fault == _GONE:
+        kept = _GONE_KEPT
+    where = ""
+    if fault in (_FAULTS[errno.ENOSPC], _FAULTS[errno.EDQUOT]):
+        if free_at_failure is not None:
+            where = f" (only {_human_bytes(free_at_failure)} free there when it failed)"
+        else:
+            free = free_bytes(directory)
+            where = f" ({_human_bytes(free)} free there now)" if free is not None else ""
+    return f"{directory}: {what} while {doing}{where}; {kept}; {todo}"
+
+
+def _human_bytes(n):
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1024
+
+
+def write_fault_message(e, directory, doing, kept):
+    """The one-line message for a write that failed with ``e`` in ``directory`` when it is a disk
+    fault (full, quota, read-only, permission, vanished directory) or, for a directory in an
+    object store, any other error of the store (write_failure_message: its answer),
+    else None
+    (a bug: re-raise). ``doing``: "saving step 6 (model000006.pt)"; ``kept``: what is left
+    intact."""
+    if is_remote(directory):
+        said = write_failure_message(e, directory, doing, kept)
+        if said is not None:
+            return said
+    if not isinstance(e, (OSError, RuntimeError)):
+        return None
+    fault = disk_fault(e, directory)
+    return None if fault is None else fault_message(
+        fault, directory, doing, kept, getattr(e, "free_bytes_at_failure", None))
+
+
+def gone_message(directory, doing, kept):
+    """The one-line message for a log dir that no longer exists (``kept`` gives way to what is
+    true of a log dir that is gone: nothing of it is intact)."""
+    return fault_message(_GONE, directory, doing, kept)
