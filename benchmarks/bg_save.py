@@ -55,6 +55,28 @@ def write_s(loop):
     return loop.checkpointer.wait_for_save()[1]
 
 
+def pause_parts(loop, step):
+    """Where one async save's pause goes: cProfile's cumulative seconds of its parts (the
+    weights check, building the step's files, the RNG gather, pickling, the host copy)."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    pause = cb.timed_save(loop, step, async_save=True)
+    prof.disable()
+    write_s(loop)
+    parts = {"_refuse_non_finite_weights": "weights_check", "step_files": "step_files",
+             "get_rng_state": "rng_state", "dump": "pickle", "_foreach_copy_": "host_copy",
+             "pack": "pack", "_start": "writer_start"}
+    out = {}
+    for (_, _, name), row in pstats.Stats(prof).stats.items():
+        if name in parts or name.endswith("._foreach_copy_>") or "foreach_copy" in name:
+            key = parts.get(name, "host_copy")
+            out[key] = round(out.get(key, 0) + row[3], 4)
+    return pause, out
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--size", default="30M")
@@ -145,19 +167,32 @@ def main():
             trainer_nice=os.getpriority(os.PRIO_PROCESS, 0),
             writer_affinity=sorted(os.sched_getaffinity(wpid)) if wpid else None,
             trainer_affinity=sorted(os.sched_getaffinity(0)), cpus=os.cpu_count())
+    step += 1
+    pause, parts = pause_parts(loop, step)
+    cb.drop_step(d, step)
+    cb.emit("bg_pause_parts", pause, "s", cmd, **common, host_memcpy_s=round(memcpy, 4),
+            note="cProfile (adds overhead) cumulative seconds", **parts)
     # saves every 3 steps, as a run makes them
-    chain_pauses = []
+    # (each pause split into the wait for the previous save's write and the save's own pause)
+    chain_pauses, chain_waits, chain_writes = [], [], []
     for _ in range(args.chain):
         for _ in range(3):
             cb.step_seconds(loop, batch)
         step += 3
+        t0 = time.perf_counter()
+        done = loop.checkpointer.wait_for_save()
+        chain_waits.append(time.perf_counter() - t0)
+        if done:
+            chain_writes.append(done[1])
         chain_pauses.append(cb.timed_save(loop, step, async_save=True))
         loop.step = step
-    last_write = write_s(loop)
+    chain_writes.append(write_s(loop))
     cb.emit("bg_pauses_every_3_steps", chain_pauses[-1] / chain_pauses[0], "ratio", cmd,
             **common, goal="no growth (last over first ~1)",
-            pauses_s=[round(x, 4) for x in chain_pauses], step_s=round(a50, 4),
-            last_write_s=round(last_write, 4))
+            pauses_s=[round(x, 4) for x in chain_pauses],
+            waits_for_previous_s=[round(x, 4) for x in chain_waits],
+            writes_s=[round(x, 4) for x in chain_writes], step_s=round(a50, 4),
+            disk_sustains=max(chain_writes) <= 3 * a50)
     loop.close()
 
 
