@@ -77,12 +77,71 @@ def pause_parts(loop, step):
     return pause, out
 
 
+def crc_threads_pairs(loop, d, step, repeat):
+    """run_dir.write_step of the same host copy with the CRC on the writing thread before each
+    write (crc_threads=1, what the writer process passes) and on the CRC threads while the
+    write runs (None: the synchronous save's), alternating; seconds of each."""
+    from improved_diffusion.ckpt import rng, run_dir
+    from improved_diffusion.ckpt.async_save import to_host
+
+    files = to_host(loop.checkpointer.step_files(step, [rng.get_rng_state()]))
+    rows = {1: [], None: []}
+    for r in range(repeat):
+        for threads in ((1, None) if r % 2 else (None, 1)):
+            t0 = time.perf_counter()
+            run_dir.write_step(d, step, files, crc_threads=threads)
+            rows[threads].append(time.perf_counter() - t0)
+            cb.drop_step(d, step)
+    return rows[1], rows[None]
+
+
+SPY_PARTS = {"crc32": "crc", "ChecksumWriter.write": "write_syscalls", "_fsync_dir": "fsync",
+             "sync_file_range": "writeback", "persistent_id": "torch_pickling",
+             "_Unpickler": "hand_off_unpickle", "Connection._recv": "idle_waiting_for_work"}
+
+
+def spy_writer(loop, d, step, writes):
+    """py-spy (``pip install py-spy``) samples the writer process's main thread (idle frames
+    too) over ``writes`` background writes: seconds of each part per write, by the innermost
+    frame named in SPY_PARTS (the rest: 'other', torch's zip writer and Python)."""
+    import collections
+    import subprocess
+
+    out = os.path.join(d, "spy.txt")
+    rate = 200
+    spy = subprocess.Popen(["py-spy", "record", "-p", str(loop.checkpointer._process.pid),
+                            "--idle", "-r", str(rate), "-f", "raw", "-o", out, "--nonblocking"],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(1)
+    walls = []
+    for _ in range(writes):
+        step += 1
+        cb.timed_save(loop, step, async_save=True)
+        walls.append(write_s(loop))
+        cb.drop_step(d, step)
+    spy.send_signal(2)
+    spy.wait()
+    parts = collections.Counter()
+    with open(out) as f:
+        for line in f:
+            stack, n = line.rstrip().rsplit(" ", 1)
+            if "_watch_parent" in stack:
+                continue
+            frames = stack.split(";")
+            part = next((p for fr in reversed(frames) for k, p in SPY_PARTS.items() if k in fr),
+                        "other")
+            parts[part] += int(n)
+    os.unlink(out)
+    return step, walls, {k: round(v / rate / writes, 4) for k, v in parts.items()}
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--size", default="30M")
     p.add_argument("--dir", default=None)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--chain", type=int, default=5)
+    p.add_argument("--spy", type=int, default=0, help="py-spy the writer over this many writes")
     args = p.parse_args()
     cmd = "python benchmarks/bg_save.py " + " ".join(sys.argv[1:])
     import torch as th
@@ -172,6 +231,18 @@ def main():
     cb.drop_step(d, step)
     cb.emit("bg_pause_parts", pause, "s", cmd, **common, host_memcpy_s=round(memcpy, 4),
             note="cProfile (adds overhead) cumulative seconds", **parts)
+    step += 1
+    one, par = crc_threads_pairs(loop, d, step, args.repeat)
+    cb.emit("bg_crc_before_write_over_beside", statistics.median(one) / statistics.median(par),
+            "ratio", cmd, **common, crc_threads_1_s=[round(x, 4) for x in one],
+            crc_threads_pool_s=[round(x, 4) for x in par],
+            note="run_dir.write_step of one host copy in this process, alternating")
+    if args.spy:
+        step, walls, parts = spy_writer(loop, d, step, args.spy)
+        busy = sum(v for k, v in parts.items() if k != "idle_waiting_for_work")
+        cb.emit("bg_writer_spy_s_per_write", busy, "s", cmd, **common,
+                bg_write_s=[round(x, 4) for x in walls], sampled_s_per_write=parts,
+                note="py-spy --idle, the writer's main thread")
     # saves every 3 steps, as a run makes them
     # (each pause split into the wait for the previous save's write and the save's own pause)
     chain_pauses, chain_waits, chain_writes = [], [], []
