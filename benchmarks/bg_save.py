@@ -8,7 +8,8 @@ images, one thread, one rank):
   buffers, measured in the same run;
 - ``bg_step_p50_during_write_over_alone`` and ``bg_step_p99_during_write_over_alone`` (goal
   <= 1.10 for p99): the steps timed one by one while the background write runs (a step wholly
-  inside the write) over the same steps without one, taken in alternation, round by round;
+  inside the write) over the same steps without one, taken in alternation, round by round
+  (with a few dozen steps, p99 is about the slowest: ``steps_during`` says how many);
 - ``bg_write_over_sync_save`` (goal <= 1.3): the background write's duration (from the save's
   start until its files and manifest are fsync'd, the log's "saved step N ... in X s") over a
   synchronous save (--async_save False) of the same step's bytes, the two in alternating
@@ -179,8 +180,8 @@ def main():
         write_s(loop)
         prof.append((wall, w1[0] - w0[0], w1[1] - w0[1], c1.user - c0.user,
                      c1.system - c0.system))
-        nbytes = sum(os.path.getsize(os.path.join(d, n)) for n in cb.step_files(d, step))
         sizes = [os.path.getsize(os.path.join(d, n)) for n in cb.step_files(d, step)]
+        nbytes = sum(sizes)
         cb.drop_step(d, step)
         # the background write without steps beside it, and the synchronous save, in turn
         pair = {}
