@@ -1,0 +1,272 @@
+"""What a background save costs the run, three figures taken separately in one run (issue 45
+item 4), on the compute-light model of ``--size`` (sizes.LIGHT: the checkpoint's bytes on 8x8
+images, one thread, one rank):
+
+- ``bg_pause_over_host_memcpy`` (goal <= 1.2): the blocking pause of TrainLoop.save() with
+  --async_save True (the first save, which starts the writer and allocates the arena, not
+  counted) over ``host_memcpy_s``, one copy of the step's bytes between preallocated host
+  buffers, measured in the same run;
+- ``bg_step_p50_during_write_over_alone`` and ``bg_step_p99_during_write_over_alone`` (goal
+  <= 1.10 for p99): the steps timed one by one while the background write runs (a step wholly
+  inside the write) over the same steps without one, taken in alternation, round by round
+  (with a few dozen steps, p99 is about the slowest: ``steps_during`` says how many);
+- ``bg_write_over_sync_save`` (goal <= 1.3): the background write's duration (from the save's
+  start until its files and manifest are fsync'd, the log's "saved step N ... in X s") over a
+  synchronous save (--async_save False) of the same step's bytes, the two in alternating
+  order, round by round (median of the per-round ratios), with the raw fsync'd write of the
+  same bytes (``raw_write_fsync_s``) beside them;
+- ``bg_pauses_every_3_steps`` (goal: no growth): the pauses of ``--chain`` saves made every
+  3 steps, in order, with each save's background write time (does a save wait for the one
+  before it?);
+- ``bg_writer_profile``: where the background time goes: the writer process's nice level and
+  CPU affinity against the trainer's, its CPU time (user, system) during one write over the
+  write's wall time, the trainer's CPU over the same span, and the machine's load.
+
+One JSON line per figure with the command. Usage:
+
+    python benchmarks/bg_save.py [--size 30M] [--dir DIR] [--repeat 3] [--chain 5]
+"""
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import checkpoint as cb  # noqa: E402  (benchmarks/checkpoint.py: build_loop, timed_save, ...)
+
+
+def cpu_times(pid):
+    """(user, system) CPU seconds of process ``pid``, all its threads (/proc/PID/stat)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tick, int(fields[12]) / tick
+
+
+def pct(values, q):
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
+
+
+def write_s(loop):
+    """Wait for the background save; its seconds from its start until on disk."""
+    return loop.checkpointer.wait_for_save()[1]
+
+
+def pause_parts(loop, step):
+    """Where one async save's pause goes: cProfile's cumulative seconds of its parts (the
+    weights check, building the step's files, the RNG gather, pickling, the host copy)."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    pause = cb.timed_save(loop, step, async_save=True)
+    prof.disable()
+    write_s(loop)
+    parts = {"_refuse_non_finite_weights": "weights_check", "step_files": "step_files",
+             "get_rng_state": "rng_state", "dump": "pickle", "_foreach_copy_": "host_copy",
+             "pack": "pack", "_start": "writer_start"}
+    out = {}
+    for (_, _, name), row in pstats.Stats(prof).stats.items():
+        if name in parts or name.endswith("._foreach_copy_>") or "foreach_copy" in name:
+            key = parts.get(name, "host_copy")
+            out[key] = round(out.get(key, 0) + row[3], 4)
+    return pause, out
+
+
+def crc_threads_pairs(loop, d, step, repeat):
+    """run_dir.write_step of the same host copy with the CRC on the writing thread before each
+    write (crc_threads=1, what the writer process passes) and on the CRC threads while the
+    write runs (None: the synchronous save's), alternating; seconds of each."""
+    from improved_diffusion.ckpt import rng, run_dir
+    from improved_diffusion.ckpt.async_save import to_host
+
+    files = to_host(loop.checkpointer.step_files(step, [rng.get_rng_state()]))
+    rows = {1: [], None: []}
+    for r in range(repeat):
+        for threads in ((1, None) if r % 2 else (None, 1)):
+            t0 = time.perf_counter()
+            run_dir.write_step(d, step, files, crc_threads=threads)
+            rows[threads].append(time.perf_counter() - t0)
+            cb.drop_step(d, step)
+    return rows[1], rows[None]
+
+
+SPY_PARTS = {"crc32": "crc", "ChecksumWriter.write": "write_syscalls", "_fsync_dir": "fsync",
+             "sync_file_range": "writeback", "persistent_id": "torch_pickling",
+             "_Unpickler": "hand_off_unpickle", "Connection._recv": "idle_waiting_for_work"}
+
+
+def spy_writer(loop, d, step, writes):
+    """py-spy (``pip install py-spy``) samples the writer process's main thread (idle frames
+    too) over ``writes`` background writes: seconds of each part per write, by the innermost
+    frame named in SPY_PARTS (the rest: 'other', torch's zip writer and Python)."""
+    import collections
+    import subprocess
+
+    out = os.path.join(d, "spy.txt")
+    rate = 200
+    spy = subprocess.Popen(["py-spy", "record", "-p", str(loop.checkpointer._process.pid),
+                            "--idle", "-r", str(rate), "-f", "raw", "-o", out, "--nonblocking"],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(1)
+    walls = []
+    for _ in range(writes):
+        step += 1
+        cb.timed_save(loop, step, async_save=True)
+        walls.append(write_s(loop))
+        cb.drop_step(d, step)
+    spy.send_signal(2)
+    spy.wait()
+    parts = collections.Counter()
+    with open(out) as f:
+        for line in f:
+            stack, n = line.rstrip().rsplit(" ", 1)
+            if "_watch_parent" in stack:
+                continue
+            frames = stack.split(";")
+            part = next((p for fr in reversed(frames) for k, p in SPY_PARTS.items() if k in fr),
+                        "other")
+            parts[part] += int(n)
+    os.unlink(out)
+    return step, walls, {k: round(v / rate / writes, 4) for k, v in parts.items()}
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--size", default="30M")
+    p.add_argument("--dir", default=None)
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--chain", type=int, default=5)
+    p.add_argument("--spy", type=int, default=0, help="py-spy the writer over this many writes")
+    args = p.parse_args()
+    cmd = "python benchmarks/bg_save.py " + " ".join(sys.argv[1:])
+    import torch as th
+
+    from improved_diffusion import logger
+
+    th.set_num_threads(1)
+    d = tempfile.mkdtemp(dir=args.dir, prefix="bg_save_")
+    logger.configure(dir=d, format_strs=["log"])
+    loop, batch = cb.build_loop(args.size, d, light=True, keep_checkpoints=2)
+    params = sum(q.numel() for q in loop.model.parameters())
+    step = 100
+    cb.timed_save(loop, step, async_save=True)  # the first: the writer's start, the arena
+    write_s(loop)
+    cb.drop_step(d, step)
+    writer = loop.checkpointer.save_writer_chosen
+    proc = getattr(loop.checkpointer, "_process", None)
+    wpid = getattr(proc, "pid", None) if writer == "process" else None
+    buf = cb.random_bytes()
+    pauses, alone, during, ratios, writes, syncs, raws = [], [], [], [], [], [], []
+    prof = []
+    for r in range(args.repeat):
+        alone += [cb.step_seconds(loop, batch) for _ in range(10)]
+        step += 1
+        t0 = time.perf_counter()
+        c0, w0 = os.times(), (cpu_times(wpid) if wpid else (0, 0))
+        pauses.append(cb.timed_save(loop, step, async_save=True))
+        while loop.checkpointer.save_in_flight:
+            took = cb.step_seconds(loop, batch)
+            if loop.checkpointer.save_in_flight:
+                during.append(took)
+        wall = time.perf_counter() - t0
+        c1, w1 = os.times(), (cpu_times(wpid) if wpid else (0, 0))
+        loop.step = step
+        write_s(loop)
+        prof.append((wall, w1[0] - w0[0], w1[1] - w0[1], c1.user - c0.user,
+                     c1.system - c0.system))
+        sizes = [os.path.getsize(os.path.join(d, n)) for n in cb.step_files(d, step)]
+        nbytes = sum(sizes)
+        cb.drop_step(d, step)
+        # the background write without steps beside it, and the synchronous save, in turn
+        pair = {}
+        for which in (("bg", "sync") if r % 2 else ("sync", "bg")):
+            step += 1
+            if which == "bg":
+                cb.timed_save(loop, step, async_save=True)
+                pair["bg"] = write_s(loop)
+            else:
+                pair["sync"] = cb.timed_save(loop, step, async_save=False)
+            cb.drop_step(d, step)
+        writes.append(pair["bg"])
+        syncs.append(pair["sync"])
+        ratios.append(pair["bg"] / pair["sync"])
+        raws.append(cb.raw_write(d, sizes, buf))
+    memcpy = cb.memcpy_s(nbytes)
+    load = os.getloadavg()
+    common = dict(size=args.size, params=params, step_bytes=nbytes, writer=writer,
+                  model="light (8x8 images)", threads=1, repeats=args.repeat,
+                  loadavg=[round(x, 2) for x in load])
+    pause = statistics.median(pauses)
+    cb.emit("bg_pause_over_host_memcpy", pause / memcpy, "ratio", cmd, **common,
+            goal="<= 1.2", pause_s=round(pause, 4), host_memcpy_s=round(memcpy, 4),
+            pauses_s=[round(x, 4) for x in pauses])
+    a50, a99 = statistics.median(alone), pct(alone, 99)
+    if during:
+        d50, d99 = statistics.median(during), pct(during, 99)
+        cb.emit("bg_step_p50_during_write_over_alone", d50 / a50, "ratio", cmd, **common,
+                step_s_alone=round(a50, 4), step_s_during=round(d50, 4),
+                steps_during=len(during), steps_alone=len(alone))
+        cb.emit("bg_step_p99_during_write_over_alone", d99 / a99, "ratio", cmd, **common,
+                goal="<= 1.10", step_p99_s_alone=round(a99, 4), step_p99_s_during=round(d99, 4),
+                steps_during=len(during), steps_alone=len(alone))
+    cb.emit("bg_write_over_sync_save", statistics.median(ratios), "ratio", cmd, **common,
+            goal="<= 1.3", ratios=[round(x, 3) for x in ratios],
+            bg_write_s=[round(x, 4) for x in writes], sync_save_s=[round(x, 4) for x in syncs],
+            raw_write_fsync_s=[round(x, 4) for x in raws])
+    wall, wu, ws, tu, ts = (statistics.median(x) for x in zip(*prof))
+    cb.emit("bg_writer_profile", (wu + ws) / wall, "cpu/wall", cmd, **common,
+            write_with_steps_s=round(wall, 4), writer_user_s=round(wu, 4),
+            writer_sys_s=round(ws, 4), trainer_user_s=round(tu, 4), trainer_sys_s=round(ts, 4),
+            writer_nice=os.getpriority(os.PRIO_PROCESS, wpid) if wpid else None,
+            trainer_nice=os.getpriority(os.PRIO_PROCESS, 0),
+            writer_affinity=sorted(os.sched_getaffinity(wpid)) if wpid else None,
+            trainer_affinity=sorted(os.sched_getaffinity(0)), cpus=os.cpu_count())
+    step += 1
+    pause, parts = pause_parts(loop, step)
+    cb.drop_step(d, step)
+    cb.emit("bg_pause_parts", pause, "s", cmd, **common, host_memcpy_s=round(memcpy, 4),
+            note="cProfile (adds overhead) cumulative seconds", **parts)
+    step += 1
+    one, par = crc_threads_pairs(loop, d, step, args.repeat)
+    cb.emit("bg_crc_before_write_over_beside", statistics.median(one) / statistics.median(par),
+            "ratio", cmd, **common, crc_threads_1_s=[round(x, 4) for x in one],
+            crc_threads_pool_s=[round(x, 4) for x in par],
+            note="run_dir.write_step of one host copy in this process, alternating")
+    if args.spy:
+        step, walls, parts = spy_writer(loop, d, step, args.spy)
+        busy = sum(v for k, v in parts.items() if k != "idle_waiting_for_work")
+        cb.emit("bg_writer_spy_s_per_write", busy, "s", cmd, **common,
+                bg_write_s=[round(x, 4) for x in walls], sampled_s_per_write=parts,
+                note="py-spy --idle, the writer's main thread")
+    # saves every 3 steps, as a run makes them
+    # (each pause split into the wait for the previous save's write and the save's own pause)
+    chain_pauses, chain_waits, chain_writes = [], [], []
+    for _ in range(args.chain):
+        for _ in range(3):
+            cb.step_seconds(loop, batch)
+        step += 3
+        t0 = time.perf_counter()
+        done = loop.checkpointer.wait_for_save()
+        chain_waits.append(time.perf_counter() - t0)
+        if done:
+            chain_writes.append(done[1])
+        chain_pauses.append(cb.timed_save(loop, step, async_save=True))
+        loop.step = step
+    chain_writes.append(write_s(loop))
+    cb.emit("bg_pauses_every_3_steps", chain_pauses[-1] / chain_pauses[0], "ratio", cmd,
+            **common, goal="no growth (last over first ~1)",
+            pauses_s=[round(x, 4) for x in chain_pauses],
+            waits_for_previous_s=[round(x, 4) for x in chain_waits],
+            writes_s=[round(x, 4) for x in chain_writes], step_s=round(a50, 4),
+            disk_sustains=max(chain_writes) <= 3 * a50)
+    loop.close()
+
+
+if __name__ == "__main__":
+    main()
