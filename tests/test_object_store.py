@@ -605,6 +605,55 @@ def test_kill_9_mid_upload_leaves_the_previous_step(any_store):
     assert plan.step == 1
 
 
+KILLED_SHARDED = r"""
+import sys, time, torch
+from improved_diffusion.ckpt import sharded, storage
+url = sys.argv[1]
+def files(step):
+    return {f"model{step:06d}.pt": {"step": step, "state_dict": {"w": torch.full((64,), step)}}}
+sharded.write_step(url, 1, files(1))
+real_put = storage.put
+def put(path, data, exclusive=False):  # the first shard object of step 2 up, then killed
+    real_put(path, data, exclusive)
+    if "step000002.dcp" in path:
+        print("MID", flush=True)
+        time.sleep(120)
+    return True
+storage.put = put
+sharded.write_step(url, 2, files(2))
+"""
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("any_store", ["s3", pytest.param("gs", marks=pytest.mark.slow),
+                                       pytest.param("az", marks=pytest.mark.slow)],
+                         indirect=True)
+def test_kill_9_mid_upload_of_a_sharded_step_leaves_the_previous_step(any_store, tmp_path):
+    from improved_diffusion.ckpt import run_dir
+    storage = any_store.client()
+    url = f"{new_bucket(any_store)}/run"
+    proc = subprocess.Popen([PY, "-c", KILLED_SHARDED, url], env=child_env(any_store.env),
+                            stdout=subprocess.PIPE, text=True, cwd=str(REPO))
+    try:
+        assert proc.stdout.readline().strip() == "MID"
+        proc.kill()
+        proc.wait(timeout=hang_s(30))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    names = storage.listdir(url)
+    assert names == ["manifest000001.json", "step000001.dcp", "step000002.dcp"], names
+    assert storage.listdir(f"{url}/step000002.dcp")  # a shard object up, no manifest: no step
+    plan = run_dir.plan_resume(url, "")
+    assert plan.step == 1
+    verify = run([PY, CKPT, "verify", url], any_store.env, tmp_path)
+    assert "resume: step 1" in verify.stdout, verify.stdout + verify.stderr
+    up = storage.listdir(f"{url}/step000002.dcp")
+    print("TIDY", run_dir.tidy_for_resume(plan, 1), up, storage.listdir(url))  # what the resume does: the folder set aside, whole
+    assert storage.listdir(url) == ["incomplete", "manifest000001.json", "step000001.dcp"]
+    assert storage.listdir(f"{url}/incomplete/step000002/step000002.dcp") == up
+
+
 @pytest.mark.timeout(120)
 def test_the_server_gone_for_good_is_an_error_naming_the_url_and_nothing_is_published(s3):
     import torch
