@@ -352,8 +352,7 @@ def _remove_folder(path):
         return _rmtree(path)
     from . import storage
     try:
-        for name in storage.listdir(path):
-            storage.remove(ckpt.join(path, name))
+        storage.remove(path)  # every object under the prefix
     except OSError:
         pass
 
