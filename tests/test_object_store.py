@@ -649,7 +649,7 @@ def test_kill_9_mid_upload_of_a_sharded_step_leaves_the_previous_step(any_store,
     verify = run([PY, CKPT, "verify", url], any_store.env, tmp_path)
     assert "resume: step 1" in verify.stdout, verify.stdout + verify.stderr
     up = storage.listdir(f"{url}/step000002.dcp")
-    print("TIDY", run_dir.tidy_for_resume(plan, 1), up, storage.listdir(url))  # what the resume does: the folder set aside, whole
+    run_dir.tidy_for_resume(plan, 1)  # what the resume does: the folder set aside, whole
     assert storage.listdir(url) == ["incomplete", "manifest000001.json", "step000001.dcp"]
     assert storage.listdir(f"{url}/incomplete/step000002/step000002.dcp") == up
 

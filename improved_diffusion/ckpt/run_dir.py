@@ -759,6 +759,8 @@ def _move_object_or_folder(src, target):
     object, each removed once its copy is there."""
     if not storage.isdir(src):
         storage.copy(src, target)
+        if not storage.exists(target):  # never removed without its copy
+            raise CheckpointError(f"{src}: its copy to {target} is not there; nothing removed")
         storage.remove(src)
         return
     for name in storage.listdir(src):
