@@ -244,7 +244,7 @@ def test_the_sharded_layout_in_a_bucket_sigterm_75_resumes_bitwise_on_2_and_3_ra
     """--save_layout sharded with a bucket log dir (issue 45 item 2): each rank uploads its
     shards into stepS.dcp/, the manifest object last. SIGTERM -> 75 -> the same command
     resumes and ends as a straight local run; the bucket's step resumes on 3 ranks; a flipped
-    byte in a shard object is found by ckpt.py verify."""
+    byte in a shard object is found by ckpt.py verify; prune removes the older folders."""
     env, storage = any_store.env, any_store.client()
     url = f"{new_bucket(any_store)}/run"
     local = tmp_path / "local"
@@ -299,9 +299,16 @@ def test_the_sharded_layout_in_a_bucket_sigterm_75_resumes_bitwise_on_2_and_3_ra
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert deep_diff(want, _consolidated(three, 6, tmp_path / "c-three", env, tmp_path)) == []
 
-    # a flipped byte in a shard object: ckpt.py verify names it
+    # ckpt.py prune removes older steps' folders, object by object; verify passes
+    pruned = run([PY, CKPT, "prune", url, "--keep", "1"], env, tmp_path)
+    assert pruned.returncode == 0, pruned.stdout + pruned.stderr
+    names = storage.listdir(url)
+    assert [n for n in names if n.endswith(".dcp") or n.startswith("manifest")] == \
+        ["manifest000006.json", "step000006.dcp"], names
     verify = run([PY, CKPT, "verify", url], env, tmp_path)
     assert verify.returncode == 0, verify.stdout + verify.stderr
+
+    # a flipped byte in a shard object: ckpt.py verify names it
     shard = f"{url}/step000006.dcp/__1_0.distcp"
     data = bytearray(storage.read_bytes(shard))
     data[-100] ^= 0xFF
