@@ -37,7 +37,7 @@ ones and the reference; phema_sweep.png), eval.json, phema_sweep.json (the post-
 widths' FIDs), classifier/ (its run), guidance/ (the guided samples),
 guidance.json (a list of rows {"way", "label_agreement", "mean_confidence", "command", "grid",
 ...}), demo.json (what was trained, the stages' times), summary.txt and index.html (the page
-to look at: figures, grids, loss curve, the guidance table; improved_diffusion/demo_page.py).
+to look at: figures, grids, loss curve, the guidance table; improved_diffusion/apps/demo_page.py).
 An --out that holds a finished run is never overwritten: its summary is shown again (pass a new
 --out to run afresh; through make, ``make demo DEMO_ARGS="--out NEW_DIR"``). An --out with an
 unfinished run of the same settings is continued (training auto-resumes); different settings are

@@ -217,18 +217,105 @@ def test_evaluate_reads_and_writes_npz_batches_in_a_bucket(s3, tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["digits", "samples.npz"]  # nothing else local
 
 
-@pytest.mark.timeout(180)
-def test_the_sharded_layout_with_a_bucket_log_dir_is_one_line_before_training(
-        s3, images, tmp_path):
-    url = f"{new_bucket(s3)}/run"
-    out = run([PY, TRAIN, *TINY, "--data_dir", images, "--log_dir", url, "--fsdp", "True",
-               "--save_layout", "sharded", "--max_steps", "2", "--save_interval", "1"],
-              s3.env, tmp_path)
-    lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
-    assert out.returncode not in (0, 75) and "Traceback" not in out.stderr, out.stderr[-3000:]
-    assert any(url in ln and "sharded layout" in ln and "full layout" in ln for ln in lines), \
-        lines
-    assert "step 1" not in out.stdout, out.stdout[-2000:]
+SHARDED = ["--fsdp", "True", "--save_layout", "sharded", "--max_steps", "6",
+           "--save_interval", "3"]
+
+
+def _consolidated(src, step, out, env, cwd):
+    """{file name: payload} of a sharded step (ckpt.py consolidate), the trainer state (the
+    world size, each rank's RNG) left out."""
+    import torch
+    got = run([PY, CKPT, "consolidate", src, "--step", str(step), "--out", out], env, cwd)
+    assert got.returncode == 0, got.stdout + got.stderr
+    files = {}
+    for p in sorted(out.glob(f"*{step:06d}.pt")):
+        f = torch.load(p, map_location="cpu", weights_only=True)
+        files[p.name] = {k: v for k, v in f.items() if k != "trainer"}
+    assert files, os.listdir(out)
+    return files
+
+
+@pytest.mark.timeout(1200)
+@pytest.mark.parametrize("any_store", ["s3", pytest.param("gs", marks=pytest.mark.slow),
+                                       pytest.param("az", marks=pytest.mark.slow)],
+                         indirect=True)
+def test_the_sharded_layout_in_a_bucket_sigterm_75_resumes_bitwise_on_2_and_3_ranks_and_verify(
+        any_store, images, tmp_path):
+    """--save_layout sharded with a bucket log dir (issue 45 item 2): each rank uploads its
+    shards into stepS.dcp/, the manifest object last. SIGTERM -> 75 -> the same command
+    resumes and ends as a straight local run; the bucket's step resumes on 3 ranks; a flipped
+    byte in a shard object is found by ckpt.py verify; prune removes the older folders."""
+    env, storage = any_store.env, any_store.client()
+    url = f"{new_bucket(any_store)}/run"
+    local = tmp_path / "local"
+    straight = run([MPIEXEC, "-n", "2", PY, TRAIN, *TINY, "--data_dir", images, "--log_dir",
+                    local, *SHARDED], env, tmp_path, timeout=400)
+    assert straight.returncode == 0, straight.stdout[-3000:] + straight.stderr[-3000:]
+
+    cmd = [MPIEXEC, "-n", "2", PY, TRAIN, *TINY, "--data_dir", images, "--log_dir", url,
+           *SHARDED]
+    log_path = tmp_path / "first.log"
+    with open(log_path, "w") as log_f:
+        proc = subprocess.Popen([str(c) for c in cmd], cwd=str(tmp_path), env=child_env(env),
+                                stdout=log_f, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        end = time.monotonic() + hang_s(300)
+        while "step 2/6" not in log_path.read_text() and proc.poll() is None:
+            assert time.monotonic() < end, log_path.read_text()[-3000:]
+            time.sleep(0.05)
+        pids = rank_pids(url)
+        assert sorted(pids) == [0, 1], (pids, log_path.read_text()[-3000:])
+        os.kill(pids[1], signal.SIGTERM)
+        rc = proc.wait(timeout=hang_s(240))
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    first = log_path.read_text()
+    assert rc == 75, first[-3000:]
+    names = storage.listdir(url)
+    steps = sorted(int(n[len("manifest"):-len(".json")]) for n in names
+                   if n.startswith("manifest"))
+    assert steps and steps[-1] < 6 and "lock.json" not in names, names
+    k = steps[-1]  # the preemption's save (and step 3's, when it came first)
+    assert [n for n in names if n.endswith(".dcp")] == [f"step{s:06d}.dcp" for s in steps] \
+        and f"step{k:06d}.dcp" in names and not [n for n in names if n.endswith(".pt")], names
+    shards = storage.listdir(f"{url}/step{k:06d}.dcp")
+    assert shards == [".metadata", "__0_0.distcp", "__1_0.distcp"], shards
+
+    again = run(cmd, env, tmp_path, timeout=400)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert f"resumed at step {k}" in again.stdout + again.stderr
+    want = _consolidated(local, 6, tmp_path / "c-local", env, tmp_path)
+    assert deep_diff(want, _consolidated(url, 6, tmp_path / "c-bucket", env, tmp_path)) == []
+    assert not no_url_folders(tmp_path) and not no_url_folders(REPO)
+
+    # the bucket's 2-rank step resumes on 3 ranks (written back sharded, locally)
+    three = tmp_path / "three"
+    out = run([MPIEXEC, "-n", "3", PY, TRAIN, *TINY, "--data_dir", images, "--log_dir", three,
+               "--resume_checkpoint", f"{url}/step000006.dcp", "--fsdp", "True",
+               "--save_layout", "sharded", "--max_steps", "6"], env, tmp_path, timeout=400)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert deep_diff(want, _consolidated(three, 6, tmp_path / "c-three", env, tmp_path)) == []
+
+    # ckpt.py prune removes older steps' folders, object by object; verify passes
+    pruned = run([PY, CKPT, "prune", url, "--keep", "1"], env, tmp_path)
+    assert pruned.returncode == 0, pruned.stdout + pruned.stderr
+    names = storage.listdir(url)
+    assert [n for n in names if n.endswith(".dcp") or n.startswith("manifest")] == \
+        ["manifest000006.json", "step000006.dcp"], names
+    verify = run([PY, CKPT, "verify", url], env, tmp_path)
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+
+    # a flipped byte in a shard object: ckpt.py verify names it
+    shard = f"{url}/step000006.dcp/__1_0.distcp"
+    data = bytearray(storage.read_bytes(shard))
+    data[-100] ^= 0xFF
+    storage.put(shard, bytes(data))
+    verify = run([PY, CKPT, "verify", url], env, tmp_path)
+    assert verify.returncode == 1 and "__1_0.distcp" in verify.stdout + verify.stderr, \
+        verify.stdout + verify.stderr
 
 
 # ---------------------------------------------------------------------------- the fault cases
@@ -528,6 +615,55 @@ def test_kill_9_mid_upload_leaves_the_previous_step(any_store):
     assert storage.listdir(url) == before  # nothing of step 2 is visible
     plan = run_dir.plan_resume(url, "")
     assert plan.step == 1
+
+
+KILLED_SHARDED = r"""
+import sys, time, torch
+from improved_diffusion.ckpt import sharded, storage
+url = sys.argv[1]
+def files(step):
+    return {f"model{step:06d}.pt": {"step": step, "state_dict": {"w": torch.full((64,), step)}}}
+sharded.write_step(url, 1, files(1))
+real_put = storage.put
+def put(path, data, exclusive=False):  # the first shard object of step 2 up, then killed
+    real_put(path, data, exclusive)
+    if "step000002.dcp" in path:
+        print("MID", flush=True)
+        time.sleep(120)
+    return True
+storage.put = put
+sharded.write_step(url, 2, files(2))
+"""
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("any_store", ["s3", pytest.param("gs", marks=pytest.mark.slow),
+                                       pytest.param("az", marks=pytest.mark.slow)],
+                         indirect=True)
+def test_kill_9_mid_upload_of_a_sharded_step_leaves_the_previous_step(any_store, tmp_path):
+    from improved_diffusion.ckpt import run_dir
+    storage = any_store.client()
+    url = f"{new_bucket(any_store)}/run"
+    proc = subprocess.Popen([PY, "-c", KILLED_SHARDED, url], env=child_env(any_store.env),
+                            stdout=subprocess.PIPE, text=True, cwd=str(REPO))
+    try:
+        assert proc.stdout.readline().strip() == "MID"
+        proc.kill()
+        proc.wait(timeout=hang_s(30))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    names = storage.listdir(url)
+    assert names == ["manifest000001.json", "step000001.dcp", "step000002.dcp"], names
+    assert storage.listdir(f"{url}/step000002.dcp")  # a shard object up, no manifest: no step
+    plan = run_dir.plan_resume(url, "")
+    assert plan.step == 1
+    verify = run([PY, CKPT, "verify", url], any_store.env, tmp_path)
+    assert "resume: step 1" in verify.stdout, verify.stdout + verify.stderr
+    up = storage.listdir(f"{url}/step000002.dcp")
+    run_dir.tidy_for_resume(plan, 1)  # what the resume does: the folder set aside, whole
+    assert storage.listdir(url) == ["incomplete", "manifest000001.json", "step000001.dcp"]
+    assert storage.listdir(f"{url}/incomplete/step000002/step000002.dcp") == up
 
 
 @pytest.mark.timeout(120)

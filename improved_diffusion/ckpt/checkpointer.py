@@ -176,10 +176,6 @@ class CheckpointConfig:
         if self.save_layout not in SAVE_LAYOUTS:
             raise UsageError(f"--save_layout must be one of {', '.join(SAVE_LAYOUTS)} "
                              f"(got {self.save_layout!r})")
-        if self.save_layout == "sharded" and checkpoint.is_remote(self.log_dir):
-            raise UsageError(f"--log_dir {self.log_dir}: the sharded layout writes local log "
-                             f"dirs only (DCP's file writer); use --save_layout full (the full "
-                             f"layout) or a log dir every node sees")
         if self.save_writer not in writer_process.WRITERS:
             raise UsageError(f"--save_writer must be one of {', '.join(writer_process.WRITERS)} "
                              f"(got {self.save_writer!r})")

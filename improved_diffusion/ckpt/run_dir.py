@@ -755,6 +755,20 @@ def tidy_for_resume(plan, step):
     return moved, removed
 
 
+def _move_object_or_folder(src, target):
+    """A bucket has no rename: copy, then remove; a sharded step's folder (a prefix) object by
+    object, each removed once its copy is there."""
+    if not storage.isdir(src):
+        storage.copy(src, target)
+        if not storage.exists(target):  # never removed without its copy
+            raise CheckpointError(f"{src}: its copy to {target} is not there; nothing removed")
+        storage.remove(src)
+        return
+    for name in storage.listdir(src):
+        storage.copy(ckpt.join(src, name), ckpt.join(target, name))
+        storage.remove(ckpt.join(src, name))
+
+
 def _quarantine(log_dir, step, files):
     """Move one step's files to incomplete/step{S}/, manifest first (so it is never "complete"
     half-moved); a name moved there before is kept (suffix .1, .2, ...)."""
@@ -770,8 +784,7 @@ def _quarantine(log_dir, step, files):
         while ckpt.exists(target):
             target, n = f"{base}.{n}", n + 1
         if ckpt.is_remote(src):
-            storage.copy(src, target)
-            storage.remove(src)
+            _move_object_or_folder(src, target)
         else:
             os.replace(src, target)
         moved.append(name)

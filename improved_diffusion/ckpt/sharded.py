@@ -48,7 +48,12 @@ non-tensor values with ``torch.load(weights_only=True)``: a checkpoint can never
     read_step(step_path(log_dir, 10), template)          # collective; DCP reshards on load
     consolidate(step_path(log_dir, 10))                  # one process: {file: payload}
 
-Local log dirs only (DCP's FileSystemWriter; an object store's sharded step is future work).
+On an object store (s3://, gs://, az://) there is no folder rename: each rank has DCP write
+its files into a local staging folder, then uploads its own files under their final names in
+``stepS.dcp/`` through storage (retries, one-line errors); CRCs are computed from the staged
+bytes and all-gathered, and rank 0 writes the manifest object last: the manifest is the commit
+(a folder without one is an interrupted save, as on a local disk). Reading a bucket's step
+downloads its folder into a local temporary folder first (every rank).
 """
 
 import errno
@@ -58,6 +63,7 @@ import os
 import pickle
 import re
 import shutil
+import tempfile
 import uuid
 from dataclasses import dataclass
 from typing import Dict, List, Optional
@@ -241,6 +247,8 @@ _LAST_METADATA = {}  # read_metadata's last index: {"data": its bytes, "meta": M
 
 
 def _reader(step_dir):
+    """DCP's reader of a local step folder (a bucket's: see _local_copy), with our
+    metadata unpickler."""
     from torch.distributed.checkpoint import FileSystemReader
 
     class SafeReader(FileSystemReader):
@@ -348,6 +356,40 @@ def _rmtree(path):
     shutil.rmtree(path, ignore_errors=True)
 
 
+def _remove_folder(path):
+    """Remove a step folder, local or in a bucket (its objects), quietly."""
+    if not ckpt.is_remote(path):
+        return _rmtree(path)
+    try:
+        storage.remove(path)  # every object under the prefix
+    except OSError:
+        pass
+
+
+def _upload(staging, folder, names):
+    """Upload this rank's staged files ``names`` under their final names in the bucket's step
+    ``folder`` (conditional creates: an object already there is an error, not overwritten)."""
+    for name in names:
+        with open(os.path.join(staging, name), "rb") as f:
+            data = f.read()
+        if not storage.put(ckpt.join(folder, name), data, exclusive=True):
+            raise CheckpointError(f"{ckpt.join(folder, name)}: already exists; refusing to "
+                                  f"overwrite a checkpoint (move it away or start from a "
+                                  f"later step)")
+
+
+def _local_copy(step_dir):
+    """A local folder holding a bucket's step folder (downloaded into a temporary folder);
+    ``step_dir`` itself when local."""
+    if not ckpt.is_remote(step_dir):
+        return step_dir
+    local = tempfile.mkdtemp(prefix="sharded-read-")
+    for name in storage.listdir(step_dir):
+        with open(os.path.join(local, name), "wb") as f:
+            f.write(storage.read_bytes(ckpt.join(step_dir, name)))
+    return local
+
+
 def _crc_entries(folder, names, prefix):
     out = {}
     for name in names:
@@ -387,6 +429,7 @@ class PendingSave:
     flags: Optional[dict] = None
     kind: Optional[str] = None
     beside: Optional[dict] = None  # {name: manifest entry} of whole files beside the folder
+    staging: Optional[str] = None  # where DCP writes this rank's files
     future: object = None
     error: Optional[BaseException] = None
     collected: bool = False
@@ -409,7 +452,9 @@ class PendingSave:
             raise RuntimeError(f"step {self.step}: this save was collected already")
         self.collected = True
         log_dir, step = self.log_dir, self.step
-        folder = ckpt.join(log_dir, self.tmp_name)
+        remote = ckpt.is_remote(log_dir)
+        folder = step_path(log_dir, step) if remote else ckpt.join(log_dir, self.tmp_name)
+        staging = self.staging or folder
         rank = dist_util.get_rank()
         err, entries = self.error, {}
         if err is None and self.future is not None:
@@ -421,11 +466,15 @@ class PendingSave:
                 err = e
         if err is None:
             try:  # this rank's own files (on a shared disk rank 0 could read them all)
-                mine = [n for n in run_dir.listdir(folder)
+                mine = [n for n in run_dir.listdir(staging)
                         if n.startswith(f"__{rank}_") or (rank == 0 and n == METADATA_NAME)]
-                entries = _crc_entries(folder, mine, step_dirname(step))
+                entries = _crc_entries(staging, mine, step_dirname(step))
+                if remote:
+                    _upload(staging, folder, mine)
             except BaseException as e:
                 err = e
+        if remote:
+            _rmtree(staging)
         line = None if err is None else (_fault_line(err, log_dir, step) or
                                          f"rank {rank}: {typed_one_line(_unwrap(err))}")
         report = (rank, err is None, line, entries)
@@ -436,7 +485,7 @@ class PendingSave:
         failed = [r for r in reports if not r[1]]
         if failed:
             if rank == 0:
-                _rmtree(folder)
+                _remove_folder(folder)
                 run_dir._remove_written(log_dir, list(self.beside or {}))
             dist_util.barrier()
             faults = [r[2] for r in failed if not r[2].startswith("rank ")]
@@ -457,18 +506,19 @@ class PendingSave:
         listed = {k.split("/", 1)[1] for k in entries}
         present = set(run_dir.listdir(folder))
         if present != listed:
-            _rmtree(folder)
+            _remove_folder(folder)
             raise ShardedStepError(f"{final}: the ranks' files {sorted(present)} are not the "
                                    f"ones they wrote {sorted(listed)}; step {step} not saved")
         try:
-            for p in (final, manifest):
+            for p in (final, manifest) if folder != final else (manifest,):
                 if ckpt.exists(p):
                     raise CheckpointError(f"{p}: already exists; refusing to overwrite a "
                                           f"checkpoint (move it away or start from a later "
                                           f"step)")
-            _fsync_path(folder)
-            os.rename(folder, final)
-            _fsync_path(log_dir)
+            if folder != final:  # a local disk: the folder renamed into place
+                _fsync_path(folder)
+                os.rename(folder, final)
+                _fsync_path(log_dir)
             extra = {"layout": LAYOUT, "format": FORMAT, "dir": step_dirname(step),
                      "holds": list(self.holds), "ranks": world}
             if self.flags is not None:  # what a flagless resume takes, without a DCP read
@@ -478,9 +528,10 @@ class PendingSave:
                 step, dict(sorted({**entries, **(self.beside or {})}.items())), self.settings,
                 extra=extra))
         except BaseException as e:
-            _rmtree(folder)
+            if folder != final:
+                _rmtree(folder)
             if not ckpt.exists(manifest):
-                _rmtree(final)
+                _remove_folder(final)
             line = _fault_line(e, log_dir, step)
             if line is None:
                 raise
@@ -490,10 +541,8 @@ class PendingSave:
 
 def _check_names(log_dir, step, files):
     log_dir = os.fspath(log_dir)
-    if ckpt.is_remote(log_dir):
-        raise ShardedStepError(f"{log_dir}: the sharded layout writes local log dirs only; "
-                               f"use the full layout (or a local --log_dir)")
-    if not os.path.isdir(log_dir):
+    remote = ckpt.is_remote(log_dir)
+    if not remote and not os.path.isdir(log_dir):
         raise CheckpointError(storage.gone_message(
             log_dir, f"saving step {step}", f"nothing of step {step} was written"))
     for name in files:
@@ -508,7 +557,8 @@ def _check_names(log_dir, step, files):
             raise CheckpointError(f"{p}: already exists; refusing to overwrite a checkpoint "
                                   f"(move it away or start from a later step)")
     tmp = f"{step_dirname(step)}.tmp-{uuid.uuid4().hex}"
-    os.mkdir(ckpt.join(log_dir, tmp))
+    if not remote:
+        os.mkdir(ckpt.join(log_dir, tmp))
     return tmp
 
 
@@ -542,12 +592,14 @@ def start_save(log_dir, step, files, settings=None, *, mode="process", flags=Non
     tmp = dist_util.run_on_rank0(lambda: _check_names(log_dir, step, holds))
     state = _pack(files)
     state[_STRUCTURE] = json.dumps(_skeleton(state))
-    writer = FileSystemWriter(ckpt.join(log_dir, tmp), sync_files=True,
-                              single_file_per_rank=True)
+    # a bucket's step: each rank's own local staging folder, uploaded by collect()
+    staging = (tempfile.mkdtemp(prefix=f"{tmp}-") if ckpt.is_remote(log_dir)
+               else ckpt.join(log_dir, tmp))
+    writer = FileSystemWriter(staging, sync_files=True, single_file_per_rank=True)
     pending = PendingSave(log_dir=log_dir, step=step, tmp_name=tmp, holds=holds,
                           settings=dict(settings) if settings else None, mode=mode,
                           flags=None if flags is None else dict(flags), kind=kind,
-                          beside=dict(beside or {}))
+                          beside=dict(beside or {}), staging=staging)
     from torch.distributed.checkpoint import DefaultSavePlanner
     planner = DefaultSavePlanner(dedup_save_to_lowest_rank=True)
     distributed = dist_util.is_distributed()
@@ -673,8 +725,10 @@ def _dcp_load(step_dir, state):
     """dcp.load of ``state`` (in place) from the step, with our reader and planner; a failure
     is one line. Collective."""
     import torch.distributed.checkpoint as dcp
+    local = None
     try:
-        dcp.load(state, storage_reader=_reader(step_dir), planner=_load_planner(),
+        local = _local_copy(step_dir)
+        dcp.load(state, storage_reader=_reader(local), planner=_load_planner(),
                  no_dist=not dist_util.is_distributed())
     except CheckpointError:
         raise
@@ -691,6 +745,9 @@ def _dcp_load(step_dir, state):
                                f"({typed_one_line(inner)[:300]}); check the model flags, or "
                                f"consolidate it (`python scripts/ckpt.py consolidate`) and "
                                f"inspect it") from None
+    finally:
+        if local not in (None, step_dir):
+            _rmtree(local)
 
 
 def consolidate(step_dir):
@@ -702,8 +759,10 @@ def consolidate(step_dir):
     """
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
     sd = {}
+    local = None
     try:
-        _load_state_dict(sd, storage_reader=_reader(step_dir), planner=_load_planner(empty=True),
+        local = _local_copy(step_dir)
+        _load_state_dict(sd, storage_reader=_reader(local), planner=_load_planner(empty=True),
                          no_dist=True)
     except BaseException as e:
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
@@ -713,6 +772,9 @@ def consolidate(step_dir):
             raise inner from None
         raise ShardedStepError(f"{step_dir}: cannot be read ({typed_one_line(inner)[:300]}); "
                                f"verify it (`python scripts/ckpt.py verify`)") from None
+    finally:
+        if local not in (None, step_dir):
+            _rmtree(local)
     structure = sd.pop(_STRUCTURE, None)
     if not isinstance(structure, str):
         raise ShardedStepError(f"{step_dir}: holds no structure record (not written by this "

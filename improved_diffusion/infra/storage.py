@@ -292,7 +292,12 @@ def isdir(path):
     if not is_remote(path):
         return os.path.isdir(path)
     fs, p = filesystem(path)
-    return retrying(lambda: fs.isdir(p), path)
+
+    def ask():  # not from a cached listing: one made before a folder appeared says "no"
+        fs.invalidate_cache(p)
+        return fs.isdir(p)
+
+    return retrying(ask, path)
 
 
 def stat(path):
