@@ -37,6 +37,7 @@ Where it differs from guided's:
   order: the same run, logged numbers included, bit for bit on any rank count dividing G/m.
 """
 import contextlib
+import gc
 
 import torch as th
 import torch.nn.functional as F
@@ -481,12 +482,15 @@ class ClassifierLoop:
             logger.dumpkvs()
 
     def close(self):
-        """Wait for the last save and drop the DDP wrapper (before dist_util.cleanup()).
-        Collective."""
+        """Wait for the last save and drop the DDP wrapper (before dist_util.cleanup()), freed
+        now: a DDP wrapper still alive when the process group goes sporadically aborts the
+        process at exit ("terminate called without an active exception", signal 6, after a
+        complete run), as TrainLoop.close says. Collective."""
         self.checkpointer.close()
         if self.ddp_model is not self.model:
             dist_util.barrier()
             self.ddp_model = self.model
+            gc.collect()
 
 
 def top_k_hits(logits, labels, k):
