@@ -78,6 +78,30 @@ def no_url_folders(d):
             if n in ("s3:", "gs:", "az:")]
 
 
+def sigterm_rank_1_after_step_2(cmd, env, cwd, url, wait_s):
+    """Run the 2-rank job ``cmd`` (log dir ``url``), SIGTERM its rank 1 once step 2 is logged;
+    returns (exit code, the job's output)."""
+    log_path = cwd / "first.log"
+    with open(log_path, "w") as log_f:
+        proc = subprocess.Popen([str(c) for c in cmd], cwd=str(cwd), env=child_env(env),
+                                stdout=log_f, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True)
+    try:
+        end = time.monotonic() + wait_s
+        while "step 2/6" not in log_path.read_text() and proc.poll() is None:
+            assert time.monotonic() < end, log_path.read_text()[-3000:]
+            time.sleep(0.05)
+        pids = rank_pids(url)
+        assert sorted(pids) == [0, 1], (pids, log_path.read_text()[-3000:])
+        os.kill(pids[1], signal.SIGTERM)
+        rc = proc.wait(timeout=wait_s)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return rc, log_path.read_text()
+
+
 # ----------------------------------------------------------------------------- the main case
 
 
@@ -92,25 +116,7 @@ def test_two_ranks_on_s3_sigterm_75_then_the_same_command_resumes_bitwise_equal_
     assert local.returncode == 0, local.stdout[-3000:] + local.stderr[-3000:]
 
     cmd = [MPIEXEC, "-n", "2", PY, TRAIN, *TINY, "--data_dir", images, "--log_dir", url, *steps]
-    log_path = tmp_path / "first.log"
-    with open(log_path, "w") as log_f:
-        proc = subprocess.Popen([str(c) for c in cmd], cwd=str(tmp_path), env=child_env(s3.env),
-                                stdout=log_f, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
-    try:
-        end = time.monotonic() + hang_s(240)
-        while "step 2/6" not in log_path.read_text() and proc.poll() is None:
-            assert time.monotonic() < end, log_path.read_text()[-3000:]
-            time.sleep(0.05)
-        pids = rank_pids(url)
-        assert sorted(pids) == [0, 1], (pids, log_path.read_text()[-3000:])
-        os.kill(pids[1], signal.SIGTERM)
-        rc = proc.wait(timeout=hang_s(180))
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    first = log_path.read_text()
+    rc, first = sigterm_rank_1_after_step_2(cmd, s3.env, tmp_path, url, hang_s(240))
     assert rc == 75, first[-3000:]
     storage = s3.client()
     names = storage.listdir(url)
@@ -254,25 +260,7 @@ def test_the_sharded_layout_in_a_bucket_sigterm_75_resumes_bitwise_on_2_and_3_ra
 
     cmd = [MPIEXEC, "-n", "2", PY, TRAIN, *TINY, "--data_dir", images, "--log_dir", url,
            *SHARDED]
-    log_path = tmp_path / "first.log"
-    with open(log_path, "w") as log_f:
-        proc = subprocess.Popen([str(c) for c in cmd], cwd=str(tmp_path), env=child_env(env),
-                                stdout=log_f, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, start_new_session=True)
-    try:
-        end = time.monotonic() + hang_s(300)
-        while "step 2/6" not in log_path.read_text() and proc.poll() is None:
-            assert time.monotonic() < end, log_path.read_text()[-3000:]
-            time.sleep(0.05)
-        pids = rank_pids(url)
-        assert sorted(pids) == [0, 1], (pids, log_path.read_text()[-3000:])
-        os.kill(pids[1], signal.SIGTERM)
-        rc = proc.wait(timeout=hang_s(240))
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    first = log_path.read_text()
+    rc, first = sigterm_rank_1_after_step_2(cmd, env, tmp_path, url, hang_s(300))
     assert rc == 75, first[-3000:]
     names = storage.listdir(url)
     steps = sorted(int(n[len("manifest"):-len(".json")]) for n in names
@@ -619,7 +607,8 @@ def test_kill_9_mid_upload_leaves_the_previous_step(any_store):
 
 KILLED_SHARDED = r"""
 import sys, time, torch
-from improved_diffusion.ckpt import sharded, storage
+from improved_diffusion.ckpt import sharded
+from improved_diffusion.infra import storage
 url = sys.argv[1]
 def files(step):
     return {f"model{step:06d}.pt": {"step": step, "state_dict": {"w": torch.full((64,), step)}}}

@@ -855,18 +855,18 @@ class StepWriter:
             if ckpt.basename(name) != name or info is None or info.kind in ("temp", "manifest"):
                 raise CheckpointError(f"{name}: not a valid checkpoint file name for save_step")
         self.manifest = ckpt.manifest_filename(self.step)
-        self._guarded(None, self._check_free)
+        for name in self.names + [self.manifest]:  # a store's error names the file it asked of
+            self._guarded(name, lambda name=name: self._check_free(name))
 
     def _kept(self):
         return (f"step {self.step} was not saved (no manifest; its partial files were removed) "
                 f"and the last complete step is intact, so a rerun resumes from it")
 
-    def _check_free(self):
-        for name in self.names + [self.manifest]:
-            p = ckpt.join(self.log_dir, name)
-            if ckpt.exists(p):
-                raise CheckpointError(f"{p}: already exists; refusing to overwrite a checkpoint "
-                                      f"(move it away or start from a later step)")
+    def _check_free(self, name):
+        p = ckpt.join(self.log_dir, name)
+        if ckpt.exists(p):
+            raise CheckpointError(f"{p}: already exists; refusing to overwrite a checkpoint "
+                                  f"(move it away or start from a later step)")
 
     def add(self, name, payload):
         """Write the next file, ``name`` (of ``names``), with ``payload``."""
