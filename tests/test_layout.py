@@ -15,6 +15,7 @@ import re
 import subprocess
 import sys
 
+import pytest
 from conftest import REPO, child_env, hang_s
 
 PKG = REPO / "improved_diffusion"
@@ -59,10 +60,11 @@ def test_upstream_modules_stay_at_the_top_level():
         assert not set(UPSTREAM) & modules_in(PKG / sub), sub
 
 
-def test_the_ckpt_map_names_every_module_of_the_package():
-    doc = ast.get_docstring(ast.parse((PKG / "ckpt" / "__init__.py").read_text()))
+@pytest.mark.parametrize("package", ["ckpt", "infra", "apps"])
+def test_each_subpackages_map_names_every_module_of_the_package(package):
+    doc = ast.get_docstring(ast.parse((PKG / package / "__init__.py").read_text()))
     listed = set(re.findall(r"^    (\w+)\s{2,}", doc, re.M))
-    assert listed == modules_in(PKG / "ckpt"), listed ^ modules_in(PKG / "ckpt")
+    assert listed == modules_in(PKG / package), listed ^ modules_in(PKG / package)
 
 
 def test_importing_preemption_imports_no_torch():
