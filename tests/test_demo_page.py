@@ -1,4 +1,4 @@
-"""The demo's page (improved_diffusion/demo_page.py) from a fake demo folder: every part the folder
+"""The demo's page (improved_diffusion/apps/demo_page.py) from a fake demo folder: every part the folder
 has files for, each image by a path relative to the page that exists, nothing from the network."""
 import json
 import re

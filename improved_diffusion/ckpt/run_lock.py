@@ -491,6 +491,9 @@ def drop_local_locks():
                 pass
 
 
+preemption.on_hard_exit(drop_local_locks)
+
+
 def held_locks():
     """[(lock file path, descriptor)] of the local locks this process holds: what a helper
     process of the job inherits (the checkpoint writer, writer_process), so that the lock stays

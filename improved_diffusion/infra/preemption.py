@@ -290,18 +290,31 @@ def _watch(read_fd):
             _hard_exit()
 
 
+# What a hard exit runs first (on_hard_exit): the log dir's lock registers its release.
+_HARD_EXIT_HOOKS = []
+
+
+def on_hard_exit(fn):
+    """Have ``fn()`` (quick, never raising) run when a signal ends this rank at once
+    (``_hard_exit``), before the line and the exit: run_lock registers the release of its local
+    locks (their files removed), which this module cannot import (it is below ckpt/). Not
+    collective."""
+    if fn not in _HARD_EXIT_HOOKS:
+        _HARD_EXIT_HOOKS.append(fn)
+
+
 def _hard_exit():
     """End this rank now with EXIT_CODE and the one line (once for the job where the process
     group's store still answers), recording why in its heartbeat state so that a rank whose
-    collective fails on its absence can say so; the log dir's lock is released (its file removed).
-    No other cleanup, no log file written."""
+    collective fails on its absence can say so; the hooks run first (the log dir's lock is
+    released, its file removed). No other cleanup, no log file written."""
     line = BEFORE_TRAINING
     try:
-        run_lock = sys.modules.get(__package__ + ".run_lock")
-        if run_lock is not None:
-            run_lock.drop_local_locks()
+        for fn in list(_HARD_EXIT_HOOKS):
+            fn()
+        # loaded by now where a process group exists (not imported here: torch)
         dist_util = sys.modules.get(__package__.rpartition(".")[0] + ".dist_util")
-        heartbeat = sys.modules.get(__package__.rpartition(".")[0] + ".heartbeat")
+        heartbeat = sys.modules.get(__package__ + ".heartbeat")
         if dist_util is not None and heartbeat is not None and dist_util.is_distributed():
             heartbeat.mark_ending(line, seconds=2.0)
             show = heartbeat.first_to_report("preempted")
