@@ -102,6 +102,19 @@ def sigterm_rank_1_after_step_2(cmd, env, cwd, url, wait_s):
     return rc, log_path.read_text()
 
 
+def kill_9_at_mid(code, arg, env):
+    """Run ``python -c code arg`` and SIGKILL it once it prints "MID" (its upload half done)."""
+    proc = subprocess.Popen([PY, "-c", code, arg], env=child_env(env), stdout=subprocess.PIPE,
+                            text=True, cwd=str(REPO))
+    try:
+        assert proc.stdout.readline().strip() == "MID"
+        proc.kill()
+        proc.wait(timeout=hang_s(30))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
 # ----------------------------------------------------------------------------- the main case
 
 
@@ -590,16 +603,7 @@ def test_kill_9_mid_upload_leaves_the_previous_step(any_store):
     url = f"{new_bucket(any_store)}/run"
     run_dir.write_step(url, 1, {"model000001.pt": {"w": torch.ones(10)}, "opt000001.pt": b"o"})
     before = storage.listdir(url)
-    proc = subprocess.Popen([PY, "-c", KILLED_WRITER, f"{url}/model000002.pt"],
-                            env=child_env(any_store.env), stdout=subprocess.PIPE, text=True,
-                            cwd=str(REPO))
-    try:
-        assert proc.stdout.readline().strip() == "MID"
-        proc.kill()
-        proc.wait(timeout=hang_s(30))
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    kill_9_at_mid(KILLED_WRITER, f"{url}/model000002.pt", any_store.env)
     assert storage.listdir(url) == before  # nothing of step 2 is visible
     plan = run_dir.plan_resume(url, "")
     assert plan.step == 1
@@ -633,15 +637,7 @@ def test_kill_9_mid_upload_of_a_sharded_step_leaves_the_previous_step(any_store,
     from improved_diffusion.ckpt import run_dir
     storage = any_store.client()
     url = f"{new_bucket(any_store)}/run"
-    proc = subprocess.Popen([PY, "-c", KILLED_SHARDED, url], env=child_env(any_store.env),
-                            stdout=subprocess.PIPE, text=True, cwd=str(REPO))
-    try:
-        assert proc.stdout.readline().strip() == "MID"
-        proc.kill()
-        proc.wait(timeout=hang_s(30))
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    kill_9_at_mid(KILLED_SHARDED, url, any_store.env)
     names = storage.listdir(url)
     assert names == ["manifest000001.json", "step000001.dcp", "step000002.dcp"], names
     assert storage.listdir(f"{url}/step000002.dcp")  # a shard object up, no manifest: no step
