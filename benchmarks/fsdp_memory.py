@@ -1,7 +1,7 @@
 """Peak memory per rank, FSDP (--fsdp True) against DDP on the same model; one JSON line each.
 
     python benchmarks/fsdp_memory.py [--ranks 2,3] [--steps 3] [--num_channels 128]
-                                     [--mmap_threshold 0,131072]
+                                     [--mmap_threshold 0,131072] [--async_save False]
 
 scripts/train.py under `mpiexec -n N`, the UNet of ~43M parameters at 8x8 (--num_channels 128
 --channel_mult 1,2,2,2 --num_res_blocks 2 --attention_resolutions 4,2,1, AdamW, one EMA), batch 2
@@ -20,6 +20,9 @@ A process's resident memory includes torch's own (~300-400 MB here), which no sh
 keeps freed blocks of up to 32 MB in the heap, so resident memory stays at its high-water mark
 of transient buffers, such as FSDP's gathered blocks; 131072: each block of 128 KiB or more is
 its own mapping, returned when freed, so resident memory follows what is live).
+``async_save``: both jobs' --async_save (False by default: the full layout's synchronous save
+streams file by file under FSDP; True: both jobs hand a host copy of the step to the background
+writer, which FSDP's rank 0 gathers whole, as DDP's rank 0 holds it).
 """
 import argparse
 import json
@@ -54,13 +57,13 @@ def status_kb(pid, key):
     return None
 
 
-def measure(work, data, ranks, sharded, steps, channels, mmap_threshold):
+def measure(work, data, ranks, sharded, steps, channels, mmap_threshold, async_save):
     log_dir = work / f"{'fsdp' if sharded else 'ddp'}{ranks}_{mmap_threshold}"
     out_path = work / f"{log_dir.name}.out"
     cmd = [MPIEXEC, "-n", str(ranks), PY, REPO / "scripts" / "train.py", "--data_dir", data,
            "--log_dir", log_dir, *model_flags(channels), "--batch_size", "2", "--max_steps",
            str(steps), "--save_interval", "0", "--fsdp", str(sharded), "--num_workers", "0",
-           "--async_save", "False"]
+           "--async_save", str(async_save)]
     train_peak, hwm = {}, {}
     env = {"MALLOC_MMAP_THRESHOLD_": str(mmap_threshold)} if mmap_threshold else None
     with open(out_path, "w") as out:
@@ -92,6 +95,7 @@ def main():
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--num_channels", type=int, default=128)
     p.add_argument("--mmap_threshold", default="0,131072")
+    p.add_argument("--async_save", choices=("False", "True"), default="False")
     a = p.parse_args()
     import torch
     from improved_diffusion.script_util import create_model, model_and_diffusion_defaults
@@ -110,12 +114,12 @@ def main():
             figures = {}
             for sharded in (False, True):
                 figures[sharded] = measure(work, data, ranks, sharded, a.steps, a.num_channels,
-                                           mmap)
+                                           mmap, a.async_save)
             for sharded in (False, True):
                 train, hwm = figures[sharded]
                 line = {"figure": "peak_rss_per_rank", "mode": "fsdp" if sharded else "ddp",
                         "ranks": ranks, "params_m": round(params / 1e6, 1),
-                        "mmap_threshold": mmap,
+                        "mmap_threshold": mmap, "async_save": a.async_save == "True",
                         "train_peak_rss_mb": train,
                         "train_peak_rss_mb_max": max(train.values()),
                         "peak_rss_mb": hwm, "peak_rss_mb_max": max(hwm.values()),
