@@ -108,6 +108,16 @@ def run_mpi(n, script, *args, timeout=180, env=None, check=True):
                 check=check)
 
 
+def ckpt_in_process(*args):
+    """scripts/ckpt.py's ``main`` (the doctor) in this process, no launch: (exit status, what it
+    wrote). For a check that reads a step; a test of the doctor itself runs the script."""
+    import io
+
+    from improved_diffusion.apps import ckpt_tool
+    buf = io.StringIO()
+    return ckpt_tool.main([str(a) for a in args], out=buf, err=buf), buf.getvalue()
+
+
 def run_module_mpi(n, code, timeout=120, env=None, check=True):
     """Run `mpiexec -n N python -c CODE` (for direct tests of collectives)."""
     return _run([MPIEXEC, "-n", str(n), PY, "-c", code], timeout, env=env, check=check)

@@ -5,6 +5,13 @@ never stopped; its step 2 loads on 3 ranks (uneven slices), on 1 and under DDP, 
 the same weights, EMA and Adam moments bit for bit, and the data go on at the same global sample;
 a DDP step goes on under FSDP as the DDP run does (to the order of the reductions); an own model
 with tied weights and BatchNorm trains and resumes sharded.
+
+Two module runs are read by most tests: ``straight`` (the full layout) and ``sharded_run`` (the
+same training in the sharded layout), each step 2 loaded on other worlds and in other ways. A test
+of another model or dtype trains its own straight run; its resume is a copy of that run's log dir
+without step 4 (the job that stopped at step 2, started again). Checks that only read a step
+(consolidate, verify) run the doctor's ``main`` in this process; scripts/ckpt.py itself runs in
+the flipped-byte test.
 """
 import csv
 import os
@@ -18,9 +25,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import (MPIEXEC, PY, REPO, _run, child_env, deep_diff, hang_s, job_pids, rank_pids,
-                      run_mpi,
-                      run_script, write_class_folder, write_images)
+from conftest import (MPIEXEC, PY, REPO, _run, child_env, ckpt_in_process, deep_diff, hang_s,
+                      job_pids, rank_pids, run_mpi, run_script, write_class_folder, write_images)
 
 MODEL = ["--image_size", "8", "--num_channels", "32", "--num_res_blocks", "1",
          "--attention_resolutions", "4", "--diffusion_steps", "20", "--noise_schedule", "cosine"]
@@ -55,6 +61,14 @@ def drop_step(run, step):
             p.unlink()
 
 
+def without_step_4(straight, run):
+    """A copy of a straight run's log dir (steps 2 and 4) without step 4: its resume from step 2
+    is the job that stopped at 2 and was started again."""
+    shutil.copytree(straight, run)
+    drop_step(run, 4)
+    return run
+
+
 @pytest.fixture(scope="module")
 def images(tmp_path_factory):
     return write_images(tmp_path_factory.mktemp("fsdp") / "img", n=16)
@@ -72,9 +86,7 @@ def straight(images, tmp_path_factory):
 @pytest.mark.timeout(400)
 def test_a_flagless_fsdp_resume_on_2_ranks_ends_bitwise_as_the_straight_run(images, straight,
                                                                            tmp_path):
-    run = tmp_path / "run"
-    shutil.copytree(straight, run)
-    drop_step(run, 4)
+    run = without_step_4(straight, tmp_path / "run")
     out = run_mpi(2, "train.py", "--data_dir", images, "--log_dir", run, "--num_workers", "1",
                   "--async_save", "False", timeout=300).stdout
     assert "--fsdp True" in out  # taken from the checkpoint's settings
@@ -109,24 +121,13 @@ def test_a_sharded_step_moves_to_3_ranks_to_1_and_to_ddp_with_every_tensor_uncha
         prev = run
 
 
-@pytest.mark.timeout(400)
-def test_on_3_ranks_the_data_go_on_at_the_same_global_sample(images, straight, tmp_path):
-    run = tmp_path / "run"
-    run_mpi(3, "train.py", "--data_dir", images, "--log_dir", run, "--resume_checkpoint",
-            straight / "model000002.pt", "--max_steps", "3", "--num_workers", "1", timeout=300)
-    before, after = trainer(straight, 2)["data"], trainer(run, 3)["data"]
-    assert after["position"] == before["position"] + 3 * 4, (before, after)
-
-
 @pytest.mark.slow  # make soak: the DDP <-> FSDP state is bitwise in the hops test
 @pytest.mark.timeout(500)
 def test_a_ddp_run_goes_on_under_fsdp_as_under_ddp_to_the_order_of_the_reductions(
         images, tmp_path):
     ddp = tmp_path / "ddp"
     run_mpi(2, "train.py", "--data_dir", images, "--log_dir", ddp, *MODEL, *RUN, timeout=300)
-    run = tmp_path / "run"
-    shutil.copytree(ddp, run)
-    drop_step(run, 4)
+    run = without_step_4(ddp, tmp_path / "run")
     out = run_mpi(2, "train.py", "--data_dir", images, "--log_dir", run, "--fsdp", "True",
                   timeout=300).stdout
     assert "resume: --fsdp False -> True" in out, out[-2000:]
@@ -226,7 +227,7 @@ def test_sigterm_to_every_process_saves_exits_75_and_the_resume_is_bitwise_a_str
     assert rc == 75, out[-3000:]
     saved = sorted(int(p.name[8:14]) for p in run.glob("manifest*.json"))
     assert saved[0] == 5 and saved[-1] == max(logged_steps(run)), (saved, out[-2000:])
-    assert run_script("ckpt.py", "verify", run).returncode == 0
+    assert ckpt_in_process("verify", run)[0] == 0
     end = saved[-1] + 2
     run_mpi(2, "train.py", "--data_dir", images, "--log_dir", run, "--max_steps", end,
             "--num_workers", "1", timeout=300)
@@ -251,23 +252,20 @@ def test_an_own_model_with_tied_weights_and_batchnorm_trains_and_resumes_sharded
                      "--data_dir", images, "--log_dir", log_dir, "--batch_size", "4",
                      "--save_interval", "2", "--fsdp", "True", "--edge_rare", "False",
                      "--num_workers", "1", *extra], timeout=300)
-    train(tmp_path / "straight", "--max_steps", "4")
-    train(tmp_path / "resumed", "--max_steps", "2")
-    train(tmp_path / "resumed", "--max_steps", "4")
-    for kind in ("model{:06d}.pt", "ema_0.9999_{:06d}.pt", "opt{:06d}.pt"):
-        a = load(tmp_path / "straight" / kind.format(4))
-        assert deep_diff(a, load(tmp_path / "resumed" / kind.format(4))) == [], kind
-    # the sharded layout of the same step 2: rank 0's BatchNorm buffers, as the full layout's
-    # (each rank's own differ: its own batches; issue 43, item 18)
-    train(tmp_path / "sharded", "--max_steps", "2", "--save_layout", "sharded")
-    same_step_files(tmp_path / "straight", consolidated(tmp_path / "sharded", 2, tmp_path / "c"),
-                    2)
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    train(straight, "--max_steps", "4")
+    # resumed from the full layout's step 2, step 4 saved in the sharded layout: rank 0's
+    # BatchNorm buffers, as the full layout's (each rank's own differ: its own batches; issue
+    # 43, item 18); consolidated, every file is the straight run's
+    train(without_step_4(straight, resumed), "--max_steps", "4", "--save_layout", "sharded")
+    assert (resumed / "step000004.dcp").is_dir()
+    same_step_files(straight, consolidated(resumed, 4, tmp_path / "c"), 4)
     sd = load(tmp_path / "straight" / "model000004.pt")["state_dict"]
     assert torch.equal(sd["a.weight"], sd["b.weight"]) and "norm.running_mean" in sd
     assert int(sd["norm.num_batches_tracked"]) == 4
-    proc = _run([MPIEXEC, "-n", "2", PY, REPO / "tests" / "edge_model_train.py", "--data_dir",
-                 images, "--log_dir", tmp_path / "refused", "--fsdp", "True",
-                 "--find_unused_parameters", "True"], timeout=120, check=False)
+    proc = _run([PY, REPO / "tests" / "edge_model_train.py", "--data_dir", images, "--log_dir",
+                 tmp_path / "refused", "--fsdp", "True", "--find_unused_parameters", "True"],
+                timeout=120, check=False)  # a check of the flags: one process is enough
     errors = [line for line in proc.stdout.splitlines() if line.startswith("error:")]
     assert proc.returncode != 0 and errors and "--fsdp" in errors[0], proc.stdout[-2000:]
 
@@ -294,10 +292,9 @@ def test_a_dit_run_sharded_on_2_ranks_resumes_bitwise(tmp_path):
            "--data_dir", latents]
     run_mpi(2, "train.py", *dit, "--log_dir", tmp_path / "straight", "--max_steps", "4",
             timeout=300)
-    run_mpi(2, "train.py", *dit, "--log_dir", tmp_path / "resumed", "--max_steps", "2",
+    run_mpi(2, "train.py", "--data_dir", latents, "--log_dir",
+            without_step_4(tmp_path / "straight", tmp_path / "resumed"), "--max_steps", "4",
             timeout=300)
-    run_mpi(2, "train.py", "--data_dir", latents, "--log_dir", tmp_path / "resumed",
-            "--max_steps", "4", timeout=300)
     same_step_files(tmp_path / "straight", tmp_path / "resumed", 4)
 
 
@@ -313,8 +310,7 @@ def test_the_noised_classifier_sharded_under_torchrun_resumes_bitwise(tmp_path):
             "--classifier_attention_resolutions", "4", "--diffusion_steps", "20",
             "--batch_size", "4", "--save_interval", "2", "--fsdp", "True"]
     train(tmp_path / "straight", *tiny, "--max_steps", "4")
-    train(tmp_path / "resumed", *tiny, "--max_steps", "2")
-    out = train(tmp_path / "resumed", "--max_steps", "4")
+    out = train(without_step_4(tmp_path / "straight", tmp_path / "resumed"), "--max_steps", "4")
     assert "--fsdp True" in out, out[-2000:]
     same_step_files(tmp_path / "straight", tmp_path / "resumed", 4)
 
@@ -323,8 +319,9 @@ def test_the_noised_classifier_sharded_under_torchrun_resumes_bitwise(tmp_path):
 
 
 def consolidated(run, step, out):
-    """The full layout's files of a sharded step (ckpt.py consolidate)."""
-    run_script("ckpt.py", "consolidate", run, "--step", str(step), "--out", out)
+    """The full layout's files of a sharded step (ckpt.py consolidate, in this process)."""
+    rc, text = ckpt_in_process("consolidate", run, "--step", step, "--out", out)
+    assert rc == 0, text
     return out
 
 
@@ -338,18 +335,28 @@ def sharded_run(images, tmp_path_factory):
 
 
 @pytest.mark.timeout(500)
-def test_a_sharded_run_resumes_bitwise_and_consolidates_to_the_full_layouts_files(
+def test_a_sharded_run_resumes_bitwise_past_a_flipped_byte_and_consolidates_to_the_full_files(
         images, straight, sharded_run, tmp_path):
+    """Step 4 of the sharded run, consolidated by scripts/ckpt.py, is the straight run's. A byte
+    flipped in its shard is found by verify, and the resume takes step 2 (one line naming step
+    4) and trains on to step 4, saved with --async_save False (DCP's synchronous save):
+    consolidated, the straight run's step 4 again."""
     assert sorted(p.name for p in sharded_run.iterdir() if "000004" in p.name) == [
         "manifest000004.json", "step000004.dcp"]
-    same_step_files(straight, consolidated(sharded_run, 4, tmp_path / "c4"), 4)
+    run_script("ckpt.py", "consolidate", sharded_run, "--step", "4", "--out", tmp_path / "c4")
+    same_step_files(straight, tmp_path / "c4", 4)
     run = tmp_path / "run"
     shutil.copytree(sharded_run, run)
-    shutil.rmtree(run / "step000004.dcp")
-    (run / "manifest000004.json").unlink()
+    shard = run / "step000004.dcp" / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    proc = run_script("ckpt.py", "verify", run, check=False)
+    assert proc.returncode == 1 and "step        4" in proc.stdout, proc.stdout
     out = run_mpi(2, "train.py", "--data_dir", images, "--log_dir", run, "--num_workers", "1",
-                  timeout=300).stdout
-    assert "resumed at step 2 from" in out and "step000002.dcp" in out, out[-2000:]
+                  "--async_save", "False", timeout=300).stdout
+    warned = [line for line in out.splitlines() if "step000004.dcp" in line or "step 4" in line]
+    assert warned and "resumed at step 2 from" in out and "step000002.dcp" in out, out[-3000:]
     same_step_files(straight, consolidated(run, 4, tmp_path / "r4"), 4)
 
 
@@ -376,23 +383,6 @@ def test_a_sharded_step_of_2_ranks_resumes_on_3_and_on_1(images, straight, shard
                timeout=300)
     assert deep_diff(state_of(straight, 2), state_of(one, 2)) == []
     assert trainer(one, 2)["data"] == trainer(straight, 2)["data"]
-
-
-@pytest.mark.timeout(400)
-def test_a_flipped_byte_in_a_shard_is_found_by_verify_and_the_resume_takes_the_step_before(
-        images, sharded_run, tmp_path):
-    run = tmp_path / "run"
-    shutil.copytree(sharded_run, run)
-    shard = run / "step000004.dcp" / "__1_0.distcp"
-    data = bytearray(shard.read_bytes())
-    data[len(data) // 2] ^= 0x01
-    shard.write_bytes(bytes(data))
-    proc = run_script("ckpt.py", "verify", run, check=False)
-    assert proc.returncode == 1 and "step        4" in proc.stdout, proc.stdout
-    out = run_mpi(2, "train.py", "--data_dir", images, "--log_dir", run, "--num_workers", "1",
-                  "--max_steps", "2", timeout=300).stdout
-    warned = [line for line in out.splitlines() if "step000004.dcp" in line or "step 4" in line]
-    assert warned and "resumed at step 2" in out, out[-3000:]
 
 
 @pytest.mark.timeout(400)
@@ -429,13 +419,14 @@ def resumed_line(out):
 
 
 @pytest.mark.timeout(600)
-def test_a_sharded_step_resumes_with_fsdp_false_under_ddp_and_on_1_rank_then_saves_full_files(
+def test_a_sharded_step_resumes_with_fsdp_false_on_2_ranks_and_1_then_goes_on_on_3_in_full_files(
         images, sharded_run, tmp_path):
     """The same command plus --fsdp False (issue 43, items 2, 3, 13): step 2 of the 2-rank
     sharded run, named with a trailing slash, loads through DCP into the whole model of 2 DDP
     ranks and of 1 process, every weight, EMA and Adam moment the consolidated step's; the
     flags are still the checkpoint's, the layout is full from then on (one line saying so), and
-    a flagless continuation on another rank count trains on in the full layout."""
+    a flagless continuation on 3 ranks (a loader worker each) trains on in the full layout, its
+    data going on at the same global sample (3 ranks x 4 further)."""
     log = (sharded_run / "log.txt").read_text()
     assert "--fsdp True: parameters, gradients, Adam moments and EMAs sharded over 2 rank(s); " \
            "steps saved in the sharded layout" in log, log[-2000:]
@@ -450,18 +441,21 @@ def test_a_sharded_step_resumes_with_fsdp_false_under_ddp_and_on_1_rank_then_sav
     switched = [ln for ln in out.splitlines() if "save_layout" in ln and "full" in ln]
     assert len(switched) == 1 and "--fsdp False" in switched[0], out[-3000:]
     assert deep_diff(want, state_of(ddp, 2)) == [], "2 DDP ranks"
-    assert trainer(ddp, 2)["data"] == trainer(tmp_path / "c2", 2)["data"]
+    before = trainer(tmp_path / "c2", 2)["data"]
+    assert trainer(ddp, 2)["data"] == before
     run_script("train.py", "--data_dir", images, "--log_dir", one, "--resume_checkpoint",
                sharded_run / "step000002.dcp", "--fsdp", "False", "--max_steps", "2",
                timeout=300)
     assert deep_diff(want, state_of(one, 2)) == [], "1 process"
-    out = run_script("train.py", "--data_dir", images, "--log_dir", ddp, "--max_steps", "4",
-                     timeout=300).stdout  # flagless: the DDP run's full layout goes on
+    out = run_mpi(3, "train.py", "--data_dir", images, "--log_dir", ddp, "--max_steps", "3",
+                  "--num_workers", "1", timeout=300).stdout  # flagless: the full layout goes on
     assert "resumed at step 2" in out and "--fsdp True" not in out, out[-3000:]
-    assert sorted(p.name for p in ddp.iterdir() if "000004" in p.name) == [
-        "ema_0.99_000004.pt", "manifest000004.json", "model000004.pt", "opt000004.pt"]
-    assert run_script("ckpt.py", "verify", ddp).returncode == 0
-    assert deep_diff(state_of(ddp, 2)[KINDS[0]], state_of(ddp, 4)[KINDS[0]]), "trained on"
+    assert sorted(p.name for p in ddp.iterdir() if "000003" in p.name) == [
+        "ema_0.99_000003.pt", "manifest000003.json", "model000003.pt", "opt000003.pt"]
+    assert ckpt_in_process("verify", ddp)[0] == 0
+    assert deep_diff(state_of(ddp, 2)[KINDS[0]], state_of(ddp, 3)[KINDS[0]]), "trained on"
+    after = trainer(ddp, 3)["data"]
+    assert after["position"] == before["position"] + 3 * 4, (before, after)
 
 
 @pytest.mark.timeout(300)
@@ -496,8 +490,7 @@ def test_use_fp16_under_fsdp_resumes_bitwise_on_either_cpu_branch(images, tmp_pa
     out = train(tmp_path / "straight", "--max_steps", "4")
     assert ("loss_scale" in out) == (bf16 == "0"), out[-2000:]
     assert ("bfloat16 autocast" in out) == (bf16 == "1"), out[-2000:]
-    train(tmp_path / "resumed", "--max_steps", "2")
-    train(tmp_path / "resumed", "--max_steps", "4")
+    train(without_step_4(tmp_path / "straight", tmp_path / "resumed"), "--max_steps", "4")
     same_step_files(tmp_path / "straight", tmp_path / "resumed", 4)
 
 
