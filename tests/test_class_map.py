@@ -15,7 +15,7 @@ import pytest
 import torch as th
 from PIL import Image
 
-from conftest import PY, REPO, _run, run_mpi, run_script, write_class_folder
+from conftest import MPIEXEC, PY, REPO, _run, run_mpi, run_script, write_class_folder
 from improved_diffusion.image_datasets import (DataError, load_data, relabel,
                                                resumed_class_names)
 
@@ -55,9 +55,13 @@ def stored_names(path):
     return th.load(path, weights_only=True, map_location="cpu").get("class_names")
 
 
-@pytest.mark.timeout(300)
-def test_a_resume_without_a_class_is_refused_on_2_ranks_and_class_map_keep_maps_it_by_name(
+@pytest.mark.timeout(500)
+def test_a_resume_without_a_class_is_refused_on_2_ranks_and_class_map_keep_trains_it_by_name(
         tmp_path):
+    """Trained on apple/banana/cherry, resumed on apple/cherry: refused on 2 ranks, nothing
+    moved; with --class_map keep (issue 43, item 22) every batch of every rank gives cherry's
+    images label 2 (the checkpoint's), never the folder's own 1 (tests/label_record_train.py
+    records each sample's folder and label), and the files keep the checkpoint's names."""
     data, run = class_folders(tmp_path / "data", ("apple", "banana", "cherry")), tmp_path / "run"
     run_script("train.py", *TINY, "--data_dir", data, "--log_dir", run, "--max_steps", 1)
     shutil.rmtree(data / "banana")
@@ -72,28 +76,18 @@ def test_a_resume_without_a_class_is_refused_on_2_ranks_and_class_map_keep_maps_
         "--class_map data to take the folder's (0=apple 1=cherry)"], proc.stdout[-3000:]
     assert on_disk(run) == before  # nothing moved, nothing written
 
-    out = run_mpi(2, "train.py", *TINY, "--data_dir", data, "--log_dir", run, "--max_steps", 2,
-                  "--class_map", "keep").stdout
+    record = tmp_path / "labels.jsonl"
+    out = _run([MPIEXEC, "-n", "2", PY, REPO / "tests" / "label_record_train.py", *TINY,
+                "--data_dir", data, "--log_dir", run, "--max_steps", 4, "--class_map", "keep"],
+               300, env={"RECORD_LABELS": str(record)}).stdout
     assert ("resume: --class_map keep: labels by name, as the checkpoint's: 0=apple 1=banana "
             "2=cherry; not in --data_dir, not trained: banana (not the folder's own labels: "
             "its later resumes take --class_map keep too)") in out, out[-3000:]
-    for name in ("model000002.pt", "ema_0.9999_000002.pt"):
+    for name in ("model000004.pt", "ema_0.9999_000004.pt"):
         assert stored_names(run / name) == ["apple", "banana", "cherry"], name
-
-
-@pytest.mark.timeout(400)
-def test_class_map_keep_trains_each_class_under_the_checkpoints_label_for_its_name(tmp_path):
-    """Issue 43, item 22: trained on apple/banana/cherry, resumed on apple/cherry with
-    --class_map keep: every batch gives cherry's images label 2 (the checkpoint's), never the
-    folder's own 1 (tests/label_record_train.py records each sample's folder and label)."""
-    data, run = class_folders(tmp_path / "data", ("apple", "banana", "cherry")), tmp_path / "run"
-    run_script("train.py", *TINY, "--data_dir", data, "--log_dir", run, "--max_steps", 1)
-    shutil.rmtree(data / "banana")
-    record = tmp_path / "labels.jsonl"
-    _run([PY, REPO / "tests" / "label_record_train.py", *TINY, "--data_dir", data, "--log_dir",
-          run, "--max_steps", 4, "--class_map", "keep"], 300, env={"RECORD_LABELS": str(record)})
     rows = [json.loads(ln) for ln in record.read_text().splitlines()]
-    assert [r["step"] for r in rows] == [2, 3, 4]
+    assert sorted((r["rank"], r["step"]) for r in rows) == [
+        (rank, step) for rank in (0, 1) for step in (2, 3, 4)], rows
     seen = {(c, y) for r in rows for c, y in zip(r["classes"], r["labels"])}
     assert seen == {("apple", 0), ("cherry", 2)}, seen
 
