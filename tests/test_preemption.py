@@ -178,7 +178,9 @@ def assert_preempted_before_training(job, rc, launcher, to_launcher=False):
     ("mpiexec", "launcher", signal.SIGTERM),
     # make soak: SIGUSR1 (SIGUSR1 reaches the same handler in the import and load tests below)
     pytest.param("mpiexec", 1, signal.SIGUSR1, marks=pytest.mark.slow),
-    ("torchrun", 1, signal.SIGTERM),
+    # make soak: torchrun (a signal to a waiting rank: the classifier's lock-wait test below;
+    # torchrun's ranks preempted before training: the import, rendezvous and load tests)
+    pytest.param("torchrun", 1, signal.SIGTERM, marks=pytest.mark.slow),
     pytest.param("torchrun", "launcher", signal.SIGUSR1,  # as SLURM's --signal=USR1@180 does
                  marks=pytest.mark.slow),
 ], ids=["mpiexec-sigterm-to-mpiexec", "mpiexec-sigusr1-to-rank1", "torchrun-sigterm-to-rank1",
@@ -368,7 +370,9 @@ CLASSIFIER_TINY = ["--image_size", "8", "--classifier_width", "32", "--classifie
 
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("script,launcher,target", [
-    ("train.py", "mpiexec", "launcher"),
+    # make soak: SIGTERM to mpiexec alone ("every process" below signals mpiexec too, with the
+    # ranks and the workers; SIGTERM to mpiexec before training: the lock-wait and import tests)
+    pytest.param("train.py", "mpiexec", "launcher", marks=pytest.mark.slow),
     # make soak: torchrun's launcher (SIGTERM to mpiexec and to every process keep the loader
     # workers' preemption; torchrun's forwarding of SIGTERM: the requeued, importing and
     # rendezvous tests here, and test_restarts)
