@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from conftest import PY, REPO, child_env, resumed_step, run_script, write_images
+from conftest import PY, REPO, child_env, resumed_step, run_script, train_here, write_images
 from test_sharded_layout import _flip, copy_run, driver, saved  # noqa: F401 (a fixture)
 from test_train_eval import ckpt
 
@@ -37,8 +37,8 @@ def images(tmp_path_factory):
 def trained(images, tmp_path_factory):
     """A 1-rank run of 4 steps saved at 2 and 4."""
     d = tmp_path_factory.mktemp("trained") / "run"
-    run_script("train.py", "--data_dir", images, "--log_dir", d, *TINY, "--max_steps", "4",
-               "--save_interval", "2", timeout=300)
+    train_here("--data_dir", images, "--log_dir", d, *TINY, "--max_steps", "4",
+               "--save_interval", "2")
     return d
 
 

@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 
 import cluster_sim as cs
-from conftest import MPIEXEC, PY, REPO, child_env, hang_s, write_class_folder, write_images
+from conftest import (MPIEXEC, PY, REPO, child_env, hang_s, train_here, write_class_folder,
+                      write_images)
 
 from improved_diffusion.infra.preemption import BEFORE_TRAINING
 
@@ -284,9 +285,7 @@ def test_a_rank_stuck_in_the_rendezvous_when_preempted_is_ended_with_75(
 def saved_run(tmp_path_factory, images):
     """A log dir holding step 2 of a 1-rank run."""
     d = tmp_path_factory.mktemp("saved") / "run"
-    subprocess.run([PY, TRAIN, *TINY, "--data_dir", images, "--log_dir", d, "--max_steps", "2"],
-                   cwd=REPO, env=child_env(), check=True, timeout=hang_s(120),
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    train_here(*TINY, "--data_dir", images, "--log_dir", d, "--max_steps", "2")
     return d
 
 

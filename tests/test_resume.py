@@ -24,7 +24,7 @@ from PIL import Image
 
 from cluster_sim import matches_manifest
 from conftest import (MPIEXEC, PY, REPO, _run, child_env, deep_diff, hang_s, rank_pids,
-                      resumed_step, run_mpi, run_script)
+                      resumed_step, run_mpi, run_script, train_here)
 
 SLOW_SAVE_TRAIN = REPO / "tests" / "slow_save_train.py"
 AMP_TRAIN = REPO / "tests" / "amp_train.py"
@@ -333,7 +333,7 @@ def test_a_run_saved_on_2_ranks_resumes_on_another_world_size_without_repeating_
 @pytest.fixture(scope="module")
 def three_saved_steps(tmp_path_factory, images):
     d = tmp_path_factory.mktemp("damaged") / "run"
-    train(1, images(14), d, "--max_steps", 3, "--save_interval", 1)
+    train_here(*train_args(images(14), d, "--max_steps", 3, "--save_interval", 1))
     return d
 
 
@@ -653,7 +653,8 @@ def test_a_resume_with_a_changed_lr_and_an_image_fewer_says_each_once_for_the_jo
         tmp_path, images):
     data = Path(shutil.copytree(images(14), tmp_path / "data"))
     log_dir = tmp_path / "run"
-    train(1, data, log_dir, "--max_steps", 2, "--lr", "1e-4", "--weight_decay", "0.0")
+    train_here(*train_args(data, log_dir, "--max_steps", 2, "--lr", "1e-4", "--weight_decay",
+                           "0.0"))  # saved by one process, here
     (data / "img_013.png").unlink()  # a file left the data folder
     out = train(2, data, log_dir, "--max_steps", 3, "--lr", "2e-4", "--weight_decay", "0.01",
                 "--resume_checkpoint", log_dir / "model000002.pt").stdout

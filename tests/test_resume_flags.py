@@ -14,7 +14,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import deep_diff, resumed_step, run_mpi, run_script, write_images
+from conftest import deep_diff, resumed_step, run_mpi, run_script, train_here, write_images
 from test_train_eval import _train_main
 
 
@@ -109,10 +109,10 @@ def test_a_flag_typed_on_the_resume_overrides_the_checkpoints_and_is_logged(
 def other_model(images, tmp_path_factory):
     """A 1-rank run of other model flags (attention at 8 and 4 px, wider), saved at 2."""
     d = tmp_path_factory.mktemp("other") / "run"
-    run_script("train.py", "--data_dir", images, "--log_dir", d, "--image_size", "8",
+    train_here("--data_dir", images, "--log_dir", d, "--image_size", "8",
                "--num_channels", "64", "--num_res_blocks", "1", "--attention_resolutions",
                "8,4", "--channel_mult", "1,2", "--diffusion_steps", "20", "--batch_size", "2",
-               "--max_steps", "2", "--num_workers", "0", timeout=180)
+               "--max_steps", "2", "--num_workers", "0")
     return d
 
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import (FIXTURES, MPIEXEC, PY, REPO, _run, deep_diff, run_script,
+from conftest import (FIXTURES, MPIEXEC, PY, REPO, _run, deep_diff, run_script, train_here,
                       write_class_folder, write_images)
 
 from improved_diffusion import evaluation, sampling
@@ -315,23 +315,28 @@ def test_bad_eval_flags_and_files_are_one_line_before_anything_is_written(
 
 
 @pytest.mark.timeout(180)
-def test_bad_eval_files_on_two_ranks_are_one_line_for_the_job(tmp_path, digits_data):
+@pytest.mark.parametrize("case", [
+    # make soak: a missing reference (the same check, train_eval._check_files, run on rank 0 for
+    # the job: the Inception weights case here, the file's own words in the one-process test above)
+    pytest.param("missing-ref", marks=pytest.mark.slow), "bad-inception-weights"])
+def test_bad_eval_files_on_two_ranks_are_one_line_for_the_job(tmp_path, digits_data, case):
     """Issue 37, item 10: each rank checked the files before the ranks met and printed its own
     line; the job's verdict is rank 0's, printed once."""
     _, ref = digits_data
     data = write_images(tmp_path / "data", n=8)
     bad = _bad_batches(tmp_path / "bad")
-    for extra, words in [
-        (evals(tmp_path / "missing.npz"), "--eval_ref_batch"),
-        (evals(ref, "inception") + ["--inception_weights", bad / "other_keys.pt"],
-         "other_keys.pt: not the FID Inception weights"),
-    ]:
-        proc = _run([MPIEXEC, "-n", "2", PY, REPO / "scripts" / "train.py", "--data_dir", data,
-                     "--log_dir", tmp_path / "log", *TINY, *extra], 120, check=False)
-        errors = [ln for ln in proc.stdout.splitlines() if ln.startswith("error:")]
-        assert proc.returncode == 1 and len(errors) == 1, (extra, proc.stdout[-3000:])
-        assert words in errors[0] and "Traceback" not in proc.stdout, proc.stdout[-3000:]
-        assert not [p for p in (tmp_path / "log").glob("*") if p.suffix in (".pt", ".json")]
+    extra, words = {
+        "missing-ref": (evals(tmp_path / "missing.npz"), "--eval_ref_batch"),
+        "bad-inception-weights": (
+            evals(ref, "inception") + ["--inception_weights", bad / "other_keys.pt"],
+            "other_keys.pt: not the FID Inception weights"),
+    }[case]
+    proc = _run([MPIEXEC, "-n", "2", PY, REPO / "scripts" / "train.py", "--data_dir", data,
+                 "--log_dir", tmp_path / "log", *TINY, *extra], 120, check=False)
+    errors = [ln for ln in proc.stdout.splitlines() if ln.startswith("error:")]
+    assert proc.returncode == 1 and len(errors) == 1, (extra, proc.stdout[-3000:])
+    assert words in errors[0] and "Traceback" not in proc.stdout, proc.stdout[-3000:]
+    assert not [p for p in (tmp_path / "log").glob("*") if p.suffix in (".pt", ".json")]
 
 
 # ------------------------------------------------------------------------ the post-hoc EMA
@@ -341,8 +346,7 @@ def test_bad_eval_files_on_two_ranks_are_one_line_for_the_job(tmp_path, digits_d
 def phema_run(tmp_path_factory, digits_data):
     data, _ = digits_data
     log = tmp_path_factory.mktemp("phema") / "run"
-    run_script("train.py", "--data_dir", data, "--log_dir", log, *TINY,
-               "--phema_stds", "0.05,0.1", timeout=150)
+    train_here("--data_dir", data, "--log_dir", log, *TINY, "--phema_stds", "0.05,0.1")
     return log
 
 
