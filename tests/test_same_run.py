@@ -116,14 +116,14 @@ def straight(tmp_path_factory, data):
 
 
 @pytest.mark.timeout(900)
-def test_straight_runs_on_1_2_and_3_ranks_write_bitwise_the_same_files_and_losses(straight):
-    one, two, three = straight(1), straight(2), straight(3)
+def test_straight_runs_on_1_and_2_ranks_write_bitwise_the_same_files_and_losses(straight):
+    """(3 ranks: the chain below trains a step on 3 and ends as the 1-rank straight run.)"""
+    one, two = straight(1), straight(2)
     assert load(one / "opt000004.pt")["trainer"]["schedule_sampler"]["_loss_counts"].sum() == 48
-    for d in (two, three):
-        diffs = same_run(one, d, 4)
-        assert not diffs, f"{d.parent.name} differs from 1 rank:\n" + "\n".join(diffs[:30])
-    trainer = load(three / "opt000004.pt")["trainer"]
-    assert (trainer["world_size"], trainer["batch_size"], trainer["global_batch"]) == (3, 4, 12)
+    diffs = same_run(one, two, 4)
+    assert not diffs, "2 ranks differ from 1 rank:\n" + "\n".join(diffs[:30])
+    trainer = load(two / "opt000004.pt")["trainer"]
+    assert (trainer["world_size"], trainer["batch_size"], trainer["global_batch"]) == (2, 6, 12)
 
 
 # --------------------------------------------------------------------------- a chain
@@ -184,6 +184,8 @@ def test_a_run_sigtermed_on_2_ranks_resumed_on_3_by_torchrun_then_on_1_is_the_st
     taken = next(ln for ln in out.splitlines() if ln.startswith("resume: from the checkpoint"))
     assert "--batch_size 4 " in taken and "--global_batch_size 12" in taken, taken
     assert "RNG reseeded" not in out, out[-3000:]
+    trainer = load(log_dir / f"opt{saved + 1:06d}.pt")["trainer"]
+    assert (trainer["world_size"], trainer["batch_size"], trainer["global_batch"]) == (3, 4, 12)
     out = job(1, data, log_dir, "--max_steps", end).stdout
     assert resumed_step(out) == saved + 1 and "same run on 1 rank(s) (saved on 3)" in out, \
         out[-3000:]
