@@ -7,7 +7,8 @@ train.py resumes it. It refuses a run dir that a live job holds (its lock), touc
 job's save in progress finishes. `ckpt.py verify` says what train.py does with the run dir, by the
 resume plan's own decision (run_dir.choose_step): with every manifest garbled both refuse.
 ckpt.py runs as its main() in the test's process (the same lines and exit codes, without an
-interpreter's start-up); train.py as a job.
+interpreter's start-up), as does the train.py run the tests start from; the train.py that must
+agree with the doctor runs as a job.
 """
 import os
 import shutil

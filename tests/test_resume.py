@@ -1,7 +1,8 @@
 """Resume that is exact, elastic and crash-safe (issue 4), tested through scripts/train.py.
 
-Every test drives the real CLI in subprocesses (one rank, or `mpiexec -n N`) on tiny models and a
-folder of 8x8 PNGs, and checks the files on disk with its own reader (manifest + sizes + checksums +
+Every test drives the real CLI in subprocesses (one rank, or `mpiexec -n N`; a run that only
+sets up a log dir: train.py's main() in the test's process) on tiny models and a folder of 8x8
+PNGs, and checks the files on disk with its own reader (manifest + sizes + checksums +
 `torch.load(weights_only=True)`), not only with improved_diffusion.ckpt.checkpoint.
 """
 import csv
