@@ -153,6 +153,26 @@ def restore_logger():
     logger.Logger.CURRENT = prev
 
 
+def train_here(*argv, script="train.py"):
+    """scripts/<script>'s main() in this process, for a set-up run whose files tests read: no
+    interpreter start-up (a job's ~2.5 s of importing torch); fails the test unless it exits 0.
+    The logger it configured is closed after it, as restore_logger does after a test. Not for a
+    run compared bit for bit with a job's (this process's torch threads are not a job's)."""
+    import runpy
+
+    from improved_diffusion import logger
+
+    prev = logger.Logger.CURRENT
+    try:
+        main = runpy.run_path(str(REPO / "scripts" / script), run_name="train_module")["main"]
+        code = main([str(a) for a in argv])
+    finally:
+        if logger.Logger.CURRENT is not prev and logger.Logger.CURRENT is not None:
+            logger.Logger.CURRENT.close()
+        logger.Logger.CURRENT = prev
+    assert code == 0, f"{script} {' '.join(map(str, argv))}: exit {code}"
+
+
 # The process-tree helpers live in cluster_sim (benchmarks use them without pytest).
 process_tree, signal_all = cluster_sim.process_tree, cluster_sim.signal_all
 

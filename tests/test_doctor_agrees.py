@@ -6,6 +6,9 @@ in the newest step (a model file, or a .distcp shard of a sharded step) the good
 train.py resumes it. It refuses a run dir that a live job holds (its lock), touching nothing: the
 job's save in progress finishes. `ckpt.py verify` says what train.py does with the run dir, by the
 resume plan's own decision (run_dir.choose_step): with every manifest garbled both refuse.
+ckpt.py runs as its main() in the test's process (the same lines and exit codes, without an
+interpreter's start-up), as does the train.py run the tests start from; the train.py that must
+agree with the doctor runs as a job.
 """
 import os
 import shutil
@@ -15,8 +18,9 @@ import time
 
 import pytest
 
-from conftest import PY, REPO, child_env, resumed_step, run_script, write_images
+from conftest import PY, REPO, child_env, resumed_step, run_script, train_here, write_images
 from test_sharded_layout import _flip, copy_run, driver, saved  # noqa: F401 (a fixture)
+from test_train_eval import ckpt
 
 from improved_diffusion.ckpt import run_dir
 
@@ -34,8 +38,8 @@ def images(tmp_path_factory):
 def trained(images, tmp_path_factory):
     """A 1-rank run of 4 steps saved at 2 and 4."""
     d = tmp_path_factory.mktemp("trained") / "run"
-    run_script("train.py", "--data_dir", images, "--log_dir", d, *TINY, "--max_steps", "4",
-               "--save_interval", "2", timeout=300)
+    train_here("--data_dir", images, "--log_dir", d, *TINY, "--max_steps", "4",
+               "--save_interval", "2")
     return d
 
 
@@ -43,17 +47,24 @@ def step_names(d, step):
     return sorted(n for n in os.listdir(d) if f"{step:06d}" in n)
 
 
+def doctor(capsys, *args):
+    """scripts/ckpt.py's main() in this process (no interpreter start-up): (exit code, its
+    output, stdout then stderr)."""
+    code, out, err = ckpt(capsys, *args)
+    return code, out + err
+
+
 @pytest.mark.timeout(600)
 def test_prune_keeps_the_step_a_resume_takes_when_the_newest_step_has_a_flipped_byte(
-        images, trained, tmp_path):
+        images, trained, tmp_path, capsys):
     run = tmp_path / "run"
     shutil.copytree(trained, run)
     _flip(run / "model000004.pt")
-    proc = run_script("ckpt.py", "verify", run, check=False)
-    assert proc.returncode == 1 and "resume: step 2" in proc.stdout, proc.stdout
+    code, out = doctor(capsys, "verify", run)
+    assert code == 1 and "resume: step 2" in out, out
     good = step_names(run, 2)
-    proc = run_script("ckpt.py", "prune", run, "--keep", "1", timeout=300)
-    assert step_names(run, 2) == good, proc.stdout  # the step a resume takes: kept
+    code, out = doctor(capsys, "prune", run, "--keep", "1")
+    assert code == 0 and step_names(run, 2) == good, out  # the step a resume takes: kept
     assert "manifest000004.json" in os.listdir(run)  # the damaged one is not pruned either
     proc = run_script("train.py", "--data_dir", images, "--log_dir", run, "--max_steps", "5",
                       timeout=300, check=False)
@@ -65,16 +76,17 @@ def test_prune_keeps_the_step_a_resume_takes_when_the_newest_step_has_a_flipped_
 
 @pytest.mark.timeout(600)
 def test_prune_keeps_a_good_sharded_step_when_the_newest_has_a_flipped_shard_byte(
-        saved, tmp_path):  # noqa: F811 (the fixture)
+        saved, tmp_path, capsys):  # noqa: F811 (the fixture)
     log = copy_run(saved, tmp_path)
     _flip(log / "step000002.dcp" / "__1_0.distcp")
-    run_script("ckpt.py", "prune", log, "--keep", "1", timeout=300)
+    code, out = doctor(capsys, "prune", log, "--keep", "1")
+    assert code == 0, out
     assert sorted(os.listdir(log)) == ["manifest000001.json", "manifest000002.json",
                                        "step000001.dcp", "step000002.dcp"]
     plan = run_dir.plan_resume(log, "")
     assert plan.step == 1 and plan.layout == "sharded"
-    out = driver(2, "load", "--log_dir", log, "--step", "1", "--ref", saved)
-    assert "LOAD OK world 2" in out.stdout
+    out = driver(1, "load", "--log_dir", log, "--step", "1", "--ref", saved)  # kept: it loads
+    assert "LOAD OK world 1" in out.stdout
 
 
 BOUND_S = 300  # how long the test waits for the job to reach its save (a hang fails)
@@ -82,7 +94,7 @@ BOUND_S = 300  # how long the test waits for the job to reach its save (a hang f
 
 @pytest.mark.timeout(900)
 def test_prune_refuses_a_run_dir_that_a_live_job_holds_and_its_save_in_progress_finishes(
-        images, tmp_path):
+        images, tmp_path, capsys):
     """A job held inside its save of step 4 (tests/slow_save_train.py: each of step 4's file
     writes pauses mid-file, its temp file in the log dir): `ckpt.py prune --keep 1` refuses in
     one line naming the job, deletes nothing (the temp file stays), and the job completes step 4."""
@@ -100,15 +112,15 @@ def test_prune_refuses_a_run_dir_that_a_live_job_holds_and_its_save_in_progress_
             assert time.monotonic() < end, "step 4's save never began"
             time.sleep(0.02)
         before = set(os.listdir(run))
-        pruned = run_script("ckpt.py", "prune", run, "--keep", "1", timeout=300, check=False)
+        code, pruned = doctor(capsys, "prune", run, "--keep", "1")
         after = set(os.listdir(run))
         out, _ = proc.communicate(timeout=BOUND_S)
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGKILL)
             proc.wait()
-    errors = [ln for ln in pruned.stdout.splitlines() if ln.startswith("error:")]
-    assert pruned.returncode == 1 and len(errors) == 1, pruned.stdout
+    errors = [ln for ln in pruned.splitlines() if ln.startswith("error:")]
+    assert code == 1 and len(errors) == 1, pruned
     assert f"pid {proc.pid}" in errors[0] and "nothing was pruned" in errors[0], errors[0]
     assert not {n for n in before - after if "000004" in n or "000002" in n}, before - after
     assert proc.returncode == 0 and "Traceback" not in out, out[-4000:]
@@ -118,16 +130,16 @@ def test_prune_refuses_a_run_dir_that_a_live_job_holds_and_its_save_in_progress_
 
 @pytest.mark.timeout(600)
 def test_verify_and_train_py_both_refuse_a_run_dir_whose_every_manifest_is_garbled(
-        images, trained, tmp_path):
+        images, trained, tmp_path, capsys):
     run = tmp_path / "run"
     shutil.copytree(trained, run)
     for step in (2, 4):
         (run / f"manifest{step:06d}.json").write_text('{"step": ')
-    proc = run_script("ckpt.py", "verify", run, check=False)
-    assert proc.returncode == 1, proc.stdout
-    said = next(ln for ln in proc.stdout.splitlines() if ln.startswith("resume:"))
+    code, out = doctor(capsys, "verify", run)
+    assert code == 1, out
+    said = next(ln for ln in out.splitlines() if ln.startswith("resume:"))
     assert "train.py refuses to start" in said and "none can be resumed" in said, said
-    assert "from scratch" not in proc.stdout
+    assert "from scratch" not in out
     trained_again = run_script("train.py", "--data_dir", images, "--log_dir", run,
                                "--max_steps", "6", timeout=300, check=False)
     errors = [ln for ln in trained_again.stdout.splitlines() if ln.startswith("error:")]

@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 
 import cluster_sim as cs
-from conftest import MPIEXEC, PY, REPO, child_env, hang_s, write_class_folder, write_images
+from conftest import (MPIEXEC, PY, REPO, child_env, hang_s, train_here, write_class_folder,
+                      write_images)
 
 from improved_diffusion.infra.preemption import BEFORE_TRAINING
 
@@ -178,7 +179,9 @@ def assert_preempted_before_training(job, rc, launcher, to_launcher=False):
     ("mpiexec", "launcher", signal.SIGTERM),
     # make soak: SIGUSR1 (SIGUSR1 reaches the same handler in the import and load tests below)
     pytest.param("mpiexec", 1, signal.SIGUSR1, marks=pytest.mark.slow),
-    ("torchrun", 1, signal.SIGTERM),
+    # make soak: torchrun (a signal to a waiting rank: the classifier's lock-wait test below;
+    # torchrun's ranks preempted before training: the import, rendezvous and load tests)
+    pytest.param("torchrun", 1, signal.SIGTERM, marks=pytest.mark.slow),
     pytest.param("torchrun", "launcher", signal.SIGUSR1,  # as SLURM's --signal=USR1@180 does
                  marks=pytest.mark.slow),
 ], ids=["mpiexec-sigterm-to-mpiexec", "mpiexec-sigusr1-to-rank1", "torchrun-sigterm-to-rank1",
@@ -282,9 +285,7 @@ def test_a_rank_stuck_in_the_rendezvous_when_preempted_is_ended_with_75(
 def saved_run(tmp_path_factory, images):
     """A log dir holding step 2 of a 1-rank run."""
     d = tmp_path_factory.mktemp("saved") / "run"
-    subprocess.run([PY, TRAIN, *TINY, "--data_dir", images, "--log_dir", d, "--max_steps", "2"],
-                   cwd=REPO, env=child_env(), check=True, timeout=hang_s(120),
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    train_here(*TINY, "--data_dir", images, "--log_dir", d, "--max_steps", "2")
     return d
 
 
@@ -368,7 +369,9 @@ CLASSIFIER_TINY = ["--image_size", "8", "--classifier_width", "32", "--classifie
 
 @pytest.mark.timeout(150)
 @pytest.mark.parametrize("script,launcher,target", [
-    ("train.py", "mpiexec", "launcher"),
+    # make soak: SIGTERM to mpiexec alone ("every process" below signals mpiexec too, with the
+    # ranks and the workers; SIGTERM to mpiexec before training: the lock-wait and import tests)
+    pytest.param("train.py", "mpiexec", "launcher", marks=pytest.mark.slow),
     # make soak: torchrun's launcher (SIGTERM to mpiexec and to every process keep the loader
     # workers' preemption; torchrun's forwarding of SIGTERM: the requeued, importing and
     # rendezvous tests here, and test_restarts)

@@ -1,7 +1,8 @@
 """Resume that is exact, elastic and crash-safe (issue 4), tested through scripts/train.py.
 
-Every test drives the real CLI in subprocesses (one rank, or `mpiexec -n N`) on tiny models and a
-folder of 8x8 PNGs, and checks the files on disk with its own reader (manifest + sizes + checksums +
+Every test drives the real CLI in subprocesses (one rank, or `mpiexec -n N`; a run that only
+sets up a log dir: train.py's main() in the test's process) on tiny models and a folder of 8x8
+PNGs, and checks the files on disk with its own reader (manifest + sizes + checksums +
 `torch.load(weights_only=True)`), not only with improved_diffusion.ckpt.checkpoint.
 """
 import csv
@@ -24,7 +25,7 @@ from PIL import Image
 
 from cluster_sim import matches_manifest
 from conftest import (MPIEXEC, PY, REPO, _run, child_env, deep_diff, hang_s, rank_pids,
-                      resumed_step, run_mpi, run_script)
+                      resumed_step, run_mpi, run_script, train_here)
 
 SLOW_SAVE_TRAIN = REPO / "tests" / "slow_save_train.py"
 AMP_TRAIN = REPO / "tests" / "amp_train.py"
@@ -187,6 +188,22 @@ def read_sample_indices(log_dir):
     return by_step
 
 
+def stopped_after(run, step, d):
+    """A copy ``d`` of the log dir ``run`` without its steps after ``step`` (files and
+    progress.csv rows): as a job that ended after its save of ``step`` leaves it."""
+    shutil.copytree(run, d)
+    for name in top_level_names(d):
+        if (step_of(name) or 0) > step:
+            (d / name).unlink()
+    with open(d / "progress.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    with open(d / "progress.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(r for r in rows if r.get("step") and int(float(r["step"])) <= step)
+    return d
+
+
 # ------------------------------------------------------------------------------- bitwise
 
 
@@ -208,15 +225,17 @@ def test_a_run_resumed_at_step_5_ends_bitwise_identical_to_a_straight_run_to_10(
     # "workers": default flags, data loaded by 2 worker processes (whose start must not touch
     # the training RNG streams). "hard" with float16 + GradScaler (whose state must be restored)
     # or bfloat16 autocast without a scaler, whichever this CPU would choose.
-    cfg = (HARD if config == "hard" else ["--num_workers", "2"]) + ["--save_interval", "1000"]
+    cfg = HARD if config == "hard" else ["--num_workers", "2"]
     rates = TWO_EMAS if config == "hard" else "0.9999"
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
 
-    train(ranks, data, straight, *cfg, "--max_steps", 10, cpu_bf16=cpu_bf16)
-    train(ranks, data, resumed, *cfg, "--max_steps", 5, cpu_bf16=cpu_bf16)
+    train(ranks, data, straight, *cfg, "--max_steps", 10, "--save_interval", 5,
+          cpu_bf16=cpu_bf16)
+    stopped_after(straight, 5, resumed)  # as a job preempted after its save of step 5 leaves it
     # One rank: the default (auto-resume from the log dir); two ranks: upstream's explicit path.
     how = [] if ranks == 1 else ["--resume_checkpoint", resumed / "model000005.pt"]
-    out = train(ranks, data, resumed, *cfg, "--max_steps", 10, *how, cpu_bf16=cpu_bf16).stdout
+    out = train(ranks, data, resumed, *cfg, "--max_steps", 10, "--save_interval", 5, *how,
+                cpu_bf16=cpu_bf16).stdout
     assert resumed_step(out) == 5, out[-3000:]
 
     for d in (straight, resumed):
@@ -315,7 +334,7 @@ def test_a_run_saved_on_2_ranks_resumes_on_another_world_size_without_repeating_
 @pytest.fixture(scope="module")
 def three_saved_steps(tmp_path_factory, images):
     d = tmp_path_factory.mktemp("damaged") / "run"
-    train(1, images(14), d, "--max_steps", 3, "--save_interval", 1)
+    train_here(*train_args(images(14), d, "--max_steps", 3, "--save_interval", 1))
     return d
 
 
@@ -597,9 +616,9 @@ def test_keep_checkpoints_1_and_a_kill_9_inside_the_next_save_leave_the_kept_ste
 
 @pytest.mark.timeout(150)
 def test_a_new_run_in_a_log_dir_with_checkpoints_resumes_and_never_overwrites_a_file(
-        tmp_path, images):
+        tmp_path, images, three_saved_steps):
     data, log_dir = images(14), tmp_path / "run"
-    train(1, data, log_dir, "--max_steps", 3, "--save_interval", 1)
+    shutil.copytree(three_saved_steps, log_dir)  # a run of 3 steps saved at each
 
     def ckpt_digests():
         return {n: sha256(log_dir / n) for n in top_level_names(log_dir) if step_of(n) is not None}
@@ -635,7 +654,8 @@ def test_a_resume_with_a_changed_lr_and_an_image_fewer_says_each_once_for_the_jo
         tmp_path, images):
     data = Path(shutil.copytree(images(14), tmp_path / "data"))
     log_dir = tmp_path / "run"
-    train(1, data, log_dir, "--max_steps", 2, "--lr", "1e-4", "--weight_decay", "0.0")
+    train_here(*train_args(data, log_dir, "--max_steps", 2, "--lr", "1e-4", "--weight_decay",
+                           "0.0"))  # saved by one process, here
     (data / "img_013.png").unlink()  # a file left the data folder
     out = train(2, data, log_dir, "--max_steps", 3, "--lr", "2e-4", "--weight_decay", "0.01",
                 "--resume_checkpoint", log_dir / "model000002.pt").stdout

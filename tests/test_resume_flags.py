@@ -4,7 +4,9 @@
 --ema_rate 0.99 --max_steps 6` resumes it as it was trained: the model flags and the run's
 settings come from the step the resume loads (not from a newer step it then skips), a flag typed
 on the resume overrides the file's and is logged, and a check between flags runs on the flags
-the resume took, not on the defaults. Through the real scripts, on 2 ranks with a loader worker.
+the resume took, not on the defaults. Through the real scripts, the resumes that end bitwise on
+2 ranks with a loader worker; a job refused before it trains runs the script's main() in the
+test's process (the same lines and exit code, without an interpreter's start-up).
 """
 import json
 import shutil
@@ -12,7 +14,16 @@ import shutil
 import pytest
 import torch
 
-from conftest import deep_diff, resumed_step, run_mpi, run_script, write_images
+from conftest import deep_diff, resumed_step, run_mpi, run_script, train_here, write_images
+from test_train_eval import _train_main
+
+
+def in_process(capsys, *argv, script="train.py"):
+    """scripts/<script>'s main() in this process (no interpreter start-up, for a job that is
+    refused before it trains): (exit code, its output, stdout then stderr)."""
+    capsys.readouterr()
+    code = _train_main(script)([str(a) for a in argv])
+    return code, "".join(capsys.readouterr())
 
 MODEL = ["--image_size", "8", "--num_channels", "32", "--num_res_blocks", "1",
          "--attention_resolutions", "", "--diffusion_steps", "20", "--noise_schedule", "cosine"]
@@ -80,9 +91,9 @@ def test_a_flagless_resume_on_2_ranks_takes_the_runs_settings_and_ends_bitwise_a
 @pytest.mark.timeout(300)
 def test_a_flag_typed_on_the_resume_overrides_the_checkpoints_and_is_logged(
         images, straight, tmp_path):
-    run = stopped_at_3(straight, tmp_path / "run")
-    out = run_mpi(2, "train.py", "--data_dir", images, "--log_dir", run, "--lr", "1e-3",
-                  "--max_steps", "4", "--num_workers", "0", timeout=240).stdout
+    run = stopped_at_3(straight, tmp_path / "run")  # (resumed on 1 rank: no flag says it)
+    out = run_script("train.py", "--data_dir", images, "--log_dir", run, "--lr", "1e-3",
+                     "--max_steps", "4", "--num_workers", "0", timeout=240).stdout
     assert "resume: --lr 0.002 -> 0.001" in out and "resume: --max_steps 6 -> 4" in out, \
         out[-3000:]
     line = next(ln for ln in out.splitlines() if "resume: from the checkpoint" in ln)
@@ -98,10 +109,10 @@ def test_a_flag_typed_on_the_resume_overrides_the_checkpoints_and_is_logged(
 def other_model(images, tmp_path_factory):
     """A 1-rank run of other model flags (attention at 8 and 4 px, wider), saved at 2."""
     d = tmp_path_factory.mktemp("other") / "run"
-    run_script("train.py", "--data_dir", images, "--log_dir", d, "--image_size", "8",
+    train_here("--data_dir", images, "--log_dir", d, "--image_size", "8",
                "--num_channels", "64", "--num_res_blocks", "1", "--attention_resolutions",
                "8,4", "--channel_mult", "1,2", "--diffusion_steps", "20", "--batch_size", "2",
-               "--max_steps", "2", "--num_workers", "0", timeout=180)
+               "--max_steps", "2", "--num_workers", "0")
     return d
 
 
@@ -130,24 +141,24 @@ def test_flags_come_from_the_step_resumed_when_a_newer_one_of_other_flags_fails_
     assert load(run / "model000004.pt")["flags"]["num_channels"] == 32
 
 
-def clash_error(images, other_model, tmp_path, *typed):
-    """A copy of ``other_model``'s run resumed with the model flags ``typed``: (the run dir, the
-    one error line), exit 1 asserted."""
+def clash_error(capsys, images, other_model, tmp_path, *typed):
+    """A copy of ``other_model``'s run resumed with the model flags ``typed`` (in_process): (the
+    run dir, the one error line), exit 1 asserted."""
     run = tmp_path / "run"
     shutil.copytree(other_model, run)
-    proc = run_script("train.py", "--data_dir", images, "--log_dir", run, *typed,
-                      "--num_workers", "0", timeout=120, check=False)
-    errors = [ln for ln in proc.stdout.splitlines() if ln.startswith("error:")]
-    assert proc.returncode == 1 and len(errors) == 1, proc.stdout[-3000:]
+    code, out = in_process(capsys, "--data_dir", images, "--log_dir", run, *typed,
+                           "--num_workers", "0")
+    errors = [ln for ln in out.splitlines() if ln.startswith("error:")]
+    assert code == 1 and len(errors) == 1, out[-3000:]
     return run, errors[0]
 
 
 @pytest.mark.timeout(300)
 def test_list_and_set_flags_written_otherwise_do_not_clash_and_a_noise_clash_is_worded_as_such(
-        images, other_model, tmp_path):
+        images, other_model, tmp_path, capsys):
     """Item 12: `--attention_resolutions 4,8` is the file's `8,4` (a set), `--channel_mult
     1.0,2.0` its `1,2`; a noise-schedule clash names the noise process, not a model change."""
-    run, error = clash_error(images, other_model, tmp_path, "--noise_schedule", "cosine")
+    run, error = clash_error(capsys, images, other_model, tmp_path, "--noise_schedule", "cosine")
     assert "--noise_schedule cosine (the file's: linear)" in error, error
     assert "noise process" in error and "change the model" not in error, error
     assert step_files(run, 3) == []
@@ -161,7 +172,7 @@ def test_list_and_set_flags_written_otherwise_do_not_clash_and_a_noise_clash_is_
 
 @pytest.mark.timeout(300)
 def test_super_res_resume_typing_the_files_own_large_size_is_checked_against_its_small_size(
-        tmp_path):
+        tmp_path, capsys):
     """Item 9: the check --small_size < --large_size runs on the flags the resume took (the
     file's --small_size 8), not on the default --small_size 64."""
     images = write_images(tmp_path / "img", n=8, size=16)
@@ -177,9 +188,9 @@ def test_super_res_resume_typing_the_files_own_large_size_is_checked_against_its
     assert resumed_step(proc.stdout) == 1 and (run / "model000002.pt").exists()
     assert load(run / "model000002.pt")["flags"]["small_size"] == 8
     # A fresh start is still checked before anything is touched.
-    proc = run_script("super_res_train.py", "--data_dir", images, "--log_dir", tmp_path / "new",
-                      "--large_size", "16", timeout=60, check=False)
-    assert proc.returncode == 2 and "--small_size 64 must be smaller" in proc.stdout
+    code, out = in_process(capsys, "--data_dir", images, "--log_dir", tmp_path / "new",
+                           "--large_size", "16", script="super_res_train.py")
+    assert code == 2 and "--small_size 64 must be smaller" in out, out[-3000:]
     assert not (tmp_path / "new").exists()
 
 
@@ -194,7 +205,7 @@ def without_run_flags(run, step):
 
 @pytest.mark.timeout(600)
 def test_a_manifest_without_run_flags_resumes_with_the_trainer_states_settings_or_names_the_flag(
-        images, straight, tmp_path):
+        images, straight, tmp_path, capsys):
     """Issue 43, item 11: step 3's manifest records no run settings (an older release's). The
     resume takes --batch_size, --lr, --ema_rate and --seed from the trainer state of
     opt000003.pt, not their defaults (batch 1, lr 1e-4, the 0.99 EMA dropped), and ends bitwise
@@ -219,21 +230,20 @@ def test_a_manifest_without_run_flags_resumes_with_the_trainer_states_settings_o
 
     run = stopped_at_3(straight, tmp_path / "again")
     without_run_flags(run, 3)
-    proc = run_script("train.py", "--data_dir", images, "--log_dir", run, "--num_workers", "0",
-                      timeout=300, check=False)
-    errors = [ln for ln in proc.stdout.splitlines() if ln.startswith("error:")]
-    assert proc.returncode == 2 and len(errors) == 1, proc.stdout[-3000:]
+    code, out = in_process(capsys, "--data_dir", images, "--log_dir", run, "--num_workers", "0")
+    errors = [ln for ln in out.splitlines() if ln.startswith("error:")]
+    assert code == 2 and len(errors) == 1, out[-3000:]
     assert "records no run settings" in errors[0] and "type --max_steps N" in errors[0], errors[0]
     assert not step_files(run, 4)
 
 
 @pytest.mark.timeout(300)
 def test_the_wording_of_a_learn_sigma_clash(
-        images, other_model, tmp_path):
+        images, other_model, tmp_path, capsys):
     """Issue 43, item 17: the hint of a --learn_sigma clash said "every tensor still fits" (the
     output layer is reshaped and starts fresh). (Its other half, the wording of --fsdp's refusal of
     --sample_interval, went with the refusal: grids work under --fsdp, issue 45.)"""
-    _, error = clash_error(images, other_model, tmp_path, "--learn_sigma", "True")
+    _, error = clash_error(capsys, images, other_model, tmp_path, "--learn_sigma", "True")
     assert "--learn_sigma True (the file's: False)" in error, error
     assert "every tensor but the output layer still fits" in error, error
     assert "every tensor still fits" not in error

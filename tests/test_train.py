@@ -78,12 +78,16 @@ def error_lines(out):
 @pytest.mark.timeout(200)
 @pytest.mark.parametrize("ranks", [2, pytest.param(3, marks=pytest.mark.slow)])  # 3: make soak
 def test_resume_on_n_ranks_loads_the_saved_optimizer_state_on_every_rank(tmp_path, ranks):
-    """...and on 3 ranks the resumed run ends bitwise equal to a straight one."""
+    """...and on 3 ranks the resumed run ends bitwise equal to a straight one (saved on 3
+    ranks; on 2, steps 1-2 are trained by one process, here: what is loaded is what was saved)."""
     data = random_images(tmp_path / "data", 12, 8)
     log = tmp_path / "log"
     common = [*TINY, "--data_dir", data, "--ema_rate", "0.9,0.99"]
     flags = [*common, "--log_dir", log]
-    run_mpi(ranks, DUMP, tmp_path / "first", *flags, "--max_steps", "2", timeout=90)
+    if ranks == 3:
+        run_mpi(ranks, DUMP, tmp_path / "first", *flags, "--max_steps", "2", timeout=90)
+    else:
+        assert train_main(*flags, "--max_steps", "2") == 0
     saved_opt = load(log / "opt000002.pt")
     proc = run_mpi(ranks, DUMP, tmp_path / "dump", *flags, "--max_steps", "3",
                    "--resume_checkpoint", log / "model000002.pt", timeout=90)

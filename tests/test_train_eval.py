@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import (FIXTURES, MPIEXEC, PY, REPO, _run, deep_diff, run_script,
+from conftest import (FIXTURES, MPIEXEC, PY, REPO, _run, deep_diff, run_script, train_here,
                       write_class_folder, write_images)
 
 from improved_diffusion import evaluation, sampling
@@ -88,12 +88,13 @@ def offline_fid(ema_file, ref, n=8, steps=3):
 
 @pytest.fixture(scope="module")
 def eval_run(tmp_path_factory, digits_data):
-    """A one-rank run of 4 steps that logs the digits FID at steps 2 and 4 (saves at 2 and 4):
-    (its log dir, its output)."""
+    """A one-rank run of 4 steps that logs the digits FID at steps 2 and 4 (saves at 2 and 4),
+    started in the reference's folder with `--eval_ref_batch ref.npz` as typed there: (its log
+    dir, its output)."""
     data, ref = digits_data
     log = tmp_path_factory.mktemp("eval_run") / "eval"
-    out = run_script("train.py", "--data_dir", data, "--log_dir", log, *TINY, *evals(ref),
-                     timeout=150).stdout
+    out = _run([PY, REPO / "scripts" / "train.py", "--data_dir", data, "--log_dir", log, *TINY,
+                *evals(ref.name)], 150, cwd=ref.parent).stdout
     return log, out
 
 
@@ -116,23 +117,32 @@ def test_a_run_with_evaluations_is_bitwise_the_run_without_them(tmp_path, digits
 
 
 @pytest.mark.timeout(180)
-def test_a_resume_before_a_logged_evaluation_does_not_log_it_again(tmp_path, digits_data,
-                                                                   eval_run):
+def test_a_flagless_resume_from_elsewhere_finds_the_relative_ref_and_logs_no_evaluation_again(
+        tmp_path, digits_data, eval_run):
     """A job killed after logging step 4's figures but before step 4 was saved resumes at step
     2: neither step 2's evaluation (at_resume) nor step 4's (at_step) is done again, and each
     step's figures are in progress.csv once (the killed job's row of step 4 is dropped by the
-    resume, the recorded figures go into the resumed job's row)."""
+    resume, the recorded figures go into the resumed job's row).
+    Issue 43, item 17: `--eval_ref_batch ref.npz` typed in the reference's folder went into the
+    manifests as typed, and a flagless resume from another directory could not find it (the
+    resume checks the file before it starts)."""
     data, ref = digits_data
-    log = tmp_path / "run"
+    manifest = json.loads((eval_run[0] / "manifest000002.json").read_text())
+    assert manifest["run_flags"]["eval_ref_batch"] == str(ref)
+    log, elsewhere = tmp_path / "run", tmp_path / "elsewhere"
+    elsewhere.mkdir()
     shutil.copytree(eval_run[0], log)
     for name in ("model000004.pt", "ema_0.9999_000004.pt", "opt000004.pt",
                  "manifest000004.json"):
         (log / name).unlink()
     records = {p.name: p.read_bytes() for p in (log / "eval").iterdir()}
     before = rows(log)
-    out = run_script("train.py", "--data_dir", data, "--log_dir", log, *TINY, *evals(ref),
-                     timeout=150).stdout
+    proc = _run([PY, REPO / "scripts" / "train.py", "--data_dir", data, "--log_dir", log], 150,
+                cwd=elsewhere, check=False)  # flagless: every flag from the checkpoint
+    out = proc.stdout
+    assert proc.returncode == 0, out[-3000:]
     assert "resumed at step 2" in out and "evaluation of step" not in out, out[-3000:]
+    assert "step 4/4" in out, out[-3000:]  # the run's --max_steps, taken
     assert {p.name: p.read_bytes() for p in (log / "eval").iterdir()} == records
     figures = [(r["step"], r[FID]) for r in rows(log) if r.get(FID)]
     assert figures == [(r["step"], r[FID]) for r in before], rows(log)  # each step's once
@@ -167,34 +177,6 @@ def test_sigterm_on_one_of_two_ranks_during_an_evaluation_saves_and_the_resume_l
     assert abs(float(last[IS]) - score) <= 1e-6 * score
 
 
-@pytest.mark.timeout(240)
-def test_the_evaluations_labels_are_i_mod_num_classes_as_sample_pys_on_two_ranks(tmp_path,
-                                                                                digits_data):
-    """Sample i of a class-conditional model's evaluation is labelled i % num_classes, on any
-    rank and in any batch: the labels (and images) of sample.py --classes 0,1,2 of the EMA."""
-    _, ref = digits_data
-    data = write_class_folder(tmp_path / "data", classes=("ant", "bee", "cat"), per_class=2)
-    log, drawn, n = tmp_path / "log", tmp_path / "drawn", 7  # rank 0: [0 2] [4 6], 1: [1 3] [5]
-    _run([MPIEXEC, "-n", "2", PY, REPO / "tests" / "train_eval_labels.py", drawn,
-          "--data_dir", data, "--log_dir", log, *TINY, "--max_steps", "2", "--class_cond", "True",
-          *evals(ref, n=n)], 150)
-    assert rows(log)[-1][FID]
-    got = [np.load(drawn / f"rank{r}.npz") for r in range(2)]
-    indices = np.concatenate([g["indices"] for g in got])
-    order = np.argsort(indices)
-    assert indices[order].tolist() == list(range(n))
-    labels = np.concatenate([g["labels"] for g in got])[order]
-    assert labels.tolist() == [i % 3 for i in range(n)]
-    out = tmp_path / "sampled"
-    run_script("sample.py", "--model_path", log / "ema_0.9999_000002.pt", "--num_samples", n,
-               "--batch_size", 3, "--use_ddim", "True", "--timestep_respacing", 3, "--classes",
-               "0,1,2", "--log_dir", out, "--progress", "False", timeout=120)
-    with np.load(out / f"samples_{n}x8x8x3.npz") as z:
-        assert z["arr_1"].tolist() == labels.tolist()
-        images = np.concatenate([g["images"] for g in got])[order]
-        assert np.abs(z["arr_0"].astype(int) - images).max() <= 1
-
-
 @pytest.fixture(scope="module")
 def weights_file(tmp_path_factory):
     """A random-weights Inception file in the published layout (test_evaluation.py's)."""
@@ -220,19 +202,26 @@ def test_loading_the_inception_draws_nothing_from_torchs_generator(weights_file)
 
 
 @pytest.mark.timeout(420)
-def test_the_inception_evaluation_on_two_ranks_with_a_loader_worker_leaves_training_bitwise(
+def test_the_inception_evaluation_on_two_ranks_leaves_training_bitwise_and_labels_i_mod_classes(
         tmp_path, weights_file):
-    """The users' path (issue 37, item 2): setting up the Inception drew from torch's global
-    generator, so the step-1 noise, and every tensor after, differed from the run without it."""
-    data = write_images(tmp_path / "data", n=8)
+    """The users' path (issue 37, item 2), with a loader worker: setting up the Inception drew
+    from torch's global generator, so the step-1 noise, and every tensor after, differed from the
+    run without it. And sample i of a class-conditional model's evaluation is labelled i %
+    num_classes, on any rank and in any batch: the labels (and images) of sample.py --classes
+    0,1,2 of the EMA (tests/train_eval_labels.py records what each rank draws)."""
+    data = write_class_folder(tmp_path / "data", classes=("ant", "bee", "cat"), per_class=3)
     ref = tmp_path / "ref.npz"
     np.savez(ref, arr_0=np.random.default_rng(0).integers(0, 256, (4, 8, 8, 3), np.uint8))
     logs = {k: tmp_path / k for k in ("plain", "eval")}
-    flags = [*TINY, "--max_steps", "3", "--num_workers", "1"]  # trains after an evaluation
-    for name, extra in (("plain", []), ("eval", [*evals(ref, "inception", n=3),
-                                                 "--inception_weights", weights_file])):
-        _run([MPIEXEC, "-n", "2", PY, REPO / "scripts" / "train.py", "--data_dir", data,
-              "--log_dir", logs[name], *flags, *extra], 200)
+    drawn, n = tmp_path / "drawn", 7  # rank 0: [0 2] [4 6], 1: [1 3] [5]
+    flags = [*TINY, "--max_steps", "3", "--num_workers", "1",  # trains after an evaluation
+             "--class_cond", "True"]
+    for name, script, extra in (
+            ("plain", REPO / "scripts" / "train.py", []),
+            ("eval", REPO / "tests" / "train_eval_labels.py",
+             [*evals(ref, "inception", n=n), "--inception_weights", weights_file])):
+        _run([MPIEXEC, "-n", "2", PY, script, *([drawn] if name == "eval" else []),
+              "--data_dir", data, "--log_dir", logs[name], *flags, *extra], 200)
     assert not differences(logs["plain"], logs["eval"]), "the evaluation changed the training"
     plain, evaluated = rows(logs["plain"]), rows(logs["eval"])
     assert [r["step"] for r in evaluated] == [r["step"] for r in plain] == ["2", "3"]
@@ -243,6 +232,22 @@ def test_the_inception_evaluation_on_two_ranks_with_a_loader_worker_leaves_train
     assert (tmp_path / "ref.acts.npz").exists()
     record = json.loads((logs["eval"] / "eval" / "fid_000002.json").read_text())
     assert record["features"]["weights_sha256"] and record[FID] == float(row[FID])
+    # the labels: i % 3 for sample i, whichever rank and batch drew it, as sample.py's
+    got = [np.load(drawn / f"rank{r}.npz") for r in range(2)]
+    indices = np.concatenate([g["indices"] for g in got])
+    order = np.argsort(indices)
+    assert indices[order].tolist() == list(range(n))
+    labels = np.concatenate([g["labels"] for g in got])[order]
+    assert labels.tolist() == [i % 3 for i in range(n)]
+    out = tmp_path / "sampled"
+    run_script("sample.py", "--model_path", logs["eval"] / "ema_0.9999_000002.pt",
+               "--num_samples", n, "--batch_size", 3, "--use_ddim", "True",
+               "--timestep_respacing", 3, "--classes", "0,1,2", "--log_dir", out,
+               "--progress", "False", timeout=120)
+    with np.load(out / f"samples_{n}x8x8x3.npz") as z:
+        assert z["arr_1"].tolist() == labels.tolist()
+        images = np.concatenate([g["images"] for g in got])[order]
+        assert np.abs(z["arr_0"].astype(int) - images).max() <= 1
 
 
 # ------------------------------------------------------------------------ bad input
@@ -310,23 +315,28 @@ def test_bad_eval_flags_and_files_are_one_line_before_anything_is_written(
 
 
 @pytest.mark.timeout(180)
-def test_bad_eval_files_on_two_ranks_are_one_line_for_the_job(tmp_path, digits_data):
+@pytest.mark.parametrize("case", [
+    # make soak: a missing reference (the same check, train_eval._check_files, run on rank 0 for
+    # the job: the Inception weights case here, the file's own words in the one-process test above)
+    pytest.param("missing-ref", marks=pytest.mark.slow), "bad-inception-weights"])
+def test_bad_eval_files_on_two_ranks_are_one_line_for_the_job(tmp_path, digits_data, case):
     """Issue 37, item 10: each rank checked the files before the ranks met and printed its own
     line; the job's verdict is rank 0's, printed once."""
     _, ref = digits_data
     data = write_images(tmp_path / "data", n=8)
     bad = _bad_batches(tmp_path / "bad")
-    for extra, words in [
-        (evals(tmp_path / "missing.npz"), "--eval_ref_batch"),
-        (evals(ref, "inception") + ["--inception_weights", bad / "other_keys.pt"],
-         "other_keys.pt: not the FID Inception weights"),
-    ]:
-        proc = _run([MPIEXEC, "-n", "2", PY, REPO / "scripts" / "train.py", "--data_dir", data,
-                     "--log_dir", tmp_path / "log", *TINY, *extra], 120, check=False)
-        errors = [ln for ln in proc.stdout.splitlines() if ln.startswith("error:")]
-        assert proc.returncode == 1 and len(errors) == 1, (extra, proc.stdout[-3000:])
-        assert words in errors[0] and "Traceback" not in proc.stdout, proc.stdout[-3000:]
-        assert not [p for p in (tmp_path / "log").glob("*") if p.suffix in (".pt", ".json")]
+    extra, words = {
+        "missing-ref": (evals(tmp_path / "missing.npz"), "--eval_ref_batch"),
+        "bad-inception-weights": (
+            evals(ref, "inception") + ["--inception_weights", bad / "other_keys.pt"],
+            "other_keys.pt: not the FID Inception weights"),
+    }[case]
+    proc = _run([MPIEXEC, "-n", "2", PY, REPO / "scripts" / "train.py", "--data_dir", data,
+                 "--log_dir", tmp_path / "log", *TINY, *extra], 120, check=False)
+    errors = [ln for ln in proc.stdout.splitlines() if ln.startswith("error:")]
+    assert proc.returncode == 1 and len(errors) == 1, (extra, proc.stdout[-3000:])
+    assert words in errors[0] and "Traceback" not in proc.stdout, proc.stdout[-3000:]
+    assert not [p for p in (tmp_path / "log").glob("*") if p.suffix in (".pt", ".json")]
 
 
 # ------------------------------------------------------------------------ the post-hoc EMA
@@ -336,8 +346,7 @@ def test_bad_eval_files_on_two_ranks_are_one_line_for_the_job(tmp_path, digits_d
 def phema_run(tmp_path_factory, digits_data):
     data, _ = digits_data
     log = tmp_path_factory.mktemp("phema") / "run"
-    run_script("train.py", "--data_dir", data, "--log_dir", log, *TINY,
-               "--phema_stds", "0.05,0.1", timeout=150)
+    train_here("--data_dir", data, "--log_dir", log, *TINY, "--phema_stds", "0.05,0.1")
     return log
 
 
@@ -394,23 +403,3 @@ def test_phema_evaluate_bad_input_is_one_line_and_writes_nothing(phema_run, digi
         assert got == code, (extra, err)
         assert len(err.strip().splitlines()) == 1 and words in err, (extra, err)
     assert sorted(p.name for p in phema_run.iterdir()) == before
-
-
-@pytest.mark.timeout(240)
-def test_a_relative_eval_ref_batch_is_recorded_absolute_and_a_resume_from_elsewhere_finds_it(
-        tmp_path, digits_data):
-    """Issue 43, item 17: `--eval_ref_batch ref.npz` typed in the reference's folder went into
-    the manifests as typed, and a flagless resume from another directory could not find it."""
-    data, ref = digits_data
-    here, elsewhere = tmp_path / "here", tmp_path / "elsewhere"
-    here.mkdir()
-    elsewhere.mkdir()
-    shutil.copy(ref, here / "ref.npz")
-    log = tmp_path / "log"
-    args = [PY, REPO / "scripts" / "train.py", "--data_dir", data, "--log_dir", log]
-    _run([*args, *TINY, "--max_steps", "2", *evals("ref.npz")], 180, cwd=here)
-    manifest = json.loads((log / "manifest000002.json").read_text())
-    assert manifest["run_flags"]["eval_ref_batch"] == str(here / "ref.npz")
-    proc = _run([*args, "--max_steps", "4"], 180, cwd=elsewhere, check=False)
-    assert proc.returncode == 0, proc.stdout[-3000:]
-    assert [r["step"] for r in rows(log) if r.get(FID)] == ["2", "4"], rows(log)
