@@ -379,7 +379,8 @@ def test_several_stds_at_an_earlier_step_each_solve_over_the_snapshots_up_to_it(
     np.testing.assert_allclose(npy(same), snaps[-2], rtol=0, atol=1e-9)
 
 
-def test_the_reconstruction_holds_one_snapshot_at_a_time(tiny_runs, tmp_path, monkeypatch):
+def test_the_reconstruction_holds_one_snapshot_at_a_time(tiny_runs, tmp_path, monkeypatch,
+                                                         request):
     """Memory by construction: when a snapshot is loaded, no earlier one is still alive; with
     --batch 1 the files are read once per std, with --batch 3 once, to the same bytes."""
     alive, loads, most = [], [], [0]
@@ -394,6 +395,9 @@ def test_the_reconstruction_holds_one_snapshot_at_a_time(tiny_runs, tmp_path, mo
         return c
 
     monkeypatch.setattr(P, "_load_snapshot", counting)
+    gc.collect()
+    gc.freeze()  # the collections above then walk only what the reconstruction made, not torch
+    request.addfinalizer(gc.unfreeze)
     run = tiny_runs[th.float32]
     assert cli("phema", run, "--std", "0.05,0.07,0.1", "--out", tmp_path / "one")[0] == 0
     assert most[0] == 0 and len(loads) == 3 * 16
