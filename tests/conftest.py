@@ -103,13 +103,14 @@ def run_script(script, *args, timeout=120, env=None, check=True):
 
 
 def run_script_here(script, *args, capsys):
-    """scripts/<script>'s entry point ``run(argv)`` (its errors one ``error:`` line and an exit
-    code) in this process, one rank: for a usage error, no process launch. Returns (exit code,
-    what it printed: stdout, then stderr)."""
+    """scripts/<script>'s entry point (``run(argv)``, train.py's ``main(argv)``: its errors one
+    ``error:`` line and an exit code) in this process, one rank: for a usage error, no process
+    launch. Returns (exit code, what it printed: stdout, then stderr)."""
     from test_cli import load_script
 
     capsys.readouterr()
-    code = load_script(script).run([str(a) for a in args])
+    module = load_script(script)
+    code = getattr(module, "run", module.main)([str(a) for a in args])
     out = capsys.readouterr()
     return code, out.out + out.err
 

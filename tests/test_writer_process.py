@@ -18,7 +18,7 @@ import time
 import pytest
 import torch
 
-from conftest import PY, REPO, child_env, hang_s, resumed_step, write_images
+from conftest import PY, REPO, child_env, hang_s, resumed_step, run_script_here, write_images
 from test_disk_faults import step_problem
 
 from improved_diffusion.ckpt import run_lock, writer_process
@@ -359,14 +359,13 @@ def test_a_core_is_free_for_the_writer_unless_the_ranks_threads_fill_them(
         free and writer_process.available())
 
 
-def test_a_bad_save_writer_is_a_one_line_usage_error_before_anything_is_written(tmp_path):
-    res = subprocess.run([str(PY), "scripts/train.py", *TINY, "--data_dir", str(tmp_path),
-                          "--log_dir", str(tmp_path / "run"), "--save_writer", "disk"],
-                         cwd=REPO, env=child_env(), stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True, timeout=BOUND_S)
-    assert res.returncode == 2, res.stdout[-3000:]
-    assert res.stdout.strip().splitlines()[-1] == \
-        "error: --save_writer must be one of auto, process, thread (got 'disk')", res.stdout
+def test_a_bad_save_writer_is_a_one_line_usage_error_before_anything_is_written(tmp_path,
+                                                                                capsys):
+    code, out = run_script_here("train.py", *TINY, "--data_dir", tmp_path, "--log_dir",
+                                tmp_path / "run", "--save_writer", "disk", capsys=capsys)
+    assert code == 2, out[-3000:]
+    assert out.strip().splitlines()[-1] == \
+        "error: --save_writer must be one of auto, process, thread (got 'disk')", out
     assert not (tmp_path / "run").exists()
 
 
