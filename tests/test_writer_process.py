@@ -6,8 +6,9 @@ writes lets the write finish and the job exit 75 with its last step complete; th
 not outlive a trainer that was kill -9'd, keeps the log dir's lock held while it lives and puts
 nothing in place after the trainer died (issue 37), nor after its job let the lock go; a log dir
 removed mid-write is said to be gone with all its steps; loader workers (--num_workers 2) neither
-inherit its connection nor break it; nothing is left in /dev/shm. Slow writes (tests/slow_save_train.py,
-whose patch of torch.save also runs in the writer process) keep a write open long enough.
+inherit its connection nor break it; nothing is left in /dev/shm. Slow writes of step 4
+(tests/slow_save_train.py, whose patch of torch.save also runs in the writer process) keep a
+write open long enough.
 """
 import os
 import shutil
@@ -87,7 +88,9 @@ def alive(pid):
 def start_slow(log_dir, images, max_steps, *extra, session=False):
     cmd = [PY, SLOW_SAVE_TRAIN, *TINY, "--data_dir", images, "--log_dir", log_dir,
            "--max_steps", str(max_steps), *extra]
-    return subprocess.Popen([str(c) for c in cmd], cwd=REPO, env=child_env({"SLOW_SAVE_S": "0.5"}),
+    # step 4's writes only: step 2 (the step a test needs complete before) is saved at once
+    env = child_env({"SLOW_SAVE_S": "0.5", "SLOW_SAVE_STEP": "4"})
+    return subprocess.Popen([str(c) for c in cmd], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=session)
 
