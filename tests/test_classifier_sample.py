@@ -174,19 +174,22 @@ def test_classifier_guidance_raises_the_classifiers_probability_of_the_label():
 
 
 @pytest.mark.timeout(120)
-def test_classifier_guidance_combines_with_classifier_free_guidance(tmp_path, files):
+def test_classifier_guidance_combines_with_classifier_free_guidance(tmp_path, files, capsys):
+    """In this process, through the script's entry point (launched: upstream's files above)."""
     model, _ = tiny_model(class_cond=True, num_classes=3, class_dropout_prob=0.1)
     model_file = files("run", model, dict(TINY, class_cond=True, num_classes=3,
                                           class_dropout_prob=0.1))
     classifier_file = files("cls", tiny_classifier(), TINY_CLASSIFIER, kind="classifier")
     outs = []
     for scale in ("1", "0"):
-        proc = run_script("classifier_sample.py", "--model_path", model_file,
-                          "--classifier_path", classifier_file, "--classifier_scale", "10",
-                          "--guidance_scale", scale, "--num_samples", "3",
-                          "--log_dir", tmp_path / scale, "--progress", "False")
+        code, out = run_script_here("classifier_sample.py", "--model_path", model_file,
+                                    "--classifier_path", classifier_file, "--classifier_scale",
+                                    "10", "--guidance_scale", scale, "--num_samples", "3",
+                                    "--log_dir", tmp_path / scale, "--progress", "False",
+                                    capsys=capsys)
+        assert code == 0, out[-3000:]
         outs.append(npz(tmp_path / scale))
-    assert "classifier scale 10.0, classifier-free guidance scale 0.0" in proc.stdout
+    assert "classifier scale 10.0, classifier-free guidance scale 0.0" in out
     assert not np.array_equal(outs[0][0], outs[1][0])  # the null label: unconditional + guided
     assert np.array_equal(outs[0][1], outs[1][1])
 

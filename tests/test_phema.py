@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch as th
 
-from conftest import FIXTURES, run_script
+from conftest import FIXTURES, run_script_here
 from improved_diffusion.ckpt import checkpoint as C
 from improved_diffusion.ckpt import file_writer as W
 from improved_diffusion import phema as P
@@ -497,7 +497,7 @@ def test_a_snapshot_of_another_model_shape_is_named(tmp_path):
 
 
 @pytest.mark.timeout(180)
-def test_sample_py_samples_from_a_reconstructed_file(tmp_path):
+def test_sample_py_samples_from_a_reconstructed_file(tmp_path, capsys):
     from improved_diffusion import script_util as su
 
     flags = su.model_and_diffusion_defaults()
@@ -519,10 +519,11 @@ def test_sample_py_samples_from_a_reconstructed_file(tmp_path):
     code, _, err = cli("phema", run, "--std", "0.08", "--out", tmp_path / "rec")
     assert code == 0, err
     ema = tmp_path / "rec" / "ema_phema0.080_000004.pt"
-    proc = run_script("sample.py", "--model_path", ema, "--log_dir", tmp_path / "s",
-                      "--num_samples", "2", "--batch_size", "2", "--timestep_respacing", "3",
-                      timeout=120)
-    assert "ema weights at step 4, flags stored in the file" in proc.stdout
+    code, out = run_script_here("sample.py", "--model_path", ema, "--log_dir", tmp_path / "s",
+                                "--num_samples", "2", "--batch_size", "2",
+                                "--timestep_respacing", "3", capsys=capsys)  # in this process
+    assert code == 0, out[-3000:]
+    assert "ema weights at step 4, flags stored in the file" in out
     with np.load(tmp_path / "s" / "samples_2x8x8x3.npz") as z:
         assert z["arr_0"].shape == (2, 8, 8, 3)
 

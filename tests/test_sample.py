@@ -50,7 +50,7 @@ def _load(npz):
 
 
 # ---------------------------------------------------------------------------------------------
-# end to end
+# end to end (launched: our file, one and two ranks; the other files' loading in this process)
 
 
 @pytest.mark.timeout(120)
@@ -86,25 +86,28 @@ def test_same_seed_gives_identical_samples_on_one_and_two_ranks_and_any_batch_si
 
 
 @pytest.mark.timeout(120)
-def test_upstream_raw_ema_file_samples_with_its_flags_given(tmp_path):
-    out = tmp_path / "s"
-    run_script("sample.py", "--model_path", UPSTREAM_EMA, *UPSTREAM_FLAGS, "--log_dir", out,
-               "--num_samples", "2", "--batch_size", "2", "--use_ddim", "True",
-               "--timestep_respacing", "ddim5", timeout=90)
+def test_upstream_raw_ema_file_samples_with_its_flags_given(tmp_path, capsys):
+    out = tmp_path / "s"  # (in this process, as the combined dict's below)
+    code, text = run_script_here("sample.py", "--model_path", UPSTREAM_EMA, *UPSTREAM_FLAGS,
+                                 "--log_dir", out, "--num_samples", "2", "--batch_size", "2",
+                                 "--use_ddim", "True", "--timestep_respacing", "ddim5",
+                                 capsys=capsys)
+    assert code == 0, text[-3000:]
     z = _load(out / "samples_2x32x32x3.npz")
     assert z["arr_0"].shape == (2, 32, 32, 3) and z["arr_0"].dtype == np.uint8
     assert "arr_1" not in z
 
 
 @pytest.mark.timeout(120)
-def test_combined_dict_samples_from_its_ema_entry(tiny_run, tmp_path):
+def test_combined_dict_samples_from_its_ema_entry(tiny_run, tmp_path, capsys):
     raw = th.load(tiny_run["ema"], weights_only=True)
     combined = tmp_path / "combined.pt"
     th.save({"model": raw["state_dict"], "ema": raw["state_dict"], "flags": raw["flags"]},
             combined)
     out = tmp_path / "s"
-    run_script("sample.py", "--model_path", combined, "--log_dir", out, "--num_samples", "2",
-               "--timestep_respacing", "3", timeout=90)
+    code, text = run_script_here("sample.py", "--model_path", combined, "--log_dir", out,
+                                 "--num_samples", "2", "--timestep_respacing", "3", capsys=capsys)
+    assert code == 0, text[-3000:]
     assert _load(out / "samples_2x8x8x3.npz")["arr_0"].shape == (2, 8, 8, 3)
 
 
