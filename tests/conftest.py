@@ -102,6 +102,19 @@ def run_script(script, *args, timeout=120, env=None, check=True):
     return _run([PY, REPO / "scripts" / script, *args], timeout, env=env, check=check)
 
 
+def run_script_here(script, *args, capsys):
+    """scripts/<script>'s entry point (``run(argv)``, train.py's ``main(argv)``: its errors one
+    ``error:`` line and an exit code) in this process, one rank: for a usage error, no process
+    launch. Returns (exit code, what it printed: stdout, then stderr)."""
+    from test_cli import load_script
+
+    capsys.readouterr()
+    module = load_script(script)
+    code = getattr(module, "run", module.main)([str(a) for a in args])
+    out = capsys.readouterr()
+    return code, out.out + out.err
+
+
 def run_mpi(n, script, *args, timeout=180, env=None, check=True):
     """Run `mpiexec -n N python scripts/<script> args...` under a timeout."""
     return _run([MPIEXEC, "-n", str(n), PY, REPO / "scripts" / script, *args], timeout, env=env,

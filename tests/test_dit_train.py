@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import deep_diff, resumed_step, run_mpi, run_script
+from conftest import deep_diff, resumed_step, run_mpi, run_script, run_script_here
 from improved_diffusion import train_util
 from improved_diffusion.apps import ckpt_tool
 from improved_diffusion.dit import DiT
@@ -108,18 +108,22 @@ def test_a_dit_run_saved_on_2_ranks_resumes_on_1_with_its_optimizer(tmp_path, la
 
 
 @pytest.mark.timeout(180)
-def test_sample_py_nll_py_and_the_doctor_take_a_dit_run(tmp_path, latents, straight):
+def test_sample_py_nll_py_and_the_doctor_take_a_dit_run(tmp_path, latents, straight, capsys):
+    """In this process, through the scripts' entry points (test_sample launches both)."""
     run = straight
-    run_script("sample.py", "--model_path", run / "ema_0.9999_000006.pt", "--log_dir",
-               tmp_path / "s", "--num_samples", "3", "--timestep_respacing", "4",
-               "--clip_denoised", "False", timeout=90)
+    code, out = run_script_here("sample.py", "--model_path", run / "ema_0.9999_000006.pt",
+                                "--log_dir", tmp_path / "s", "--num_samples", "3",
+                                "--timestep_respacing", "4", "--clip_denoised", "False",
+                                capsys=capsys)
+    assert code == 0, out[-3000:]
     z = np.load(tmp_path / "s" / "samples_3x4x8x8.npz")  # latents: float32 NCHW, no grid
     assert z["arr_0"].shape == (3, 4, 8, 8) and z["arr_0"].dtype == np.float32
     assert np.isfinite(z["arr_0"]).all() and z["arr_1"].shape == (3,)
     assert not list((tmp_path / "s").glob("*.png"))
-    out = run_script("nll.py", "--model_path", run / "ema_0.9999_000006.pt", "--data_dir",
-                     latents, "--log_dir", tmp_path / "n", "--num_samples", "2",
-                     "--timestep_respacing", "4", timeout=90).stdout
+    code, out = run_script_here("nll.py", "--model_path", run / "ema_0.9999_000006.pt",
+                                "--data_dir", latents, "--log_dir", tmp_path / "n",
+                                "--num_samples", "2", "--timestep_respacing", "4", capsys=capsys)
+    assert code == 0, out[-3000:]
     assert re.search(r"done 2 samples: bpd=\d", out), out[-2000:]
 
     text, err = io.StringIO(), io.StringIO()

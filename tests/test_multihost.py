@@ -335,7 +335,10 @@ sys.exit(cli.run_main(main, []))
 
 
 @pytest.mark.timeout(150)
-@pytest.mark.parametrize("names", ["own", "same"], ids=["own-names", "both-named-node"])
+# own names: make soak; make test keeps the meeting on host 0's address across two hosts in the
+# harder both-named-node case (the same rendezvous, the host names no help)
+@pytest.mark.parametrize("names", [pytest.param("own", marks=pytest.mark.slow), "same"],
+                         ids=["own-names", "both-named-node"])
 def test_an_mpiexec_job_across_two_hosts_meets_on_host0s_routable_address(
         hosts, tmp_path, names):
     # "same": both hosts call themselves "node" (cloned machines, containers): the host name

@@ -18,6 +18,7 @@ import torch
 
 from conftest import MPIEXEC, PY, REPO, _run, deep_diff, resumed_step, write_images
 from improved_diffusion.apps.ckpt_tool import main as ckpt_main
+from test_phema_train import stopped_at
 
 DRIVER = REPO / "tests" / "edge_model_train.py"
 FLAGS = ["--image_size", "8", "--diffusion_steps", "20", "--noise_schedule", "cosine",
@@ -38,12 +39,14 @@ def load(path):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    """A straight run to 6 (the flag), and a run stopped after step 2 (a copy of the straight
+    run's log dir as a job killed then left it) resumed to 6 (train_job.Parts)."""
     d = tmp_path_factory.mktemp("edges")
     data = write_images(d / "images", n=14)
     train(data, d / "straight", "--max_steps", 6, "--find_unused_parameters", "True")
-    train(data, d / "resumed", "--max_steps", 3, "--find_unused_parameters", "True")
+    stopped_at(d / "straight", d / "resumed", 2)
     out = train(data, d / "resumed", "--max_steps", 6, "--parts_find_unused", "True").stdout
-    assert resumed_step(out) == 3, out[-2000:]
+    assert resumed_step(out) == 2, out[-2000:]
     return data, d / "straight", d / "resumed"
 
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch as th
 
-from conftest import FIXTURES, run_script
+from conftest import FIXTURES, run_script_here
 from improved_diffusion.ckpt import checkpoint as C
 from improved_diffusion.ckpt import file_writer as W
 from improved_diffusion import phema as P
@@ -379,7 +379,8 @@ def test_several_stds_at_an_earlier_step_each_solve_over_the_snapshots_up_to_it(
     np.testing.assert_allclose(npy(same), snaps[-2], rtol=0, atol=1e-9)
 
 
-def test_the_reconstruction_holds_one_snapshot_at_a_time(tiny_runs, tmp_path, monkeypatch):
+def test_the_reconstruction_holds_one_snapshot_at_a_time(tiny_runs, tmp_path, monkeypatch,
+                                                         request):
     """Memory by construction: when a snapshot is loaded, no earlier one is still alive; with
     --batch 1 the files are read once per std, with --batch 3 once, to the same bytes."""
     alive, loads, most = [], [], [0]
@@ -394,6 +395,9 @@ def test_the_reconstruction_holds_one_snapshot_at_a_time(tiny_runs, tmp_path, mo
         return c
 
     monkeypatch.setattr(P, "_load_snapshot", counting)
+    gc.collect()
+    gc.freeze()  # the collections above then walk only what the reconstruction made, not torch
+    request.addfinalizer(gc.unfreeze)
     run = tiny_runs[th.float32]
     assert cli("phema", run, "--std", "0.05,0.07,0.1", "--out", tmp_path / "one")[0] == 0
     assert most[0] == 0 and len(loads) == 3 * 16
@@ -493,7 +497,7 @@ def test_a_snapshot_of_another_model_shape_is_named(tmp_path):
 
 
 @pytest.mark.timeout(180)
-def test_sample_py_samples_from_a_reconstructed_file(tmp_path):
+def test_sample_py_samples_from_a_reconstructed_file(tmp_path, capsys):
     from improved_diffusion import script_util as su
 
     flags = su.model_and_diffusion_defaults()
@@ -515,10 +519,11 @@ def test_sample_py_samples_from_a_reconstructed_file(tmp_path):
     code, _, err = cli("phema", run, "--std", "0.08", "--out", tmp_path / "rec")
     assert code == 0, err
     ema = tmp_path / "rec" / "ema_phema0.080_000004.pt"
-    proc = run_script("sample.py", "--model_path", ema, "--log_dir", tmp_path / "s",
-                      "--num_samples", "2", "--batch_size", "2", "--timestep_respacing", "3",
-                      timeout=120)
-    assert "ema weights at step 4, flags stored in the file" in proc.stdout
+    code, out = run_script_here("sample.py", "--model_path", ema, "--log_dir", tmp_path / "s",
+                                "--num_samples", "2", "--batch_size", "2",
+                                "--timestep_respacing", "3", capsys=capsys)  # in this process
+    assert code == 0, out[-3000:]
+    assert "ema weights at step 4, flags stored in the file" in out
     with np.load(tmp_path / "s" / "samples_2x8x8x3.npz") as z:
         assert z["arr_0"].shape == (2, 8, 8, 3)
 
@@ -540,7 +545,8 @@ def test_a_snapshot_damaged_after_the_plan_says_to_run_the_reconstruction_again(
 def test_a_snapshot_its_steps_manifest_does_not_list_leaves_the_step_out(tmp_path):
     """Issue 37, item 22 (a promise): a snapshot beside a complete step that its manifest does not
     list (written after it, or copied in) is no part of that step: the step is left out, named
-    in one warning, and the reconstruction is made of the others (scripts/ckpt.py phema)."""
+    in one warning, and the reconstruction is made of the others (ckpt.py phema, in process;
+    test_fsdp_parity runs scripts/ckpt.py phema itself)."""
     d = str(tmp_path / "run")
     _steps_with_snapshots(d, [1, 2, 3])
     lin = th.nn.Linear(8, 2, bias=False)
@@ -548,12 +554,11 @@ def test_a_snapshot_its_steps_manifest_does_not_list_leaves_the_step_out(tmp_pat
     stray.update(lin.parameters(), 8, 4)
     for name, payload in stray.snapshot_payloads(2, TINY_FLAGS, lin.state_dict()).items():
         W.atomic_write(os.path.join(d, name), payload)
-    proc = run_script("ckpt.py", "phema", d, "--std", "0.07", "--out", tmp_path / "out",
-                      "--json")
-    assert proc.returncode == 0, proc.stdout
-    assert ("warning: post-hoc EMA snapshots: step 2 left out: phema_0.200_000002.pt is not in "
-            "manifest000002.json") in proc.stdout.splitlines()
-    rep = json.loads(proc.stdout[proc.stdout.index("{"):])
+    code, out, err = cli("phema", d, "--std", "0.07", "--out", tmp_path / "out", "--json")
+    assert code == 0, err
+    assert err.splitlines() == ["warning: post-hoc EMA snapshots: step 2 left out: "
+                                "phema_0.200_000002.pt is not in manifest000002.json"]
+    rep = json.loads(out)
     assert rep["left_out"] == [{"step": 2, "why": "phema_0.200_000002.pt is not in "
                                                   "manifest000002.json"}]
     assert not any(name.endswith("000002.pt") for name in rep["inputs"]), rep["inputs"]

@@ -279,7 +279,8 @@ def test_phema_right_after_a_kill_in_a_snapshot_write_uses_the_last_complete_ste
     cmd = [PY, REPO / "tests" / "slow_save_train.py", *TINY, "--data_dir", images, "--log_dir",
            log_dir, "--phema_stds", "0.05,0.1", "--save_interval", "2", "--max_steps", "1000",
            "--async_save", "False"]
-    proc = subprocess.Popen([str(c) for c in cmd], cwd=REPO, env=child_env({"SLOW_SAVE_S": "0.4"}),
+    env = child_env({"SLOW_SAVE_S": "0.4", "SLOW_SAVE_STEP": "6"})  # steps 2 and 4 at once
+    proc = subprocess.Popen([str(c) for c in cmd], cwd=REPO, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     try:

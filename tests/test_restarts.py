@@ -16,7 +16,7 @@ import torch
 import cluster_sim as cs
 from conftest import deep_diff, hang_s, run_mpi, write_images
 
-MAX_STEPS = 40
+MAX_STEPS = 20  # two kills, each after a step of its own attempt (the soak: 10 kills, 100)
 RATES = "0.9999"
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch as th
 from PIL import Image
 
-from conftest import FIXTURES, run_mpi, run_script
+from conftest import FIXTURES, run_mpi, run_script, run_script_here
 from improved_diffusion import sampling
 
 UPSTREAM_EMA = FIXTURES / "upstream_run_small" / "ema_0.9999_000010.pt"
@@ -50,7 +50,7 @@ def _load(npz):
 
 
 # ---------------------------------------------------------------------------------------------
-# end to end
+# end to end (launched: our file, one and two ranks; the other files' loading in this process)
 
 
 @pytest.mark.timeout(120)
@@ -86,25 +86,28 @@ def test_same_seed_gives_identical_samples_on_one_and_two_ranks_and_any_batch_si
 
 
 @pytest.mark.timeout(120)
-def test_upstream_raw_ema_file_samples_with_its_flags_given(tmp_path):
-    out = tmp_path / "s"
-    run_script("sample.py", "--model_path", UPSTREAM_EMA, *UPSTREAM_FLAGS, "--log_dir", out,
-               "--num_samples", "2", "--batch_size", "2", "--use_ddim", "True",
-               "--timestep_respacing", "ddim5", timeout=90)
+def test_upstream_raw_ema_file_samples_with_its_flags_given(tmp_path, capsys):
+    out = tmp_path / "s"  # (in this process, as the combined dict's below)
+    code, text = run_script_here("sample.py", "--model_path", UPSTREAM_EMA, *UPSTREAM_FLAGS,
+                                 "--log_dir", out, "--num_samples", "2", "--batch_size", "2",
+                                 "--use_ddim", "True", "--timestep_respacing", "ddim5",
+                                 capsys=capsys)
+    assert code == 0, text[-3000:]
     z = _load(out / "samples_2x32x32x3.npz")
     assert z["arr_0"].shape == (2, 32, 32, 3) and z["arr_0"].dtype == np.uint8
     assert "arr_1" not in z
 
 
 @pytest.mark.timeout(120)
-def test_combined_dict_samples_from_its_ema_entry(tiny_run, tmp_path):
+def test_combined_dict_samples_from_its_ema_entry(tiny_run, tmp_path, capsys):
     raw = th.load(tiny_run["ema"], weights_only=True)
     combined = tmp_path / "combined.pt"
     th.save({"model": raw["state_dict"], "ema": raw["state_dict"], "flags": raw["flags"]},
             combined)
     out = tmp_path / "s"
-    run_script("sample.py", "--model_path", combined, "--log_dir", out, "--num_samples", "2",
-               "--timestep_respacing", "3", timeout=90)
+    code, text = run_script_here("sample.py", "--model_path", combined, "--log_dir", out,
+                                 "--num_samples", "2", "--timestep_respacing", "3", capsys=capsys)
+    assert code == 0, text[-3000:]
     assert _load(out / "samples_2x8x8x3.npz")["arr_0"].shape == (2, 8, 8, 3)
 
 
@@ -112,35 +115,37 @@ def test_combined_dict_samples_from_its_ema_entry(tiny_run, tmp_path):
 # user mistakes: one line, non-zero exit
 
 
-@pytest.mark.timeout(60)
-def test_explicit_flag_contradicting_the_file_is_an_error_naming_both_values(tiny_run, tmp_path):
-    proc = run_script("sample.py", "--model_path", tiny_run["ema"], "--num_channels", "64",
-                      "--log_dir", tmp_path, "--num_samples", "1", check=False, timeout=60)
-    assert proc.returncode == 2
-    err = proc.stdout.strip().splitlines()[-1]
+# (in this process: run(), the scripts' entry point, with no launch; the launched script's own
+# one-line errors: test_classifier_sample's overflowing scale on 2 ranks)
+
+
+def test_explicit_flag_contradicting_the_file_is_an_error_naming_both_values(tiny_run, tmp_path,
+                                                                             capsys):
+    code, out = run_script_here("sample.py", "--model_path", tiny_run["ema"], "--num_channels",
+                                "64", "--log_dir", tmp_path, "--num_samples", "1", capsys=capsys)
+    assert code == 2
+    err = out.strip().splitlines()[-1]
     assert err.startswith("error: --num_channels 64") and "num_channels=32" in err
 
 
-@pytest.mark.timeout(60)
-def test_upstream_file_without_its_flags_says_to_pass_them(tmp_path):
-    proc = run_script("sample.py", "--model_path", UPSTREAM_EMA, "--log_dir", tmp_path,
-                      "--num_samples", "1", check=False, timeout=60)
-    assert proc.returncode == 1
-    err = proc.stdout.strip().splitlines()[-1]
+def test_upstream_file_without_its_flags_says_to_pass_them(tmp_path, capsys):
+    code, out = run_script_here("sample.py", "--model_path", UPSTREAM_EMA, "--log_dir", tmp_path,
+                                "--num_samples", "1", capsys=capsys)
+    assert code == 1
+    err = out.strip().splitlines()[-1]
     assert err.startswith("error: --model_path") and "pass the model flags" in err
-    assert "Traceback" not in proc.stdout
+    assert "Traceback" not in out
 
 
-@pytest.mark.timeout(60)
-def test_missing_file_and_out_of_range_classes_are_one_line_errors(tiny_run, tmp_path):
-    proc = run_script("sample.py", "--model_path", tmp_path / "nope.pt", "--log_dir", tmp_path,
-                      check=False, timeout=60)
-    assert proc.returncode == 1 and "Traceback" not in proc.stdout
-    assert proc.stdout.strip().splitlines()[-1].startswith("error: --model_path")
-    proc = run_script("sample.py", "--model_path", tiny_run["ema"], "--classes", "1,5",
-                      "--log_dir", tmp_path, check=False, timeout=60)
-    assert proc.returncode == 2
-    assert "--classes 1,5: class 5 is out of range" in proc.stdout
+def test_missing_file_and_out_of_range_classes_are_one_line_errors(tiny_run, tmp_path, capsys):
+    code, out = run_script_here("sample.py", "--model_path", tmp_path / "nope.pt", "--log_dir",
+                                tmp_path, capsys=capsys)
+    assert code == 1 and "Traceback" not in out
+    assert out.strip().splitlines()[-1].startswith("error: --model_path")
+    code, out = run_script_here("sample.py", "--model_path", tiny_run["ema"], "--classes", "1,5",
+                                "--log_dir", tmp_path, capsys=capsys)
+    assert code == 2
+    assert "--classes 1,5: class 5 is out of range" in out
 
 
 # ---------------------------------------------------------------------------------------------

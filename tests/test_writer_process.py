@@ -6,8 +6,9 @@ writes lets the write finish and the job exit 75 with its last step complete; th
 not outlive a trainer that was kill -9'd, keeps the log dir's lock held while it lives and puts
 nothing in place after the trainer died (issue 37), nor after its job let the lock go; a log dir
 removed mid-write is said to be gone with all its steps; loader workers (--num_workers 2) neither
-inherit its connection nor break it; nothing is left in /dev/shm. Slow writes (tests/slow_save_train.py,
-whose patch of torch.save also runs in the writer process) keep a write open long enough.
+inherit its connection nor break it; nothing is left in /dev/shm. Slow writes of step 4
+(tests/slow_save_train.py, whose patch of torch.save also runs in the writer process) keep a
+write open long enough.
 """
 import os
 import shutil
@@ -18,7 +19,7 @@ import time
 import pytest
 import torch
 
-from conftest import PY, REPO, child_env, hang_s, resumed_step, write_images
+from conftest import PY, REPO, child_env, hang_s, resumed_step, run_script_here, write_images
 from test_disk_faults import step_problem
 
 from improved_diffusion.ckpt import run_lock, writer_process
@@ -87,7 +88,9 @@ def alive(pid):
 def start_slow(log_dir, images, max_steps, *extra, session=False):
     cmd = [PY, SLOW_SAVE_TRAIN, *TINY, "--data_dir", images, "--log_dir", log_dir,
            "--max_steps", str(max_steps), *extra]
-    return subprocess.Popen([str(c) for c in cmd], cwd=REPO, env=child_env({"SLOW_SAVE_S": "0.5"}),
+    # step 4's writes only: step 2 (the step a test needs complete before) is saved at once
+    env = child_env({"SLOW_SAVE_S": "0.5", "SLOW_SAVE_STEP": "4"})
+    return subprocess.Popen([str(c) for c in cmd], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=session)
 
@@ -359,14 +362,13 @@ def test_a_core_is_free_for_the_writer_unless_the_ranks_threads_fill_them(
         free and writer_process.available())
 
 
-def test_a_bad_save_writer_is_a_one_line_usage_error_before_anything_is_written(tmp_path):
-    res = subprocess.run([str(PY), "scripts/train.py", *TINY, "--data_dir", str(tmp_path),
-                          "--log_dir", str(tmp_path / "run"), "--save_writer", "disk"],
-                         cwd=REPO, env=child_env(), stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True, timeout=BOUND_S)
-    assert res.returncode == 2, res.stdout[-3000:]
-    assert res.stdout.strip().splitlines()[-1] == \
-        "error: --save_writer must be one of auto, process, thread (got 'disk')", res.stdout
+def test_a_bad_save_writer_is_a_one_line_usage_error_before_anything_is_written(tmp_path,
+                                                                                capsys):
+    code, out = run_script_here("train.py", *TINY, "--data_dir", tmp_path, "--log_dir",
+                                tmp_path / "run", "--save_writer", "disk", capsys=capsys)
+    assert code == 2, out[-3000:]
+    assert out.strip().splitlines()[-1] == \
+        "error: --save_writer must be one of auto, process, thread (got 'disk')", out
     assert not (tmp_path / "run").exists()
 
 
