@@ -433,3 +433,29 @@ def test_the_writer_process_checks_the_weights_on_its_host_copy_and_still_refuse
         assert not params & set(counted)
     finally:
         loop.close()
+
+
+def test_the_writer_writes_nicer_than_the_trainer_until_the_trainer_waits_for_it(tmp_path):
+    """Each write starts with every thread of the writer process at WRITER_NICE above the
+    trainer's nice level (the steps beside it keep their core); hurry(), what the checkpointer
+    calls once it waits for the write, sets them back to the trainer's level where this
+    process may lower a nice value (root, CAP_SYS_NICE or RLIMIT_NICE)."""
+    import resource
+
+    def nices(pid):
+        return {os.getpriority(os.PRIO_PROCESS, int(t)) for t in os.listdir(f"/proc/{pid}/task")}
+
+    mine = os.getpriority(os.PRIO_PROCESS, 0)
+    assert writer_process.WRITER_NICE > 0
+    w = writer_process.WriterProcess()
+    try:
+        files = {"model000001.pt": {"w": torch.randn(1 << 20)}}  # 4 MiB: CRC thread started
+        w.write(tmp_path, 1, w.pack(files))
+        assert nices(w.pid) == {min(19, mine + writer_process.WRITER_NICE)}
+        w.hurry()
+        may_lower = os.geteuid() == 0 or resource.getrlimit(resource.RLIMIT_NICE)[0] >= 20 - mine
+        assert nices(w.pid) == ({mine} if may_lower else {min(19, mine + writer_process.WRITER_NICE)})
+        w.write(tmp_path, 2, w.pack({"model000002.pt": {"w": torch.arange(3.0)}}))
+        assert nices(w.pid) == {min(19, mine + writer_process.WRITER_NICE)}  # nicer again
+    finally:
+        w.close()

@@ -661,6 +661,8 @@ class Checkpointer:
         failure, self._save_failure = self._save_failure, None
         if failure is not None:
             raise failure
+        if block and self._writer.running and isinstance(self._process, WriterProcess):
+            self._process.hurry()  # training waits for it now: the writer at the trainer's nice
         outcome = self._writer.wait() if block else self._writer.poll()
         if outcome is None:
             return None
