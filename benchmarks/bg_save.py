@@ -18,13 +18,14 @@ images, one thread, one rank):
 - ``bg_pauses_every_3_steps`` (goal: no growth): the pauses of ``--chain`` saves made every
   3 steps, in order, with each save's background write time (does a save wait for the one
   before it?);
-- ``bg_writer_profile``: where the background time goes: the writer process's nice level and
+- ``bg_writer_profile``: where the background time goes: the writer process's nice levels
+  seen while steps ran beside its write (``--writer_nice``: writer_process.WRITER_NICE) and
   CPU affinity against the trainer's, its CPU time (user, system) during one write over the
   write's wall time, the trainer's CPU over the same span, and the machine's load.
 
 One JSON line per figure with the command. Usage:
 
-    python benchmarks/bg_save.py [--size 30M] [--dir DIR] [--repeat 3] [--chain 5]
+    python benchmarks/bg_save.py [--size 30M] [--dir DIR] [--repeat 3] [--chain 5] [--writer_nice N]
 """
 import argparse
 import os
@@ -69,7 +70,8 @@ def pause_parts(loop, step):
     write_s(loop)
     parts = {"_refuse_non_finite_weights": "weights_check", "step_files": "step_files",
              "get_rng_state": "rng_state", "dump": "pickle", "_foreach_copy_": "host_copy",
-             "pack": "pack", "_start": "writer_start"}
+             "pack": "pack", "_start": "writer_start",
+             "_copy_and_check": "host_copy_and_weights_check"}
     out = {}
     for (_, _, name), row in pstats.Stats(prof).stats.items():
         if name in parts or name.endswith("._foreach_copy_>") or "foreach_copy" in name:
@@ -143,12 +145,18 @@ def main():
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--chain", type=int, default=5)
     p.add_argument("--spy", type=int, default=0, help="py-spy the writer over this many writes")
+    p.add_argument("--writer_nice", type=int, default=None,
+                   help="writer_process.WRITER_NICE for this run (0: the trainer's priority)")
     args = p.parse_args()
     cmd = "python benchmarks/bg_save.py " + " ".join(sys.argv[1:])
     import torch as th
 
     from improved_diffusion import logger
 
+    from improved_diffusion.ckpt import writer_process
+
+    if args.writer_nice is not None:
+        writer_process.WRITER_NICE = args.writer_nice
     th.set_num_threads(1)
     d = tempfile.mkdtemp(dir=args.dir, prefix="bg_save_")
     logger.configure(dir=d, format_strs=["log"])
@@ -163,7 +171,7 @@ def main():
     wpid = getattr(proc, "pid", None) if writer == "process" else None
     buf = cb.random_bytes()
     pauses, alone, during, ratios, writes, syncs, raws = [], [], [], [], [], [], []
-    prof = []
+    prof, nice_seen = [], set()
     for r in range(args.repeat):
         alone += [cb.step_seconds(loop, batch) for _ in range(10)]
         step += 1
@@ -171,6 +179,8 @@ def main():
         c0, w0 = os.times(), (cpu_times(wpid) if wpid else (0, 0))
         pauses.append(cb.timed_save(loop, step, async_save=True))
         while loop.checkpointer.save_in_flight:
+            if wpid:
+                nice_seen.add(os.getpriority(os.PRIO_PROCESS, wpid))
             took = cb.step_seconds(loop, batch)
             if loop.checkpointer.save_in_flight:
                 during.append(took)
@@ -200,6 +210,7 @@ def main():
     memcpy = cb.memcpy_s(nbytes)
     load = os.getloadavg()
     common = dict(size=args.size, params=params, step_bytes=nbytes, writer=writer,
+                  writer_nice_above_trainer=writer_process.WRITER_NICE,
                   model="light (8x8 images)", threads=1, repeats=args.repeat,
                   loadavg=[round(x, 2) for x in load])
     pause = statistics.median(pauses)
@@ -223,7 +234,7 @@ def main():
     cb.emit("bg_writer_profile", (wu + ws) / wall, "cpu/wall", cmd, **common,
             write_with_steps_s=round(wall, 4), writer_user_s=round(wu, 4),
             writer_sys_s=round(ws, 4), trainer_user_s=round(tu, 4), trainer_sys_s=round(ts, 4),
-            writer_nice=os.getpriority(os.PRIO_PROCESS, wpid) if wpid else None,
+            writer_nice_during_steps=sorted(nice_seen),
             trainer_nice=os.getpriority(os.PRIO_PROCESS, 0),
             writer_affinity=sorted(os.sched_getaffinity(wpid)) if wpid else None,
             trainer_affinity=sorted(os.sched_getaffinity(0)), cpus=os.cpu_count())

@@ -456,7 +456,9 @@ class Checkpointer:
 
         def copy():
             self._collect_save(block=True)
-            return self._host_copy(self.step_files(step, rngs), check=True)
+            sd = self.model.state_dict()  # once for the files and the check
+            return self._host_copy(self.step_files(step, rngs, model_sd=sd),
+                                   check=self._weights_to_check(sd))
 
         found = dist_util.run_on_rank0_unbounded(copy, what)
         try:
@@ -479,20 +481,20 @@ class Checkpointer:
         self._host_copy(files)
         self._start_write(step, began, wait)
 
-    def _host_copy(self, files, check=False):
+    def _host_copy(self, files, check=None):
         """Rank 0: the host copy of an async save's ``files`` into ``self._packed`` (shared
-        memory: the writer process's, else the thread's HostSnapshot). ``check``: count the
-        weights' NaN/Inf too (_weights_to_check), and return _non_finite_found's text (then
-        nothing is copied for the thread when it is not empty). Not collective."""
+        memory: the writer process's, else the thread's HostSnapshot). ``check``: the
+        _weights_to_check whose NaN/Inf are counted too; returns _non_finite_found's text
+        (then nothing is copied for the thread when it is not empty). Not collective."""
         if self._process is None:  # once a job: the writer process, or the thread itself
             use = writer_process.use_process(self.config.save_writer,
                                              async_save.tensor_bytes(files), self._core_free())
             self._process = WriterProcess() if use else HostSnapshot()
         self._packed = None
         if isinstance(self._process, WriterProcess):
-            self._packed = self._process.pack(files, self._weights_to_check() if check else ())
-            return _found_text(self._process.non_finite) if check else ""
-        found = self._non_finite_found() if check else ""
+            self._packed = self._process.pack(files, check or ())
+            return _found_text(self._process.non_finite)
+        found = _found_text((label, count_non_finite(t)) for label, t in check or ())
         if not found:
             self._packed = self._process.copy(files)
         return found
@@ -581,18 +583,20 @@ class Checkpointer:
                                         dist_util.get_local_world_size(),
                                         dist_util.usable_cores(), os.cpu_count() or 1)
 
-    def step_files(self, step, rngs, state_files=True):
+    def step_files(self, step, rngs, state_files=True, model_sd=None):
         """{file name: payload} of ``step``, with the live tensors (the caller copies them).
         ``rngs``: every rank's rng.get_rng_state(), by rank; ``state_files``: with the files
-        the states add (state_files; the sharded layout writes them beside its folder). Not
-        collective."""
+        the states add (state_files; the sharded layout writes them beside its folder);
+        ``model_sd``: the model's state_dict() when the caller has it. Not collective."""
         flags = self.model_flags
-        sd = {k: v.detach() for k, v in self.model.state_dict().items()}
+        model_sd = self.model.state_dict() if model_sd is None else model_sd
+        sd = {k: v.detach() for k, v in model_sd.items()}
         payload = (checkpoint.classifier_payload if self.model_kind == "classifier"
                    else checkpoint.model_payload)
         files = {checkpoint.model_filename(step): {**payload(step, sd, flags), **self.file_tags}}
         for rate, params in self.emas.items():
-            ema_sd = {k: v.detach() for k, v in self._params_to_state_dict(params).items()}
+            ema_sd = {k: v.detach()
+                      for k, v in self._params_to_state_dict(params, model_sd).items()}
             files[checkpoint.ema_filename(rate, step)] = {
                 **checkpoint.ema_payload(step, rate, ema_sd, flags), **self.file_tags}
         named = optim_state.named_optimizer_state(self.optimizer, self.named_params, copy=False)
@@ -612,11 +616,12 @@ class Checkpointer:
                            f"state {name!r} saves files another state saves")
         return files
 
-    def _params_to_state_dict(self, params):
+    def _params_to_state_dict(self, params, model_sd=None):
         """The model's state dict with its parameters replaced by ``params`` (upstream's rule for
         EMA files: EMA parameters, the live model's buffers), under every name of a parameter
-        that layers share (state_fit.tied_parameter_names)."""
-        sd = self.model.state_dict()
+        that layers share (state_fit.tied_parameter_names). ``model_sd``: the model's
+        state_dict() when the caller has it (not changed)."""
+        sd = self.model.state_dict() if model_sd is None else dict(model_sd)
         for (name, _), p in zip(self.named_params, params):
             sd[name] = p
         for alias, name in self.tied.items():  # a shared parameter's every name: its EMA
@@ -731,10 +736,12 @@ class Checkpointer:
                 self._process.close()  # the writer process ends with the run (a later save
                 self._process = None  # starts a new one)
 
-    def _weights_to_check(self):
+    def _weights_to_check(self, model_sd=None):
         """[(label, tensors)] that a save refuses to write when one holds a NaN/Inf: the model,
-        each EMA, each state's finite_tensors(). Not collective."""
-        groups = [("model", list(self.model.state_dict().values()))]
+        each EMA, each state's finite_tensors(). ``model_sd``: the model's state_dict() when the
+        caller has it. Not collective."""
+        sd = self.model.state_dict() if model_sd is None else model_sd
+        groups = [("model", list(sd.values()))]
         groups += [(f"EMA {rate}", list(params)) for rate, params in self.emas.items()]
         for obj in self.states.values():
             if hasattr(obj, "finite_tensors"):

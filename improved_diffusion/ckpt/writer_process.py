@@ -583,8 +583,14 @@ class _Packer(pickle.Pickler):
         if storage.nbytes() == 0 or storage.device.type not in ("cpu", "cuda"):
             return t.__reduce_ex__(pickle.HIGHEST_PROTOCOL)  # pickled whole
         off = self._locate(storage)
-        return (_arena_tensor, (off, storage.nbytes(), str(t.dtype).rpartition(".")[2],
-                                t.storage_offset(), tuple(t.size()), t.stride()))
+        dtype = _DTYPE_NAMES.get(t.dtype)
+        if dtype is None:
+            dtype = _DTYPE_NAMES[t.dtype] = str(t.dtype).rpartition(".")[2]
+        return (_arena_tensor, (off, storage.nbytes(), dtype, t.storage_offset(),
+                                tuple(t.size()), t.stride()))
+
+
+_DTYPE_NAMES = {}  # torch dtype -> its name in torch ("float32"), as packed tensors carry it
 
 
 def _arena_tensor(*args):
