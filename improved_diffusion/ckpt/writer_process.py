@@ -38,9 +38,11 @@ trainer's nice level, so that the steps beside it keep their core; once the trai
 write (the next save, a preemption save, the end: ``hurry``), it sets the child's threads back to
 its own level, so that a starved writer does not hold up that wait (a writer kept at nice 19
 throughout was measured starved by the machine's other work: docs/performance.md). Setting them
-back needs the privilege to lower a nice value (root, CAP_SYS_NICE, or an RLIMIT_NICE that allows
-it); without it the write ends at WRITER_NICE. Only the CPU priority: the page cache is written
-to the disk by the kernel's own threads, which an I/O priority of this process does not reach.
+back needs the privilege to lower a nice value (root, or an RLIMIT_NICE that allows it:
+``may_renice``); a trainer without it leaves the writer at its own level (as before), since a
+writer it could not set back could hold up a preemption save. Only the CPU priority: the page
+cache is written to the disk by the kernel's own threads, which an I/O priority of this process
+does not reach.
 
 A trainer that dies (kill -9) leaves no writer behind, and its writer never puts a file into a log
 dir that another job may own. Three guards, the first two the kernel's; none relies on the child
@@ -105,6 +107,17 @@ ALIGN = 64
 # How much nicer than the trainer the child writes while training goes on (0: the same; see the
 # module docstring, and docs/performance.md for the steps' p99 with and without).
 WRITER_NICE = 10
+
+
+def may_renice(nice):
+    """Whether this process may set a thread at nice level ``nice`` + WRITER_NICE back to
+    ``nice``: lowering a nice value takes root (CAP_SYS_NICE) or an RLIMIT_NICE soft limit of at
+    least 20 - ``nice`` (``ulimit -e``)."""
+    import resource
+
+    if os.geteuid() == 0:
+        return True
+    return resource.getrlimit(resource.RLIMIT_NICE)[0] >= 20 - nice
 
 
 # --save_writer's choices: where an async save's write runs.
@@ -471,7 +484,7 @@ class WriterProcess:
         conn.send_bytes(pickle.dumps({
             "sys_path": list(sys.path), "parent": os.getpid(), "arena_fd": self.arena.fd,
             "main": _importable_main(), "locks": locks,
-            "nice": os.getpriority(os.PRIO_PROCESS, 0) + WRITER_NICE if WRITER_NICE else None,
+            "nice": _writer_nice(),
             "die_with_parent": threading.current_thread() is threading.main_thread()}))
         self._proc, self._conn = proc, conn
 
@@ -667,6 +680,14 @@ def _child_main(conn, prep):
             conn.send_bytes(reply)
         except OSError:
             return
+
+
+def _writer_nice():
+    """The nice level the child writes at while training goes on: WRITER_NICE above this
+    process's, where it may set it back (may_renice), else None (the child keeps this
+    process's level)."""
+    mine = os.getpriority(os.PRIO_PROCESS, 0)
+    return mine + WRITER_NICE if WRITER_NICE and may_renice(mine) else None
 
 
 def _renice(pid, nice):
