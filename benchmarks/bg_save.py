@@ -18,13 +18,18 @@ images, one thread, one rank):
 - ``bg_pauses_every_3_steps`` (goal: no growth): the pauses of ``--chain`` saves made every
   3 steps, in order, with each save's background write time (does a save wait for the one
   before it?);
-- ``bg_writer_profile``: where the background time goes: the writer process's nice level and
+- ``bg_pause_cpu_over_host_memcpy_cpu`` and ``bg_write_cpu_over_sync_save_cpu``: the same two
+  ratios in CPU seconds (the saving thread's for the pause and the memcpy; the writer process's
+  for the write against the trainer process's for the synchronous save), which a machine loaded
+  by other work changes far less than the wall seconds;
+- ``bg_writer_profile``: where the background time goes: the writer process's nice levels
+  seen while steps ran beside its write (``--writer_nice``: writer_process.WRITER_NICE) and
   CPU affinity against the trainer's, its CPU time (user, system) during one write over the
   write's wall time, the trainer's CPU over the same span, and the machine's load.
 
 One JSON line per figure with the command. Usage:
 
-    python benchmarks/bg_save.py [--size 30M] [--dir DIR] [--repeat 3] [--chain 5]
+    python benchmarks/bg_save.py [--size 30M] [--dir DIR] [--repeat 3] [--chain 5] [--writer_nice N]
 """
 import argparse
 import os
@@ -44,6 +49,25 @@ def cpu_times(pid):
         fields = f.read().rsplit(")", 1)[1].split()
     tick = os.sysconf("SC_CLK_TCK")
     return int(fields[11]) / tick, int(fields[12]) / tick
+
+
+def memcpy_cpu_s(nbytes):
+    """CPU seconds of this thread (time.thread_time, which a loaded machine's waits for a core
+    do not count) for one copy of ``nbytes`` between preallocated host buffers, in 256 MiB
+    pieces (median of 3): the CPU reference of the pause's CPU time."""
+    import torch as th
+
+    piece = min(nbytes, 256 << 20)
+    src = th.full((piece,), 7, dtype=th.uint8)
+    dst = th.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(3):
+        t0 = time.thread_time()
+        for left in range(nbytes, 0, -piece):
+            dst[:min(left, piece)].copy_(src[:min(left, piece)])
+        times.append(time.thread_time() - t0)
+    return statistics.median(times)
 
 
 def pct(values, q):
@@ -69,7 +93,8 @@ def pause_parts(loop, step):
     write_s(loop)
     parts = {"_refuse_non_finite_weights": "weights_check", "step_files": "step_files",
              "get_rng_state": "rng_state", "dump": "pickle", "_foreach_copy_": "host_copy",
-             "pack": "pack", "_start": "writer_start"}
+             "pack": "pack", "_start": "writer_start",
+             "_copy_and_check": "host_copy_and_weights_check"}
     out = {}
     for (_, _, name), row in pstats.Stats(prof).stats.items():
         if name in parts or name.endswith("._foreach_copy_>") or "foreach_copy" in name:
@@ -143,12 +168,18 @@ def main():
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--chain", type=int, default=5)
     p.add_argument("--spy", type=int, default=0, help="py-spy the writer over this many writes")
+    p.add_argument("--writer_nice", type=int, default=None,
+                   help="writer_process.WRITER_NICE for this run (0: the trainer's priority)")
     args = p.parse_args()
     cmd = "python benchmarks/bg_save.py " + " ".join(sys.argv[1:])
     import torch as th
 
     from improved_diffusion import logger
 
+    from improved_diffusion.ckpt import writer_process
+
+    if args.writer_nice is not None:  # (before the writer starts: it reads it then)
+        writer_process.WRITER_NICE = args.writer_nice
     th.set_num_threads(1)
     d = tempfile.mkdtemp(dir=args.dir, prefix="bg_save_")
     logger.configure(dir=d, format_strs=["log"])
@@ -163,14 +194,18 @@ def main():
     wpid = getattr(proc, "pid", None) if writer == "process" else None
     buf = cb.random_bytes()
     pauses, alone, during, ratios, writes, syncs, raws = [], [], [], [], [], [], []
-    prof = []
+    prof, nice_seen, pause_cpus, cpu_ratios, cpu_pairs = [], set(), [], [], []
     for r in range(args.repeat):
         alone += [cb.step_seconds(loop, batch) for _ in range(10)]
         step += 1
         t0 = time.perf_counter()
         c0, w0 = os.times(), (cpu_times(wpid) if wpid else (0, 0))
+        t_cpu = time.thread_time()
         pauses.append(cb.timed_save(loop, step, async_save=True))
+        pause_cpus.append(time.thread_time() - t_cpu)
         while loop.checkpointer.save_in_flight:
+            if wpid:
+                nice_seen.add(os.getpriority(os.PRIO_PROCESS, wpid))
             took = cb.step_seconds(loop, batch)
             if loop.checkpointer.save_in_flight:
                 during.append(took)
@@ -188,24 +223,45 @@ def main():
         for which in (("bg", "sync") if r % 2 else ("sync", "bg")):
             step += 1
             if which == "bg":
+                w0 = sum(cpu_times(wpid)) if wpid else 0
                 cb.timed_save(loop, step, async_save=True)
                 pair["bg"] = write_s(loop)
+                pair["bg_cpu"] = sum(cpu_times(wpid)) - w0 if wpid else None
             else:
+                c0 = time.process_time()
                 pair["sync"] = cb.timed_save(loop, step, async_save=False)
+                pair["sync_cpu"] = time.process_time() - c0
             cb.drop_step(d, step)
         writes.append(pair["bg"])
         syncs.append(pair["sync"])
         ratios.append(pair["bg"] / pair["sync"])
+        if pair["bg_cpu"] is not None:
+            cpu_ratios.append(pair["bg_cpu"] / pair["sync_cpu"])
+            cpu_pairs.append((pair["bg_cpu"], pair["sync_cpu"]))
         raws.append(cb.raw_write(d, sizes, buf))
     memcpy = cb.memcpy_s(nbytes)
+    memcpy_cpu = memcpy_cpu_s(nbytes)
     load = os.getloadavg()
     common = dict(size=args.size, params=params, step_bytes=nbytes, writer=writer,
+                  writer_nice_above_trainer=getattr(writer_process, "WRITER_NICE", 0),
                   model="light (8x8 images)", threads=1, repeats=args.repeat,
                   loadavg=[round(x, 2) for x in load])
     pause = statistics.median(pauses)
     cb.emit("bg_pause_over_host_memcpy", pause / memcpy, "ratio", cmd, **common,
             goal="<= 1.2", pause_s=round(pause, 4), host_memcpy_s=round(memcpy, 4),
             pauses_s=[round(x, 4) for x in pauses])
+    cb.emit("bg_pause_cpu_over_host_memcpy_cpu", statistics.median(pause_cpus) / memcpy_cpu,
+            "ratio", cmd, **common, pause_cpu_s=[round(x, 4) for x in pause_cpus],
+            host_memcpy_cpu_s=round(memcpy_cpu, 4),
+            note="CPU seconds of the saving thread (time.thread_time): a loaded machine's waits "
+                 "for a core left out")
+    if cpu_ratios:
+        cb.emit("bg_write_cpu_over_sync_save_cpu", statistics.median(cpu_ratios), "ratio", cmd,
+                **common, ratios=[round(x, 3) for x in cpu_ratios],
+                bg_writer_cpu_s=[round(b, 4) for b, _ in cpu_pairs],
+                sync_save_cpu_s=[round(s_, 4) for _, s_ in cpu_pairs],
+                note="the writer process's CPU seconds (user+system, all threads) for the "
+                     "write alone over the trainer process's for the synchronous save")
     a50, a99 = statistics.median(alone), pct(alone, 99)
     if during:
         d50, d99 = statistics.median(during), pct(during, 99)
@@ -223,7 +279,7 @@ def main():
     cb.emit("bg_writer_profile", (wu + ws) / wall, "cpu/wall", cmd, **common,
             write_with_steps_s=round(wall, 4), writer_user_s=round(wu, 4),
             writer_sys_s=round(ws, 4), trainer_user_s=round(tu, 4), trainer_sys_s=round(ts, 4),
-            writer_nice=os.getpriority(os.PRIO_PROCESS, wpid) if wpid else None,
+            writer_nice_during_steps=sorted(nice_seen),
             trainer_nice=os.getpriority(os.PRIO_PROCESS, 0),
             writer_affinity=sorted(os.sched_getaffinity(wpid)) if wpid else None,
             trainer_affinity=sorted(os.sched_getaffinity(0)), cpus=os.cpu_count())

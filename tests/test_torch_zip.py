@@ -67,6 +67,43 @@ def test_the_file_is_torch_saves_byte_for_byte(obj, threads, monkeypatch):
         assert z.testzip() is None  # every record's CRC-32 is right
 
 
+def test_with_one_thread_a_large_records_crc_runs_beside_its_write_not_before_it(monkeypatch):
+    """threads=1 (the writer process's, beside the steps): a large record's CRC is computed
+    whole on one CRC thread while the writing thread writes the same bytes, and is complete
+    before the write returns (torch may free the bytes after); a small one at once."""
+    import threading
+
+    monkeypatch.setattr(torch_zip, "PARALLEL_MIN", 128 << 10)
+    monkeypatch.setattr(torch_zip, "workers", lambda: 4)
+    crcs = []  # (bytes, thread name, whether it ran while its record's write was under way)
+    writing, real = {}, zlib.crc32
+
+    def crc32(view, *a):
+        crcs.append((memoryview(view).nbytes, threading.current_thread().name,
+                     writing.get("n") == memoryview(view).nbytes))
+        return real(view, *a)
+
+    class Watched(Buffer):
+        def write(self, data):
+            n = memoryview(data).nbytes
+            writing["n"] = n
+            while n >= 128 << 10 and not any(c[0] == n for c in crcs):
+                pass  # the record's CRC runs meanwhile (on another thread: else a hang)
+            try:
+                return super().write(data)
+            finally:
+                writing["n"] = None
+
+    monkeypatch.setattr(torch_zip.zlib, "crc32", crc32)
+    buf = Watched()
+    obj = payload()
+    torch_zip.save(obj, buf, W.crc32_combine, threads=1)
+    assert buf.getvalue() == torch_save_bytes(obj)
+    big = [c for c in crcs if c[0] >= 128 << 10]
+    assert len(big) == 1 and big[0][1].startswith("checkpoint-crc") and big[0][2], crcs
+    assert all(name == threading.current_thread().name for n, name, _ in crcs if n < 128 << 10)
+
+
 def test_a_checkpoint_written_this_way_reads_back_through_the_crc_checking_reader(tmp_path):
     obj = payload()
     path = str(tmp_path / "model000003.pt")

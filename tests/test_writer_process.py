@@ -388,3 +388,82 @@ def test_a_write_that_fails_in_the_writer_is_its_one_line_error_here_and_the_wri
         assert w.pid == pid and (tmp_path / "here" / "manifest000001.json").exists()
     finally:
         w.close()
+
+
+def test_the_writer_process_checks_the_weights_on_its_host_copy_and_still_refuses_a_nan(
+        tmp_path, monkeypatch):
+    """The weights check of a save by the writer process is made on the host copy as it is
+    copied (WriterProcess.pack), not by a pass over the live weights before it (issue 45 item
+    4: off the pause): no parameter reaches count_non_finite; a NaN in the model is still
+    refused with the line the separate check gave, nothing of the step is written, and the
+    next finite save writes as before."""
+    from test_async_save import tiny_loop
+
+    from improved_diffusion import logger
+    from improved_diffusion.ckpt import checkpointer
+
+    logger.configure(dir=str(tmp_path), format_strs=["log"])
+    counted, real = [], checkpointer.count_non_finite
+
+    def spy(tensors):
+        tensors = list(tensors)
+        counted.extend(t.untyped_storage().data_ptr() for t in tensors)
+        return real(tensors)
+
+    monkeypatch.setattr(checkpointer, "count_non_finite", spy)
+    loop = tiny_loop(tmp_path, async_save=True, max_steps=2, save_writer="process",
+                     phema_stds="")
+    try:
+        assert loop.run_loop() == 0
+        params = {p.untyped_storage().data_ptr() for p in loop.model.parameters()}
+        assert (tmp_path / "manifest000002.json").exists() and not params & set(counted)
+        p = next(iter(loop.model.parameters()))
+        kept = p.detach().clone()
+        with torch.no_grad():
+            p.view(-1)[3] = float("nan")
+        loop.step = 3
+        with pytest.raises(checkpointer.NonFiniteError) as e:
+            loop.save(wait=True)
+        assert str(e.value) == ("step 3: not saved: the weights hold non-finite values (model: "
+                                "1 tensor(s)); the last saved step is 2; resume from a saved "
+                                "step with a lower --lr")
+        assert not [n for n in os.listdir(tmp_path) if "000003" in n]
+        with torch.no_grad():
+            p.copy_(kept)
+        loop.save(wait=True)
+        assert (tmp_path / "manifest000003.json").exists()
+        assert not params & set(counted)
+    finally:
+        loop.close()
+
+
+def test_the_writer_writes_nicer_than_the_trainer_until_the_trainer_waits_for_it(
+        tmp_path, monkeypatch):
+    """Each write starts with every thread of the writer process at WRITER_NICE above the
+    trainer's nice level (the steps beside it keep their core); hurry(), what the checkpointer
+    calls once it waits for the write, sets them back to the trainer's level. A trainer that
+    could not set them back (no privilege to lower a nice value) leaves the writer at its own
+    level."""
+    def nices(pid):
+        return {os.getpriority(os.PRIO_PROCESS, int(t)) for t in os.listdir(f"/proc/{pid}/task")}
+
+    mine = os.getpriority(os.PRIO_PROCESS, 0)
+    nicer = min(19, mine + writer_process.WRITER_NICE)
+    assert writer_process.WRITER_NICE > 0
+    for privileged in (True, False):
+        if privileged and not writer_process.may_renice(mine):
+            continue  # this machine cannot show it
+        monkeypatch.setattr(writer_process, "may_renice", lambda nice: privileged)
+        log_dir = tmp_path / str(privileged)
+        log_dir.mkdir()
+        w = writer_process.WriterProcess()
+        try:
+            big = torch.randn(1 << 20)  # 4 MiB: a CRC thread too
+            w.write(log_dir, 1, w.pack({"model000001.pt": {"w": big}}))
+            assert nices(w.pid) == ({nicer} if privileged else {mine})
+            w.hurry()
+            assert nices(w.pid) == {mine}
+            w.write(log_dir, 2, w.pack({"model000002.pt": {"w": big}}))
+            assert nices(w.pid) == ({nicer} if privileged else {mine})  # each write: nicer
+        finally:
+            w.close()

@@ -247,6 +247,7 @@ class Checkpointer:
         self.last_saved_step = None
         self.model_changes = []  # trainer["model_changes"]: the run's model changes so far
         self._process = None  # rank 0's WriterProcess (async saves), made at the first save
+        self._packed = None  # rank 0: the host copy of the save being started (_host_copy)
         # (a HostSnapshot, written by the thread, where writer_process.use_process says so)
         self._writer = BackgroundWriter()  # the thread that waits for the writer (or writes)
         self._save_failure = None  # rank 0: a background save's exception, until raised
@@ -385,6 +386,10 @@ class Checkpointer:
                 self.wait_for_save()
             return
         began = time.perf_counter()
+        if self.config.async_save and self.config.save_layout != "sharded" and not self.sharded:
+            self._save_checked_in_copy(step, began, wait)
+            self.last_saved_step = step
+            return
         self._refuse_non_finite_weights(step)
         if self.config.save_layout == "sharded":
             self._save_sharded(step, began, wait)
@@ -437,6 +442,32 @@ class Checkpointer:
                 held["w"].abort()
             raise
 
+    def _save_checked_in_copy(self, step, began, wait):
+        """save() of an unsharded model with async_save, in the full layout: the weights check
+        made during rank 0's host copy instead of before it (WriterProcess.pack checks each
+        piece of the copy while it is in the cache; the thread's HostSnapshot checks before it
+        copies), while every other rank checks its own weights. The same refusal as
+        _refuse_non_finite_weights (the same line on every rank, nothing written: the copy is
+        dropped before the write starts), then rank 0 starts the background write.
+        Collective."""
+        rngs = dist_util.gather_object(rng.get_rng_state(), dst=0)
+        what = f"the save of step {step}"
+        mine = None if self.rank == 0 else self._non_finite_found()  # beside rank 0's copy
+
+        def copy():
+            self._collect_save(block=True)
+            sd = self.model.state_dict()  # once for the files and the check
+            return self._host_copy(self.step_files(step, rngs, model_sd=sd),
+                                   check=self._weights_to_check(sd))
+
+        found = dist_util.run_on_rank0_unbounded(copy, what)
+        try:
+            self._refuse_non_finite_weights(step, found if self.rank == 0 else mine)
+        except NonFiniteError:
+            self._packed = None
+            raise
+        dist_util.run_on_rank0_unbounded(lambda: self._start_write(step, began, wait), what)
+
     def _save_on_rank0(self, step, rngs, began, wait, gathered=None):
         """Rank 0's part of save(): wait for the previous save (raising its failure), then write
         this step now or hand its host copy to the background writer. ``gathered``: the step's
@@ -447,12 +478,31 @@ class Checkpointer:
             run_dir.write_step(self.config.log_dir, step, to_host(files), settings=self.settings)
             self._log_saved(step, time.perf_counter() - began, None, self._prune())
             return
+        self._host_copy(files)
+        self._start_write(step, began, wait)
+
+    def _host_copy(self, files, check=None):
+        """Rank 0: the host copy of an async save's ``files`` into ``self._packed`` (shared
+        memory: the writer process's, else the thread's HostSnapshot). ``check``: the
+        _weights_to_check whose NaN/Inf are counted too; returns _non_finite_found's text
+        (then nothing is copied for the thread when it is not empty). Not collective."""
         if self._process is None:  # once a job: the writer process, or the thread itself
             use = writer_process.use_process(self.config.save_writer,
                                              async_save.tensor_bytes(files), self._core_free())
             self._process = WriterProcess() if use else HostSnapshot()
-        files = (self._process.pack(files) if isinstance(self._process, WriterProcess)
-                 else self._process.copy(files))  # the host copy (shared memory: the writer's)
+        self._packed = None
+        if isinstance(self._process, WriterProcess):
+            self._packed = self._process.pack(files, check or ())
+            return _found_text(self._process.non_finite)
+        found = _found_text((label, count_non_finite(t)) for label, t in check or ())
+        if not found:
+            self._packed = self._process.copy(files)
+        return found
+
+    def _start_write(self, step, began, wait):
+        """Rank 0: hand the host copy of ``step`` (_host_copy) to the background writer; with
+        ``wait``, wait until it is on disk. Not collective."""
+        files, self._packed = self._packed, None
         paused = time.perf_counter() - began
         self._writer.start(lambda: self._write_in_background(step, files, began, paused))
         if wait:
@@ -533,18 +583,20 @@ class Checkpointer:
                                         dist_util.get_local_world_size(),
                                         dist_util.usable_cores(), os.cpu_count() or 1)
 
-    def step_files(self, step, rngs, state_files=True):
+    def step_files(self, step, rngs, state_files=True, model_sd=None):
         """{file name: payload} of ``step``, with the live tensors (the caller copies them).
         ``rngs``: every rank's rng.get_rng_state(), by rank; ``state_files``: with the files
-        the states add (state_files; the sharded layout writes them beside its folder). Not
-        collective."""
+        the states add (state_files; the sharded layout writes them beside its folder);
+        ``model_sd``: the model's state_dict() when the caller has it. Not collective."""
         flags = self.model_flags
-        sd = {k: v.detach() for k, v in self.model.state_dict().items()}
+        model_sd = self.model.state_dict() if model_sd is None else model_sd
+        sd = {k: v.detach() for k, v in model_sd.items()}
         payload = (checkpoint.classifier_payload if self.model_kind == "classifier"
                    else checkpoint.model_payload)
         files = {checkpoint.model_filename(step): {**payload(step, sd, flags), **self.file_tags}}
         for rate, params in self.emas.items():
-            ema_sd = {k: v.detach() for k, v in self._params_to_state_dict(params).items()}
+            ema_sd = {k: v.detach()
+                      for k, v in self._params_to_state_dict(params, model_sd).items()}
             files[checkpoint.ema_filename(rate, step)] = {
                 **checkpoint.ema_payload(step, rate, ema_sd, flags), **self.file_tags}
         named = optim_state.named_optimizer_state(self.optimizer, self.named_params, copy=False)
@@ -564,11 +616,12 @@ class Checkpointer:
                            f"state {name!r} saves files another state saves")
         return files
 
-    def _params_to_state_dict(self, params):
+    def _params_to_state_dict(self, params, model_sd=None):
         """The model's state dict with its parameters replaced by ``params`` (upstream's rule for
         EMA files: EMA parameters, the live model's buffers), under every name of a parameter
-        that layers share (state_fit.tied_parameter_names)."""
-        sd = self.model.state_dict()
+        that layers share (state_fit.tied_parameter_names). ``model_sd``: the model's
+        state_dict() when the caller has it (not changed)."""
+        sd = self.model.state_dict() if model_sd is None else dict(model_sd)
         for (name, _), p in zip(self.named_params, params):
             sd[name] = p
         for alias, name in self.tied.items():  # a shared parameter's every name: its EMA
@@ -613,6 +666,8 @@ class Checkpointer:
         failure, self._save_failure = self._save_failure, None
         if failure is not None:
             raise failure
+        if block and self._writer.running and isinstance(self._process, WriterProcess):
+            self._process.hurry()  # training waits for it now: the writer at the trainer's nice
         outcome = self._writer.wait() if block else self._writer.poll()
         if outcome is None:
             return None
@@ -681,25 +736,32 @@ class Checkpointer:
                 self._process.close()  # the writer process ends with the run (a later save
                 self._process = None  # starts a new one)
 
-    def _refuse_non_finite_weights(self, step):
-        """Raise NonFiniteError (same line on every rank) if the model, an EMA or a state's
-        finite_tensors() hold a NaN/Inf: such a checkpoint is never written. Collective (one
-        all_gather_object)."""
-        found = []
-        n = count_non_finite(self.model.state_dict().values())
-        if n:
-            found.append(f"model: {n} tensor(s)")
-        for rate, params in self.emas.items():
-            n = count_non_finite(params)
-            if n:
-                found.append(f"EMA {rate}: {n} tensor(s)")
+    def _weights_to_check(self, model_sd=None):
+        """[(label, tensors)] that a save refuses to write when one holds a NaN/Inf: the model,
+        each EMA, each state's finite_tensors(). ``model_sd``: the model's state_dict() when the
+        caller has it. Not collective."""
+        sd = self.model.state_dict() if model_sd is None else model_sd
+        groups = [("model", list(sd.values()))]
+        groups += [(f"EMA {rate}", list(params)) for rate, params in self.emas.items()]
         for obj in self.states.values():
-            for label, tensors in (obj.finite_tensors() if hasattr(obj, "finite_tensors")
-                                   else {}).items():
-                n = count_non_finite(tensors)
-                if n:
-                    found.append(f"{label}: {n} tensor(s)")
-        gathered = dist_util.all_gather_object(", ".join(found))
+            if hasattr(obj, "finite_tensors"):
+                groups += [(label, list(t)) for label, t in obj.finite_tensors().items()]
+        return groups
+
+    def _non_finite_found(self):
+        """This rank's part of the weights check: _found_text of count_non_finite of each group
+        of _weights_to_check. Not collective."""
+        return _found_text((label, count_non_finite(tensors))
+                           for label, tensors in self._weights_to_check())
+
+    def _refuse_non_finite_weights(self, step, found=None):
+        """Raise NonFiniteError (same line on every rank) if the model, an EMA or a state's
+        finite_tensors() hold a NaN/Inf: such a checkpoint is never written. ``found``: this
+        rank's _non_finite_found(), when already counted (during the host copy). Collective
+        (one all_gather_object)."""
+        if found is None:
+            found = self._non_finite_found()
+        gathered = dist_util.all_gather_object(found)
         if not any(gathered):
             return
         where = (gathered[0] if all(g == gathered[0] for g in gathered)
@@ -1228,6 +1290,12 @@ def count_non_finite(tensors):
         suspects += [group[i] for i in bad]
     ends = [th.stack(th.aminmax(t)).double() for t in suspects]
     return int((~th.stack(ends).isfinite().all(dim=1)).sum()) if ends else 0
+
+
+def _found_text(counts):
+    """The weights check's text of one rank from [(label, tensors with a NaN/Inf)]: "model: 1
+    tensor(s), EMA 0.9999: 2 tensor(s)" (the labels with none left out; "" when all finite)."""
+    return ", ".join(f"{label}: {n} tensor(s)" for label, n in counts if n)
 
 
 def misfit_message(path, fit):

@@ -121,7 +121,14 @@ def _crc_shift(nbytes):
 
 
 def crc32_combine(crc_a, crc_b, len_b):
-    """zlib.crc32(A + B) from zlib.crc32(A), zlib.crc32(B) and len(B)."""
+    """zlib.crc32(A + B) from zlib.crc32(A), zlib.crc32(B) and len(B) (``crc_a`` 0, as for a
+    record's first piece: ``crc_b`` itself, since 0 times any shift is 0).
+
+    >>> crc32_combine(zlib.crc32(b"ab"), zlib.crc32(b"cd"), 2) == zlib.crc32(b"abcd")
+    True
+    """
+    if not crc_a:
+        return crc_b
     return _crc_multmodp(_crc_shift(len_b), crc_a) ^ crc_b
 
 

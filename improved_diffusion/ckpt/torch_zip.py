@@ -8,8 +8,9 @@ this CPU that is about a third of a synchronous save (benchmarks/checkpoint.py, 
 zlib's CRC releases the GIL, so a large record's CRC is split into pieces computed on a few
 threads while the write itself runs (``PARALLEL_MIN``, ``workers()``) and combined
 (file_writer.crc32_combine): for a save the training waits for. A background write, beside
-the steps, passes ``threads=1`` and computes it on its own thread (zlib's CRC, still cheaper
-than torch's).
+the steps, passes ``threads=1``: each large record's CRC whole on one pool thread while the
+writing thread writes it (the two overlap: the write no longer waits for its CRC first; measured
+in docs/performance.md, "A background save's three costs").
 
 How: torch's own writer with its CRCs off (``torch._C.PyTorchFileWriter(out, False, alignment)``
 and ``torch.serialization._save``, what torch.save runs), into a ``_CrcFiller`` that follows the
@@ -89,15 +90,16 @@ if hasattr(os, "register_at_fork"):
 
 def crc32(view, crc_combine, threads=None):
     """zlib.crc32 of the bytes of ``view`` (a flat byte memoryview), in pieces on up to
-    ``threads`` of the pool's threads when it is large (None: workers()); ``crc_combine(crc_a,
-    crc_b, len_b)`` joins them. Returns a callable giving the CRC: call it after anything that
-    should overlap with the computation (with one thread it is computed before)."""
+    ``threads`` of the pool's threads when it is large (None: workers(); 1: the whole record on
+    one of them, beside the write), else at once on this thread; ``crc_combine(crc_a, crc_b,
+    len_b)`` joins them. Returns a callable giving the CRC: call it after anything that should
+    overlap with the computation (the write of the same bytes)."""
     n = view.nbytes
     threads = workers() if threads is None else max(1, min(threads, workers()))
-    parts = min(threads, n // PIECE_MIN) if n >= PARALLEL_MIN and threads > 1 else 1
-    if parts <= 1:
+    if n < PARALLEL_MIN:
         value = zlib.crc32(view)
         return lambda: value
+    parts = max(1, min(threads, n // PIECE_MIN))
     bounds = [n * i // parts for i in range(parts + 1)]
     futures = [_pool().submit(zlib.crc32, view[a:b]) for a, b in zip(bounds, bounds[1:])]
 
@@ -280,8 +282,8 @@ def save(obj, out, crc_combine, threads=None):
     ``out``: a file-like object with ``restart()`` (truncate to nothing and start over: used
     when torch's layout is not the one followed here, and the file is written by torch.save).
     ``crc_combine``: file_writer.crc32_combine. ``threads``: threads for a large record's CRC
-    (None: workers(), for a save the training waits for; 1: the writing thread alone, for a
-    background write beside the steps, where more threads would take cores from them). An
+    (None: workers(), for a save the training waits for; 1: one CRC thread beside the writing
+    thread, for a background write beside the steps, where more would take cores from them). An
     error of ``out`` (a full disk) or of the object (a type pickle refuses) is raised as
     torch.save would raise it."""
     zf = None

@@ -31,8 +31,18 @@ Failure modes: a child that dies (kill -9, out of memory) is a ``CheckpointError
 and saying what is on disk (no manifest: the step does not count), never a hang; the next write
 starts a new child. The child ignores SIGTERM, SIGUSR1 and SIGINT (the trainer owns them,
 preemption.py; a cluster's SIGTERM to every process of the job must not end a write the preemption
-save waits for), runs at the trainer's CPU priority (not lower: a starved writer would hold up the
-preemption save; measured, docs/performance.md), and ends when the trainer closes the connection.
+save waits for), and ends when the trainer closes the connection.
+
+Priority (best effort): each write starts with every thread of the child at WRITER_NICE above the
+trainer's nice level, so that the steps beside it keep their core; once the trainer waits for the
+write (the next save, a preemption save, the end: ``hurry``), it sets the child's threads back to
+its own level, so that a starved writer does not hold up that wait (a writer kept at nice 19
+throughout was measured starved by the machine's other work: docs/performance.md). Setting them
+back needs the privilege to lower a nice value (root, or an RLIMIT_NICE that allows it:
+``may_renice``); a trainer without it leaves the writer at its own level (as before), since a
+writer it could not set back could hold up a preemption save. Only the CPU priority: the page
+cache is written to the disk by the kernel's own threads, which an I/O priority of this process
+does not reach.
 
 A trainer that dies (kill -9) leaves no writer behind, and its writer never puts a file into a log
 dir that another job may own. Three guards, the first two the kernel's; none relies on the child
@@ -94,6 +104,20 @@ EXIT_LOCK_LOST = 71
 _PR_SET_PDEATHSIG = 1
 # Arena buffers are aligned to this many bytes (a cache line; torch's CPU allocator uses 64).
 ALIGN = 64
+# How much nicer than the trainer the child writes while training goes on (0: the same; see the
+# module docstring, and docs/performance.md for the steps' p99 with and without).
+WRITER_NICE = 10
+
+
+def may_renice(nice):
+    """Whether this process may set a thread at nice level ``nice`` + WRITER_NICE back to
+    ``nice``: lowering a nice value takes root (CAP_SYS_NICE) or an RLIMIT_NICE soft limit of at
+    least 20 - ``nice`` (``ulimit -e``)."""
+    import resource
+
+    if os.geteuid() == 0:
+        return True
+    return resource.getrlimit(resource.RLIMIT_NICE)[0] >= 20 - nice
 
 
 # --save_writer's choices: where an async save's write runs.
@@ -151,6 +175,105 @@ def core_free(on_cpu, threads, local_ranks, affinity, host_cpus):
     if affinity < host_cpus:
         return threads < affinity
     return threads * max(1, local_ranks) < affinity
+
+
+# The CPU host copy is made, and checked for NaN/Inf, in pieces of about this many bytes: a
+# piece is checked right after it is copied, while it is still in the cache (the check then
+# costs the copy little: docs/performance.md, "A background save's three costs").
+CHECK_PIECE = 4 << 20
+
+
+def _copy_and_check(entries, check):
+    """Copy each CPU storage of ``entries`` ({storage key: (offset, arena view, source bytes
+    view)}) into its arena view, in pieces of CHECK_PIECE bytes (small storages together, one
+    foreach copy each), and right after each piece the 2-norm of the part of every tensor of
+    ``check`` ([(label, tensors)]) that lies in it, on the copy. Returns [(label, how many of
+    its tensors hold a NaN or Inf)]: a tensor whose norms are all finite holds none; the others
+    get count_non_finite's exact check (min and max) on their copy. Tensors of ``check`` not
+    copied here (on CUDA, or not in the payloads) are counted by count_non_finite itself."""
+    import torch as th
+
+    from .async_save import storage_key
+    from .checkpointer import count_non_finite
+
+    on_storage = {}  # storage key -> [(index in ``tensors``, the tensor's view of the copy)]
+    tensors, labels, elsewhere = [], [], {}  # labels: the index in ``check`` of each tensor
+    for g, (label, group) in enumerate(check):
+        for t in group:
+            if not t.is_floating_point() or not t.numel():
+                continue  # count_non_finite skips them too
+            entry = entries.get(storage_key(t.untyped_storage()))
+            if entry is None:
+                elsewhere.setdefault(g, []).append(t)
+                continue
+            view = entry[1]
+            item = t.element_size()
+            host = th.empty(0, dtype=t.dtype).set_(
+                view.untyped_storage(), view.storage_offset() // item + t.storage_offset(),
+                t.size(), t.stride())
+            on_storage.setdefault(storage_key(t.untyped_storage()), []).append(
+                (len(tensors), host))
+            tensors.append(host)
+            labels.append(g)
+    norms = []  # (index, 0-d norm tensor) of each piece checked
+    batch = ([], [], [])  # views, sources, [(index, host tensor)] to check after the copy
+    filled = 0
+
+    def flush():
+        if batch[0]:
+            th._foreach_copy_(batch[0], batch[1])
+        if batch[2]:
+            norms.extend(zip((i for i, _ in batch[2]),
+                             th._foreach_norm([h for _, h in batch[2]], 2)))
+        for part in batch:
+            part.clear()
+
+    for key, (_, view, src) in entries.items():
+        n = view.numel()
+        checks = on_storage.get(key, [])
+        if n < CHECK_PIECE:
+            batch[0].append(view)
+            batch[1].append(src)
+            batch[2].extend(checks)
+            filled += n
+            if filled >= CHECK_PIECE:
+                flush()
+                filled = 0
+            continue
+        flush()
+        filled = 0
+        whole = [(i, h) for i, h in checks if not h.is_contiguous()]
+        ranges = [(i, h.storage_offset() * h.element_size() - view.storage_offset(),
+                   h.numel() * h.element_size(), h.dtype) for i, h in checks if h.is_contiguous()]
+        for a in range(0, n, CHECK_PIECE):
+            b = min(n, a + CHECK_PIECE)
+            view[a:b].copy_(src[a:b])
+            for i, start, size, dtype in ranges:
+                lo, hi = max(a, start), min(b, start + size)
+                if lo < hi:
+                    norms.append((i, th.linalg.vector_norm(view[lo:hi].view(dtype))))
+        norms.extend((i, th.linalg.vector_norm(h)) for i, h in whole)
+    flush()
+    suspect = set()
+    if norms:
+        finite = th.stack([v.float() for _, v in norms]).isfinite().tolist()
+        suspect = {i for (i, _), ok in zip(norms, finite) if not ok}
+    counts = [0] * len(check)
+    if suspect:
+        for i, n in zip(sorted(suspect), _non_finite_flags([tensors[i] for i in sorted(suspect)])):
+            counts[labels[i]] += n
+    for g, group in elsewhere.items():
+        counts[g] += count_non_finite(group)
+    return [(label, n) for (label, _), n in zip(check, counts)]
+
+
+def _non_finite_flags(tensors):
+    """For each tensor, 1 if it holds a NaN or Inf, else 0 (its min and max: both finite
+    exactly when all its values are)."""
+    import torch as th
+
+    ends = th.stack([th.stack(th.aminmax(t)).double() for t in tensors])
+    return (~ends.isfinite().all(dim=1)).int().tolist()
 
 
 class Arena:
@@ -227,6 +350,7 @@ class WriterProcess:
         self.arena = Arena()
         self._buffers = {}  # source storage key -> (offset, arena view, source bytes view)
         self.nbytes = 0  # bytes of the buffers the last pack used
+        self.non_finite = []  # [(label, tensors with a NaN/Inf)] of the last pack's ``check``
         self._proc = None
         self._conn = None
         self._lock = threading.Lock()  # one write at a time; close() waits for it
@@ -238,14 +362,21 @@ class WriterProcess:
     def pid(self):
         return None if self._proc is None else self._proc.pid
 
-    def pack(self, files):
+    def pack(self, files, check=()):
         """The host copy of a save: ``files`` pickled for the child, with every tensor's storage
         copied into its arena buffer (the one the last pack used for the same storage, else a
-        new one), in one pass (one foreach copy per device; from CUDA without blocking, then
-        one synchronise per device). Returns the packed payload for ``write``. Call it only once
-        the previous write is done (its buffers are reused). Starts the child when there is
-        none: from the thread that packs (the checkpointer's main thread), whose end the kernel
-        ties the child's to (the module docstring)."""
+        new one), in one pass (from CUDA: one foreach copy per device without blocking, then
+        one synchronise per device; from the CPU: ``_copy_and_check``). Returns the packed
+        payload for ``write``. Call it only once the previous write is done (its buffers are
+        reused). Starts the child when there is none: from the thread that packs (the
+        checkpointer's main thread), whose end the kernel ties the child's to (the module
+        docstring).
+
+        ``check``: [(label, tensors)] whose NaN/Inf are counted during the copy (the
+        checkpointer's weights check, off the pause): a CPU tensor in ``files`` on its host copy,
+        piece by piece right after each piece is copied (while it is in the cache), any other
+        with checkpointer.count_non_finite. ``self.non_finite`` is then [(label, how many of its
+        tensors hold a NaN or Inf)], what count_non_finite of each label's tensors gives."""
         import torch as th
 
         with self._lock:
@@ -281,9 +412,12 @@ class WriterProcess:
             by_device[src.device][0].append(view)
             by_device[src.device][1].append(src)
         for device, (views, srcs) in by_device.items():
-            th._foreach_copy_(views, srcs, non_blocking=device.type == "cuda")
+            if device.type == "cuda":
+                th._foreach_copy_(views, srcs, non_blocking=True)
         for device in sorted((d for d in by_device if d.type == "cuda"), key=str):
             th.cuda.synchronize(device)
+        on_cpu = {k: e for k, e in used.items() if e[2].device.type == "cpu"}
+        self.non_finite = _copy_and_check(on_cpu, check)
         self._buffers = used
         self.nbytes = total[0]
         return self.arena.size, buf.getvalue()
@@ -309,6 +443,14 @@ class WriterProcess:
             return value
         error, remote = value
         raise error from _RemoteTraceback(remote)
+
+    def hurry(self):
+        """The trainer now waits for the write: the child's threads back to this process's nice
+        level (best effort: without the privilege to lower a nice value, nothing changes).
+        Not collective; costs no wait."""
+        proc = self._proc
+        if proc is not None and WRITER_NICE:
+            _renice(proc.pid, os.getpriority(os.PRIO_PROCESS, 0))
 
     def close(self):
         """End the child (after the write in flight, if any) and free the arena."""
@@ -342,6 +484,7 @@ class WriterProcess:
         conn.send_bytes(pickle.dumps({
             "sys_path": list(sys.path), "parent": os.getpid(), "arena_fd": self.arena.fd,
             "main": _importable_main(), "locks": locks,
+            "nice": _writer_nice(),
             "die_with_parent": threading.current_thread() is threading.main_thread()}))
         self._proc, self._conn = proc, conn
 
@@ -453,8 +596,14 @@ class _Packer(pickle.Pickler):
         if storage.nbytes() == 0 or storage.device.type not in ("cpu", "cuda"):
             return t.__reduce_ex__(pickle.HIGHEST_PROTOCOL)  # pickled whole
         off = self._locate(storage)
-        return (_arena_tensor, (off, storage.nbytes(), str(t.dtype).rpartition(".")[2],
-                                t.storage_offset(), tuple(t.size()), t.stride()))
+        dtype = _DTYPE_NAMES.get(t.dtype)
+        if dtype is None:
+            dtype = _DTYPE_NAMES[t.dtype] = str(t.dtype).rpartition(".")[2]
+        return (_arena_tensor, (off, storage.nbytes(), dtype, t.storage_offset(),
+                                tuple(t.size()), t.stride()))
+
+
+_DTYPE_NAMES = {}  # torch dtype -> its name in torch ("float32"), as packed tensors carry it
 
 
 def _arena_tensor(*args):
@@ -524,11 +673,36 @@ def _child_main(conn, prep):
             payload = conn.recv_bytes()
         except (EOFError, OSError):
             return
+        if prep.get("nice") is not None:  # each write starts nicer than the trainer
+            _renice(os.getpid(), prep["nice"])
         reply = _serve(header, payload, fd, maps, guard)
         try:
             conn.send_bytes(reply)
         except OSError:
             return
+
+
+def _writer_nice():
+    """The nice level the child writes at while training goes on: WRITER_NICE above this
+    process's, where it may set it back (may_renice), else None (the child keeps this
+    process's level)."""
+    mine = os.getpriority(os.PRIO_PROCESS, 0)
+    return mine + WRITER_NICE if WRITER_NICE and may_renice(mine) else None
+
+
+def _renice(pid, nice):
+    """Set every thread of process ``pid`` to nice level ``nice`` (Linux: a nice level belongs
+    to a thread, /proc/PID/task lists them); best effort: a thread that ended, or a level this
+    process may not set (lowering one needs a privilege), is left as it is."""
+    try:
+        tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        tids = [pid]
+    for tid in tids:
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, nice)
+        except OSError:
+            pass
 
 
 def _importable_main():
