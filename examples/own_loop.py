@@ -89,7 +89,7 @@ def train(argv=None):
                     preempted = ckpt.step_ends(step)  # --- checkpointer: saves; True: preempted
             if not preempted:
                 ckpt.save(step, wait=True)  # --- checkpointer: the final step, complete on disk
-        del net  # before the process group goes (a live DDP wrapper can abort the exit)
+        del net  # the DDP wrapper, before the process group goes
         dist_util.cleanup()
         return PREEMPTED_EXIT_CODE if preempted else 0
     finally:

@@ -483,9 +483,7 @@ class ClassifierLoop:
 
     def close(self):
         """Wait for the last save and drop the DDP wrapper (before dist_util.cleanup()), freed
-        now: a DDP wrapper still alive when the process group goes sporadically aborts the
-        process at exit ("terminate called without an active exception", signal 6, after a
-        complete run), as TrainLoop.close says. Collective."""
+        now, as TrainLoop.close does. Collective."""
         self.checkpointer.close()
         if self.ddp_model is not self.model:
             dist_util.barrier()

@@ -309,10 +309,8 @@ class TrainLoop:
 
     def close(self, sync=True):
         """Let the last save end and drop the DDP wrapper (call before dist_util.cleanup()).
-        Collective unless sync=False (after an error elsewhere).
-
-        Destroying the process group while a DDP wrapper is still alive sporadically aborts the
-        process at exit ("terminate called without an active exception", signal 6).
+        Collective unless sync=False (after an error elsewhere). (A process that aborted at
+        exit after a clean run, signal 6: dist_util.cleanup says why, and how it no longer does.)
         """
         self.checkpointer.close(sync=sync)
         self.outputs.close(ok=sync)
