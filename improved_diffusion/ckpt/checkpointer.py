@@ -369,7 +369,8 @@ class Checkpointer:
 
         Every rank checks the weights (a NaN/Inf model or EMA is never written: NonFiniteError)
         and sends its RNG state to rank 0; rank 0 alone builds the payloads. With async_save,
-        rank 0 copies them to host memory (buffers reused from save to save, pinned on CUDA) and
+        rank 0 copies them to host memory (buffers reused from save to save, pinned on CUDA; a
+        sharded model's tensors are gathered straight into it, _prepare_gather) and
         a background thread writes the files and the manifest (run_dir.write_step), then prunes,
         while training goes on; without it rank 0 writes them now (a sharded model: one file
         at a time, each gathered to rank 0 just before, _save_streamed). A save first waits for the
@@ -396,7 +397,10 @@ class Checkpointer:
             self.last_saved_step = step
             return
         if self.sharded:  # every rank takes part in making each tensor whole on rank 0
-            gathered = fsdp.gather_full(self.step_files(step, rngs or []))
+            files, held = self.step_files(step, rngs or []), {}  # held: rank 0's alloc
+            dist_util.run_on_rank0_unbounded(
+                lambda: held.update(alloc=self._prepare_gather(files)), f"the save of step {step}")
+            gathered = fsdp.gather_full(files, alloc=held.get("alloc"))
         # the other ranks wait as long as rank 0 lives: a save may outlast --dist_timeout
         dist_util.run_on_rank0_unbounded(
             lambda: self._save_on_rank0(step, rngs, began, wait, gathered),
@@ -437,22 +441,43 @@ class Checkpointer:
                 held["w"].abort()
             raise
 
+    def _prepare_gather(self, files):
+        """Rank 0, before an async save of a sharded model gathers ``files`` (step_files): wait
+        for the previous save (raising its failure), choose the writer, and return the
+        ``alloc`` of fsdp.gather_full: the writer process's arena memory that each whole tensor
+        is copied into (WriterProcess.alloc_for_gather; the gathered step is then the host copy),
+        or None (the thread's writer: the gathered tensors are new memory, the host copy as they
+        are). Not collective."""
+        self._collect_save(block=True)
+        self._choose_writer(fsdp.full_nbytes(files))
+        if isinstance(self._process, WriterProcess):
+            return self._process.alloc_for_gather()
+        return None
+
+    def _choose_writer(self, nbytes):
+        """Rank 0, at the first async save: the writer process, or the thread's HostSnapshot
+        (writer_process.use_process, on the step's ``nbytes``)."""
+        if self._process is None:  # once a job
+            use = writer_process.use_process(self.config.save_writer, nbytes,
+                                             self._core_free())
+            self._process = WriterProcess() if use else HostSnapshot()
+
     def _save_on_rank0(self, step, rngs, began, wait, gathered=None):
         """Rank 0's part of save(): wait for the previous save (raising its failure), then write
         this step now or hand its host copy to the background writer. ``gathered``: the step's
-        files already made whole on the CPU (a sharded model: fsdp.gather_full)."""
+        files already made whole on the CPU (a sharded model: fsdp.gather_full; with async_save,
+        into the writer's memory by _prepare_gather: no second copy)."""
         self._collect_save(block=True)
         files = gathered if gathered is not None else self.step_files(step, rngs)
         if not self.config.async_save:
             run_dir.write_step(self.config.log_dir, step, to_host(files), settings=self.settings)
             self._log_saved(step, time.perf_counter() - began, None, self._prune())
             return
-        if self._process is None:  # once a job: the writer process, or the thread itself
-            use = writer_process.use_process(self.config.save_writer,
-                                             async_save.tensor_bytes(files), self._core_free())
-            self._process = WriterProcess() if use else HostSnapshot()
-        files = (self._process.pack(files) if isinstance(self._process, WriterProcess)
-                 else self._process.copy(files))  # the host copy (shared memory: the writer's)
+        self._choose_writer(async_save.tensor_bytes(files))
+        if isinstance(self._process, WriterProcess):  # the host copy: the writer's shared memory
+            files = self._process.pack(files, gathered=gathered is not None)
+        elif gathered is None:
+            files = self._process.copy(files)
         paused = time.perf_counter() - began
         self._writer.start(lambda: self._write_in_background(step, files, began, paused))
         if wait:
