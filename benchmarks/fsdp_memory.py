@@ -22,7 +22,8 @@ of transient buffers, such as FSDP's gathered blocks; 131072: each block of 128 
 its own mapping, returned when freed, so resident memory follows what is live).
 ``async_save``: both jobs' --async_save (False by default: the full layout's synchronous save
 streams file by file under FSDP; True: both jobs hand a host copy of the step to the background
-writer, which FSDP's rank 0 gathers whole, as DDP's rank 0 holds it).
+writer; FSDP's rank 0 gathers each whole tensor straight into that copy, so it holds the copy
+and no other whole state, as DDP's rank 0 does).
 """
 import argparse
 import json

@@ -506,21 +506,28 @@ def _hwm_kb(pid):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("async_save", [False, True], ids=["streamed", "background"])
 def test_a_full_layout_save_under_fsdp_holds_one_file_on_rank_0_not_the_whole_state(
-        images, tmp_path):
-    """--fsdp True --save_layout full --async_save False on 2 ranks, a ~11M-parameter UNet with
-    two EMAs (state: model + 2 EMAs + 2 Adam moments, 5 x the weights): rank 0 gathers and writes
-    one file at a time, so its peak resident memory exceeds rank 1's (same training, same
-    gathers, nothing kept) by about the largest file (the opt file, 0.4 x the state), never by
-    the whole state (the old save: >= 1 x). Freed blocks are returned to the system
-    (MALLOC_MMAP_THRESHOLD_) so that resident memory follows what is live."""
+        images, tmp_path, async_save):
+    """--fsdp True --save_layout full on 2 ranks, a ~11M-parameter UNet with two EMAs (state:
+    model + 2 EMAs + 2 Adam moments, 5 x the weights); rank 0's peak resident memory over rank
+    1's (same training, same gathers, nothing kept), against the state:
+
+    - --async_save False: rank 0 gathers and writes one file at a time, so it holds about the
+      largest file (the opt file, 0.4 x the state), never the whole state (the old save: >= 1 x);
+    - --async_save True (the writer process): the background write needs the host copy of the
+      whole step (1 x, as DDP's rank 0 holds it), and each tensor is gathered straight into it,
+      never into a whole gathered state copied again (the old save: >= 2 x).
+
+    Freed blocks are returned to the system (MALLOC_MMAP_THRESHOLD_) so that resident memory
+    follows what is live."""
     run = tmp_path / "run"
     cmd = [MPIEXEC, "-n", "2", PY, REPO / "scripts" / "train.py", "--data_dir", images,
            "--log_dir", run, "--image_size", "8", "--num_channels", "64", "--channel_mult",
            "1,2,2,2", "--num_res_blocks", "2", "--attention_resolutions", "4,2,1",
-           "--diffusion_steps", "20", "--batch_size", "2", "--max_steps", "2",
-           "--save_interval", "1", "--ema_rate", "0.9,0.99", "--fsdp", "True",
-           "--async_save", "False", "--num_workers", "0"]
+           "--diffusion_steps", "20", "--batch_size", "2", "--max_steps", "2" if not async_save
+           else "1", "--save_interval", "1", "--ema_rate", "0.9,0.99", "--fsdp", "True",
+           "--async_save", str(async_save), "--save_writer", "process", "--num_workers", "0"]
     out = tmp_path / "out.txt"
     hwm, pids = {}, {}
     with open(out, "w") as f:
@@ -541,4 +548,4 @@ def test_a_full_layout_save_under_fsdp_holds_one_file_on_rank_0_not_the_whole_st
         "model{:06d}.pt", "ema_0.9_{:06d}.pt", "ema_0.99_{:06d}.pt", "opt{:06d}.pt")) / 1024
     assert state > 150e3  # KB: big enough for resident memory to see it
     extra = hwm[0] - hwm[1]
-    assert extra < 0.6 * state, (extra, state, hwm)
+    assert extra < (1.5 if async_save else 0.6) * state, (extra, state, hwm)

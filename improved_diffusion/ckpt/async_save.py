@@ -148,7 +148,8 @@ def storage_key(storage):
 
 def tensor_bytes(obj):
     """Bytes of the tensor storages in ``obj`` (dicts, lists and tuples walked; a storage that
-    several tensors share counted once): what a host copy of ``obj`` copies.
+    several tensors share counted once): what a host copy of ``obj`` copies. A DTensor (a
+    sharded model's) counts its global shape: what fsdp.gather_full makes of it on rank 0.
 
     >>> w = th.zeros(4, 4); tensor_bytes({"a": w, "b": [w.T, th.zeros(2, dtype=th.float64)]})
     80
@@ -156,7 +157,9 @@ def tensor_bytes(obj):
     seen, stack = {}, [obj]
     while stack:
         o = stack.pop()
-        if isinstance(o, th.Tensor):
+        if isinstance(o, th.Tensor) and hasattr(o, "device_mesh"):  # a DTensor: made whole
+            seen[("whole", id(o))] = o.numel() * o.element_size()
+        elif isinstance(o, th.Tensor):
             s = o.untyped_storage()
             seen[storage_key(s)] = s.nbytes()
         elif isinstance(o, dict):

@@ -247,7 +247,6 @@ class Checkpointer:
         self.last_saved_step = None
         self.model_changes = []  # trainer["model_changes"]: the run's model changes so far
         self._process = None  # rank 0's WriterProcess (async saves), made at the first save
-        self._packed = None  # rank 0: the host copy of the save being started (_host_copy)
         # (a HostSnapshot, written by the thread, where writer_process.use_process says so)
         self._writer = BackgroundWriter()  # the thread that waits for the writer (or writes)
         self._save_failure = None  # rank 0: a background save's exception, until raised
@@ -370,7 +369,8 @@ class Checkpointer:
 
         Every rank checks the weights (a NaN/Inf model or EMA is never written: NonFiniteError)
         and sends its RNG state to rank 0; rank 0 alone builds the payloads. With async_save,
-        rank 0 copies them to host memory (buffers reused from save to save, pinned on CUDA) and
+        rank 0 copies them to host memory (buffers reused from save to save, pinned on CUDA; a
+        sharded model's tensors are gathered straight into it, _prepare_gather) and
         a background thread writes the files and the manifest (run_dir.write_step), then prunes,
         while training goes on; without it rank 0 writes them now (a sharded model: one file
         at a time, each gathered to rank 0 just before, _save_streamed). A save first waits for the
@@ -401,7 +401,10 @@ class Checkpointer:
             self.last_saved_step = step
             return
         if self.sharded:  # every rank takes part in making each tensor whole on rank 0
-            gathered = fsdp.gather_full(self.step_files(step, rngs or []))
+            files, held = self.step_files(step, rngs or []), {}  # held: rank 0's alloc
+            dist_util.run_on_rank0_unbounded(
+                lambda: held.update(alloc=self._prepare_gather(files)), f"the save of step {step}")
+            gathered = fsdp.gather_full(files, alloc=held.get("alloc"))
         # the other ranks wait as long as rank 0 lives: a save may outlast --dist_timeout
         dist_util.run_on_rank0_unbounded(
             lambda: self._save_on_rank0(step, rngs, began, wait, gathered),
@@ -453,56 +456,75 @@ class Checkpointer:
         rngs = dist_util.gather_object(rng.get_rng_state(), dst=0)
         what = f"the save of step {step}"
         mine = None if self.rank == 0 else self._non_finite_found()  # beside rank 0's copy
+        held = {}  # rank 0's host copy (not broadcast: run_on_rank0 returns found alone)
 
         def copy():
             self._collect_save(block=True)
             sd = self.model.state_dict()  # once for the files and the check
-            return self._host_copy(self.step_files(step, rngs, model_sd=sd),
-                                   check=self._weights_to_check(sd))
+            held["packed"], found = self._host_copy(self.step_files(step, rngs, model_sd=sd),
+                                                    check=self._weights_to_check(sd))
+            return found
 
         found = dist_util.run_on_rank0_unbounded(copy, what)
-        try:
-            self._refuse_non_finite_weights(step, found if self.rank == 0 else mine)
-        except NonFiniteError:
-            self._packed = None
-            raise
-        dist_util.run_on_rank0_unbounded(lambda: self._start_write(step, began, wait), what)
+        self._refuse_non_finite_weights(step, found if self.rank == 0 else mine)  # copy dropped
+        dist_util.run_on_rank0_unbounded(
+            lambda: self._start_write(step, held.pop("packed"), began, wait), what)
+
+    def _prepare_gather(self, files):
+        """Rank 0, before an async save of a sharded model gathers ``files`` (step_files): wait
+        for the previous save (raising its failure), choose the writer, and return the
+        ``alloc`` of fsdp.gather_full: the writer process's arena memory that each whole tensor
+        is copied into (WriterProcess.alloc_for_gather; the gathered step is then the host copy),
+        or None (the thread's writer: the gathered tensors are new memory, the host copy as they
+        are). Not collective."""
+        self._collect_save(block=True)
+        self._choose_writer(files)
+        if isinstance(self._process, WriterProcess):
+            return self._process.alloc_for_gather()
+        return None
+
+    def _choose_writer(self, files):
+        """Rank 0, at the first async save: the writer process, or the thread's HostSnapshot
+        (writer_process.use_process, on the bytes of the step's ``files``: a sharded model's
+        DTensors counted whole)."""
+        if self._process is None:  # once a job
+            use = writer_process.use_process(self.config.save_writer,
+                                             async_save.tensor_bytes(files), self._core_free())
+            self._process = WriterProcess() if use else HostSnapshot()
 
     def _save_on_rank0(self, step, rngs, began, wait, gathered=None):
         """Rank 0's part of save(): wait for the previous save (raising its failure), then write
         this step now or hand its host copy to the background writer. ``gathered``: the step's
-        files already made whole on the CPU (a sharded model: fsdp.gather_full)."""
+        files already made whole on the CPU (a sharded model: fsdp.gather_full; with async_save,
+        into the writer's memory by _prepare_gather: no second copy)."""
         self._collect_save(block=True)
         files = gathered if gathered is not None else self.step_files(step, rngs)
         if not self.config.async_save:
             run_dir.write_step(self.config.log_dir, step, to_host(files), settings=self.settings)
             self._log_saved(step, time.perf_counter() - began, None, self._prune())
             return
-        self._host_copy(files)
-        self._start_write(step, began, wait)
+        packed, _ = self._host_copy(files, gathered=gathered is not None)
+        self._start_write(step, packed, began, wait)
 
-    def _host_copy(self, files, check=None):
-        """Rank 0: the host copy of an async save's ``files`` into ``self._packed`` (shared
-        memory: the writer process's, else the thread's HostSnapshot). ``check``: the
-        _weights_to_check whose NaN/Inf are counted too; returns _non_finite_found's text
-        (then nothing is copied for the thread when it is not empty). Not collective."""
-        if self._process is None:  # once a job: the writer process, or the thread itself
-            use = writer_process.use_process(self.config.save_writer,
-                                             async_save.tensor_bytes(files), self._core_free())
-            self._process = WriterProcess() if use else HostSnapshot()
-        self._packed = None
+    def _host_copy(self, files, check=(), gathered=False):
+        """Rank 0: the host copy of an async save's ``files`` (shared memory: the writer
+        process's, else the thread's HostSnapshot; ``gathered``: files made whole into that
+        memory already by _prepare_gather, referenced, not copied). ``check``: the
+        _weights_to_check whose NaN/Inf are counted too. Returns (the copy for _start_write,
+        _non_finite_found's text of ``check``); the thread's copy is not taken (None) when that
+        text is not empty. Not collective."""
+        self._choose_writer(files)
         if isinstance(self._process, WriterProcess):
-            self._packed = self._process.pack(files, check or ())
-            return _found_text(self._process.non_finite)
-        found = _found_text((label, count_non_finite(t)) for label, t in check or ())
-        if not found:
-            self._packed = self._process.copy(files)
-        return found
+            packed = self._process.pack(files, check, gathered=gathered)
+            return packed, _found_text(self._process.non_finite)
+        found = _found_text((label, count_non_finite(t)) for label, t in check)
+        if found or gathered:
+            return (None if found else files), found
+        return self._process.copy(files), found
 
-    def _start_write(self, step, began, wait):
-        """Rank 0: hand the host copy of ``step`` (_host_copy) to the background writer; with
-        ``wait``, wait until it is on disk. Not collective."""
-        files, self._packed = self._packed, None
+    def _start_write(self, step, files, began, wait):
+        """Rank 0: hand the host copy of ``step`` (``files``, _host_copy's) to the background
+        writer; with ``wait``, wait until it is on disk. Not collective."""
         paused = time.perf_counter() - began
         self._writer.start(lambda: self._write_in_background(step, files, began, paused))
         if wait:

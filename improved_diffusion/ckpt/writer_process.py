@@ -326,6 +326,15 @@ class Arena:
     def reset(self):
         self.high = 0
 
+    def offset_of(self, storage):
+        """The offset in the file of ``storage`` when its bytes lie in one of this arena's
+        mappings (memory that ``alloc`` gave), else None."""
+        ptr, nbytes = storage.data_ptr(), storage.nbytes()
+        for base, size, _ in self._maps:
+            if base <= ptr and ptr + nbytes <= base + size:
+                return ptr - base  # every mapping maps the file from its start
+        return None
+
     def _grow(self, size):
         import torch as th
 
@@ -362,15 +371,27 @@ class WriterProcess:
     def pid(self):
         return None if self._proc is None else self._proc.pid
 
-    def pack(self, files, check=()):
+    def alloc_for_gather(self):
+        """``alloc(nbytes)`` -> a flat uint8 tensor of new arena memory, for fsdp.gather_full to
+        copy each whole tensor of a sharded model's step into: the step then lies in the arena
+        already and ``pack(..., gathered=True)`` copies nothing. The last save's buffers are
+        forgotten (call it only once the previous write is done: the new tensors reuse its
+        memory)."""
+        self._buffers = {}
+        self.arena.reset()
+        self.nbytes = 0
+        return lambda nbytes: self.arena.alloc(nbytes)[1]
+
+    def pack(self, files, check=(), gathered=False):
         """The host copy of a save: ``files`` pickled for the child, with every tensor's storage
         copied into its arena buffer (the one the last pack used for the same storage, else a
         new one), in one pass (from CUDA: one foreach copy per device without blocking, then
-        one synchronise per device; from the CPU: ``_copy_and_check``). Returns the packed
-        payload for ``write``. Call it only once the previous write is done (its buffers are
-        reused). Starts the child when there is none: from the thread that packs (the
-        checkpointer's main thread), whose end the kernel ties the child's to (the module
-        docstring).
+        one synchronise per device; from the CPU: ``_copy_and_check``). A storage that lies in
+        the arena already (``gathered``: ``files`` made whole into ``alloc_for_gather``'s
+        memory) is referenced where it is, not copied. Returns the packed payload for
+        ``write``. Call it only once the previous write is done (its buffers are reused).
+        Starts the child when there is none: from the thread that packs (the checkpointer's
+        main thread), whose end the kernel ties the child's to (the module docstring).
 
         ``check``: [(label, tensors)] whose NaN/Inf are counted during the copy (the
         checkpointer's weights check, off the pause): a CPU tensor in ``files`` on its host copy,
@@ -384,7 +405,7 @@ class WriterProcess:
 
         from .async_save import storage_key
 
-        if self.arena.high > 2 * self.nbytes + (1 << 20):
+        if not gathered and self.arena.high > 2 * self.nbytes + (1 << 20):
             self._buffers = {}  # the arena holds more dropped buffers than live ones
             self.arena.reset()
         used = {}
@@ -393,6 +414,12 @@ class WriterProcess:
         def locate(storage):
             key = storage_key(storage)
             entry = used.get(key)
+            if entry is None and gathered:
+                off = self.arena.offset_of(storage)
+                if off is not None:  # in place: nothing to copy
+                    used[key] = entry = (off, None, None)
+                    total[0] += storage.nbytes()
+                    return off
             if entry is None:
                 entry = self._buffers.get(key)
                 if entry is None:
@@ -408,6 +435,8 @@ class WriterProcess:
         _Packer(buf, locate).dump(files)
         by_device = {}
         for _, view, src in used.values():
+            if view is None:
+                continue  # in the arena already
             by_device.setdefault(src.device, ([], []))
             by_device[src.device][0].append(view)
             by_device[src.device][1].append(src)
@@ -416,9 +445,10 @@ class WriterProcess:
                 th._foreach_copy_(views, srcs, non_blocking=True)
         for device in sorted((d for d in by_device if d.type == "cuda"), key=str):
             th.cuda.synchronize(device)
-        on_cpu = {k: e for k, e in used.items() if e[2].device.type == "cpu"}
+        copied = {k: e for k, e in used.items() if e[1] is not None}  # not in the arena already
+        on_cpu = {k: e for k, e in copied.items() if e[2].device.type == "cpu"}
         self.non_finite = _copy_and_check(on_cpu, check)
-        self._buffers = used
+        self._buffers = copied
         self.nbytes = total[0]
         return self.arena.size, buf.getvalue()
 

@@ -15,8 +15,9 @@ here:
   whole tensor on rank 0, on the CPU, one tensor at a time; the other ranks get ``None`` for the
   payloads. Rank 0 then writes today's model/ema/opt files, which any tool reads. A synchronous
   save calls it once per file (checkpointer._save_streamed: gathered, written, dropped), so rank
-  0 holds one file's tensors at most; an asynchronous one once for the whole step (the
-  background writer's host copy holds it all anyway).
+  0 holds one file's tensors at most; an asynchronous one once for the whole step, each whole
+  tensor copied straight into the background writer's host copy (``alloc``), so that rank 0
+  holds that copy and no other whole one.
 - a load (not collective): every rank reads the same full file (as on DDP); ``localize_*`` cut each whole tensor to
   this rank's slice of the live DTensor it goes to (no communication: each rank takes its own
   slice of the tensor it already holds). A file written on any number of ranks, by DDP or FSDP,
@@ -150,32 +151,48 @@ def shard_model(model, device, param_dtype=None):
 # ---------------------------------------------------------------------- whole tensors to rank 0
 
 
-def gather_full(tree, dst=0):
+def gather_full(tree, dst=0, alloc=None):
     """``tree`` (nested dicts/lists/tuples of tensors and plain values) with every DTensor made
     whole: on rank ``dst`` each becomes the full tensor on the CPU (a copy), plain tensors are
     copied to the CPU too; the other ranks get ``None``. Leaves are visited in the tree's order,
     which must be the same on every rank (the same dicts built the same way). One DTensor at a
     time, so a rank holds at most one whole tensor beyond the slices.
 
+    ``alloc`` (rank ``dst`` only): ``alloc(nbytes)`` gives a flat uint8 CPU tensor of that many
+    bytes that a whole tensor is copied into, in place of new memory: an asynchronous save
+    gathers the step straight into its background writer's shared memory, which is then the
+    host copy itself (no second copy of the whole state on rank 0). Tensors of no bytes get new
+    memory.
+
     Collective: call from all ranks with trees of the same structure.
     """
     rank = dist.get_rank() if dist.is_initialized() else 0
-    out = _gather(tree, rank == dst)
+    out = _gather(tree, rank == dst, alloc)
     return out if rank == dst else None
 
 
-def _gather(node, keep):
+def _gather(node, keep, alloc):
     if isinstance(node, dict):
-        return {k: _gather(v, keep) for k, v in node.items()}
+        return {k: _gather(v, keep, alloc) for k, v in node.items()}
     if isinstance(node, (list, tuple)):
-        items = [_gather(v, keep) for v in node]
+        items = [_gather(v, keep, alloc) for v in node]
         return items if isinstance(node, list) else tuple(items)
     if is_dtensor(node):
         whole = node.detach().full_tensor()  # collective (an all-gather)
-        return whole.to("cpu", copy=True) if keep else None
+        return _host_copy(whole, alloc) if keep else None
     if isinstance(node, th.Tensor):
-        return node.detach().to("cpu", copy=True) if keep else None
+        return _host_copy(node.detach(), alloc) if keep else None
     return node
+
+
+def _host_copy(t, alloc):
+    """A copy of tensor ``t`` on the CPU, contiguous, in ``alloc``'s memory when given."""
+    nbytes = t.numel() * t.element_size()
+    if alloc is None or nbytes == 0:
+        return t.to("cpu", copy=True)
+    out = alloc(nbytes).view(t.dtype).view(t.shape)
+    out.copy_(t)
+    return out
 
 
 # ---------------------------------------------------------------------- whole tensors to slices
