@@ -2,8 +2,10 @@
 wrapper built on the group (which keeps it alive in C++ after destroy_process_group), a few
 object broadcasts (run_on_rank0's), then dist_util.cleanup() and the interpreter's exit.
 
-    mpiexec -n 2 python tests/exit_race_job.py [--no_pause]
+    mpiexec -n 2 python tests/exit_race_job.py [--no_pause] [--switch S]
 
+``--switch S``: sys.setswitchinterval(S) (default Python's 0.005): a long one keeps the GIL
+with the main thread until it blocks, as a loaded machine makes the worker late for it.
 ``--no_pause``: dist_util.GIL_HANDOVER_S = 0, cleanup as it was before its pause (to show the
 abort that pause prevents: signal 6 at exit in a few runs in ten on a loaded machine)."""
 import sys
@@ -16,6 +18,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP  # noqa: E402
 
 from improved_diffusion import dist_util  # noqa: E402
 
+if "--switch" in sys.argv:
+    sys.setswitchinterval(float(sys.argv[sys.argv.index("--switch") + 1]))
 dist_util.setup_dist()
 net = DDP(th.nn.Linear(3, 3))
 del net
