@@ -74,6 +74,8 @@ def all_known_flags():
     known |= {"--out"}  # plot_progress.py
     for bench in (REPO / "benchmarks").glob("*.py"):  # the benchmarks' own flags
         known |= set(re.findall(r"add_argument\(\s*\"(--\w+)\"", bench.read_text()))
+    for job in (REPO / "tests").glob("*_job.py"):  # the test jobs' switches, read from argv
+        known |= set(re.findall(r"\"(--\w+)\" in sys\.argv", job.read_text()))
     return known
 
 
