@@ -4,8 +4,10 @@ images, one thread, one rank):
 
 - ``bg_pause_over_host_memcpy`` (goal <= 1.2): the blocking pause of TrainLoop.save() with
   --async_save True (the first save, which starts the writer and allocates the arena, not
-  counted) over ``host_memcpy_s``, one copy of the step's bytes between preallocated host
-  buffers, measured in the same run;
+  counted; it follows two steps, so that the arena holds the optimizer's state as at a run's
+  first save) over ``host_memcpy_s``, one copy of the step's bytes between preallocated host
+  buffers, measured in the same run, with the garbage collector's seconds inside each pause
+  (``gc_in_pauses_s``);
 - ``bg_step_p50_during_write_over_alone`` and ``bg_step_p99_during_write_over_alone`` (goal
   <= 1.10 for p99): the steps timed one by one while the background write runs (a step wholly
   inside the write) over the same steps without one, taken in alternation, round by round
@@ -68,6 +70,29 @@ def memcpy_cpu_s(nbytes):
             dst[:min(left, piece)].copy_(src[:min(left, piece)])
         times.append(time.thread_time() - t0)
     return statistics.median(times)
+
+
+class GcTimer:
+    """Seconds the garbage collector ran (gc.callbacks) since ``take()`` was last called: the
+    part of a pause that is Python's collector, not the save (a full collection triggered by
+    the save's allocations lands in whichever pause it falls)."""
+
+    def __init__(self):
+        import gc
+
+        self.total, self._t0 = 0.0, None
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase, info):
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        elif self._t0 is not None:
+            self.total += time.perf_counter() - self._t0
+            self._t0 = None
+
+    def take(self):
+        took, self.total = self.total, 0.0
+        return took
 
 
 def pct(values, q):
@@ -186,6 +211,8 @@ def main():
     loop, batch = cb.build_loop(args.size, d, light=True, keep_checkpoints=2)
     params = sum(q.numel() for q in loop.model.parameters())
     step = 100
+    for _ in range(2):  # the optimizer's state exists at a run's first save: the arena holds it
+        cb.step_seconds(loop, batch)
     cb.timed_save(loop, step, async_save=True)  # the first: the writer's start, the arena
     write_s(loop)
     cb.drop_step(d, step)
@@ -195,14 +222,17 @@ def main():
     buf = cb.random_bytes()
     pauses, alone, during, ratios, writes, syncs, raws = [], [], [], [], [], [], []
     prof, nice_seen, pause_cpus, cpu_ratios, cpu_pairs = [], set(), [], [], []
+    gc_s, pause_gcs = GcTimer(), []
     for r in range(args.repeat):
         alone += [cb.step_seconds(loop, batch) for _ in range(10)]
         step += 1
         t0 = time.perf_counter()
         c0, w0 = os.times(), (cpu_times(wpid) if wpid else (0, 0))
         t_cpu = time.thread_time()
+        gc_s.take()
         pauses.append(cb.timed_save(loop, step, async_save=True))
         pause_cpus.append(time.thread_time() - t_cpu)
+        pause_gcs.append(gc_s.take())
         while loop.checkpointer.save_in_flight:
             if wpid:
                 nice_seen.add(os.getpriority(os.PRIO_PROCESS, wpid))
@@ -249,7 +279,8 @@ def main():
     pause = statistics.median(pauses)
     cb.emit("bg_pause_over_host_memcpy", pause / memcpy, "ratio", cmd, **common,
             goal="<= 1.2", pause_s=round(pause, 4), host_memcpy_s=round(memcpy, 4),
-            pauses_s=[round(x, 4) for x in pauses])
+            pauses_s=[round(x, 4) for x in pauses],
+            gc_in_pauses_s=[round(x, 4) for x in pause_gcs])
     cb.emit("bg_pause_cpu_over_host_memcpy_cpu", statistics.median(pause_cpus) / memcpy_cpu,
             "ratio", cmd, **common, pause_cpu_s=[round(x, 4) for x in pause_cpus],
             host_memcpy_cpu_s=round(memcpy_cpu, 4),
@@ -302,7 +333,7 @@ def main():
                 note="py-spy --idle, the writer's main thread")
     # saves every 3 steps, as a run makes them
     # (each pause split into the wait for the previous save's write and the save's own pause)
-    chain_pauses, chain_waits, chain_writes = [], [], []
+    chain_pauses, chain_waits, chain_writes, chain_gcs = [], [], [], []
     for _ in range(args.chain):
         for _ in range(3):
             cb.step_seconds(loop, batch)
@@ -312,13 +343,16 @@ def main():
         chain_waits.append(time.perf_counter() - t0)
         if done:
             chain_writes.append(done[1])
+        gc_s.take()
         chain_pauses.append(cb.timed_save(loop, step, async_save=True))
+        chain_gcs.append(gc_s.take())
         loop.step = step
     chain_writes.append(write_s(loop))
     cb.emit("bg_pauses_every_3_steps", chain_pauses[-1] / chain_pauses[0], "ratio", cmd,
             **common, goal="no growth (last over first ~1)",
             pauses_s=[round(x, 4) for x in chain_pauses],
             waits_for_previous_s=[round(x, 4) for x in chain_waits],
+            gc_in_pauses_s=[round(x, 4) for x in chain_gcs],
             writes_s=[round(x, 4) for x in chain_writes], step_s=round(a50, 4),
             disk_sustains=max(chain_writes) <= 3 * a50)
     loop.close()
