@@ -53,25 +53,6 @@ def cpu_times(pid):
     return int(fields[11]) / tick, int(fields[12]) / tick
 
 
-def memcpy_cpu_s(nbytes):
-    """CPU seconds of this thread (time.thread_time, which a loaded machine's waits for a core
-    do not count) for one copy of ``nbytes`` between preallocated host buffers, in 256 MiB
-    pieces (median of 3): the CPU reference of the pause's CPU time."""
-    import torch as th
-
-    piece = min(nbytes, 256 << 20)
-    src = th.full((piece,), 7, dtype=th.uint8)
-    dst = th.empty_like(src)
-    dst.copy_(src)
-    times = []
-    for _ in range(3):
-        t0 = time.thread_time()
-        for left in range(nbytes, 0, -piece):
-            dst[:min(left, piece)].copy_(src[:min(left, piece)])
-        times.append(time.thread_time() - t0)
-    return statistics.median(times)
-
-
 class GcTimer:
     """Seconds the garbage collector ran (gc.callbacks) since ``take()`` was last called: the
     part of a pause that is Python's collector, not the save (a full collection triggered by
@@ -270,7 +251,7 @@ def main():
             cpu_pairs.append((pair["bg_cpu"], pair["sync_cpu"]))
         raws.append(cb.raw_write(d, sizes, buf))
     memcpy = cb.memcpy_s(nbytes)
-    memcpy_cpu = memcpy_cpu_s(nbytes)
+    memcpy_cpu = cb.memcpy_s(nbytes, clock=time.thread_time)
     load = os.getloadavg()
     common = dict(size=args.size, params=params, step_bytes=nbytes, writer=writer,
                   writer_nice_above_trainer=getattr(writer_process, "WRITER_NICE", 0),

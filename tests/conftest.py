@@ -204,6 +204,20 @@ def write_images(d, n=14, size=8, seed=14):
     return d
 
 
+def write_digits_and_ref(d, n_ref=40):
+    """The real 8x8 digits as a training folder ``d/data``, and the last ``n_ref`` of them as an
+    RGB reference batch ``d/ref.npz`` (for --eval_ref_batch): (data folder, ref path)."""
+    sys.path.insert(0, str(REPO / "datasets"))
+    import digits
+
+    d = Path(d)
+    digits.write_digits_folder(str(d / "data"), size=8, log=lambda *a: None)
+    x, _ = digits.load_real_digits()
+    np.savez(d / "ref.npz", arr_0=np.stack([np.asarray(digits.digit_to_image(v, size=8)
+                                                       .convert("RGB")) for v in x[-n_ref:]]))
+    return d / "data", d / "ref.npz"
+
+
 def write_class_folder(d, classes=("cat", "dog", "owl"), per_class=4, size=8):
     """An image folder whose file names carry class names (cat_0.png ...), returned."""
     from PIL import Image

@@ -30,7 +30,8 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import FIXTURES, REPO, ckpt_in_process, deep_diff, run_mpi, run_script
+from conftest import (FIXTURES, ckpt_in_process, deep_diff, run_mpi, run_script,
+                      write_digits_and_ref)
 from improved_diffusion import evaluation, sampling
 
 MODEL = ["--image_size", "8", "--num_channels", "32", "--num_res_blocks", "1",
@@ -79,18 +80,10 @@ def train(data, log, *extra, fsdp=True, steps=4):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    import sys
-    sys.path.insert(0, str(REPO / "datasets"))
-    import digits
-
     d = tmp_path_factory.mktemp("parity")
-    digits.write_digits_folder(str(d / "data"), size=8, log=lambda *a: None)
-    x, _ = digits.load_real_digits()
-    np.savez(d / "ref.npz", arr_0=np.stack([np.asarray(digits.digit_to_image(v, size=8)
-                                                       .convert("RGB")) for v in x[-40:]]))
+    data, ref = write_digits_and_ref(d)
     weights = d / "inception_random.pt"  # test_evaluation.py's random-weights Inception
     torch.save(load(FIXTURES / "fid_inception_reference.pt")["state_dict"], weights)
-    data, ref = d / "data", d / "ref.npz"
     logs = {k: d / k for k in ("full", "seen", "sharded", "ddp")}
     out = {}
     out["seen"] = train(data, logs["seen"], *GRIDS, *evals(ref, "inception", 3),

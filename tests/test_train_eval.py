@@ -6,14 +6,13 @@ nothing written; `ckpt.py phema --evaluate` scores reconstructed widths and plot
 import csv
 import json
 import shutil
-import sys
 
 import numpy as np
 import pytest
 import torch
 
 from conftest import (FIXTURES, MPIEXEC, PY, REPO, _run, deep_diff, run_script, train_here,
-                      write_class_folder, write_images)
+                      write_class_folder, write_images, write_digits_and_ref)
 
 from improved_diffusion import evaluation, sampling
 from improved_diffusion.apps import ckpt_tool
@@ -30,16 +29,7 @@ FID, IS = "fid_ema_0.9999", "is_ema_0.9999"
 @pytest.fixture(scope="module")
 def digits_data(tmp_path_factory):
     """The real 8x8 digits as a training folder, and 40 of them as a reference batch."""
-    sys.path.insert(0, str(REPO / "datasets"))
-    import digits
-
-    d = tmp_path_factory.mktemp("digits")
-    digits.write_digits_folder(str(d / "data"), size=8, log=lambda *a: None)
-    x, _ = digits.load_real_digits()
-    images = np.stack([np.asarray(digits.digit_to_image(v, size=8).convert("RGB"))
-                       for v in x[-40:]])
-    np.savez(d / "ref.npz", arr_0=images)
-    return d / "data", d / "ref.npz"
+    return write_digits_and_ref(tmp_path_factory.mktemp("digits"))
 
 
 def evals(ref, features="digits", n=8, every=2):
