@@ -84,7 +84,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 
-from train import CONFIGS, _Data, _flags, _sync  # noqa: E402  (benchmarks/train.py)
+from train import CONFIGS, _Data, _sync, setup_rank  # noqa: E402  (benchmarks/train.py)
 
 VARIANTS = ("ddp", "fixed")
 COMMAND = "python benchmarks/same_run.py"
@@ -96,18 +96,9 @@ def child(args):
     import torch as th
 
     from improved_diffusion import dist_util, logger, train_util
-    from improved_diffusion.script_util import create_model_and_diffusion
 
-    th.set_num_threads(args.threads)
-    if args.ranks > 1:
-        dist_util.setup_dist()
-    rank, world = dist_util.get_rank(), dist_util.get_world_size()
-    device = dist_util.dev()
-    flags, _ = _flags(args.config)
+    rank, world, device, flags, _, model, diffusion = setup_rank(args)
     G, m = args.global_batch, args.microbatch
-    train_util.seed_rngs(0, 0, 0)
-    model, diffusion = create_model_and_diffusion(**flags)
-    model.to(device)
     data = _Data(G // world, flags["image_size"], seed=rank)
     tmp = dist_util.broadcast_object(tempfile.mkdtemp() if rank == 0 else None)  # one log dir
     logger.configure(dir=tmp, format_strs=[], rank=rank)

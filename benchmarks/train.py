@@ -114,11 +114,14 @@ class _Data:
         return self.th.rand(self.shape, generator=self.g) * 2 - 1, {}
 
 
-def child(args):
-    """Run one variant in this process; rank 0 prints {"steps_per_s", "peak_rss_mb", ...}."""
+def setup_rank(args):
+    """The start of one benchmark rank (also benchmarks/same_run.py's): torch's threads
+    (``args.threads``), the process group when ``args.ranks`` > 1, the seeded model and
+    diffusion of ``args.config`` on this rank's device. Returns (rank, world, device, flags,
+    batch, model, diffusion). Collective when ``args.ranks`` > 1."""
     import torch as th
 
-    from improved_diffusion import dist_util, logger, train_util
+    from improved_diffusion import dist_util, train_util
     from improved_diffusion.script_util import create_model_and_diffusion
 
     th.set_num_threads(args.threads)
@@ -130,6 +133,16 @@ def child(args):
     train_util.seed_rngs(0, 0, 0)
     model, diffusion = create_model_and_diffusion(**flags)
     model.to(device)
+    return rank, world, device, flags, batch, model, diffusion
+
+
+def child(args):
+    """Run one variant in this process; rank 0 prints {"steps_per_s", "peak_rss_mb", ...}."""
+    import torch as th
+
+    from improved_diffusion import dist_util, logger, train_util
+
+    rank, world, device, flags, batch, model, diffusion = setup_rank(args)
     if args.variant in ("einsum", "upstream"):
         _use_einsum_attention(model)
     data = _Data(batch, flags["image_size"], seed=rank)
