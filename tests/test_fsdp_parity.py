@@ -22,6 +22,7 @@ run the doctor's ``main`` in this process (scripts/ckpt.py itself: test_fsdp.py,
 test_sharded_layout.py, and here ``phema`` once).
 """
 import csv
+import json
 import re
 import shutil
 
@@ -137,6 +138,11 @@ def test_the_sharded_layout_writes_the_snapshots_beside_its_folders_as_the_full_
     assert rc == 0, text
     for name in ("model000004.pt", "ema_0.99_000004.pt", "opt000004.pt"):
         assert deep_diff(load(logs["full"] / name), load(tmp_path / "c" / name)) == [], name
+    for name in ("phema_0.050_000004.pt", "phema_0.100_000004.pt"):  # beside: written too
+        assert (tmp_path / "c" / name).read_bytes() == (logs["full"] / name).read_bytes(), name
+    listed = json.loads((tmp_path / "c" / "manifest000004.json").read_text())["files"]
+    assert sorted(listed) == sorted(json.loads(
+        (logs["full"] / "manifest000004.json").read_text())["files"]), listed
 
 
 def test_ckpt_phema_gives_the_same_bytes_from_both_layouts_and_the_ddp_runs_weights(runs,

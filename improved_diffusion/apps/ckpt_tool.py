@@ -1165,7 +1165,9 @@ def _prune_locked(args, out):
 
 def cmd_consolidate(args, out):
     """A sharded step as the full layout's files (model/ema/opt .pt + manifest, through
-    run_dir.write_step: exactly today's format), in this one process."""
+    run_dir.write_step: exactly today's format), in this one process. The files the step keeps
+    whole beside its folder (post-hoc EMA snapshots, sharded.write_beside) are written into
+    --out too, in its manifest as the full layout lists them."""
     _require_dir(args.dir, "RUN")
     st = sharded.verify(args.dir, args.step)
     if st.layout != sharded.LAYOUT:
@@ -1179,6 +1181,9 @@ def cmd_consolidate(args, out):
     if list(payloads) != holds:
         raise ToolError(f"{st.sharded_path}: holds {list(payloads)}, its manifest says {holds}; "
                         f"the step is damaged: use another step")
+    for name in sorted(st.manifest.get("files", {})):
+        if "/" not in name:  # beside the folder: verified with it, loaded as it is
+            payloads[name] = ckpt.load_file(ckpt.join(args.dir, name)).raw
     storage.makedirs(args.out)
     run_dir.write_step(args.out, args.step, payloads, settings=st.manifest.get("run_flags"))
     rep = {"dir": args.dir, "step": args.step, "out": args.out,
