@@ -11,6 +11,8 @@ the real checkpoint.model_payload / ema_payload / opt_payload and the named-v1 o
         loads step 2 into a fresh model of this world and compares with R/ref2.pt bitwise
     ... save ... --die_rank 1 --die_step 2      rank 1 kill -9's itself while writing step 2
     ... save ... --leave_free N                 fills the disk to N free bytes before the last
+    ... load ... --rank_log_dir 1 D2            rank 1 reads D2 instead (another host's copy);
+        a load that fails prints "LOAD FAILED rank R: <line>" on each rank and exits 3
 """
 import argparse
 import os
@@ -181,11 +183,19 @@ def cmd_load(args):
     import torch.distributed as dist
     model, opt, emas = build(args.width, seed=7)
     sharded.init_optim_state(opt)
-    step_dir = sharded.step_path(args.log_dir, args.step)
+    rank = dist_util.get_rank()
+    log_dir = args.log_dir
+    if args.rank_log_dir and int(args.rank_log_dir[0]) == rank:
+        log_dir = args.rank_log_dir[1]
+    step_dir = sharded.step_path(log_dir, args.step)
     template = files_of(model, opt, emas, args.step,
                         trainer={"step": 0, "data": {"epoch": 9, "seen": [0, 0, 0]},
                                  "empty": {}, "rng": [0.0, None, ""]})
-    sharded.read_step(step_dir, template)
+    try:
+        sharded.read_step(step_dir, template)
+    except UserError as e:
+        print(f"LOAD FAILED rank {rank}: {e}", flush=True)
+        return 3
     got = full_copy(template)
     # the optimizer itself holds the loaded state (template tensors are its own)
     named = list(model.named_parameters())
@@ -213,6 +223,7 @@ def main():
     p.add_argument("--die_rank", type=int, default=None)
     p.add_argument("--die_step", type=int, default=None)
     p.add_argument("--leave_free", type=int, default=None)
+    p.add_argument("--rank_log_dir", nargs=2, default=None, metavar=("RANK", "DIR"))
     args = p.parse_args()
     dist_util.setup_dist(timeout=30)
     return cmd_save(args) if args.cmd == "save" else cmd_load(args)
