@@ -16,9 +16,11 @@ timeouts a test passes as flags (``--dist_timeout``, a store's retry window), an
 test asserts (a job ends within a few times ``--dist_timeout`` rather than at the 600 s
 default), which is set far below what it tells apart.
 """
+import contextlib
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -70,6 +72,23 @@ def child_env(extra=None):
     if extra:
         env.update(extra)
     return env
+
+
+@contextlib.contextmanager
+def launched(cmd, log_path, env=None):
+    """``cmd`` (a launcher and its ranks) started in a session of its own, its output into
+    ``log_path``; yields the Popen. On leaving, a job still running is killed whole (kill -9 of
+    its process group) and waited for, whatever the test asserted."""
+    with open(log_path, "w") as out:
+        proc = subprocess.Popen([str(c) for c in cmd], cwd=REPO, env=env or child_env(),
+                                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 def _run(cmd, timeout, env=None, check=True, cwd=None):

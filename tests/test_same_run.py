@@ -9,14 +9,13 @@ import os
 import random
 import re
 import signal
-import subprocess
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import (MPIEXEC, PY, REPO, _run, child_env, deep_diff, rank_pids, resumed_step,
+from conftest import (MPIEXEC, PY, REPO, _run, deep_diff, launched, rank_pids, resumed_step,
                       write_class_folder)
 from test_train import train_main
 
@@ -156,28 +155,20 @@ def test_a_run_sigtermed_on_2_ranks_resumed_on_3_by_torchrun_then_on_1_is_the_st
     at = random.Random().randint(1, 2)
     cmd = [*launch(2), "--data_dir", data, "--log_dir", log_dir, "--num_workers", "1", *RUN,
            "--max_steps", 1000]
-    with open(tmp_path / "seg1.log", "w") as out:
-        proc = subprocess.Popen([str(c) for c in cmd], cwd=REPO, env=child_env(), stdout=out,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
-    try:
+    with launched(cmd, tmp_path / "seg1.log") as proc:
         assert _poll(lambda: _logged_steps(log_dir) >= at, proc, 300), \
             (tmp_path / "seg1.log").read_text()[-3000:]
         pids = rank_pids(str(log_dir))
         assert sorted(pids) == [0, 1], pids
         os.kill(pids[random.choice([0, 1])], signal.SIGTERM)
         rc = proc.wait(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
     assert rc == 75, (tmp_path / "seg1.log").read_text()[-3000:]
     saved = load(next(log_dir.glob("opt*.pt")))["trainer"]["step"]
     end = max(4, saved + 2)
     # flagless resumes: G, m and every run flag come from the checkpoint
     out = job(3, data, log_dir, "--max_steps", saved + 1, launcher="torchrun").stdout
     assert resumed_step(out) == saved, out[-3000:]
-    assert (f"same run on 3 rank(s) (saved on 2) (global batch 12, microbatch 2)" in out), \
+    assert ("same run on 3 rank(s) (saved on 2) (global batch 12, microbatch 2)" in out), \
         out[-3000:]
     # the flags taken show the per-rank batch used (12/3), not the saved 2-rank one; no
     # "RNG reseeded" line: the training draws from the shards' streams, not the ranks'

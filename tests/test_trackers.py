@@ -9,12 +9,12 @@ import json
 import os
 import signal
 import struct
-import subprocess
 import time
 
 import pytest
 
-from conftest import MPIEXEC, PY, REPO, child_env, rank_pids, run_mpi, run_script, write_images
+from conftest import (MPIEXEC, PY, REPO, child_env, launched, rank_pids, run_mpi, run_script,
+                      write_images)
 
 pytest.importorskip("wandb")
 pytest.importorskip("mlflow")
@@ -184,11 +184,7 @@ def test_sigterm_on_2_ranks_then_a_flagless_resume_on_1_continues_the_same_track
     cmd = [MPIEXEC, "-n", "2", PY, REPO / "scripts" / "train.py", *TINY, "--data_dir", data,
            "--log_dir", log, "--max_steps", "100000", "--save_interval", "100000",
            "--tracker", "wandb,mlflow"]
-    with open(tmp_path / "train.log", "w") as f:
-        proc = subprocess.Popen([str(c) for c in cmd], cwd=REPO, env=child_env(env), stdout=f,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
-    try:
+    with launched(cmd, tmp_path / "train.log", env=child_env(env)) as proc:
         deadline = time.time() + 240
         while time.time() < deadline and proc.poll() is None:
             if (log / "progress.csv").exists() and len(csv_rows(log)) >= 3:
@@ -196,10 +192,6 @@ def test_sigterm_on_2_ranks_then_a_flagless_resume_on_1_continues_the_same_track
             time.sleep(0.1)
         os.kill(rank_pids(str(log))[1], signal.SIGTERM)
         rc = proc.wait(timeout=240)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
     assert rc == 75, (tmp_path / "train.log").read_text()[-3000:]
     saved = max(int(p.name[8:14]) for p in log.glob("manifest*.json"))
     first = manifest_runs(log, saved)
