@@ -23,7 +23,7 @@ passes the identical structure. Within a payload, each dict or list without a DT
 trainer state with every rank's RNG, the flags, the param groups) is saved as one value, its
 torch.save bytes (``_pack``); a reader places them by the saved structure (``_pack_like``), so
 its template needs only their place, whatever the rank count that wrote them. Beside them, one
-string (``_STRUCTURE``): the nesting and key order of the whole structure, so that a reader
+string (``STRUCTURE_KEY``): the nesting and key order of the whole structure, so that a reader
 without a template (``consolidate``) rebuilds the payloads exactly, empty dicts and lists
 included (DCP keeps only leaves). Plain tensors (buffers, each rank's own under FSDP) are saved
 from rank 0, as the full layout does. The manifest also records the model's flags and kind
@@ -82,7 +82,7 @@ LAYOUT = "sharded"
 FORMAT = "torch.distributed.checkpoint"
 STEP_DIR_RE = re.compile(r"^step(\d+)\.dcp$")
 METADATA_NAME = ".metadata"
-_STRUCTURE = "_structure"  # the extra top-level key: the structure, as JSON
+STRUCTURE_KEY = "_structure"  # the extra top-level key of a step: its structure, as JSON
 MODES = ("process", "thread", "sync")
 
 
@@ -591,7 +591,7 @@ def start_save(log_dir, step, files, settings=None, *, mode="process", flags=Non
     holds = list(files)
     tmp = dist_util.run_on_rank0(lambda: _check_names(log_dir, step, holds))
     state = _pack(files)
-    state[_STRUCTURE] = json.dumps(_skeleton(state))
+    state[STRUCTURE_KEY] = json.dumps(_skeleton(state))
     # a bucket's step: each rank's own local staging folder, uploaded by collect()
     staging = (tempfile.mkdtemp(prefix=f"{tmp}-") if ckpt.is_remote(log_dir)
                else ckpt.join(log_dir, tmp))
@@ -679,7 +679,7 @@ def verify(log_dir, step):
 
 def _with_structure(template):
     state = dict(template)
-    state[_STRUCTURE] = ""
+    state[STRUCTURE_KEY] = ""
     return state
 
 
@@ -700,6 +700,9 @@ def read_step(step_dir, template):
         structure = _read_structure(local, step_dir)  # where a dict or list is one value
     except CheckpointError as e:
         failed = e
+    except OSError as e:  # the download's local copy
+        failed = CheckpointReadError(f"{step_dir}: cannot read ({typed_one_line(e)}); check "
+                                     f"that it is reachable and readable")
     try:
         failed = next((e for e in dist_util.all_gather_object(failed) if e is not None), None)
         if failed is not None:
@@ -720,20 +723,20 @@ def read_step(step_dir, template):
 
 
 def _read_structure(local, shown):
-    """The structure record (_STRUCTURE) of the local step folder ``local``, read at its place
+    """The structure record (STRUCTURE_KEY) of the local step folder ``local``, read at its place
     in the index (a few hundred bytes; a dcp.load of it alone cost 0.12 s on 2 ranks: a plan
     and its collectives), or None when the index has none. ``shown``: the step's name in
     messages. Not collective (but for a record the index says is stored transformed, read by
     dcp.load: collective, and the same on every rank, whose index is the same)."""
     meta = read_metadata(local)
-    found = [(k, v) for k, v in meta.storage_data.items() if k.fqn == _STRUCTURE]
+    found = [(k, v) for k, v in meta.storage_data.items() if k.fqn == STRUCTURE_KEY]
     if not found:
         return None
     info = found[0][1]
     if getattr(info, "transform_descriptors", None):  # stored transformed: DCP's own read
-        saved = {_STRUCTURE: ""}
+        saved = {STRUCTURE_KEY: ""}
         _dcp_load(local, saved, shown=shown)
-        return saved[_STRUCTURE]
+        return saved[STRUCTURE_KEY]
     path = os.path.join(local, info.relative_path)
     try:
         with open(path, "rb") as f:
@@ -814,7 +817,7 @@ def consolidate(step_dir):
     finally:
         if local not in (None, step_dir):
             _rmtree(local)
-    structure = sd.pop(_STRUCTURE, None)
+    structure = sd.pop(STRUCTURE_KEY, None)
     if not isinstance(structure, str):
         raise ShardedStepError(f"{step_dir}: holds no structure record (not written by this "
                                f"code); it cannot be consolidated")
@@ -840,7 +843,7 @@ def held_files(step_dir):
     each ``ema_*.pt``, ``opt*.pt``), from its index alone. Not collective."""
     meta = read_metadata(step_dir)
     return {path[0] for path in (meta.planner_data or {}).values()
-            if path and path[0] != _STRUCTURE}
+            if path and path[0] != STRUCTURE_KEY}
 
 
 def read_flags(step_dir, kinds=None):
