@@ -1181,9 +1181,8 @@ def cmd_consolidate(args, out):
     if list(payloads) != holds:
         raise ToolError(f"{st.sharded_path}: holds {list(payloads)}, its manifest says {holds}; "
                         f"the step is damaged: use another step")
-    for name in sorted(st.manifest.get("files", {})):
-        if "/" not in name:  # beside the folder: verified with it, loaded as it is
-            payloads[name] = ckpt.load_file(ckpt.join(args.dir, name)).raw
+    for name in run_dir.beside_files(st.manifest, args.step):  # verified with the folder
+        payloads[name] = ckpt.load_file(ckpt.join(args.dir, name)).raw
     storage.makedirs(args.out)
     run_dir.write_step(args.out, args.step, payloads, settings=st.manifest.get("run_flags"))
     rep = {"dir": args.dir, "step": args.step, "out": args.out,

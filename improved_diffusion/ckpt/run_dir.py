@@ -319,7 +319,7 @@ def _check_sharded_listing(st, log_dir, doc):
     if not isinstance(folder, str) or _sharded_step(folder) != st.step:
         raise _Problem(f"manifest {ckpt.basename(st.manifest_path)} names no folder of step "
                        f"{st.step}")
-    listed = {n for n in doc["files"] if not _beside_of(n, st.step)}
+    listed = set(doc["files"]) - set(beside_files(doc, st.step))
     present = {f"{folder}/{n}" for n in listdir(ckpt.join(log_dir, folder))}
     if not present:
         raise _Problem(f"{folder} is missing")
@@ -329,9 +329,16 @@ def _check_sharded_listing(st, log_dir, doc):
                        f"{ckpt.basename(st.manifest_path)} lists ({', '.join(extra[:3])})")
 
 
+def beside_files(doc, step):
+    """The names a sharded step's manifest ``doc`` lists outside its folder, sorted: whole files
+    of step ``step`` (a state's: post-hoc EMA snapshots, sharded.write_beside; present and of
+    the listed size: _check_manifest). Not collective."""
+    return sorted(n for n in doc.get("files", {}) if _beside_of(n, step))
+
+
 def _beside_of(name, step):
     """Whether a sharded step's manifest may list ``name`` outside its folder: a whole file of
-    that step (present and of the listed size: _check_manifest)."""
+    that step."""
     info = ckpt.name_info(name) if "/" not in name else None
     return info is not None and info.step == step and info.kind not in (
         "temp", "manifest", "sharded")
