@@ -141,9 +141,10 @@ class _HostCopier:
 
 
 def storage_key(storage):
-    """What names ``storage`` among a payload's (its device, its address, its size): the key
-    under which host copies reuse a buffer from one save to the next."""
-    return (storage.device.type, storage.device.index, storage._cdata, storage.nbytes())
+    """What names ``storage`` among a payload's (the address of torch's storage object, unique
+    while it lives, on any device; its size): the key under which host copies reuse a buffer
+    from one save to the next (a buffer holds its source storage, which therefore lives)."""
+    return storage._cdata, storage.nbytes()
 
 
 def tensor_bytes(obj):

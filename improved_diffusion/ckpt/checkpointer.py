@@ -99,7 +99,7 @@ from typing import Any, Dict, List, Optional
 
 import torch as th
 
-from . import (async_save, checkpoint, model_change, optim_state, rng, run_dir, sharded,
+from . import (async_save, checkpoint, host_copy, model_change, optim_state, rng, run_dir, sharded,
                state_fit, writer_process)
 from .. import dist_util, logger
 from ..infra import fsdp, preemption
@@ -458,11 +458,13 @@ class Checkpointer:
         mine = None if self.rank == 0 else self._non_finite_found()  # beside rank 0's copy
         held = {}  # rank 0's host copy (not broadcast: run_on_rank0 returns found alone)
 
+        def payloads():
+            sd = self.model.state_dict()  # once for the files and the check
+            return self.step_files(step, rngs, model_sd=sd), self._weights_to_check(sd)
+
         def copy():
             self._collect_save(block=True)
-            sd = self.model.state_dict()  # once for the files and the check
-            held["packed"], found = self._host_copy(self.step_files(step, rngs, model_sd=sd),
-                                                    check=self._weights_to_check(sd))
+            held["packed"], found = self._host_copy(payloads)
             return found
 
         found = dist_util.run_on_rank0_unbounded(copy, what)
@@ -490,7 +492,9 @@ class Checkpointer:
         if self._process is None:  # once a job
             use = writer_process.use_process(self.config.save_writer,
                                              async_save.tensor_bytes(files), self._core_free())
-            self._process = WriterProcess() if use else HostSnapshot()
+            self._process = (WriterProcess(host_copy.copy_threads(th.get_num_threads(),
+                                                                  dist_util.usable_cores()))
+                             if use else HostSnapshot())
 
     def _save_on_rank0(self, step, rngs, began, wait, gathered=None):
         """Rank 0's part of save(): wait for the previous save (raising its failure), then write
@@ -506,14 +510,18 @@ class Checkpointer:
         packed, _ = self._host_copy(files, gathered=gathered is not None)
         self._start_write(step, packed, began, wait)
 
-    def _host_copy(self, files, check=(), gathered=False):
+    def _host_copy(self, files, gathered=False):
         """Rank 0: the host copy of an async save's ``files`` (shared memory: the writer
         process's, else the thread's HostSnapshot; ``gathered``: files made whole into that
-        memory already by _prepare_gather, referenced, not copied). ``check``: the
-        _weights_to_check whose NaN/Inf are counted too. Returns (the copy for _start_write,
-        _non_finite_found's text of ``check``); the thread's copy is not taken (None) when that
-        text is not empty. Not collective."""
-        self._choose_writer(files)
+        memory already by _prepare_gather, referenced, not copied). ``files`` may be a function
+        that returns (files, the _weights_to_check whose NaN/Inf are counted too), which the
+        writer process calls once its copy has begun (WriterProcess.pack). Returns (the copy
+        for _start_write, _non_finite_found's text of the check); the thread's copy is not
+        taken (None) when that text is not empty. Not collective."""
+        check = ()
+        if not isinstance(self._process, WriterProcess):  # the thread's, or the first save
+            files, check = files() if callable(files) else (files, check)
+            self._choose_writer(files)
         if isinstance(self._process, WriterProcess):
             packed = self._process.pack(files, check, gathered=gathered)
             return packed, _found_text(self._process.non_finite)

@@ -93,6 +93,8 @@ import traceback
 import weakref
 from multiprocessing.connection import Connection
 
+from . import host_copy
+
 # Seconds between the child's checks that its parent still lives (the fallback where the kernel
 # does not end it with its trainer: see the module docstring).
 WATCH_S = 0.2
@@ -103,7 +105,11 @@ EXIT_LOCK_LOST = 71
 # prctl(2)'s PR_SET_PDEATHSIG: the signal this process gets when the thread that started it ends.
 _PR_SET_PDEATHSIG = 1
 # Arena buffers are aligned to this many bytes (a cache line; torch's CPU allocator uses 64).
-ALIGN = 64
+ALIGN = host_copy.ALIGN
+# The interpreter's switch interval while pack's helper threads copy (seconds; Python's default
+# is 0.005): a helper takes the GIL between pieces, and waits up to this long for the thread that
+# pickles to let it go; at the default a helper copied about half the time (docs/performance.md).
+SWITCH_S = 0.0005
 # How much nicer than the trainer the child writes while training goes on (0: the same; see the
 # module docstring, and docs/performance.md for the steps' p99 with and without).
 WRITER_NICE = 10
@@ -177,105 +183,6 @@ def core_free(on_cpu, threads, local_ranks, affinity, host_cpus):
     return threads * max(1, local_ranks) < affinity
 
 
-# The CPU host copy is made, and checked for NaN/Inf, in pieces of about this many bytes: a
-# piece is checked right after it is copied, while it is still in the cache (the check then
-# costs the copy little: docs/performance.md, "A background save's three costs").
-CHECK_PIECE = 4 << 20
-
-
-def _copy_and_check(entries, check):
-    """Copy each CPU storage of ``entries`` ({storage key: (offset, arena view, source bytes
-    view)}) into its arena view, in pieces of CHECK_PIECE bytes (small storages together, one
-    foreach copy each), and right after each piece the 2-norm of the part of every tensor of
-    ``check`` ([(label, tensors)]) that lies in it, on the copy. Returns [(label, how many of
-    its tensors hold a NaN or Inf)]: a tensor whose norms are all finite holds none; the others
-    get count_non_finite's exact check (min and max) on their copy. Tensors of ``check`` not
-    copied here (on CUDA, or not in the payloads) are counted by count_non_finite itself."""
-    import torch as th
-
-    from .async_save import storage_key
-    from .checkpointer import count_non_finite
-
-    on_storage = {}  # storage key -> [(index in ``tensors``, the tensor's view of the copy)]
-    tensors, labels, elsewhere = [], [], {}  # labels: the index in ``check`` of each tensor
-    for g, (label, group) in enumerate(check):
-        for t in group:
-            if not t.is_floating_point() or not t.numel():
-                continue  # count_non_finite skips them too
-            entry = entries.get(storage_key(t.untyped_storage()))
-            if entry is None:
-                elsewhere.setdefault(g, []).append(t)
-                continue
-            view = entry[1]
-            item = t.element_size()
-            host = th.empty(0, dtype=t.dtype).set_(
-                view.untyped_storage(), view.storage_offset() // item + t.storage_offset(),
-                t.size(), t.stride())
-            on_storage.setdefault(storage_key(t.untyped_storage()), []).append(
-                (len(tensors), host))
-            tensors.append(host)
-            labels.append(g)
-    norms = []  # (index, 0-d norm tensor) of each piece checked
-    batch = ([], [], [])  # views, sources, [(index, host tensor)] to check after the copy
-    filled = 0
-
-    def flush():
-        if batch[0]:
-            th._foreach_copy_(batch[0], batch[1])
-        if batch[2]:
-            norms.extend(zip((i for i, _ in batch[2]),
-                             th._foreach_norm([h for _, h in batch[2]], 2)))
-        for part in batch:
-            part.clear()
-
-    for key, (_, view, src) in entries.items():
-        n = view.numel()
-        checks = on_storage.get(key, [])
-        if n < CHECK_PIECE:
-            batch[0].append(view)
-            batch[1].append(src)
-            batch[2].extend(checks)
-            filled += n
-            if filled >= CHECK_PIECE:
-                flush()
-                filled = 0
-            continue
-        flush()
-        filled = 0
-        whole = [(i, h) for i, h in checks if not h.is_contiguous()]
-        ranges = [(i, h.storage_offset() * h.element_size() - view.storage_offset(),
-                   h.numel() * h.element_size(), h.dtype) for i, h in checks if h.is_contiguous()]
-        for a in range(0, n, CHECK_PIECE):
-            b = min(n, a + CHECK_PIECE)
-            view[a:b].copy_(src[a:b])
-            for i, start, size, dtype in ranges:
-                lo, hi = max(a, start), min(b, start + size)
-                if lo < hi:
-                    norms.append((i, th.linalg.vector_norm(view[lo:hi].view(dtype))))
-        norms.extend((i, th.linalg.vector_norm(h)) for i, h in whole)
-    flush()
-    suspect = set()
-    if norms:
-        finite = th.stack([v.float() for _, v in norms]).isfinite().tolist()
-        suspect = {i for (i, _), ok in zip(norms, finite) if not ok}
-    counts = [0] * len(check)
-    if suspect:
-        for i, n in zip(sorted(suspect), _non_finite_flags([tensors[i] for i in sorted(suspect)])):
-            counts[labels[i]] += n
-    for g, group in elsewhere.items():
-        counts[g] += count_non_finite(group)
-    return [(label, n) for (label, _), n in zip(check, counts)]
-
-
-def _non_finite_flags(tensors):
-    """For each tensor, 1 if it holds a NaN or Inf, else 0 (its min and max: both finite
-    exactly when all its values are)."""
-    import torch as th
-
-    ends = th.stack([th.stack(th.aminmax(t)).double() for t in tensors])
-    return (~ends.isfinite().all(dim=1)).int().tolist()
-
-
 class Arena:
     """
     Shared memory for host copies: a memfd mapped in this process, grown as needed (the old
@@ -302,11 +209,22 @@ class Arena:
         off = -(-self.high // ALIGN) * ALIGN
         if off + nbytes > self.size:
             self._grow(max(2 * self.size, off + nbytes))
+        base, size, mm = self._maps[-1]
+        mm[self.high:off] = bytes(off - self.high)  # the gap zeroed: see span()
         self.high = off + nbytes
         if pinned:
             self._pin()
-        base, size, mm = self._maps[-1]
         return off, th.frombuffer(mm, dtype=th.uint8, count=nbytes, offset=off)
+
+    def span(self, off, nbytes, dtype):
+        """A tensor of ``dtype`` over the file's bytes ``off``..``off + nbytes`` (the newest
+        mapping, which maps the whole file): buffers that ``alloc`` gave one after the other
+        with the gaps between them, which ``alloc`` zeroes (host_copy sums such a run of
+        buffers at once: a zero adds nothing)."""
+        import torch as th
+
+        item = th.empty(0, dtype=dtype).element_size()
+        return th.frombuffer(self._maps[-1][2], dtype=dtype, count=nbytes // item, offset=off)
 
     def _pin(self):
         """Page-lock the newest mapping for CUDA (cudaHostRegister), once: device-to-host copies
@@ -355,11 +273,16 @@ class Arena:
 class WriterProcess:
     """The job's writer process and its arena (see the module docstring)."""
 
-    def __init__(self):
+    def __init__(self, copy_threads=1):
         self.arena = Arena()
         self._buffers = {}  # source storage key -> (offset, arena view, source bytes view)
+        self._ahead = {}  # the CPU buffers of the last pack that the pack before used too
+        self._cuda = {}  # storage key -> CUDA device, of the buffers of storages on one
         self.nbytes = 0  # bytes of the buffers the last pack used
         self.non_finite = []  # [(label, tensors with a NaN/Inf)] of the last pack's ``check``
+        self.copy_threads = copy_threads  # threads that make the CPU host copy
+        self._helpers = None  # their helper threads (host_copy.Helpers), from the first pack
+        self._plans = {}  # host_copy.HostCopy's, kept from pack to pack
         self._proc = None
         self._conn = None
         self._lock = threading.Lock()  # one write at a time; close() waits for it
@@ -377,7 +300,7 @@ class WriterProcess:
         already and ``pack(..., gathered=True)`` copies nothing. The last save's buffers are
         forgotten (call it only once the previous write is done: the new tensors reuse its
         memory)."""
-        self._buffers = {}
+        self._buffers, self._ahead = {}, {}
         self.arena.reset()
         self.nbytes = 0
         return lambda nbytes: self.arena.alloc(nbytes)[1]
@@ -386,29 +309,57 @@ class WriterProcess:
         """The host copy of a save: ``files`` pickled for the child, with every tensor's storage
         copied into its arena buffer (the one the last pack used for the same storage, else a
         new one), in one pass (from CUDA: one foreach copy per device without blocking, then
-        one synchronise per device; from the CPU: ``_copy_and_check``). A storage that lies in
-        the arena already (``gathered``: ``files`` made whole into ``alloc_for_gather``'s
-        memory) is referenced where it is, not copied. Returns the packed payload for
-        ``write``. Call it only once the previous write is done (its buffers are reused).
-        Starts the child when there is none: from the thread that packs (the checkpointer's
-        main thread), whose end the kernel ties the child's to (the module docstring).
+        one synchronise per device; from the CPU: host_copy.HostCopy, on ``copy_threads``
+        threads, the storages of the last saves begun while the payload is pickled). A storage
+        that lies in the arena already (``gathered``: ``files`` made whole into
+        ``alloc_for_gather``'s memory) is referenced where it is, not copied. Returns the
+        packed payload for ``write``. Call it only once the previous write is done (its buffers
+        are reused). Starts the child when there is none: from the thread that packs (the
+        checkpointer's main thread), whose end the kernel ties the child's to (the module
+        docstring).
+
+        ``files`` may be a function that returns (files, check): called once the copy of the
+        storages that the last two saves had and that held nothing to check (the optimizer's
+        moments) has begun on the helper threads, so that it runs while the caller builds the
+        payloads (host_copy.HostCopy.ahead).
 
         ``check``: [(label, tensors)] whose NaN/Inf are counted during the copy (the
         checkpointer's weights check, off the pause): a CPU tensor in ``files`` on its host copy,
         piece by piece right after each piece is copied (while it is in the cache), any other
         with checkpointer.count_non_finite. ``self.non_finite`` is then [(label, how many of its
         tensors hold a NaN or Inf)], what count_non_finite of each label's tensors gives."""
-        import torch as th
-
         with self._lock:
             self._start()
+        if not gathered and self.arena.high > 2 * self.nbytes + (1 << 20):
+            self._buffers, self._ahead = {}, {}  # the arena holds more dropped buffers than live
+            self.arena.reset()
+        if self._helpers is None or self._helpers.n != self.copy_threads - 1:
+            self._helpers = host_copy.Helpers(self.copy_threads - 1)
+        copy = host_copy.HostCopy(self._helpers, span=self.arena.span, plans=self._plans)
+        switch = sys.getswitchinterval()
+        if self._helpers.n:  # a helper takes the GIL between pieces: see SWITCH_S
+            sys.setswitchinterval(min(switch, SWITCH_S))
+        try:
+            copy.ahead(self._ahead)
+            if callable(files):
+                files, check = files()
+            return self._pack(copy, files, check, gathered)
+        except BaseException:
+            copy.abandon()  # no helper writes into the arena once this returns
+            raise
+        finally:
+            sys.setswitchinterval(switch)
+
+    def _pack(self, copy, files, check, gathered):
+        import torch as th
 
         from .async_save import storage_key
 
-        if not gathered and self.arena.high > 2 * self.nbytes + (1 << 20):
-            self._buffers = {}  # the arena holds more dropped buffers than live ones
-            self.arena.reset()
+        # the storages the last two saves had (this step's too, mostly: not the RNG states made
+        # anew at each save), copied while the payload pickles
+        copy.start(self._ahead, check)
         used = {}
+        cuda = {}  # storage key -> its CUDA device, of the storages in ``used`` on one
         total = [0]
 
         def locate(storage):
@@ -423,32 +374,39 @@ class WriterProcess:
             if entry is None:
                 entry = self._buffers.get(key)
                 if entry is None:
-                    off, view = self.arena.alloc(storage.nbytes(),
-                                                 pinned=storage.device.type == "cuda")
-                    src = th.empty(0, dtype=th.uint8, device=storage.device).set_(storage)
+                    device = storage.device
+                    off, view = self.arena.alloc(storage.nbytes(), pinned=device.type == "cuda")
+                    src = th.empty(0, dtype=th.uint8, device=device).set_(storage)
                     entry = (off, view, src)
+                    if device.type == "cuda":
+                        cuda[key] = device
+                elif key in self._cuda:
+                    cuda[key] = self._cuda[key]
                 used[key] = entry
                 total[0] += storage.nbytes()
             return entry[0]
 
         buf = io.BytesIO()
         _Packer(buf, locate).dump(files)
-        by_device = {}
-        for _, view, src in used.values():
-            if view is None:
-                continue  # in the arena already
-            by_device.setdefault(src.device, ([], []))
-            by_device[src.device][0].append(view)
-            by_device[src.device][1].append(src)
-        for device, (views, srcs) in by_device.items():
-            if device.type == "cuda":
-                th._foreach_copy_(views, srcs, non_blocking=True)
-        for device in sorted((d for d in by_device if d.type == "cuda"), key=str):
+        copied, on_cpu, by_device = {}, {}, {}  # not in the arena already; of those, on the CPU
+        for key, entry in used.items():
+            if entry[1] is None:
+                continue
+            copied[key] = entry
+            device = cuda.get(key)
+            if device is None:
+                on_cpu[key] = entry
+            else:
+                by_device.setdefault(device, ([], []))
+                by_device[device][0].append(entry[1])
+                by_device[device][1].append(entry[2])
+        for views, srcs in by_device.values():
+            th._foreach_copy_(views, srcs, non_blocking=True)
+        for device in sorted(by_device, key=str):
             th.cuda.synchronize(device)
-        copied = {k: e for k, e in used.items() if e[1] is not None}  # not in the arena already
-        on_cpu = {k: e for k, e in copied.items() if e[2].device.type == "cpu"}
-        self.non_finite = _copy_and_check(on_cpu, check)
-        self._buffers = copied
+        self.non_finite = copy.finish(on_cpu)
+        self._ahead = {k: e for k, e in on_cpu.items() if self._buffers.get(k) is e}
+        self._buffers, self._cuda = copied, cuda
         self.nbytes = total[0]
         return self.arena.size, buf.getvalue()
 
