@@ -143,7 +143,8 @@ class _HostCopier:
 def storage_key(storage):
     """What names ``storage`` among a payload's (the address of torch's storage object, unique
     while it lives, on any device; its size): the key under which host copies reuse a buffer
-    from one save to the next (a buffer holds its source storage, which therefore lives)."""
+    from one save to the next (a buffer holds its source storage, which therefore lives;
+    writer_process.WriterProcess.pack builds the same key inline)."""
     return storage._cdata, storage.nbytes()
 
 

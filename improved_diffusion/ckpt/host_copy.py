@@ -210,10 +210,11 @@ class HostCopy:
     def start(self, entries, check):
         """Start copying the ``entries`` not copied yet on the helper threads, the tensors of
         ``check`` among them checked, and return at once (with no helpers: copy them now)."""
-        self.check = [(label, [t for t in group if t.is_floating_point() and t.numel()])
-                      for label, group in check]
-        where = [[(t.data_ptr(), t.dtype, t.shape, t.stride()) for t in group]
-                 for _, group in self.check]
+        self.check, where = [], []
+        for label, group in check:
+            group = [t for t in group if t.is_floating_point() and t.numel()]
+            self.check.append((label, group))
+            where.append([(t.data_ptr(), t.dtype, t.shape, t.stride()) for t in group])
         last = self._last
         if last is not None and last["where"] == where:  # the previous save's plan holds
             self._tensors, self._labels = last["tensors"], last["labels"]
@@ -239,8 +240,9 @@ class HostCopy:
     def finish(self, entries):
         """Copy the ``entries`` not started yet, this thread taking whatever pieces the helpers
         have not taken yet, wait for every piece, and return the counts (see the class)."""
-        if any(k not in self._copied for k in entries):
-            _, plain, checked = self._plan(entries)
+        new = {k: e for k, e in entries.items() if k not in self._copied}
+        if new:
+            _, plain, checked = self._plan(new)
             self._launch(plain + checked)
         for run in self._runs:
             run.work()
@@ -304,6 +306,8 @@ class HostCopy:
 
         on_storage = {}
         planned, tensors = self._planned, self._tensors
+        if len(planned) == sum(len(group) for _, group in self.check):
+            return on_storage  # (the RNG states a save makes anew: nothing to check)
         for g, (_, group) in enumerate(self.check):
             for pos, t in enumerate(group):
                 if (g, pos) in planned:

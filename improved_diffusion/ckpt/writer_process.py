@@ -353,8 +353,6 @@ class WriterProcess:
     def _pack(self, copy, files, check, gathered):
         import torch as th
 
-        from .async_save import storage_key
-
         # the storages the last two saves had (this step's too, mostly: not the RNG states made
         # anew at each save), copied while the payload pickles
         copy.start(self._ahead, check)
@@ -362,28 +360,32 @@ class WriterProcess:
         cuda = {}  # storage key -> its CUDA device, of the storages in ``used`` on one
         total = [0]
 
-        def locate(storage):
-            key = storage_key(storage)
+        def locate(storage, nbytes):
+            """The arena offset of ``storage``'s buffer (recording the copy to make), or None
+            for a storage pickled as it is (not on the CPU or CUDA)."""
+            key = (storage._cdata, nbytes)  # async_save.storage_key
             entry = used.get(key)
-            if entry is None and gathered:
-                off = self.arena.offset_of(storage)
+            if entry is not None:
+                return entry[0]
+            entry = self._buffers.get(key)
+            if entry is not None:  # the same storage as at the last save (the entry holds it)
+                if key in self._cuda:
+                    cuda[key] = self._cuda[key]
+            else:
+                device = storage.device
+                if device.type not in ("cpu", "cuda"):
+                    return None
+                off = self.arena.offset_of(storage) if gathered else None
                 if off is not None:  # in place: nothing to copy
-                    used[key] = entry = (off, None, None)
-                    total[0] += storage.nbytes()
-                    return off
-            if entry is None:
-                entry = self._buffers.get(key)
-                if entry is None:
-                    device = storage.device
-                    off, view = self.arena.alloc(storage.nbytes(), pinned=device.type == "cuda")
+                    entry = (off, None, None)
+                else:
+                    off, view = self.arena.alloc(nbytes, pinned=device.type == "cuda")
                     src = th.empty(0, dtype=th.uint8, device=device).set_(storage)
                     entry = (off, view, src)
                     if device.type == "cuda":
                         cuda[key] = device
-                elif key in self._cuda:
-                    cuda[key] = self._cuda[key]
-                used[key] = entry
-                total[0] += storage.nbytes()
+            used[key] = entry
+            total[0] += nbytes
             return entry[0]
 
         buf = io.BytesIO()
@@ -566,9 +568,10 @@ class _RemoteTraceback(Exception):
 
 class _Packer(pickle.Pickler):
     """Pickles a payload for the child: each CPU or CUDA tensor as a reference to the arena
-    buffer of its storage (``locate(storage)`` -> offset, which also records the copy to
-    make), everything else as it is. Only tensors reach Python code here (a dispatch table
-    entry for the tensor type): pickling the rest runs at C speed. The pickle memo keeps one
+    buffer of its storage (``locate(storage, nbytes)`` -> offset, which also records the copy
+    to make; None: pickle the tensor as it is), everything else as it is. Only tensors reach
+    Python code here (a dispatch table entry for the tensor type): pickling the rest runs at C
+    speed. The pickle memo keeps one
     tensor object that appears twice one object in the child, as torch.save records it."""
 
     def __init__(self, f, locate):
@@ -581,14 +584,15 @@ class _Packer(pickle.Pickler):
 
     def _tensor(self, t):
         storage = t.untyped_storage()
-        if storage.nbytes() == 0 or storage.device.type not in ("cpu", "cuda"):
+        nbytes = storage.nbytes()
+        off = self._locate(storage, nbytes) if nbytes else None
+        if off is None:
             return t.__reduce_ex__(pickle.HIGHEST_PROTOCOL)  # pickled whole
-        off = self._locate(storage)
         dtype = _DTYPE_NAMES.get(t.dtype)
         if dtype is None:
             dtype = _DTYPE_NAMES[t.dtype] = str(t.dtype).rpartition(".")[2]
-        return (_arena_tensor, (off, storage.nbytes(), dtype, t.storage_offset(),
-                                tuple(t.size()), t.stride()))
+        return (_arena_tensor, (off, nbytes, dtype, t.storage_offset(), tuple(t.size()),
+                                t.stride()))
 
 
 _DTYPE_NAMES = {}  # torch dtype -> its name in torch ("float32"), as packed tensors carry it
