@@ -71,10 +71,12 @@ def test_the_copy_holds_the_bytes_and_the_counts_are_count_non_finites(threads):
     arena.close_fd()
 
 
-def test_a_plan_kept_from_the_last_save_still_finds_a_nan_that_appeared_since(monkeypatch):
-    """The second save copies ahead and starts with the first save's pieces (no planning:
-    HostCopy._plan is not called); a NaN written into a small and a large tensor between the
-    saves is counted, and the copy holds the new bytes."""
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_plan_kept_from_the_last_save_still_finds_a_nan_that_appeared_since(monkeypatch,
+                                                                              threads):
+    """The second save copies ahead (with a helper) and starts with the first save's pieces (no
+    planning: HostCopy._plan is not called); a NaN written into a small and a large tensor
+    between the saves is counted, and the copy holds the new bytes."""
     g = torch.Generator().manual_seed(1)
     model = [torch.randn(1000 + i, generator=g) for i in range(30)]
     big = torch.randn(host_copy.PIECE, generator=g)
@@ -82,7 +84,7 @@ def test_a_plan_kept_from_the_last_save_still_finds_a_nan_that_appeared_since(mo
     check = [("model", model + [big])]
     arena = writer_process.Arena()
     entries = buffers(arena, model + [big] + moments)
-    plans, helpers = {}, host_copy.Helpers(1)
+    plans, helpers = {}, host_copy.Helpers(threads - 1)
     copy = host_copy.HostCopy(helpers, span=arena.span, plans=plans)
     copy.ahead(entries)
     copy.start(entries, check)

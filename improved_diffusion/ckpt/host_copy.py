@@ -5,26 +5,30 @@ leaves idle.
 An async save's pause is the copy of the step's tensors into the writer's memory
 (writer_process.WriterProcess.pack), with the weights check (a NaN/Inf model or EMA is never
 written). While it runs, training waits: the cores of the training's threads are idle, and so
-are the other ranks' (they wait for rank 0). ``HostCopy`` splits the copy into pieces of about
-PIECE bytes and hands them to ``copy_threads`` threads (the caller's included): one thread does
-not fill a host's memory bandwidth (two copy the same bytes in about 0.8 of the time here:
-docs/performance.md, "A background save's three costs").
+are the other ranks' (they wait for rank 0). ``HostCopy`` splits the copy into pieces and hands
+them to ``copy_threads`` threads (the caller's included): one thread does not fill a host's
+memory bandwidth (two copied the 30M step in 0.8 of one's time here: docs/performance.md, "The
+pause on the idle cores").
 
-The check is one sum a piece: each piece is checked right after it is copied, while it is in
-the cache, by the sum of the buffer bytes of its checked tensors. A sum is finite only when
-every value is (a NaN or Inf makes it NaN or Inf); since a piece's small storages lie one after
-the other in the buffer memory (``span``: the gaps between them zeroed, Arena.alloc), one sum
-covers a run of them, where a sum of each small tensor cost 16 times as much (a torch call each,
-about 3 us, on 16 KB). Only a tensor, or run, whose sum is not finite (a NaN or Inf, or a sum
-that overflowed) gets the exact check: its min and max, both finite exactly when every value is.
+The copy begins before the caller knows what the step holds: ``ahead(entries)``, with the
+buffers of the last saves (the same storages from save to save: a model's parameters, EMAs and
+Adam moments keep theirs), starts those that held nothing to check (the optimizer's moments,
+about half the bytes) on the helper threads, in pieces of CHUNK bytes, each one torch call
+without the GIL, while the caller builds and pickles the payloads (Python, on the GIL);
+``start(entries, check)`` adds the storages of the checked tensors, in pieces of PIECE bytes;
+``finish(entries)`` adds what the pickling found new (the RNG states a save makes anew), takes
+its share of every piece left, and returns the counts. The pieces of the last save are kept
+(``plans``) and used again when the buffers and the checked tensors' places are the same.
 
-It may start before the caller knows all of the step's storages: ``start(entries)`` with the
-previous save's buffers (the same storages from save to save: a model's parameters, EMAs and
-Adam moments keep theirs) runs on the helper threads while the caller pickles the payload;
-``finish(entries)`` copies what the pickling found new, this thread taking its share of every
-piece left, and returns the counts. A storage copied ahead that the step no longer uses was
-copied for nothing; nothing else changes (training waits during the pause, so the bytes copied
-early are the step's bytes).
+The check is a sum: each piece of checked tensors is checked right after it is copied, while
+it is in the cache, by the sum of their bytes. A sum is finite only when every value is (a NaN
+or Inf makes it NaN or Inf); since a piece's small storages lie one after the other in the
+buffer memory (``span``: the gaps between them zeroed, Arena.alloc), one sum covers a run of
+them, where a sum of each small tensor cost 16 times as much (a torch call each, about 3 us, on
+16 KB). Only a tensor, or run, whose sum is not finite (a NaN or Inf, or a sum that overflowed)
+gets the exact check: its min and max, both finite exactly when every value is. A storage
+copied ahead that the step no longer uses was copied for nothing; nothing else changes
+(training waits during the pause, so the bytes copied early are the step's bytes).
 
 Worked example (two float32 tensors, the second with a NaN, copied into a buffer; one thread,
 no spans)::
@@ -200,12 +204,13 @@ class HostCopy:
         to check at the previous save, when ``entries`` are the previous save's (the same
         objects, in the same order): before the caller knows what to check. Returns at once."""
         last = self._plans.get("last") if self._plans is not None else None
-        if (last is None or not self.helpers.n or len(last["values"]) != len(entries)
+        if (last is None or len(last["values"]) != len(entries)
                 or not all(a is b for a, b in zip(last["values"], entries.values()))):
             return
         self._last = last
-        self._copied |= last["plain_keys"]
-        self._launch(last["plain"])
+        if self.helpers.n:  # (without helpers, start copies them: this thread builds the files)
+            self._copied |= last["plain_keys"]
+            self._launch(last["plain"])
 
     def start(self, entries, check):
         """Start copying the ``entries`` not copied yet on the helper threads, the tensors of
@@ -218,8 +223,9 @@ class HostCopy:
         last = self._last
         if last is not None and last["where"] == where:  # the previous save's plan holds
             self._tensors, self._labels = last["tensors"], last["labels"]
+            plain = [] if self._copied else last["plain"]  # (ahead started them)
             self._planned, self._copied = set(last["planned"]), set(last["copied"])
-            self._launch(last["checked"])
+            self._launch(plain + last["checked"])
             return
         plain_keys, plain, checked = self._plan(entries)
         if self._plans is not None:  # kept for the next save's ahead and start
@@ -366,10 +372,11 @@ class _Batch:
                  and t.is_contiguous()]
         dtype = whole[0][1].dtype if whole and self._span is not None else None
         self.singles += [(i, t) for i, t in checks if t.dtype != dtype]
+        if dtype is None:
+            self._close()
+            return
         covered = [i for i, t in checks if t.dtype == dtype]
         run = self._run
-        if dtype is None:
-            return
         if run is not None and run[2] == dtype and off == -(-run[1] // ALIGN) * ALIGN:
             run[1] = off + n
             run[3] += covered

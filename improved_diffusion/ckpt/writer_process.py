@@ -14,18 +14,19 @@ the writer too; any other script is not run.
 ``pack(files)`` is the host copy of a save, the only pause of training: the payloads pickled (at
 C speed; only tensors reach Python code) with each tensor as a reference to an arena buffer
 (offset and size of its storage, dtype, storage offset, shape, strides; everything else pickled
-as it is, the sharing between objects kept), and every storage copied into its buffer in one
-pass (one foreach copy per device; buffers reused from the previous save; from CUDA into
-page-locked memory without blocking, then one synchronise per device). ``write(log_dir, step,
-packed, keep)`` hands it to the child and blocks until the child has written it with
-``run_dir.write_step`` (the files, fsync'd and renamed into place, then the manifest) and pruned
-(``run_dir.prune_lines``). It returns (the child's ``time.perf_counter()`` when it was done: the
-same clock in every process of the host, lines to log), or raises the child's error (its
-one-line CheckpointError as it is; any other keeps its type, with the child's traceback as its
-cause). The checkpointer calls it from its BackgroundWriter thread, which only waits: the
-serialisation, the checksums, the writes and the fsyncs run in the child, off the trainer's GIL
-and on a core of its own when there is one. The child rebuilds the tensors over the same shared
-pages (no copy), so its torch.save writes the bytes a synchronous save writes.
+as it is, the sharing between objects kept), and every storage copied into its buffer once
+(buffers reused from the previous save; from the CPU on the cores the pause leaves idle,
+host_copy.HostCopy, the storages of the last saves begun before the payloads are built; from
+CUDA into page-locked memory without blocking, then one synchronise per device).
+``write(log_dir, step, packed, keep)`` hands it to the child and blocks until it has written
+it with ``run_dir.write_step`` (the files, fsync'd and renamed into place, then the manifest)
+and pruned (``run_dir.prune_lines``). It returns (the child's ``time.perf_counter()`` when it
+was done: the same clock in every process of the host, lines to log), or raises the child's
+error (its one-line CheckpointError as it is; any other keeps its type, with the child's
+traceback as its cause). The checkpointer calls it from its BackgroundWriter thread, which only
+waits: the serialisation, the checksums, the writes and the fsyncs run in the child, off the
+trainer's GIL and on a core of its own when there is one. The child rebuilds the tensors over
+the same shared pages (no copy), so its torch.save writes the bytes a synchronous save writes.
 
 Failure modes: a child that dies (kill -9, out of memory) is a ``CheckpointError`` naming the step
 and saying what is on disk (no manifest: the step does not count), never a hang; the next write
