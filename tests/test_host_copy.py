@@ -119,6 +119,45 @@ def test_a_storage_copied_ahead_unchecked_is_counted_when_it_now_holds_a_checked
     copy.start(entries, [("model", [a, b])])
     assert copy.finish(entries) == [("model", 1)]
     assert copied_equal(entries)
+    a[0] = float("inf")  # the next save plans anew (the plan above lacks what ahead copied)
+    copy = host_copy.HostCopy(helpers, span=arena.span, plans=plans)
+    copy.ahead(entries)
+    copy.start(entries, [("model", [a, b])])
+    assert copy.finish(entries) == [("model", 2)] and copy.exact == 2
+    assert copied_equal(entries)
+    arena.close_fd()
+
+
+def test_a_plan_holds_while_each_save_adds_a_small_storage_of_its_own(monkeypatch):
+    """As a save's RNG states: each save has one small new storage, which the next save does
+    not use. From the third save on, ahead and start use the kept pieces (only finish plans,
+    the new storage), and every copy holds its bytes."""
+    g = torch.Generator().manual_seed(4)
+    model = [torch.randn(3000 + i, generator=g) for i in range(20)]
+    moments = [torch.randn(3000 + i, generator=g) for i in range(20)]
+    arena = writer_process.Arena()
+    plans, helpers, kept, before, planned = {}, host_copy.Helpers(1), {}, {}, []
+    real_plan = host_copy.HostCopy._plan
+    monkeypatch.setattr(host_copy.HostCopy, "_plan",
+                        lambda self, e: planned.append(len(e)) or real_plan(self, e))
+    for save in range(1, 6):
+        rng_state = torch.randint(0, 255, (5056,), dtype=torch.uint8, generator=g)
+        ahead = dict(kept)
+        entries = {k: e for k, e in kept.items() if e[2].numel() != 5056}  # (the old RNG)
+        entries.update(buffers(arena, [t for t in model + moments if storage_key(
+            t.untyped_storage()) not in kept] + [rng_state]))
+        planned.clear()
+        copy = host_copy.HostCopy(helpers, span=arena.span, plans=plans)
+        copy.ahead(ahead)
+        copy.start(ahead, [("model", model)])
+        assert copy.finish(entries) == [("model", 0)] and copied_equal(entries)
+        if save >= 3:
+            assert planned == [1], (save, planned)  # the RNG state alone
+        # the next save's ahead, as WriterProcess.pack keeps it: what this save used that the
+        # one before used too (all of it after the first save: its RNG state is copied for
+        # nothing while the plan holds)
+        kept = {k: e for k, e in entries.items() if not before or k in before}
+        before = entries
     arena.close_fd()
 
 

@@ -59,6 +59,8 @@ ALIGN = 64
 # Storages with nothing to check are copied in pieces of about this many bytes: a thread takes
 # the GIL between pieces, which the pickling thread holds up to sys.getswitchinterval() each time.
 CHUNK = 32 << 20
+# A kept plan is used again while it copies at most this many bytes that the save does not use.
+STALE_BYTES = 1 << 20
 # At most this many threads copy (the caller's included): more add no bandwidth.
 MAX_THREADS = 4
 
@@ -201,11 +203,17 @@ class HostCopy:
 
     def ahead(self, entries):
         """Start copying, on the helper threads, the storages of ``entries`` that held nothing
-        to check at the previous save, when ``entries`` are the previous save's (the same
-        objects, in the same order): before the caller knows what to check. Returns at once."""
+        to check when the pieces kept in ``plans`` were planned, if those pieces hold: they
+        copy every entry of ``entries`` (the same objects) and at most STALE_BYTES more (the
+        storages of a save that the next did not use: its RNG states), before the caller knows
+        what to check. Returns at once."""
         last = self._plans.get("last") if self._plans is not None else None
-        if (last is None or len(last["values"]) != len(entries)
-                or not all(a is b for a, b in zip(last["values"], entries.values()))):
+        if last is None or not entries:
+            return
+        sizes = last["sizes"]
+        if not all(id(e) in sizes for e in entries.values()):
+            return
+        if last["nbytes"] - sum(sizes[id(e)] for e in entries.values()) > STALE_BYTES:
             return
         self._last = last
         if self.helpers.n:  # (without helpers, start copies them: this thread builds the files)
@@ -227,10 +235,15 @@ class HostCopy:
             self._planned, self._copied = set(last["planned"]), set(last["copied"])
             self._launch(plain + last["checked"])
             return
+        ahead = bool(self._copied)  # ahead started pieces of a plan that no longer holds
         plain_keys, plain, checked = self._plan(entries)
-        if self._plans is not None:  # kept for the next save's ahead and start
+        if self._plans is not None and ahead:  # this plan lacks those: none is kept
+            self._plans.pop("last", None)
+        elif self._plans is not None:  # kept for the next saves' ahead and start (the entries
+            sizes = {id(e): e[1].numel() for e in entries.values()}  # held: ids stay theirs)
             self._plans["last"] = dict(
-                values=list(entries.values()), where=where, plain=plain, checked=checked,
+                values=list(entries.values()), sizes=sizes, nbytes=sum(sizes.values()),
+                where=where, plain=plain, checked=checked,
                 plain_keys=plain_keys, tensors=list(self._tensors), labels=list(self._labels),
                 planned=set(self._planned), copied=set(self._copied))
         self._launch(plain + checked)

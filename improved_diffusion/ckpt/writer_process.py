@@ -302,6 +302,7 @@ class WriterProcess:
         forgotten (call it only once the previous write is done: the new tensors reuse its
         memory)."""
         self._buffers, self._ahead = {}, {}
+        self._plans.clear()  # (its pieces copy into the buffers forgotten here)
         self.arena.reset()
         self.nbytes = 0
         return lambda nbytes: self.arena.alloc(nbytes)[1]
@@ -333,6 +334,7 @@ class WriterProcess:
             self._start()
         if not gathered and self.arena.high > 2 * self.nbytes + (1 << 20):
             self._buffers, self._ahead = {}, {}  # the arena holds more dropped buffers than live
+            self._plans.clear()
             self.arena.reset()
         if self._helpers is None or self._helpers.n != self.copy_threads - 1:
             self._helpers = host_copy.Helpers(self.copy_threads - 1)
@@ -408,7 +410,8 @@ class WriterProcess:
         for device in sorted(by_device, key=str):
             th.cuda.synchronize(device)
         self.non_finite = copy.finish(on_cpu)
-        self._ahead = {k: e for k, e in on_cpu.items() if self._buffers.get(k) is e}
+        self._ahead = {k: e for k, e in on_cpu.items()  # all of them after the first pack
+                       if not self._buffers or self._buffers.get(k) is e}
         self._buffers, self._cuda = copied, cuda
         self.nbytes = total[0]
         return self.arena.size, buf.getvalue()
