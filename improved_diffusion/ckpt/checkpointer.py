@@ -99,8 +99,8 @@ from typing import Any, Dict, List, Optional
 
 import torch as th
 
-from . import (async_save, checkpoint, host_copy, model_change, optim_state, rng, run_dir, sharded,
-               state_fit, writer_process)
+from . import (async_save, checkpoint, host_copy, model_change, optim_state, rng, run_dir,
+               sharded, state_fit, writer_process)
 from .. import dist_util, logger
 from ..infra import fsdp, preemption
 from .async_save import BackgroundWriter, HostSnapshot, to_host

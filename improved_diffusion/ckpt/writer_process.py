@@ -109,7 +109,8 @@ _PR_SET_PDEATHSIG = 1
 ALIGN = host_copy.ALIGN
 # The interpreter's switch interval while pack's helper threads copy (seconds; Python's default
 # is 0.005): a helper takes the GIL between pieces, and waits up to this long for the thread that
-# pickles to let it go; at the default a helper copied about half the time (docs/performance.md).
+# pickles to let it go; at the default, a helper had copied 0-2% of the pieces by the time the
+# pickling ended (docs/performance.md, "The pause on the idle cores").
 SWITCH_S = 0.0005
 # How much nicer than the trainer the child writes while training goes on (0: the same; see the
 # module docstring, and docs/performance.md for the steps' p99 with and without).
@@ -277,7 +278,8 @@ class WriterProcess:
     def __init__(self, copy_threads=1):
         self.arena = Arena()
         self._buffers = {}  # source storage key -> (offset, arena view, source bytes view)
-        self._ahead = {}  # the CPU buffers of the last pack that the pack before used too
+        self._ahead = {}  # the CPU buffers of the last pack that the one before used too (all
+        # of them after the first pack): what the next pack copies ahead
         self._cuda = {}  # storage key -> CUDA device, of the buffers of storages on one
         self.nbytes = 0  # bytes of the buffers the last pack used
         self.non_finite = []  # [(label, tensors with a NaN/Inf)] of the last pack's ``check``
@@ -321,9 +323,9 @@ class WriterProcess:
         docstring).
 
         ``files`` may be a function that returns (files, check): called once the copy of the
-        storages that the last two saves had and that held nothing to check (the optimizer's
-        moments) has begun on the helper threads, so that it runs while the caller builds the
-        payloads (host_copy.HostCopy.ahead).
+        storages of the last saves that held nothing to check (the optimizer's moments) has
+        begun on the helper threads, so that it runs while the caller builds the payloads
+        (host_copy.HostCopy.ahead).
 
         ``check``: [(label, tensors)] whose NaN/Inf are counted during the copy (the
         checkpointer's weights check, off the pause): a CPU tensor in ``files`` on its host copy,
@@ -356,8 +358,8 @@ class WriterProcess:
     def _pack(self, copy, files, check, gathered):
         import torch as th
 
-        # the storages the last two saves had (this step's too, mostly: not the RNG states made
-        # anew at each save), copied while the payload pickles
+        # the storages of the last saves (this step's too, mostly: not the RNG states a save
+        # makes anew), copied while the payload pickles
         copy.start(self._ahead, check)
         used = {}
         cuda = {}  # storage key -> its CUDA device, of the storages in ``used`` on one
@@ -575,8 +577,8 @@ class _Packer(pickle.Pickler):
     buffer of its storage (``locate(storage, nbytes)`` -> offset, which also records the copy
     to make; None: pickle the tensor as it is), everything else as it is. Only tensors reach
     Python code here (a dispatch table entry for the tensor type): pickling the rest runs at C
-    speed. The pickle memo keeps one
-    tensor object that appears twice one object in the child, as torch.save records it."""
+    speed. The pickle memo keeps one tensor object that appears twice one object in the child,
+    as torch.save records it."""
 
     def __init__(self, f, locate):
         import torch as th
