@@ -39,7 +39,7 @@ def copied_equal(entries):
 def layouts():
     """(check, every tensor with a buffer): the layouts a save meets, NaN/Inf in some."""
     g = torch.Generator().manual_seed(0)
-    small = [torch.randn(257 + 13 * i, generator=g) for i in range(40)]  # runs of 4 MiB pieces
+    small = [torch.randn(257 + 13 * i, generator=g) for i in range(40)]  # one piece: runs
     small[3][5] = float("nan")
     small[31][0] = float("inf")
     big = torch.randn(3 * host_copy.PIECE // 4 + 7, generator=g)  # three slices and a bit
