@@ -26,7 +26,7 @@ or Inf makes it NaN or Inf); since a piece's small storages lie one after the ot
 buffer memory (``span``: the gaps between them zeroed, Arena.alloc), one sum covers a run of
 them, where a sum of each small tensor cost 16 times as much (a torch call each, about 3 us, on
 16 KB). Only a tensor, or run, whose sum is not finite (a NaN or Inf, or a sum that overflowed)
-gets the exact check, checkpointer.count_non_finite's (down to min and max). A storage
+gets the exact check: its min and max, both finite exactly when every value is. A storage
 copied ahead that the step no longer uses was copied for nothing; nothing else changes
 (training waits during the pause, so the bytes copied early are the step's bytes).
 
@@ -199,7 +199,7 @@ class HostCopy:
         self._planned = set()  # (label index, position) of those tensors
         self._copied = set()  # storage keys copied or being copied
         self._runs = []
-        self.exact = 0  # after finish: how many tensors got count_non_finite's exact check
+        self.exact = 0  # after finish: how many tensors got the exact check
 
     def ahead(self, entries):
         """Start copying, on the helper threads, the storages of ``entries`` that held nothing
@@ -349,13 +349,17 @@ class HostCopy:
         if sums:
             finite = th.stack([v.float() for _, v in sums]).isfinite().tolist()
             suspect = {i for (ix, _), ok in zip(sums, finite) if not ok for i in ix}
+        counts = [0] * len(self.check)
         self.exact = len(suspect)
-        counts = []
-        for g, (label, group) in enumerate(self.check):
-            exact = [self._tensors[i] for i in sorted(suspect) if self._labels[i] == g]
+        if suspect:
+            order = sorted(suspect)
+            for i, n in zip(order, _non_finite_flags([self._tensors[i] for i in order])):
+                counts[self._labels[i]] += n
+        for g, (_, group) in enumerate(self.check):
             rest = [t for pos, t in enumerate(group) if (g, pos) not in self._planned]
-            counts.append((label, count_non_finite(exact + rest) if exact or rest else 0))
-        return counts
+            if rest:
+                counts[g] += count_non_finite(rest)
+        return [(label, n) for (label, _), n in zip(self.check, counts)]
 
 
 class _Batch:
@@ -403,3 +407,12 @@ class _Batch:
         self._close()
         return ("batch", self.views, self.srcs, self.spans, self.singles)
 
+
+def _non_finite_flags(tensors):
+    """For each tensor, 1 if it holds a NaN or Inf, else 0 (its min and max: both finite
+    exactly when all its values are)."""
+    import torch as th
+
+    with th.no_grad():
+        ends = th.stack([th.stack(th.aminmax(t)).double() for t in tensors])
+    return (~ends.isfinite().all(dim=1)).int().tolist()
