@@ -84,36 +84,6 @@ def pct(values, q):
     return values[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))]
 
 
-def memcpy_threads_s(nbytes, threads):
-    """checkpoint.memcpy_s with ``threads`` threads, each copying its share of the bytes in
-    4 MiB pieces (what the pause's copy threads could do at best; median of 3)."""
-    import threading
-
-    import torch as th
-
-    piece, n = 4 << 20, min(nbytes, 256 << 20)
-    src = th.randint(0, 256, (n,), dtype=th.uint8)
-    dst = th.empty_like(src)
-    dst.copy_(src)
-
-    def part(k):
-        for left in range(nbytes, 0, -n):
-            for a in range(k * piece, min(left, n), threads * piece):
-                b = min(a + piece, left, n)
-                dst[a:b].copy_(src[a:b])
-
-    times = []
-    for _ in range(3):
-        t0 = time.perf_counter()
-        ts = [threading.Thread(target=part, args=(k,)) for k in range(threads)]
-        for t in ts:
-            t.start()
-        for t in ts:
-            t.join()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def write_s(loop):
     """Wait for the background save; its seconds from its start until on disk."""
     return loop.checkpointer.wait_for_save()[1]
@@ -290,7 +260,7 @@ def main():
         raws.append(cb.raw_write(d, sizes, buf))
     memcpy = cb.memcpy_s(nbytes)
     copy_threads = getattr(proc, "copy_threads", 1) if writer == "process" else 1
-    memcpy_threads = memcpy_threads_s(nbytes, copy_threads)
+    memcpy_threads = cb.memcpy_s(nbytes, threads=copy_threads)
     memcpy_cpu = cb.memcpy_s(nbytes, clock=time.thread_time)
     load = os.getloadavg()
     common = dict(size=args.size, params=params, step_bytes=nbytes, writer=writer,

@@ -160,22 +160,40 @@ def random_bytes():
     return np.random.default_rng(0).integers(0, 256, 64 << 20, dtype=np.uint8).tobytes()
 
 
-def memcpy_s(nbytes, clock=time.perf_counter):
+def memcpy_s(nbytes, clock=time.perf_counter, threads=1):
     """Seconds to copy ``nbytes`` between two preallocated host buffers (torch's copy_, in 256 MiB
     pieces): what the host copy of an async save cannot beat on a CPU (median of 3).
     ``clock``: time.thread_time for this thread's CPU seconds (which a loaded machine's waits
-    for a core do not count)."""
+    for a core do not count). ``threads`` > 1: that many threads copy each piece, in turns of
+    4 MiB slices (what a save's host_copy threads could do at best; wall seconds)."""
+    import threading
+
     import torch as th
 
     piece = min(nbytes, 256 << 20)
     src = th.randint(0, 256, (piece,), dtype=th.uint8)
     dst = th.empty_like(src)
     dst.copy_(src)  # the pages of both buffers in place before the clock starts
+
+    def part(k):
+        for left in range(nbytes, 0, -piece):
+            n = min(left, piece)
+            for a in range(k * (4 << 20), n, threads * (4 << 20)):
+                b = min(a + (4 << 20), n)
+                dst[a:b].copy_(src[a:b])
+
     times = []
     for _ in range(3):
         t0 = clock()
-        for left in range(nbytes, 0, -piece):
-            dst[:min(left, piece)].copy_(src[:min(left, piece)])
+        if threads == 1:
+            for left in range(nbytes, 0, -piece):
+                dst[:min(left, piece)].copy_(src[:min(left, piece)])
+        else:
+            ts = [threading.Thread(target=part, args=(k,)) for k in range(threads)]
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join()
         times.append(clock() - t0)
     return statistics.median(times)
 
