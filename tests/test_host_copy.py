@@ -5,7 +5,9 @@ one, a transposed view, bfloat16 and float64, a tied tensor, a tensor in no buff
 threads; the plan kept from the last save still finds a NaN that appeared since, and a storage
 copied ahead unchecked is still counted when it now holds a checked tensor; stale bytes between
 buffers cost no exact check; a sum that overflows is checked exactly and not counted; a pack
-that fails leaves no helper writing and the switch interval as it was; in a training run, a NaN
+that fails leaves no helper writing and the switch interval as it was (abandon returns once the
+helpers' pieces are copied); a plan that would copy over STALE_BYTES the save does not use is
+planned anew; in a training run, a NaN
 that appears in an EMA after several saves is refused and a huge finite weight is not.
 """
 import doctest
@@ -247,3 +249,47 @@ def test_in_training_a_nan_that_appears_in_an_ema_after_several_saves_is_refused
 
 def test_the_module_examples_hold():
     assert doctest.testmod(host_copy).failed == 0
+
+
+def test_abandon_returns_only_once_no_helper_copies():
+    """A save that fails after its copy ahead began: abandon() returns only when the helper has
+    copied every piece it took (the caller may then reuse the buffers): 256 MiB copied ahead
+    hold the sources' bytes the moment it returns."""
+    g = torch.Generator().manual_seed(5)
+    model = [torch.randn(1000, generator=g)]
+    moments = [torch.zeros(8 << 20) for _ in range(8)]  # 8 x 32 MiB, nothing to check
+    arena = writer_process.Arena()
+    entries = buffers(arena, model + moments)
+    plans, helpers = {}, host_copy.Helpers(1)
+    copy = host_copy.HostCopy(helpers, span=arena.span, plans=plans)
+    copy.start(entries, [("model", model)])
+    copy.finish(entries)
+    for m in moments:
+        m.fill_(1.5)
+    copy = host_copy.HostCopy(helpers, span=arena.span, plans=plans)
+    copy.ahead(entries)
+    copy.abandon()
+    assert copied_equal({k: e for k, e in entries.items() if e[2].numel() == 32 << 20})
+    arena.close_fd()
+
+
+def test_a_plan_that_would_copy_more_than_a_mebibyte_the_save_does_not_use_is_not_kept(
+        monkeypatch):
+    g = torch.Generator().manual_seed(6)
+    model = [torch.randn(1000, generator=g)]
+    gone = torch.randn(host_copy.STALE_BYTES // 4 + 1, generator=g)  # just over the bound
+    arena = writer_process.Arena()
+    entries = buffers(arena, model + [gone])
+    plans, helpers, planned = {}, host_copy.Helpers(1), []
+    copy = host_copy.HostCopy(helpers, span=arena.span, plans=plans)
+    copy.start(entries, [("model", model)])
+    copy.finish(entries)
+    real_plan = host_copy.HostCopy._plan
+    monkeypatch.setattr(host_copy.HostCopy, "_plan",
+                        lambda self, e: planned.append(len(e)) or real_plan(self, e))
+    kept = {k: e for k, e in entries.items() if e[2].numel() != gone.numel() * 4}
+    copy = host_copy.HostCopy(helpers, span=arena.span, plans=plans)
+    copy.ahead(kept)
+    copy.start(kept, [("model", model)])
+    assert copy.finish(kept) == [("model", 0)] and planned == [1]  # planned anew
+    arena.close_fd()
