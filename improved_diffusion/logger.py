@@ -59,6 +59,11 @@ class LogWriteError(UserError):
 
 
 class KVWriter:
+    # A preemption's row (dumpkvs(preempted=True): the window cut short by the save) goes to
+    # outputs that are logs of this job (stdout, log.txt, progress.csv/json), marked in their
+    # "preempted" column; not to TensorBoard or the trackers, which show the run's rows only.
+    takes_preempted_rows = False
+
     def writekvs(self, kvs):
         raise NotImplementedError
 
@@ -70,6 +75,8 @@ class SeqWriter:
 
 class HumanOutputFormat(KVWriter, SeqWriter):
     """A table of key/values and free text lines, to a stream or appended to a file."""
+
+    takes_preempted_rows = True
 
     def __init__(self, filename_or_file):
         if isinstance(filename_or_file, str):
@@ -162,6 +169,8 @@ class ProgressOutputFormat(KVWriter, SeqWriter):
             ("loss_scale", "loss_scale"))  # train_* / val_*: classifier_train.py
     EVAL = ("fid_", "is_")  # the prefixes of the evaluation's keys, shown after those
 
+    takes_preempted_rows = True
+
     def __init__(self, file):
         self.file = file
         self.rates = _Rates()
@@ -242,6 +251,8 @@ class _Rates:
 class JSONOutputFormat(KVWriter):
     """One JSON object per dump, appended to the file."""
 
+    takes_preempted_rows = True
+
     def __init__(self, filename):
         self.file = open(filename, "at")
 
@@ -263,6 +274,8 @@ class CSVOutputFormat(KVWriter):
     progress.csv: appends to an existing file (keeping its header); new keys extend the header
     and the file is rewritten with old rows padded, as upstream does within one run.
     """
+
+    takes_preempted_rows = True
 
     def __init__(self, filename):
         self.filename = filename
@@ -477,14 +490,64 @@ def logkvs(d):
         logkv(k, v)
 
 
-def dumpkvs():
+def dumpkvs(preempted=False):
     """
-    Write all diagnostics of this iteration and clear them.
+    Write all diagnostics of this iteration and clear them (``preempted``: a preemption's row,
+    marked, and the window kept for the save: Logger.dumpkvs).
 
     Collective: call from all ranks with the same arguments (when torch.distributed is
     initialised; values are averaged across ranks weighted by their counts).
     """
-    return get_current().dumpkvs()
+    return get_current().dumpkvs(preempted)
+
+
+class LogWindow:
+    """The unfinished log window as a checkpointer state (``states={"log_window": ...}``): the
+    sums and counts that the next dumpkvs() would average, saved with the step and restored on
+    resume, so that the row after a resume averages the same steps, to the bit, as the row of a
+    run that never stopped (a run logging every 10 steps, saved at 18: its row at 20 averages
+    steps 11-20 either way).
+
+    The file holds rank 0's window. ``same_on_every_rank``: every rank logs the same values
+    (--global_batch_size: the losses are the shards', gathered alike on every rank), so rank 0's
+    window is every rank's, on any rank count. Otherwise each rank's values differ and only a
+    one-rank run's window can be put back (restore_note says so for the others).
+    Example::
+
+        ckpt = Checkpointer(cfg, ..., states={"log_window": logger.LogWindow(True)})
+    """
+
+    name = "log_window"
+
+    def __init__(self, same_on_every_rank):
+        self.same_on_every_rank = bool(same_on_every_rank)
+
+    def state_dict(self):
+        """Not collective (reads the device sums: one host sync per save)."""
+        return {"window": get_current().window_state(), "world_size": _world_size(),
+                "same_on_every_rank": self.same_on_every_rank}
+
+    def load_state_dict(self, state):
+        """Not collective; every rank decides alike (the file's flags and the world size)."""
+        window = state.get("window") or {}
+        if self.restorable(state):
+            get_current().load_window_state(window)
+        elif window.get("counts") or window.get("device"):
+            log(f"resume: progress.csv's next row averages the steps from here on only (the "
+                f"saved window is rank 0's of {state.get('world_size')}, not the run's; "
+                f"--global_batch_size keeps it)")
+
+    def restorable(self, state):
+        return bool(state.get("same_on_every_rank") and self.same_on_every_rank) or (
+            state.get("world_size") == 1 and _world_size() == 1)
+
+    def resume_without_state(self, step):
+        """A step saved before windows were saved: the next row averages from the resume."""
+
+
+def _world_size():
+    world = _dist_world()
+    return 1 if world is None else world[1]
 
 
 def getkvs():
@@ -514,10 +577,11 @@ def drop_rows_after(step):
 
 def logged_rows(up_to=None):
     """progress.csv's rows so far ([{key: float}]), those of steps up to ``up_to`` when given;
-    [] without one."""
+    [] without one. A preemption's rows (their "preempted" column) are not the run's: left out."""
     for fmt in get_current().output_formats:
         if isinstance(fmt, CSVOutputFormat):
-            return [r for r in fmt.rows() if "step" in r and (up_to is None or r["step"] <= up_to)]
+            return [r for r in fmt.rows() if "step" in r and not r.get("preempted")
+                    and (up_to is None or r["step"] <= up_to)]
     return []
 
 
@@ -868,6 +932,8 @@ class Logger:
         keys = (keys,) if isinstance(keys, str) else tuple(keys)
         totals = totals.detach().reshape(-1)
         acc = self._device_means.get(keys)
+        if acc is not None and acc[0].device != totals.device:  # restored (window_state) on the CPU
+            acc = self._device_means[keys] = [a.to(totals.device) for a in acc]
         if acc is None:
             dtype = th.float32 if totals.device.type == "mps" else th.float64
             acc = [th.zeros(len(keys), dtype=dtype, device=totals.device),
@@ -907,11 +973,17 @@ class Logger:
         self._device_means.clear()
         self._device_last.clear()
 
-    def dumpkvs(self):
+    def dumpkvs(self, preempted=False):
         """
+        ``preempted``: the row of a window a preemption cuts short: written with "preempted" 1
+        to the outputs that take such rows (KVWriter.takes_preempted_rows), and the window kept,
+        so that the save that follows holds it (window_state) and the resumed run's next row
+        averages the same steps as a straight run's.
+
         Collective: call from all ranks with the same arguments (when torch.distributed is
         initialised).
         """
+        kept = self.window_state() if preempted else None
         self._flush_device_values()
         world = _dist_world()
         if world is None or world[1] == 1:
@@ -921,12 +993,39 @@ class Logger:
                 {name: (val, self.name2cnt.get(name, 1)) for (name, val) in self.name2val.items()}
             )
         out = d.copy()  # Return the dict for unit testing purposes
-        self._each_output(KVWriter, lambda fmt: fmt.writekvs(d))
+        if preempted:
+            d["preempted"] = 1
+        self._each_output(KVWriter, lambda fmt: (fmt.writekvs(d) if not preempted or
+                                                 fmt.takes_preempted_rows else None))
         if self._mirror is not None:
             self._mirror.sync()
         self.name2val.clear()
         self.name2cnt.clear()
+        if kept is not None:
+            self.load_window_state(kept)
         return out
+
+    def window_state(self):
+        """The unfinished window (what the next dumpkvs() averages), as plain data: {"values",
+        "counts", "device": [[names], sums float64 [K], counts int64 [K]] (on the CPU),
+        "last": {name: float}}. Reads the device accumulators (one host sync). Not
+        collective."""
+        device = [[list(keys), s.detach().double().cpu().clone(), c.detach().cpu().clone()]
+                  for keys, (s, c) in self._device_means.items()]
+        return {"values": {k: (v if isinstance(v, (int, float, str)) else _as_number(v))
+                           for k, v in self.name2val.items()},
+                "counts": dict(self.name2cnt), "device": device,
+                "last": {k: float(v) for k, v in self._device_last.items()}}
+
+    def load_window_state(self, state):
+        """Make ``state`` (window_state's) the unfinished window: the next dumpkvs() averages it
+        with what is logged from now on, as if no save and resume had come between. Not
+        collective."""
+        self.name2val = defaultdict(float, state["values"])
+        self.name2cnt = defaultdict(int, state["counts"])
+        self._device_means = {tuple(keys): [s.clone(), c.clone()]
+                              for keys, s, c in state["device"]}
+        self._device_last = {k: th.tensor(v, dtype=th.float64) for k, v in state["last"].items()}
 
     def log(self, *args, level=INFO):
         if self.level <= level:

@@ -185,7 +185,7 @@ class TrainLoop:
                 if self.save_interval and self.step % self.save_interval == 0:
                     self.save()
                 if self.checkpointer.stop_requested() or not evaluated:
-                    self._flush_logs()
+                    self._flush_logs(preempted=True)
                     return self.checkpointer.save_for_preemption(self.step)
             self._flush_logs()
             if self.step == self.resume_step and self.checkpointer.last_saved_step == self.step:
@@ -408,10 +408,12 @@ class TrainLoop:
             return True
         return bool(self.lr_anneal_steps) and self.step >= self.lr_anneal_steps
 
-    def _flush_logs(self):
-        """Write the logs of steps since the last log_interval (before a final save)."""
+    def _flush_logs(self, preempted=False):
+        """Write the logs of steps since the last log_interval (before a final save). A
+        preemption's row is marked and its window saved (logger.LogWindow): the resumed run's
+        next row is the straight run's."""
         if self.step > self.resume_step and self.step % self.log_interval != 0:
-            logger.dumpkvs()
+            logger.dumpkvs(preempted=preempted)
 
 
 
@@ -421,7 +423,8 @@ def make_checkpointer(loop, data, batch_size, run_settings):
     with the data's class names and a latent folder's VAE. Not collective."""
     cfg = loop.config
     states = {"schedule_sampler": loop.schedule_sampler, "grad_scaler": loop.grad_scaler,
-              "phema": loop.phema}
+              "phema": loop.phema,
+              logger.LogWindow.name: logger.LogWindow(loop.virtual_shards is not None)}
     if loop.virtual_shards is not None:
         states[virtual_shards.VirtualShards.name] = loop.virtual_shards
     checkpointer = Checkpointer(

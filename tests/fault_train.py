@@ -8,7 +8,8 @@ Usage: python tests/fault_train.py [train.py flags...]
   step after FAULT_STEP completed steps, ``KeyboardInterrupt`` (FAULT_RAISE=KeyboardInterrupt) or
   ``SystemExit(N)`` (FAULT_RAISE=SystemExit:N), as a Ctrl-C or a ``sys.exit`` on that rank would,
   or is killed there by SIGKILL (FAULT_RAISE=SIGKILL), as ``kill -9`` would (once its --tracker
-  threads sent all they were given: what they hold back is all that is not sent).
+  threads sent all they were given: what they hold back is all that is not sent), or sends
+  itself a SIGTERM there and trains on (FAULT_RAISE=SIGTERM), as a preemption notice would.
 * ``FAULT_LATE_RANK``, ``FAULT_LATE_S``: that rank (its launcher's rank variable) sleeps
   FAULT_LATE_S seconds before the rendezvous (under mpiexec: after MPI_Init), so the others
   wait in it. Every rank prints ``FAULT: rank R enters the rendezvous`` as it does.
@@ -84,6 +85,9 @@ def _run_step_with_fault(self, batch, cond):
                    and not all(b.drained for b in self.outputs.trackers.backends)):
                 time.sleep(0.05)
             os.kill(os.getpid(), signal.SIGKILL)
+        if os.environ.get("FAULT_RAISE") == "SIGTERM":  # a real SIGTERM; the step goes on
+            os.kill(os.getpid(), signal.SIGTERM)
+            return _run_step(self, batch, cond)
         raise _fault()
     return _run_step(self, batch, cond)
 

@@ -1,8 +1,10 @@
 """The key/value logger: formats, appending on resume, csv header growth, rank-averaged dumps."""
 import csv
+import io
 import json
 
 import pytest
+import torch
 
 from improved_diffusion import logger
 from conftest import run_module_mpi
@@ -180,3 +182,62 @@ def test_the_tensorboard_format_and_add_tensorboard_share_one_run_without_duplic
     events.Reload()
     assert [(e.step, e.value) for e in events.Scalars("loss")] == [(1, 1), (2, 0.5), (4, 0.25)]
     assert [e.step for e in events.Scalars("samples_per_s")] == [4]  # the new writer's second
+
+
+def _log_steps(steps):
+    """What a training step logs, for steps ``steps``: a mean on the host, sums on the device,
+    a last value."""
+    for step in steps:
+        values = torch.rand(3, generator=torch.Generator().manual_seed(step), dtype=torch.float32)
+        logger.logkv("step", step)
+        logger.logkv_mean("host_mean", float(values[0]) / 3)
+        logger.logkv_mean_device(["loss", "mse"], values[1:] * 7.1, 1)
+        logger.logkv_device("loss_scale", values[0] * 2)
+
+
+def test_a_window_saved_mid_way_and_restored_in_a_new_logger_gives_the_straight_row_bitwise(
+        tmp_path):
+    """logger.LogWindow: the sums and counts of an unfinished window go into the save and come
+    back in the resumed job, so its next row averages steps 1-10 as a run that never stopped."""
+    logger.configure(str(tmp_path / "straight"), format_strs=["csv"])
+    _log_steps(range(1, 11))
+    straight = logger.dumpkvs()
+    logger.configure(str(tmp_path / "chain"), format_strs=["csv"])
+    _log_steps(range(1, 8))
+    saved = logger.LogWindow(True).state_dict()
+    buf = io.BytesIO()
+    torch.save(saved, buf)  # as the opt file holds it: weights_only-loadable
+    saved = torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
+    logger.configure(str(tmp_path / "chain"), format_strs=["csv"])  # the resumed job
+    logger.LogWindow(True).load_state_dict(saved)
+    _log_steps(range(8, 11))
+    assert logger.dumpkvs() == straight
+
+
+def test_a_preemption_row_is_marked_kept_out_of_tensorboard_and_its_window_stays_for_the_save(
+        tmp_path):
+    logger.configure(str(tmp_path), format_strs=["csv"])
+    _log_steps(range(1, 5))
+    before = logger.LogWindow(True).state_dict()
+    logger.dumpkvs(preempted=True)
+    after = logger.LogWindow(True).state_dict()
+    assert after["window"]["counts"] == before["window"]["counts"] == {"host_mean": 4}
+    assert [torch.equal(a, b) for x, y in zip(after["window"]["device"],
+                                              before["window"]["device"])
+            for a, b in zip(x[1:], y[1:])] == [True, True]
+    assert logger.logged_rows() == []  # what a resume replays to the trackers: not this row
+    logger.reset()
+    with open(tmp_path / "progress.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    assert [r["preempted"] for r in rows] == ["1"]
+    assert not logger.TensorBoardOutputFormat.takes_preempted_rows
+
+
+def test_a_window_of_another_rank_count_without_global_batch_is_not_restored_and_says_so(
+        tmp_path, capsys):
+    logger.configure(str(tmp_path), format_strs=["stdout"])
+    saved = {"window": {"values": {"loss": 0.5}, "counts": {"loss": 3}, "device": [],
+                        "last": {}}, "world_size": 2, "same_on_every_rank": False}
+    logger.LogWindow(False).load_state_dict(saved)
+    assert "loss" not in logger.getkvs()
+    assert "progress.csv's next row averages the steps from here on only" in capsys.readouterr().out

@@ -21,6 +21,7 @@ from test_train import train_main
 
 TRAIN = REPO / "scripts" / "train.py"
 OWN_MODEL = REPO / "examples" / "own_model.py"
+FAULT_TRAIN = REPO / "tests" / "fault_train.py"
 AMP_TRAIN = REPO / "tests" / "amp_train.py"
 TORCHRUN = str(Path(PY).parent / "torchrun")
 RATES = "0.9999,0.99"
@@ -66,11 +67,12 @@ def load(path):
 
 
 def losses(log_dir):
-    """{step: {column: text}} of progress.csv, the columns that must not depend on the ranks."""
+    """{step: {column: text}} of progress.csv, the columns that must not depend on the ranks;
+    a preemption's own row (its "preempted" column 1: the window the save cut short) left out."""
     with open(Path(log_dir) / "progress.csv", newline="") as f:
         rows = list(csv.DictReader(f))
     return {int(r["step"]): {k: v for k, v in r.items() if not OWN_COLUMNS.search(k)}
-            for r in rows if r.get("step")}
+            for r in rows if r.get("step") and r.get("preempted") != "1"}
 
 
 def same_run(a, b, step, rates=RATES):
@@ -183,6 +185,31 @@ def test_a_run_sigtermed_on_2_ranks_resumed_on_3_by_torchrun_then_on_1_is_the_st
     diffs = same_run(straight(1, end), log_dir, end)
     assert not diffs, f"SIGTERM at step {saved} on 2 ranks, then 3, then 1:\n" + "\n".join(
         diffs[:30])
+
+
+@pytest.mark.timeout(900)
+def test_rows_after_a_preemption_mid_window_average_the_same_steps_as_the_straight_run(
+        tmp_path, data):
+    """--log_interval 3: a SIGTERM at step 4 or 5 on 2 ranks writes that window's row marked
+    "preempted" and saves the window's sums (logger.LogWindow); the job resumed on 3 ranks
+    writes rows 6 and 8 that average steps 4-6 and 7-8, as the straight 1-rank run's do."""
+    i = RUN.index("--log_interval")
+    run = RUN[:i] + ["--log_interval", "3"] + RUN[i + 2:]
+    straight = tmp_path / "straight"
+    job(1, data, straight, *run, "--max_steps", 8)
+    assert sorted(losses(straight)) == [3, 6, 8]
+    chain = tmp_path / "chain"
+    proc = job(2, data, chain, *run, "--max_steps", 8, script=FAULT_TRAIN, check=False,
+               env={"FAULT_RANK": "1", "FAULT_STEP": "3", "FAULT_RAISE": "SIGTERM"})
+    assert proc.returncode == 75, proc.stdout[-3000:]
+    with open(chain / "progress.csv", newline="") as f:
+        marked = [int(r["step"]) for r in csv.DictReader(f) if r.get("preempted") == "1"]
+    saved = resumed = load(next(chain.glob("opt*.pt")))["trainer"]["step"]
+    assert saved in (4, 5) and marked == [saved], (saved, marked)
+    out = job(3, data, chain, "--max_steps", 8).stdout
+    assert resumed_step(out) == resumed, out[-3000:]
+    diffs = same_run(straight, chain, 8)
+    assert not diffs, f"preempted at step {saved}, resumed on 3 ranks:\n" + "\n".join(diffs[:30])
 
 
 # --------------------------------------------------------------------------- variants
