@@ -24,6 +24,12 @@ from .unet import ENCODER_POOLS, EncoderUNetModel, SuperResModel, UNetModel
 from .infra.errors import UsageError
 # upstream's names for its argparse helpers, kept for upstream's scripts (their home: flags.py)
 from .infra.flags import add_dict_to_argparser, args_to_dict, str2bool  # noqa: F401
+from .old_names import moved_attribute
+
+
+def __getattr__(name):  # the command line's names that moved to infra/flags.py, with a warning
+    return moved_attribute(__name__, name)
+
 
 NUM_CLASSES = 1000
 # --arch: upstream's UNet, or one of DiT's models (DiT's table: dit.DIT_CONFIGS).
