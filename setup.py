@@ -15,10 +15,16 @@ setup(
         # ... and the real servers test_object_store.py runs them against (Azurite: npm, below
         # the Makefile's install)
         "test": ["pytest", "pytest-timeout", "pytest-xdist", "fsspec", "s3fs", "gcsfs", "adlfs",
-                 "moto[server]", "gcp-storage-emulator", "wandb", "mlflow-skinny"],
+                 "moto[server]", "gcp-storage-emulator", "wandb", "mlflow-skinny",
+                 "sqlalchemy>=1.4,<3", "alembic!=1.10.0,<2"],
         "demo": ["scikit-learn", "matplotlib"],  # the loss curve (progress_plot)
         "safetensors": ["safetensors"],
         "tensorboard": ["tensorboard"],  # --tensorboard True
-        "tracking": ["wandb", "mlflow-skinny"],  # --tracker wandb,mlflow (trackers.py)
+        # --tracker wandb,mlflow (trackers.py); MLflow's default store is sqlite:///mlflow.db,
+        # which mlflow-skinny opens only with sqlalchemy and alembic (full mlflow's own
+        # requirements for it; full mlflow adds ~40 packages more: pandas, scipy, scikit-learn,
+        # matplotlib, pyarrow, Flask, gunicorn, docker, graphene ...: pip install mlflow for
+        # its UI, `mlflow ui`)
+        "tracking": ["wandb", "mlflow-skinny", "sqlalchemy>=1.4,<3", "alembic!=1.10.0,<2"],
     },
 )
