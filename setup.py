@@ -18,12 +18,19 @@ setup(
         # the Makefile's install)
         "test": ["pytest", "pytest-timeout", "pytest-xdist", "fsspec", "s3fs", "gcsfs", "adlfs",
                  "moto[server]", "gcp-storage-emulator", "wandb", "mlflow-skinny",
+                 # mlflow-skinny's default store (sqlite) needs these two (trackers.py)
+                 "sqlalchemy>=1.4,<3", "alembic!=1.10.0,<2",
                  # tests/test_install.py builds the wheel offline (no build isolation):
                  # setuptools with bdist_wheel of its own
                  "setuptools>=70.1"],
         "demo": ["scikit-learn", "matplotlib"],  # the loss curve (progress_plot)
         "safetensors": ["safetensors"],
         "tensorboard": ["tensorboard"],  # --tensorboard True
-        "tracking": ["wandb", "mlflow-skinny"],  # --tracker wandb,mlflow (trackers.py)
+        # --tracker wandb,mlflow (trackers.py); MLflow's default store is sqlite:///mlflow.db,
+        # which mlflow-skinny opens only with sqlalchemy and alembic (full mlflow's own
+        # requirements for it; full mlflow adds ~40 packages more: pandas, scipy, scikit-learn,
+        # matplotlib, pyarrow, Flask, gunicorn, docker, graphene ...: pip install mlflow for
+        # its UI, `mlflow ui`)
+        "tracking": ["wandb", "mlflow-skinny", "sqlalchemy>=1.4,<3", "alembic!=1.10.0,<2"],
     },
 )

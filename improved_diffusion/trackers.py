@@ -16,9 +16,13 @@ save and the preemption save included). A job killed between a logged step and t
 has sent none of the steps after that save; its resume trains them again and sends them once.
 The steps of the resumed step and before that the killed job had not sent yet (killed while
 they were queued, or between the manifest and the send) are sent by the resume, from
-progress.csv and LOG_DIR/samples/ (``_replay``): each tracker records the last step it sent in
-LOG_DIR/trackers/NAME.json (W&B at a clean end only: its service process dies with a killed job
-and may lose what it was given; W&B drops a resent step it has, whose values are the same).
+progress.csv and LOG_DIR/samples/ (``_replay``), after what the tracker run already holds
+(``_held``): MLflow's run is asked (the last step of its rows, the steps of its grids), since a
+kill between a send and its record would otherwise send a step twice, which MLflow keeps;
+W&B's is the last step recorded in LOG_DIR/trackers/NAME.json at a clean end (its service
+process dies with a killed job and may lose what it was given; W&B drops a resent step it has,
+whose values are the same). That file also names the tracker run, for a resume whose step's
+manifest was written before the run had an id.
 
 The tracker run's id is recorded in each step's manifest (its ``run_flags``' ``tracker_runs``,
 beside the run's settings), so a resume from that step, flagless or not, on any number of ranks,
@@ -31,8 +35,13 @@ logs one warning line and is off for the rest of the job. At the end of the job 
 
 Where they log: the libraries' own settings (W&B: WANDB_MODE, WANDB_PROJECT (default
 "improved-diffusion"), WANDB_ENTITY, WANDB_API_KEY, WANDB_DIR (default LOG_DIR/wandb for a
-local log dir); MLflow: MLFLOW_TRACKING_URI, MLFLOW_EXPERIMENT_NAME (default
-"improved-diffusion")). The tracker run is named after the log dir.
+local log dir); MLflow: MLFLOW_TRACKING_URI (MLflow's default: sqlite:///mlflow.db in the
+working directory, its artifacts in ./mlruns; the sqlite store needs sqlalchemy and alembic,
+which the tracking extra installs beside mlflow-skinny), MLFLOW_EXPERIMENT_NAME (default
+"improved-diffusion")). The tracker run is named after the log dir. A store that cannot be
+opened is the tracker's one warning line, with the library's own advice in full (MLflow's
+legacy ./mlruns file store: "set `MLFLOW_ALLOW_FILE_STORE=true`"; a database store without
+sqlalchemy: the extra to install).
 """
 import importlib.util
 import json
@@ -55,6 +64,13 @@ MANIFEST_KEY = "tracker_runs"  # in each step's manifest run_flags: {tracker: ru
 PROJECT = "improved-diffusion"  # the W&B project / MLflow experiment unless set
 CLOSE_WAIT_S = 60.0
 IMAGE_TAG = "sample_grid"
+WARNING_CHARS = 1500  # a failure's message in the warning line, whole up to this (an HTML body
+# of a proxy's error page is cut; every library's advice we know of is far shorter)
+
+
+class Unusable(Exception):
+    """A tracker that cannot work as configured: the message says what to set or install (the
+    warning line gives it without the exception's name)."""
 
 
 def parse(text):
@@ -212,6 +228,7 @@ class _Tracker:
         self.queued_step = self.sent_step = None  # the last step queued / sent (the thread's)
         self.dead = False
         self._warning, self._warned = None, False
+        self._held_rows, self._held_grids = 0, set()  # what the run holds at the start (_held)
         self._lock = threading.Lock()
         self.thread = threading.Thread(target=self._work, args=(rows, grids), daemon=True,
                                        name=f"tracker-{self.name}")
@@ -259,41 +276,54 @@ class _Tracker:
     def _work(self, rows, grids):
         try:
             self.run_id = self.open(self.run_id, self.config)
-            sent = self._sent_step() if self.resumed else 0
-            self._record_sent(sent)  # the run is known in the log dir from now on
-            self._replay(rows, grids, sent)
+            if self.resumed:
+                self._held_rows, self._held_grids = self._held()
+            self._record_sent(self._held_rows)  # the run is known in the log dir from now on
+            self._replay(rows, grids)
             while True:
                 kind, payload = self.queue.get()
                 if kind == "end":
                     self.end(payload)
                     self._record_sent(self.sent_step, durable=True)
                     return
-                for step, what, data in payload:
-                    if what == "row":
-                        self.log(step, *data)
-                    else:
-                        self.image(step, *data)
+                self._send(payload)
                 self._record_sent(payload[-1][0])
         except Exception as e:  # noqa: BLE001 - any failure of a tracker: off, one line
             self.dead = True
-            text = str(e).strip().splitlines()
-            self._warn(f"{type(e).__name__}: {text[0][:300] if text else ''}; the tracker is off "
-                       f"for the rest of this job")
+            text = " ".join(str(e).split())  # the library's own advice, whole, on one line
+            if len(text) > WARNING_CHARS:
+                text = text[:WARNING_CHARS] + "..."
+            what = text if isinstance(e, Unusable) else f"{type(e).__name__}: {text}"
+            self._warn(f"{what}; the tracker is off for the rest of this job")
 
-    def _replay(self, rows, grids, sent):
-        """Send the committed steps after ``sent`` up to the job's start step (the rows of
-        progress.csv and the grids of LOG_DIR/samples/) that no job sent yet."""
-        items = [(int(r["step"]), "row", (r, None)) for r in rows if sent < r["step"] <= self.step]
-        for s, path in sorted(grids.items()):
-            if sent < s <= self.step:
-                items.append((s, "grid", path))
-        items.sort(key=lambda it: (it[0], it[1] != "row"))
+    def _held(self):
+        """What the continued run holds already: (the last step of its rows, the steps of its
+        grids). Here: the last step a job recorded sending (``_record_sent``), rows and grids
+        alike; MlflowTracker asks its run."""
+        sent = self._sent_step()
+        return sent, range(1, sent + 1)
+
+    def _send(self, items):
+        """Send ``items`` [(step, "row" | "image" | "grid", data)], but a row or grid of a step
+        the run held when the job started (``_held``)."""
         for step, what, data in items:
             if what == "row":
-                self.log(step, *data)
-            else:
-                self.image(step, IMAGE_TAG, _read_png(data))
-        self._record_sent(self.step)
+                if step > self._held_rows:
+                    self.log(step, *data)
+            elif step not in self._held_grids:
+                if what == "grid":  # a grid of LOG_DIR/samples/ (_replay)
+                    self.image(step, IMAGE_TAG, _read_png(data))
+                else:
+                    self.image(step, *data)
+
+    def _replay(self, rows, grids):
+        """Send the committed steps up to the job's start step (the rows of progress.csv and
+        the grids of LOG_DIR/samples/) that the run does not hold yet."""
+        items = [(int(r["step"]), "row", (r, None)) for r in rows if r["step"] <= self.step]
+        items += [(s, "grid", path) for s, path in grids.items() if s <= self.step]
+        items.sort(key=lambda it: (it[0], it[1] != "row"))
+        self._send(items)
+        self._record_sent(max(self.step, self._held_rows))
 
     def _state_path(self):
         return state_path(self.log_dir, self.name)
@@ -354,10 +384,13 @@ class MlflowTracker(_Tracker):
     name = "mlflow"
 
     def open(self, run_id, config):
+        import mlflow
         from mlflow.entities import Param
         from mlflow.tracking import MlflowClient
 
-        self.client = MlflowClient()
+        uri = mlflow.get_tracking_uri()  # MLFLOW_TRACKING_URI, else MLflow's default
+        _check_store(uri)
+        self.client = MlflowClient(uri)
         if run_id is not None:
             known = self.client.get_run(run_id).data.params
             self.client.update_run(run_id, status="RUNNING")
@@ -373,6 +406,21 @@ class MlflowTracker(_Tracker):
             self.client.log_batch(run_id, params=params[i:i + 100])
         return run_id
 
+    def _held(self):
+        """What the run holds, from MLflow itself. Rows: every row has the metric "step" (its
+        step), whose latest value (MLflow's latest: the highest step) is the last row stored;
+        the rows before it are stored too (each row is one log_batch, which MLflow stores
+        whole or not at all, sent one after the other in step order, each once the one before
+        returned). Grids: the steps in the names of the image files log_image wrote."""
+        last = int(self.client.get_run(self.run_id).data.metrics.get("step", 0))
+        grids = set()
+        for f in self.client.list_artifacts(self.run_id, "images"):
+            # images/KEY+step+N+timestamp+T+UUID.png (and ...+compressed.webp; "%" before 3.x)
+            m = re.fullmatch(rf"(?:.*/)?{IMAGE_TAG}[+%]step[+%](\d+)[+%].*", f.path)
+            if m:
+                grids.add(int(m.group(1)))
+        return last, grids
+
     def log(self, step, row, seconds=None):
         from mlflow.entities import Metric
 
@@ -385,6 +433,23 @@ class MlflowTracker(_Tracker):
 
     def end(self, ok):
         self.client.set_terminated(self.run_id, "FINISHED" if ok else "FAILED")
+
+
+def _check_store(uri):
+    """Unusable, saying what to install or set, for a tracking store this MLflow cannot open
+    as installed: a database store (MLflow's default, sqlite:///mlflow.db) without
+    sqlalchemy and alembic, which mlflow-skinny leaves out (MLflow's own error blames its model
+    registry and names no package)."""
+    from mlflow.store.db.db_types import DATABASE_ENGINES
+
+    scheme = uri.split(":", 1)[0].split("+", 1)[0]
+    missing = [m for m in ("sqlalchemy", "alembic") if importlib.util.find_spec(m) is None]
+    if scheme in DATABASE_ENGINES and missing:
+        where = ("MLFLOW_TRACKING_URI" if os.environ.get("MLFLOW_TRACKING_URI")
+                 else "MLflow's default store: MLFLOW_TRACKING_URI is not set")
+        raise Unusable(f"the tracking store {uri} ({where}) needs the {' and '.join(missing)} "
+                       f"package{'s' if len(missing) > 1 else ''}: pip install -e '.[{EXTRA}]' "
+                       f"(or set MLFLOW_TRACKING_URI to your MLflow server, http://HOST:PORT)")
 
 
 def state_path(log_dir, name):

@@ -60,8 +60,10 @@ def pytest_collection_modifyitems(config, items):
 
 
 def child_env(extra=None):
-    """Environment for child processes: the repo importable, one thread per rank, no stray logdir."""
-    env = dict(os.environ)
+    """Environment for child processes: the repo importable, one thread per rank, no stray logdir,
+    MLflow at its own defaults (no MLFLOW_* variable of the machine's: a test that needs one
+    passes it in ``extra``)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MLFLOW_")}
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     env["PATH"] = str(_BIN) + os.pathsep + env.get("PATH", "")
     env.setdefault("OMP_NUM_THREADS", "1")
@@ -75,13 +77,13 @@ def child_env(extra=None):
 
 
 @contextlib.contextmanager
-def launched(cmd, log_path, env=None):
+def launched(cmd, log_path, env=None, cwd=None):
     """``cmd`` (a launcher and its ranks) started in a session of its own, its output into
     ``log_path``; yields the Popen. On leaving, a job still running is killed whole (kill -9 of
     its process group) and waited for, whatever the test asserted."""
     with open(log_path, "w") as out:
-        proc = subprocess.Popen([str(c) for c in cmd], cwd=REPO, env=env or child_env(),
-                                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        proc = subprocess.Popen([str(c) for c in cmd], cwd=str(cwd or REPO),
+                                env=env or child_env(), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True)
     try:
         yield proc
@@ -116,9 +118,10 @@ def _run(cmd, timeout, env=None, check=True, cwd=None):
     return proc
 
 
-def run_script(script, *args, timeout=120, env=None, check=True):
-    """Run `python scripts/<script> args...` in one process; returns CompletedProcess (text)."""
-    return _run([PY, REPO / "scripts" / script, *args], timeout, env=env, check=check)
+def run_script(script, *args, timeout=120, env=None, check=True, cwd=None):
+    """Run `python scripts/<script> args...` in one process (in ``cwd``, default the repo);
+    returns CompletedProcess (text)."""
+    return _run([PY, REPO / "scripts" / script, *args], timeout, env=env, check=check, cwd=cwd)
 
 
 def run_script_here(script, *args, capsys):
@@ -134,10 +137,11 @@ def run_script_here(script, *args, capsys):
     return code, out.out + out.err
 
 
-def run_mpi(n, script, *args, timeout=180, env=None, check=True):
-    """Run `mpiexec -n N python scripts/<script> args...` under a timeout."""
+def run_mpi(n, script, *args, timeout=180, env=None, check=True, cwd=None):
+    """Run `mpiexec -n N python scripts/<script> args...` under a timeout (in ``cwd``, default
+    the repo)."""
     return _run([MPIEXEC, "-n", str(n), PY, REPO / "scripts" / script, *args], timeout, env=env,
-                check=check)
+                check=check, cwd=cwd)
 
 
 def ckpt_in_process(*args):
