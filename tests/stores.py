@@ -7,9 +7,10 @@ fixtures of test_object_store.py:
 
 ``start(kind, tmp)`` returns a ``Store`` (its URL prefix, the environment variables that point a
 client at it, ``make_bucket``, ``stop``) or raises ``Unavailable`` with the reason (a test then
-skips with it). ``Proxy`` is an HTTP proxy in front of a server that counts the requests and can
-answer 503 for a while, a store's error from some request on, or refuse connections: the fault
-cases.
+skips with it). ``Proxy`` is an HTTP proxy in front of a server that counts the requests (and the bytes it
+relays back) and can answer a store's error (503 SlowDown: throttling) to a number of requests or
+from some request on, or refuse connections: the fault cases. Faults count requests, never
+seconds: a loaded machine meets the same fault.
 """
 import os
 import re
@@ -139,11 +140,10 @@ def start(kind, tmp):
 class Proxy:
     """An HTTP/1.1 proxy on 127.0.0.1 in front of ``target_port``, one request at a time: each
     request a client sends (on a kept-alive connection too) is read whole, counted
-    (``requests``: its request lines) and forwarded on a connection of its own, unless a fault
-    answers it (then the client's connection is closed after the answer):
+    (``requests``: its request lines) and forwarded on a connection of its own (``relayed``:
+    the bytes of the server's answers, headers included), unless a fault answers it (then the
+    client's connection is closed after the answer):
 
-    * ``fail_for(seconds)``: every request in that window is answered ``503 Slow Down`` (S3's
-      throttling answer), counted in ``failed``;
     * ``answer(status, code, message, after=None, times=None)``: every request from now on
       (``after``: from the first request whose line matches that regular expression on, that
       request included; ``times``: that many requests only) is answered ``status`` with the
@@ -159,18 +159,15 @@ class Proxy:
         self.sock.bind(("127.0.0.1", 0))
         self.sock.listen(64)
         self.port = self.sock.getsockname()[1]
-        self.fail_until = 0.0
         self.failed = 0
         self.forwarded = 0
+        self.relayed = 0  # bytes of the server's answers passed on to the clients
         self.requests = []  # every request line seen, in order
         self._fault = None  # (status, code, message) answered to every request
         self._after = None  # the pattern of the request line that switches _fault on
         self._times = None  # how many requests _fault answers (None: every one)
         self._lock = threading.Lock()
         threading.Thread(target=self._accept, daemon=True).start()
-
-    def fail_for(self, seconds):
-        self.fail_until = time.monotonic() + seconds
 
     def answer(self, status, code, message, after=None, times=None):
         with self._lock:
@@ -197,9 +194,6 @@ class Proxy:
     def _fault_for(self, line):
         with self._lock:
             self.requests.append(line)
-            if time.monotonic() < self.fail_until:
-                self.failed += 1
-                return 503, "SlowDown", "Please reduce your request rate."
             fault = self._fault
             if fault is not None and self._after is not None:
                 if not re.search(self._after, line):
@@ -249,6 +243,8 @@ class Proxy:
                         data = up.recv(1 << 16)
                         if not data:
                             break
+                        with self._lock:
+                            self.relayed += len(data)
                         conn.sendall(data)
                 return  # the answer may say keep-alive: the client finds this one closed
         except OSError:

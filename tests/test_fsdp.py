@@ -176,6 +176,22 @@ def test_under_fsdp_the_grad_norm_the_ema_and_a_nan_on_one_slice_are_the_whole_m
         assert deep_diff(tensors_of(run, 2), tensors_of(run, step)) == [], step
 
 
+@pytest.mark.timeout(400)
+def test_the_logged_grad_norm_of_two_fsdp_ranks_is_the_ddp_runs_of_the_same_steps(
+        images, straight, tmp_path):
+    """Issue 56 item 12: each FSDP rank holds a slice of every gradient; the logged norm is the
+    whole gradient's (each rank's sum of squares, all-reduced), the DDP run's of the same two
+    steps to the order of the reductions. Without the all-reduce rank 0 logs its slices' norm
+    (about 1/sqrt(2) of it): nothing hangs, only this comparison sees it."""
+    ddp = tmp_path / "ddp"
+    two = [v if RUN[i - 1] != "--max_steps" else "2" for i, v in enumerate(RUN)]
+    run_mpi(2, "train.py", "--data_dir", images, "--log_dir", ddp, *MODEL, *two,
+            "--num_workers", "1", timeout=300)
+    want, got = logged(ddp, "grad_norm"), logged(straight, "grad_norm")
+    assert list(want) == [2] and want[2] > 0, want
+    assert got[2] == pytest.approx(want[2], rel=1e-4), (got, want)
+
+
 def tensors_of(run, step):
     """The weights, the 0.5 EMA and the Adam moments of a step."""
     return [load(run / f"model{step:06d}.pt")["state_dict"],

@@ -356,19 +356,23 @@ def _rmtree(path):
     shutil.rmtree(path, ignore_errors=True)
 
 
-def _remove_folder(path):
-    """Remove a step folder, local or in a bucket (its objects), quietly."""
+def _remove_folder(path, names):
+    """Remove a step folder of this save, quietly: a local one (its temporary folder, or the one
+    it renamed into place) whole; in a bucket, the objects ``names`` this save put there, and
+    nothing else (an object it refused to overwrite is not its own to remove)."""
     if not ckpt.is_remote(path):
         return _rmtree(path)
-    try:
-        storage.remove(path)  # every object under the prefix
-    except OSError:
-        pass
+    for name in names:
+        try:
+            storage.remove(ckpt.join(path, name))
+        except OSError:
+            pass
 
 
-def _upload(staging, folder, names):
+def _upload(staging, folder, names, uploaded):
     """Upload this rank's staged files ``names`` under their final names in the bucket's step
-    ``folder`` (conditional creates: an object already there is an error, not overwritten)."""
+    ``folder`` (conditional creates: an object already there is an error, not overwritten);
+    each name is appended to ``uploaded`` once its object is up."""
     for name in names:
         with open(os.path.join(staging, name), "rb") as f:
             data = f.read()
@@ -376,6 +380,7 @@ def _upload(staging, folder, names):
             raise CheckpointError(f"{ckpt.join(folder, name)}: already exists; refusing to "
                                   f"overwrite a checkpoint (move it away or start from a "
                                   f"later step)")
+        uploaded.append(name)
 
 
 def _local_copy(step_dir):
@@ -456,7 +461,7 @@ class PendingSave:
         folder = step_path(log_dir, step) if remote else ckpt.join(log_dir, self.tmp_name)
         staging = self.staging or folder
         rank = dist_util.get_rank()
-        err, entries = self.error, {}
+        err, entries, uploaded = self.error, {}, []
         if err is None and self.future is not None:
             try:
                 self.future.result()
@@ -470,22 +475,22 @@ class PendingSave:
                         if n.startswith(f"__{rank}_") or (rank == 0 and n == METADATA_NAME)]
                 entries = _crc_entries(staging, mine, step_dirname(step))
                 if remote:
-                    _upload(staging, folder, mine)
+                    _upload(staging, folder, mine, uploaded)
             except BaseException as e:
                 err = e
         if remote:
             _rmtree(staging)
         line = None if err is None else (_fault_line(err, log_dir, step) or
                                          f"rank {rank}: {typed_one_line(_unwrap(err))}")
-        report = (rank, err is None, line, entries)
+        report = (rank, err is None, line, entries, uploaded)
         reports = [report]
         if dist_util.is_distributed():
             reports = [None] * dist_util.get_world_size()
             dist.all_gather_object(reports, report)
         failed = [r for r in reports if not r[1]]
         if failed:
-            if rank == 0:
-                _remove_folder(folder)
+            if rank == 0:  # every rank's objects up so far (a bucket's), or the temp folder
+                _remove_folder(folder, [n for r in reports for n in r[4]])
                 run_dir._remove_written(log_dir, list(self.beside or {}))
             dist_util.barrier()
             faults = [r[2] for r in failed if not r[2].startswith("rank ")]
@@ -506,7 +511,7 @@ class PendingSave:
         listed = {k.split("/", 1)[1] for k in entries}
         present = set(run_dir.listdir(folder))
         if present != listed:
-            _remove_folder(folder)
+            _remove_folder(folder, sorted(listed))
             raise ShardedStepError(f"{final}: the ranks' files {sorted(present)} are not the "
                                    f"ones they wrote {sorted(listed)}; step {step} not saved")
         try:
@@ -531,7 +536,7 @@ class PendingSave:
             if folder != final:
                 _rmtree(folder)
             if not ckpt.exists(manifest):
-                _remove_folder(final)
+                _remove_folder(final, sorted(listed))
             line = _fault_line(e, log_dir, step)
             if line is None:
                 raise
