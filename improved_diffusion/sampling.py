@@ -110,7 +110,8 @@ def start_script(parser, argv=None):
     args = parser.parse_args(argv)
     explicit = explicit_args(parser, argv)
     if not args.model_path:
-        raise FlagError("--model_path is required (a model*.pt or ema_*.pt file)")
+        raise FlagError("--model_path is required (a model*.pt or ema_*.pt file, or a "
+                        "sharded step's stepNNNNNN.dcp folder)")
     if getattr(args, "seed", 0) < 0:  # per-sample seeds need seed >= 0 (np.random.SeedSequence)
         raise FlagError(f"--seed {args.seed}: must be a non-negative integer")
     for flag in GUIDANCE_SCALE_FLAGS:
@@ -247,7 +248,7 @@ def load_weights(path, want="auto"):
 
     if want not in ("auto", "ema", "model"):
         raise FlagError(f"{named('weights', want)}: expected auto, ema or model")
-    ckpt = _read(path, "model_path")
+    ckpt = _read(path, "model_path", want)
     if ckpt.kind == "opt":
         raise SampleError(
             f"{named('model_path', path)} holds optimizer state, not model weights; pass a "
@@ -282,15 +283,16 @@ def load_weights(path, want="auto"):
     return sd, ckpt
 
 
-def _read(path, flag):
-    """checkpoint.load_file_collective, its errors one-line SampleErrors naming ``flag`` (a
-    script's; the Python API's message names the file alone). Collective: call from all ranks
-    with the same arguments."""
-    from .ckpt import checkpoint
+def _read(path, flag, want="auto"):
+    """The file ``path`` names: a file, a sharded step or a file it holds, a manifest's step
+    (ckpt.step_files: ``want`` picks among a step's files), its errors one-line SampleErrors
+    naming ``flag`` (a script's; the Python API's message names the file alone). Collective:
+    call from all ranks with the same arguments."""
+    from .ckpt import checkpoint, step_files
 
     prefix = "" if _API.get() else f"--{flag} "
     try:
-        return checkpoint.load_file_collective(path)
+        return step_files.load_collective(path, want)
     except checkpoint.CheckpointError as e:
         msg = str(e)
         raise SampleError(msg if msg.startswith("--") else f"{prefix}{msg}") from None
@@ -389,6 +391,7 @@ def load_model(args, explicit, tags=None):
     logger.log(
         f"model: {ckpt.kind} weights"
         + (f" at step {ckpt.step}" if ckpt.step is not None else "")
+        + (f" ({ckpt.path})" if str(ckpt.path) != str(args.model_path) else "")
         + f", {source}; arch={flags['arch']} image_size={flags['image_size']} "
         f"class_cond={flags['class_cond']} "
         f"diffusion_steps={flags['diffusion_steps']} "

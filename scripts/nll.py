@@ -8,7 +8,8 @@ The first --num_samples images of the folder (sorted file order) are evaluated, 
 batches dealt out to the ranks ``batches[rank::world_size]``. Image i's noise comes from its own
 generator seeded from (--seed, i), so the figures do not depend on --batch_size or the ranks. The
 model's flags come from the file when it carries them (ours); pass them for upstream's raw state
-dicts, as with sample.py.
+dicts, as with sample.py. --model_path takes a sharded step as sample.py does (RUN/step010000.dcp,
+a file in it by name, or its manifest).
 
 Logged as upstream ("done N samples: bpd=..."), then the means of total_bpd, prior_bpd, vb (the
 per-timestep terms summed over timesteps), mse and xstart_mse (per-timestep terms averaged) as

@@ -3,6 +3,12 @@ r"""Generate a large batch of samples from a model and save them as a large nump
     python scripts/sample.py --model_path RUN/ema_0.9999_010000.pt --num_samples 100 \
         --use_ddim True --timestep_respacing ddim50 --log_dir OUT
     mpiexec -n 4 python scripts/sample.py ...        # same samples, a quarter of the work each
+    python scripts/sample.py --model_path RUN/step010000.dcp ...   # a sharded step, as it is
+
+A step of the sharded layout (--save_layout sharded) needs no consolidate: --model_path its
+folder (its EMA; --weights model: the model's weights), a file it holds by its full-layout name
+(RUN/step010000.dcp/ema_0.9999_010000.pt), or its manifest (RUN/manifest010000.json); it is
+read in this process once its manifest matches every file of the folder.
 
 Model files written by our train.py carry their flags: no model flags need repeating, and a model
 flag given explicitly that contradicts the file is an error. Upstream's raw state dicts carry no

@@ -26,7 +26,8 @@ import pytest
 import torch
 
 from conftest import (MPIEXEC, PY, REPO, _run, child_env, ckpt_in_process, deep_diff, hang_s,
-                      job_pids, rank_pids, run_mpi, run_script, write_class_folder, write_images)
+                      job_pids, rank_pids, run_mpi, run_script, run_script_here,
+                      write_class_folder, write_images)
 
 MODEL = ["--image_size", "8", "--num_channels", "32", "--num_res_blocks", "1",
          "--attention_resolutions", "4", "--diffusion_steps", "20", "--noise_schedule", "cosine"]
@@ -489,6 +490,113 @@ def test_a_layout_the_flags_refuse_writes_nothing_into_the_log_dir(images, shard
         assert proc.returncode == 2 and len(errors) == 1, proc.stdout[-2000:]
         assert "--save_layout sharded needs --fsdp True" in errors[0], errors
         assert not log_dir.exists(), sorted(p.name for p in log_dir.iterdir())
+
+
+# ------------------------------------------------------------------- sampling a sharded step
+
+
+def samples_of(script, model_path, out, capsys, *extra, data=None):
+    """scripts/sample.py's arrays (nll.py's: its vb terms and its bits/dim line) for
+    ``model_path``, in this process: the script's entry point, one rank, no process group."""
+    args = ["--model_path", model_path, "--log_dir", out, *extra]
+    if script == "nll.py":
+        args += ["--data_dir", data, "--num_samples", "3", "--batch_size", "2"]
+    else:
+        args += ["--num_samples", "3", "--batch_size", "2", "--seed", "5"]
+    code, text = run_script_here(script, *args, capsys=capsys)
+    assert code == 0, text[-3000:]
+    assert not torch.distributed.is_initialized()
+    if script == "nll.py":
+        bpd = [line for line in text.splitlines() if line.startswith("done 3 samples: bpd=")]
+        return np.load(out / "vb_terms.npz")["arr_0"], bpd
+    with np.load(out / "samples_3x8x8x3.npz") as z:
+        return z["arr_0"]
+
+
+@pytest.mark.timeout(400)
+def test_sample_py_and_nll_py_read_a_sharded_step_as_bitwise_its_consolidated_files(
+        images, sharded_run, tmp_path, capsys):
+    """sample.py and nll.py given step 4 of the 2-rank sharded run directly (one process, no
+    process group, nothing consolidated): its folder is its EMA (the one it holds), as is the
+    EMA's name in the folder and its manifest; --weights model or the model's name in the
+    folder is the model's weights. Each draws the samples, and nll.py the bits/dim, of the file
+    `ckpt.py consolidate` writes for it, bit for bit, for the same seed; the Python API too."""
+    full = consolidated(sharded_run, 4, tmp_path / "full")
+    step = sharded_run / "step000004.dcp"
+    wants = {}
+    for kind, forms in (
+            ("ema_0.99_000004.pt", [(step, []), (step / "ema_0.99_000004.pt", []),
+                                   (sharded_run / "manifest000004.json", [])]),
+            ("model000004.pt", [(step, ["--weights", "model"]), (step / "model000004.pt", [])])):
+        wants[kind] = want = samples_of("sample.py", full / kind, tmp_path / f"w{kind}", capsys)
+        for i, (path, extra) in enumerate(forms):
+            got = samples_of("sample.py", path, tmp_path / f"{kind}{i}", capsys, *extra)
+            assert np.array_equal(got, want), (kind, path, extra)
+        want_nll = samples_of("nll.py", full / kind, tmp_path / f"nll_{kind}", capsys,
+                              data=images)
+        got_nll = samples_of("nll.py", forms[0][0], tmp_path / f"nll{kind}", capsys,
+                             *forms[0][1], data=images)
+        assert np.array_equal(got_nll[0], want_nll[0]) and got_nll[1] == want_nll[1], kind
+    model = wants["model000004.pt"]
+    assert not np.array_equal(model, wants["ema_0.99_000004.pt"])  # a wrong pick is seen
+
+    from improved_diffusion import sampling
+    drawn = []
+    for path, want in ((step, "model"), (full / "model000004.pt", "auto")):
+        m, d, flags, _ = sampling.load_for_sampling(path, want=want, device="cpu")
+        drawn.append(sampling.sample_images(m, d, flags, 3, batch_size=2, seed=5)[0])
+    assert np.array_equal(drawn[0], drawn[1]) and np.array_equal(drawn[0], model)
+
+
+@pytest.mark.timeout(300)
+def test_a_sharded_step_samples_on_2_ranks_as_on_one(sharded_run, tmp_path):
+    """mpiexec -n 2 sample.py on a sharded step: rank 0 reads the EMA, the other rank gets its
+    bytes; the samples are the one process's."""
+    step = sharded_run / "step000004.dcp"
+    for n in (1, 2):
+        run_mpi(n, "sample.py", "--model_path", step, "--log_dir", tmp_path / str(n),
+                "--num_samples", "3", "--batch_size", "1", timeout=200)
+    a, b = (np.load(tmp_path / str(n) / "samples_3x8x8x3.npz")["arr_0"] for n in (1, 2))
+    assert np.array_equal(a, b)
+
+
+@pytest.mark.timeout(300)
+def test_a_sharded_step_that_is_incomplete_damaged_or_lacks_the_file_named_is_one_line(
+        sharded_run, tmp_path, capsys):
+    """A step folder without its manifest (an interrupted save), one with a flipped byte, a file
+    the step does not hold and its optimizer state: sample.py ends in one line naming the path
+    and what to give instead, and writes nothing."""
+    run = tmp_path / "run"
+    run.mkdir()
+    shutil.copytree(sharded_run / "step000004.dcp", run / "step000004.dcp")
+    shutil.copytree(sharded_run / "step000002.dcp", run / "step000002.dcp")
+    shutil.copy(sharded_run / "manifest000002.json", run)
+    shard = run / "step000002.dcp" / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    proc = run_script("sample.py", "--model_path", run / "step000004.dcp", "--log_dir",
+                      tmp_path / "s", "--num_samples", "2", check=False)
+    errors = [line for line in proc.stdout.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 1 and len(errors) == 1, proc.stdout[-3000:]
+    assert f"--model_path {run / 'step000004.dcp'}: step 4 is not complete (no manifest" in \
+        errors[0] and "sample from a complete step" in errors[0], errors
+    assert "Traceback" not in proc.stdout and not list((tmp_path / "s").glob("*.npz"))
+    for path, says in (
+            (run / "step000002.dcp", "step 2 is damaged (step000002.dcp/__1_0.distcp does not "
+                                     "match its crc32"),
+            (sharded_run / "step000004.dcp" / "ema_0.5_000004.pt",
+             "step 4 holds no ema_0.5_000004.pt (it holds model000004.pt, ema_0.99_000004.pt, "
+             "opt000004.pt); name one of those"),
+            (sharded_run / "step000004.dcp" / "opt000004.pt",
+             "the optimizer state of step 4, not model weights; name one of model000004.pt, "
+             "ema_0.99_000004.pt")):
+        code, text = run_script_here("sample.py", "--model_path", path, "--log_dir",
+                                     tmp_path / "s", "--num_samples", "2", capsys=capsys)
+        errors = [line for line in text.splitlines() if line.startswith("error:")]
+        assert code == 1 and len(errors) == 1, text[-3000:]
+        assert f"--model_path {path}: {says}" in errors[0], errors
+    assert not list((tmp_path / "s").glob("*.npz"))
 
 
 @pytest.mark.timeout(600)

@@ -17,7 +17,7 @@ import uuid
 import pytest
 import torch
 
-from conftest import MPIEXEC, PY, REPO, _run, ckpt_in_process, run_script
+from conftest import MPIEXEC, PY, REPO, _run, ckpt_in_process, run_script, run_script_here
 from improved_diffusion.ckpt import run_dir, sharded
 
 DRIVER = REPO / "tests" / "sharded_driver.py"
@@ -72,6 +72,22 @@ def test_plan_resume_chooses_the_newest_sharded_step(saved):
     assert (plan.step, plan.layout, plan.warnings) == (2, "sharded", [])
     assert plan.model == str(saved / "log" / "step000002.dcp")
     assert plan.files_of(2)["sharded"] == plan.model
+
+
+def test_sample_py_on_a_step_of_two_emas_asks_which_in_one_line(saved, tmp_path, capsys):
+    """sample.py given a sharded step that holds two EMAs: one line naming them and the path
+    and the path of one, and of the model's weights; nothing read, nothing written."""
+    step = saved / "log" / "step000002.dcp"
+    for extra in ([], ["--weights", "ema"]):
+        code, text = run_script_here("sample.py", "--model_path", step, *extra, "--log_dir",
+                                     tmp_path / "s", capsys=capsys)
+        errors = [line for line in text.splitlines() if line.startswith("error:")]
+        assert code == 1 and len(errors) == 1, text[-3000:]
+        assert errors[0] == (f"error: --model_path {step}: holds 2 EMAs (ema_0.9999_000002.pt, "
+                             f"ema_0.999_000002.pt); name the one to load, e.g. "
+                             f"{step}/ema_0.9999_000002.pt, or the model's, "
+                             f"{step}/model000002.pt"), errors
+    assert not (tmp_path / "s").exists() or not list((tmp_path / "s").glob("*.npz"))
 
 
 def _flip(path, offset=-100):

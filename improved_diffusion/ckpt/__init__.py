@@ -25,6 +25,8 @@ The modules, from the file up:
     sharded       --save_layout sharded: a step as one torch.distributed.checkpoint folder of
                   every rank's shards, our manifest over its files written last (start_save /
                   collect, read_step resharded, verify, consolidate)
+    step_files    the weights file a path names in either layout (a sharded step's folder, a
+                  file it holds, a manifest's step): verified, one payload read in one process
     run_lock      one job per log dir (flock locally; a conditionally created heartbeat object
                   on s3:// / gs:// / az://)
     async_save    host copies of the payloads (to_host, HostSnapshot) and the background thread

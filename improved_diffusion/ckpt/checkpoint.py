@@ -815,6 +815,13 @@ def load_file_broadcast(path):
     return load_file(data, name=path)
 
 
+def from_payload(obj, name):
+    """``load_file``'s CkptFile of a payload already in memory (a file a sharded step holds,
+    read by sharded.consolidate), ``name`` naming it in messages: the same checks and
+    classification as the file's."""
+    return _make_ckpt(obj, os.fspath(name), 0)
+
+
 def _make_ckpt(obj, name, nbytes, read_notes=()):
     kind, notes = classify(obj)
     c = CkptFile(path=name, kind=kind, tagged=False, raw=obj, notes=notes + list(read_notes),

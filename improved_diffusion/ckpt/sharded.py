@@ -264,7 +264,7 @@ def _safe_load_bytes(value):
     return th.load(value, weights_only=True)
 
 
-def _load_planner(empty=False):
+def _load_planner(empty=False, keys=None):
     from torch.distributed.checkpoint.default_planner import (
         DefaultLoadPlanner, _EmptyStateDictLoadPlanner)
     from torch.distributed.checkpoint._nested_dict import set_element
@@ -280,7 +280,7 @@ def _load_planner(empty=False):
             else:
                 self.state_dict[read_item.dest_index.fqn] = obj
 
-    return SafePlanner()
+    return SafePlanner(keys=keys) if empty else SafePlanner()
 
 
 def tensor_shapes(step_dir):
@@ -797,20 +797,22 @@ def _dcp_load(local, state, shown):
                                f"inspect it") from None
 
 
-def consolidate(step_dir):
+def consolidate(step_dir, files=None):
     """
     ``{file name: payload}`` of a sharded step with full (plain CPU) tensors, in one process
-    without a process group: exactly the dicts the full layout writes for the same state (key
-    order and empty containers from the saved structure). Verify the step first. Not
-    collective.
+    without a process group (under one too: this process alone reads): exactly the dicts the
+    full layout writes for the same state (key order and empty containers from the saved
+    structure). ``files``: the names of the payloads to read (``["ema_0.9999_000010.pt"]``:
+    sampling reads one), else all. Verify the step first. Not collective.
     """
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
     sd = {}
     local = None
+    keys = None if files is None else {STRUCTURE_KEY, *files}
     try:
         local = _local_copy(step_dir)
-        _load_state_dict(sd, storage_reader=_reader(local), planner=_load_planner(empty=True),
-                         no_dist=True)
+        _load_state_dict(sd, storage_reader=_reader(local),
+                         planner=_load_planner(empty=True, keys=keys), no_dist=True)
     except BaseException as e:
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise
@@ -826,7 +828,14 @@ def consolidate(step_dir):
     if not isinstance(structure, str):
         raise ShardedStepError(f"{step_dir}: holds no structure record (not written by this "
                                f"code); it cannot be consolidated")
-    return _unpack(_rebuild(json.loads(structure), sd, step_dir))
+    skeleton = json.loads(structure)
+    if files is not None:  # the payloads asked for, in the saved order
+        skeleton = {"d": [entry for entry in skeleton.get("d", []) if entry[0] in files]}
+        missing = sorted(set(files) - {entry[0] for entry in skeleton["d"]})
+        if missing:
+            raise ShardedStepError(f"{step_dir}: holds no {missing[0]}; verify the step "
+                                   f"(`python scripts/ckpt.py verify`)")
+    return _unpack(_rebuild(skeleton, sd, step_dir))
 
 
 def read_manifest(step_dir):

@@ -227,8 +227,11 @@ FLAG_HELP = {
                   "from the checkpoint's class names: check (refuse, naming the differences), "
                   "keep (the checkpoint's labels by class name; a new class takes the next free "
                   "label), data (the folder's labels, the stored names replaced)"),
-    "model_path": ("checkpointing", "model or EMA file to load (ours or upstream's)"),
-    "weights": ("checkpointing", "which weights of a combined file: auto, model or ema"),
+    "model_path": ("checkpointing", "model or EMA file to load (ours or upstream's), or a "
+                   "sharded step: its stepNNNNNN.dcp folder, a file in it by name "
+                   "(step000010.dcp/model000010.pt) or its manifest"),
+    "weights": ("checkpointing", "which weights of a combined file or a sharded step: auto "
+                "(the EMA, if it holds one), model or ema"),
     # logging
     "log_interval": ("logging", "log (a progress line, a progress.csv row) every this many steps"),
     "log_format": ("logging", "stdout: progress (one line per --log_interval) or table "
