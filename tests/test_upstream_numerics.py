@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch as th
 
+import redraw
 from conftest import FIXTURES
 from improved_diffusion.gaussian_diffusion import get_named_beta_schedule
 from improved_diffusion.respace import space_timesteps
@@ -57,7 +58,7 @@ def _build(ref, **overrides):
     args.update(ref["flags"])
     args.update(overrides)
     model, diffusion = script_util.create_model_and_diffusion(**args)
-    state = th.load(FIXTURES / "upstream_small_model.pt", weights_only=True)
+    state = redraw.upstream_weights("upstream_small_model")
     model.load_state_dict(state)
     model.eval()
     return model, diffusion

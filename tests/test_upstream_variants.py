@@ -19,6 +19,7 @@ import functools
 import pytest
 import torch as th
 
+import redraw
 from conftest import FIXTURES
 from improved_diffusion.script_util import create_model_and_diffusion, model_and_diffusion_defaults
 
@@ -42,8 +43,7 @@ def build(name, respacing=""):
     flags.update(ref()["variants"][name]["flags"], timestep_respacing=respacing)
     model, diffusion = create_model_and_diffusion(**flags)
     kind = "learned" if flags["learn_sigma"] else "fixed"
-    model.load_state_dict(th.load(FIXTURES / f"upstream_variants_model_{kind}.pt",
-                                  weights_only=True))
+    model.load_state_dict(redraw.upstream_weights(f"upstream_variants_model_{kind}"))
     return model.eval(), diffusion
 
 
@@ -121,7 +121,7 @@ def test_short_sampling_loops_match_upstream(name):
 @functools.lru_cache(maxsize=None)
 def guided():
     return (th.load(FIXTURES / "guided_small_reference.pt", weights_only=True),
-            th.load(FIXTURES / "guided_small_models.pt", weights_only=True))
+            redraw.upstream_weights("guided_small_models"))
 
 
 @pytest.mark.parametrize("name", ["updown_headch_neworder_cond", "legacy_heads_updown_uncond"])
