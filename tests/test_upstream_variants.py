@@ -2,8 +2,9 @@
 (test_upstream_numerics.py): six more diffusion variants of improved-diffusion, and
 guided-diffusion's UNet with the options it added (tests/fixtures/README.md).
 
-upstream_variants_reference.pt: for 32x32 UNets (upstream_variants_model_{learned,fixed}.pt, the
-learned-sigma model for the variants with learn_sigma) and each variant's flags over
+upstream_variants_reference.pt: for 32x32 UNets (upstream_variants_model_{learned,fixed}, their
+weights drawn again by tests/redraw.py; the learned-sigma model for the variants with learn_sigma)
+and each variant's flags over
 ``base_flags``: q_sample, p_mean_variance (clip_denoised=True) on x_t = the variant's q_sample,
 training_losses with the given noise, _vb_terms_bpd (clip_denoised=False), p_sample and
 ddim_sample(eta=0.5) right after torch.manual_seed(1234), and under timestep_respacing="10" a
