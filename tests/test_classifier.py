@@ -7,6 +7,7 @@ import json
 import pytest
 import torch as th
 
+import redraw
 from conftest import FIXTURES
 from improved_diffusion import script_util as su
 from improved_diffusion.unet import EncoderUNetModel
@@ -31,8 +32,8 @@ def _key_configs():
 @functools.lru_cache(maxsize=None)
 def reference():
     ref = th.load(FIXTURES / "guided_classifier_reference.pt", weights_only=True)
-    weights = th.load(FIXTURES / "guided_classifier_small.pt", weights_only=True)
-    weights.update(th.load(FIXTURES / "guided_classifier_spatial.pt", weights_only=True))
+    weights = redraw.upstream_weights("guided_classifier_small")
+    weights.update(redraw.upstream_weights("guided_classifier_spatial"))
     return ref, weights
 
 

@@ -7,6 +7,7 @@ import json
 import pytest
 import torch as th
 
+import redraw
 from conftest import FIXTURES
 from improved_diffusion.ckpt import checkpoint as ckpt
 from improved_diffusion.ckpt import file_writer
@@ -28,8 +29,8 @@ def classifier():
 
 @functools.lru_cache(maxsize=None)
 def upstream_classifiers():
-    weights = th.load(FIXTURES / "guided_classifier_small.pt", weights_only=True)
-    weights.update(th.load(FIXTURES / "guided_classifier_spatial.pt", weights_only=True))
+    weights = redraw.upstream_weights("guided_classifier_small")
+    weights.update(redraw.upstream_weights("guided_classifier_spatial"))
     return weights
 
 
@@ -65,7 +66,7 @@ def test_upstreams_raw_classifier_state_dicts_classify_as_classifiers(name):
 
 
 def test_a_unet_state_dict_is_still_a_model():
-    sd = th.load(FIXTURES / "guided_classifier_small.pt", weights_only=True)["diffusion_unet"]
+    sd = redraw.upstream_weights("guided_classifier_small")["diffusion_unet"]
     assert ckpt.classify(sd)[0] == "model"
     assert not ckpt.is_classifier_state(sd)
 

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch as th
 
+import redraw
 from conftest import FIXTURES, run_mpi, run_script, run_script_here
 from improved_diffusion import guidance, sampling
 from improved_diffusion.ckpt import checkpoint, file_writer
@@ -75,7 +76,7 @@ def npz(out):
 
 @functools.lru_cache(maxsize=None)
 def upstream_weights():
-    return th.load(FIXTURES / "guided_classifier_small.pt", weights_only=True)
+    return redraw.upstream_weights("guided_classifier_small")
 
 
 @pytest.mark.timeout(150)

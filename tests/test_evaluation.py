@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+import redraw
 from conftest import FIXTURES, PY, REPO, _run, run_mpi, write_images
 
 from improved_diffusion import evaluation, inception
@@ -21,10 +22,12 @@ NET = FIXTURES / "fid_inception_reference.pt"
 
 @pytest.fixture(scope="module")
 def adm():
+    """ADM's outputs (the fixture) and its inputs, drawn again from their seeded recipe (float16:
+    cast to float32, the exact values ADM's code got)."""
     with np.load(ADM) as z:
-        # the inputs are stored as float16: cast to float32, the exact values ADM's code got
-        return {k: (z[k].astype(np.float32) if z[k].dtype == np.float16 else z[k])
-                for k in z.files}
+        out = {k: z[k] for k in z.files}
+    out.update((k, v.astype(np.float32)) for k, v in redraw.adm_inputs().items())
+    return out
 
 
 def rel(a, b):
@@ -48,6 +51,12 @@ def test_fid_of_the_far_pair_by_adms_sqrtm_path(adm):
     ref = evaluation.compute_statistics(adm["ref_pool"])
     sample = evaluation.compute_statistics(adm["sample_pool"])
     assert rel(sample.frechet_distance(ref), float(adm["fid"])) < 1e-6
+
+
+def test_sfid_is_adms_to_1e6(adm):
+    ref = evaluation.compute_statistics(adm["ref_spatial"])
+    sample = evaluation.compute_statistics(adm["sample_spatial"])
+    assert rel(sample.frechet_distance(ref, method="eigh"), float(adm["sfid"])) < 1e-6
 
 
 @pytest.mark.parametrize("method", ["sqrtm", "eigh", "auto"])
@@ -116,7 +125,12 @@ def test_precision_recall_do_not_depend_on_the_block_sizes(adm):
 
 @pytest.fixture(scope="module")
 def net_ref():
-    return torch.load(NET, weights_only=True)
+    """torch-fidelity's outputs (the fixture), and the weights and images they are of, drawn
+    again from their seeded recipes."""
+    ref = torch.load(NET, weights_only=True)
+    ref["state_dict"] = redraw.inception_state_dict()
+    ref.update((f"images_{size}", redraw.inception_images(size)) for size in (32, 64, 256))
+    return ref
 
 
 @pytest.fixture(scope="module")

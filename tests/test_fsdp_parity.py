@@ -31,7 +31,8 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import (FIXTURES, ckpt_in_process, deep_diff, run_mpi, run_script,
+import redraw
+from conftest import (ckpt_in_process, deep_diff, run_mpi, run_script,
                       write_digits_and_ref)
 from improved_diffusion import evaluation, sampling
 
@@ -84,7 +85,7 @@ def runs(tmp_path_factory):
     d = tmp_path_factory.mktemp("parity")
     data, ref = write_digits_and_ref(d)
     weights = d / "inception_random.pt"  # test_evaluation.py's random-weights Inception
-    torch.save(load(FIXTURES / "fid_inception_reference.pt")["state_dict"], weights)
+    torch.save(redraw.inception_state_dict(), weights)
     logs = {k: d / k for k in ("full", "seen", "sharded", "ddp")}
     out = {}
     out["seen"] = train(data, logs["seen"], *GRIDS, *evals(ref, "inception", 3),

@@ -7,6 +7,7 @@ import functools
 import pytest
 import torch as th
 
+import redraw
 from conftest import FIXTURES, float32_atol, forward_atol, hang_s
 from improved_diffusion import guidance
 from improved_diffusion.script_util import create_model_and_diffusion, model_and_diffusion_defaults
@@ -25,7 +26,7 @@ LOOP = dict(rtol=0, atol=1e-3)
 @functools.lru_cache(maxsize=None)
 def reference():
     ref = th.load(FIXTURES / "guided_classifier_reference.pt", weights_only=True)
-    weights = th.load(FIXTURES / "guided_classifier_small.pt", weights_only=True)
+    weights = redraw.upstream_weights("guided_classifier_small")
     return ref, weights
 
 

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import (FIXTURES, MPIEXEC, PY, REPO, _run, deep_diff, run_script, train_here,
+import redraw
+from conftest import (MPIEXEC, PY, REPO, _run, deep_diff, run_script, train_here,
                       write_class_folder, write_images, write_digits_and_ref)
 
 from improved_diffusion import evaluation, sampling
@@ -171,8 +172,7 @@ def test_sigterm_on_one_of_two_ranks_during_an_evaluation_saves_and_the_resume_l
 def weights_file(tmp_path_factory):
     """A random-weights Inception file in the published layout (test_evaluation.py's)."""
     path = tmp_path_factory.mktemp("weights") / "inception_random.pt"
-    torch.save(torch.load(FIXTURES / "fid_inception_reference.pt",
-                          weights_only=True)["state_dict"], path)
+    torch.save(redraw.inception_state_dict(), path)
     return path
 
 

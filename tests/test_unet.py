@@ -5,6 +5,7 @@ import json
 import pytest
 import torch as th
 
+import redraw
 from conftest import FIXTURES
 from improved_diffusion import script_util
 from improved_diffusion.nn import GroupNorm32, timestep_embedding
@@ -55,7 +56,7 @@ def reference():
 
 def test_upstream_small_model_loads_strictly_and_reproduces_its_output(reference):
     model = _model_from_flags(reference["flags"])
-    state = th.load(FIXTURES / "upstream_small_model.pt", weights_only=True)
+    state = redraw.upstream_weights("upstream_small_model")
     model.load_state_dict(state, strict=True)
     model.eval()
     # The reference diffusion is a SpacedDiffusion whose _scale_timesteps is the identity (the

@@ -2,9 +2,10 @@
 
 upstream_schedules.json: beta schedules and space_timesteps sets, to be matched exactly.
 upstream_small_reference.pt: outputs of upstream's code for a small class-conditional
-learned-sigma UNet (upstream_small_model.pt) in eval mode and a 100-step cosine diffusion, built
-by upstream's create_model_and_diffusion (so the diffusion is a SpacedDiffusion over all 100
-steps, whose `_scale_timesteps` is the identity: `model_out` is the model called on raw t).
+learned-sigma UNet (upstream_small_model's weights, drawn again by tests/redraw.py) in eval mode
+and a 100-step cosine diffusion, built by upstream's create_model_and_diffusion (so the diffusion
+is a SpacedDiffusion over all 100 steps, whose `_scale_timesteps` is the identity: `model_out` is
+the model called on raw t).
 The model gets `y` as its only keyword; x_t for the single-step references is `q_sample`.
 """
 import json
@@ -13,6 +14,7 @@ import numpy as np
 import pytest
 import torch as th
 
+import redraw
 from conftest import FIXTURES
 from improved_diffusion.gaussian_diffusion import get_named_beta_schedule
 from improved_diffusion.respace import space_timesteps
@@ -57,7 +59,7 @@ def _build(ref, **overrides):
     args.update(ref["flags"])
     args.update(overrides)
     model, diffusion = script_util.create_model_and_diffusion(**args)
-    state = th.load(FIXTURES / "upstream_small_model.pt", weights_only=True)
+    state = redraw.upstream_weights("upstream_small_model")
     model.load_state_dict(state)
     model.eval()
     return model, diffusion

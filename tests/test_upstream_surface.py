@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch as th
 
+import redraw
 from conftest import FIXTURES, run_script, write_images
 from improved_diffusion import logger, train_util
 from improved_diffusion.ckpt import checkpoint
@@ -153,7 +154,7 @@ def guided_model(name, use_fp16):
     known = dict(model_and_diffusion_defaults(), **ref["configs"][name]["flags"],
                  use_fp16=use_fp16)
     model, diffusion = create_model_and_diffusion(**{k: known[k] for k in GUIDED_KWARGS})
-    model.load_state_dict(load(FIXTURES / "guided_small_models.pt")[name])
+    model.load_state_dict(redraw.upstream_weights("guided_small_models")[name])
     if use_fp16:
         model.convert_to_fp16()
     model.eval()

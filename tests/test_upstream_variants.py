@@ -2,8 +2,9 @@
 (test_upstream_numerics.py): six more diffusion variants of improved-diffusion, and
 guided-diffusion's UNet with the options it added (tests/fixtures/README.md).
 
-upstream_variants_reference.pt: for 32x32 UNets (upstream_variants_model_{learned,fixed}.pt, the
-learned-sigma model for the variants with learn_sigma) and each variant's flags over
+upstream_variants_reference.pt: for 32x32 UNets (upstream_variants_model_{learned,fixed}, their
+weights drawn again by tests/redraw.py; the learned-sigma model for the variants with learn_sigma)
+and each variant's flags over
 ``base_flags``: q_sample, p_mean_variance (clip_denoised=True) on x_t = the variant's q_sample,
 training_losses with the given noise, _vb_terms_bpd (clip_denoised=False), p_sample and
 ddim_sample(eta=0.5) right after torch.manual_seed(1234), and under timestep_respacing="10" a
@@ -19,6 +20,7 @@ import functools
 import pytest
 import torch as th
 
+import redraw
 from conftest import FIXTURES
 from improved_diffusion.script_util import create_model_and_diffusion, model_and_diffusion_defaults
 
@@ -42,8 +44,7 @@ def build(name, respacing=""):
     flags.update(ref()["variants"][name]["flags"], timestep_respacing=respacing)
     model, diffusion = create_model_and_diffusion(**flags)
     kind = "learned" if flags["learn_sigma"] else "fixed"
-    model.load_state_dict(th.load(FIXTURES / f"upstream_variants_model_{kind}.pt",
-                                  weights_only=True))
+    model.load_state_dict(redraw.upstream_weights(f"upstream_variants_model_{kind}"))
     return model.eval(), diffusion
 
 
@@ -121,7 +122,7 @@ def test_short_sampling_loops_match_upstream(name):
 @functools.lru_cache(maxsize=None)
 def guided():
     return (th.load(FIXTURES / "guided_small_reference.pt", weights_only=True),
-            th.load(FIXTURES / "guided_small_models.pt", weights_only=True))
+            redraw.upstream_weights("guided_small_models"))
 
 
 @pytest.mark.parametrize("name", ["updown_headch_neworder_cond", "legacy_heads_updown_uncond"])
