@@ -35,8 +35,9 @@ images, one thread, one rank):
 ``--figures pause,after`` (issue 53; what benchmarks/gpu_check.sh runs) takes instead, on the
 device the run has (CUDA when there is one) and the model of ``--model`` (a config of
 benchmarks/train.py: ``dit-xl2`` is DiT-XL/2's whole training state, weights, EMA and Adam
-moments, ~10.8 GB; ``--amp bf16`` its steps under bfloat16 autocast), after two steps and two
-saves (the first starts the writer and allocates the arena, the second is a run's second):
+moments, ~10.8 GB; ``--amp bf16`` its steps under bfloat16 autocast), after two steps and
+``--warm_saves`` saves (2: the first starts the writer and allocates the arena, the second is a
+run's second, before any plan of its host copy is kept):
 
 - ``save_pause_over_pinned_copy`` (goal <= 1.2): the pause of one --async_save True save
   (TrainLoop.save(): the NaN/Inf check of every tensor, the RNG gather, the device-to-host copy
@@ -282,7 +283,7 @@ def pause_after_figures(args, cmd):
     for _ in range(2):  # the optimizer's state exists at a run's first save
         cb.step_seconds(loop, batch)
     step = 100
-    for _ in range(2):  # the writer's start and the arena; then a run's second save
+    for _ in range(args.warm_saves):  # the writer's start and the arena; a run's second save
         step += 1
         cb.timed_save(loop, step, async_save=True)
         write_s(loop)
@@ -348,6 +349,9 @@ def main():
     p.add_argument("--amp", choices=("fp32", "fp16", "bf16"), default="fp32",
                    help="--figures pause,after: the steps' precision")
     p.add_argument("--steps_after", type=int, default=10)
+    p.add_argument("--warm_saves", type=int, default=2,
+                   help="--figures pause,after: saves before the measured one (the first starts "
+                        "the writer and allocates the arena; 1 on a slow disk)")
     p.add_argument("--save_writer", default="auto",
                    help="--figures pause,after: the loop's --save_writer (process: the writer "
                         "process even for a small state, as a large one gets)")

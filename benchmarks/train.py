@@ -505,9 +505,32 @@ def variant_command(args, v):
                        "--microbatch", str(args.microbatch)]
 
 
+def _variant_line(args, v, r, base):
+    """The JSON line of variant ``v`` over its runs ``r``."""
+    step_s = statistics.median(x["step_s"] for x in r)
+    batch = (r[0].get("batch") or _flags(args.config, args.batch_size)[1]) * args.ranks
+    if v in LOOP_VARIANTS and args.global_batch_size:
+        batch = args.global_batch_size
+    extra = {k: r[0][k] for k in ("sdpa_flash", "sdpa_kernels", "batch_search",
+                                  "device_name", "precision", "upstream")
+             if r[0].get(k) is not None}
+    if v in LOOP_VARIANTS and args.global_batch_size:
+        extra.update(global_batch_size=args.global_batch_size, microbatch=args.microbatch)
+    figure = f"train_{v}_steps_per_s"
+    print(json.dumps({"figure": figure, "value": round(1 / step_s, 4),
+                      "samples_per_s": round(batch / step_s, 2), "batch": batch, **extra,
+                      **_goal(figure, args.config),
+                      "peak_mb_per_rank": max((x["peak_mb_per_rank"] for x in r),
+                                              key=lambda p: max(q or 0 for q in p)),
+                      "device": r[0]["device"], **base}), flush=True)
+
+
 def parent(args):
     variants = args.variants.split(",")
-    runs = {v: [] for v in variants}
+    runs, failed = {v: [] for v in variants}, set()
+    command = "python benchmarks/train.py " + " ".join(sys.argv[1:])
+    base = dict(config=args.config, ranks=args.ranks, threads=args.threads, steps=args.steps,
+                repeat=args.repeat, command=command)
     for _ in range(args.repeat):
         for v in variants:
             cmd = variant_command(args, v)
@@ -518,31 +541,16 @@ def parent(args):
                 env["PYTHONPATH"] = REPO + os.pathsep + os.environ.get("PYTHONPATH", "")
             out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
             lines = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
-            if out.returncode != 0 or not lines:
-                sys.exit(f"variant {v} failed (exit {out.returncode}):\n"
-                         f"{(out.stderr or out.stdout)[-3000:]}")
+            if out.returncode != 0 or not lines:  # the other variants still run
+                print(f"variant {v} failed (exit {out.returncode}):\n"
+                      f"{(out.stderr or out.stdout)[-3000:]}", file=sys.stderr, flush=True)
+                failed.add(v)
+                continue
             runs[v].append(json.loads(lines[-1][len("RESULT "):]))
-    command = "python benchmarks/train.py " + " ".join(sys.argv[1:])
-    base = dict(config=args.config, ranks=args.ranks, threads=args.threads, steps=args.steps,
-                repeat=args.repeat, command=command)
+            if len(runs[v]) == args.repeat:  # printed at once: a later variant may not finish
+                _variant_line(args, v, runs[v], base)
+    variants = [v for v in variants if runs[v]]
     med = {v: statistics.median(r["step_s"] for r in runs[v]) for v in variants}
-    for v in variants:
-        r = runs[v]
-        batch = (r[0].get("batch") or _flags(args.config, args.batch_size)[1]) * args.ranks
-        if v in LOOP_VARIANTS and args.global_batch_size:
-            batch = args.global_batch_size
-        extra = {k: r[0][k] for k in ("sdpa_flash", "sdpa_kernels", "batch_search",
-                                      "device_name", "precision", "upstream")
-                 if r[0].get(k) is not None}
-        if v in LOOP_VARIANTS and args.global_batch_size:
-            extra.update(global_batch_size=args.global_batch_size, microbatch=args.microbatch)
-        figure = f"train_{v}_steps_per_s"
-        print(json.dumps({"figure": figure, "value": round(1 / med[v], 4),
-                          "samples_per_s": round(batch / med[v], 2), "batch": batch, **extra,
-                          **_goal(figure, args.config),
-                          "peak_mb_per_rank": max((x["peak_mb_per_rank"] for x in r),
-                                                  key=lambda p: max(q or 0 for q in p)),
-                          "device": r[0]["device"], **base}), flush=True)
 
     def ratio(figure, value):
         print(json.dumps({"figure": figure, "value": round(value, 4),
@@ -565,11 +573,13 @@ def parent(args):
     if args.attention_reps:
         for fig in attention_figures(args):
             print(json.dumps({**fig, **base}), flush=True)
-    if "loop" in runs:
+    if "loop" in med:
         ema = statistics.median(x["ema_s"] for x in runs["loop"])
         print(json.dumps({"figure": "train_ema_update_share_of_loop_step",
                           "value": round(ema / med["loop"], 5), "ema_s": round(ema, 5),
                           **base}), flush=True)
+    if failed:
+        sys.exit(f"benchmarks/train.py: variant(s) {', '.join(sorted(failed))} failed (above)")
 
 
 def _batch_flag(text):
