@@ -32,9 +32,30 @@ images, one thread, one rank):
   CPU affinity against the trainer's, its CPU time (user, system) during one write over the
   write's wall time, the trainer's CPU over the same span, and the machine's load.
 
+``--figures pause,after`` (issue 53; what benchmarks/gpu_check.sh runs) takes instead, on the
+device the run has (CUDA when there is one) and the model of ``--model`` (a config of
+benchmarks/train.py: ``dit-xl2`` is DiT-XL/2's whole training state, weights, EMA and Adam
+moments, ~10.8 GB; ``--amp bf16`` its steps under bfloat16 autocast), after two steps and
+``--warm_saves`` saves (2: the first starts the writer and allocates the arena, the second is a
+run's second, before any plan of its host copy is kept):
+
+- ``save_pause_over_pinned_copy`` (goal <= 1.2): the pause of one --async_save True save
+  (TrainLoop.save(): the NaN/Inf check of every tensor, the RNG gather, the device-to-host copy
+  into the writer's page-locked arena) over a device-to-host copy of the same tensors into one
+  preallocated pinned buffer (``pinned_copy_s``, median of 3; on a CPU a host copy into one
+  preallocated buffer, ``pinned``: false), measured in the same run; with the GB/s of both;
+- ``save_steps_after_over_without`` (goal <= 1.03): the 10 steps right after that save (its
+  background write beside them) over 10 without a save (before it, and after its write ended:
+  their mean), each step timed until the device finished it;
+- ``save_background_write_s``: that save's write, from the save's start until its files and
+  manifest are fsync'd, on ``--dir``'s file system;
+- ``save_refuses_non_finite``: one weight set to inf in the EMA, the next save refuses (raises
+  NonFiniteError, nothing written): the check in the pause above is the real one.
+
 One JSON line per figure with the command. Usage:
 
     python benchmarks/bg_save.py [--size 30M] [--dir DIR] [--repeat 3] [--chain 5] [--writer_nice N]
+    python benchmarks/bg_save.py --figures pause,after --model dit-xl2 --amp bf16 --batch 32
 """
 import argparse
 import os
@@ -170,9 +191,170 @@ def spy_writer(loop, d, step, writes):
     return step, walls, {k: round(v / rate / writes, 4) for k, v in parts.items()}
 
 
+def state_tensors(loop):
+    """Every tensor of the loop's training state as a save holds it: the model's parameters
+    and buffers, the EMAs, the optimizer's state."""
+    import torch as th
+
+    out = list(loop.model.parameters()) + list(loop.model.buffers())
+    out += [p for ema in loop.ema_params for p in ema]
+    out += [v for st in loop.opt.state.values() for v in st.values() if isinstance(v, th.Tensor)]
+    return out
+
+
+def pinned_copy_s(tensors, repeat=3):
+    """(seconds, pinned) of one copy of ``tensors``' bytes into one preallocated host buffer
+    (page-locked when they live on CUDA: the device-to-host copy at its best; a plain host copy
+    on a CPU), the device synchronised around it; median of ``repeat``."""
+    import torch as th
+
+    on_cuda = any(t.device.type == "cuda" for t in tensors)
+    flat = [t.detach().reshape(-1).view(th.uint8) for t in tensors]
+    host = th.empty(sum(f.numel() for f in flat), dtype=th.uint8, pin_memory=on_cuda)
+    host.fill_(0)  # the pages in place before the clock starts
+    devices = {t.device for t in tensors}
+    times = []
+    for _ in range(repeat):
+        for d in devices:
+            cb.sync(d)
+        t0 = time.perf_counter()
+        offset = 0
+        for f in flat:
+            host[offset:offset + f.numel()].copy_(f, non_blocking=on_cuda)
+            offset += f.numel()
+        for d in devices:
+            cb.sync(d)
+        times.append(time.perf_counter() - t0)
+    del host
+    return statistics.median(times), on_cuda
+
+
+def build_model_loop(config, d, batch, amp, save_writer="auto"):
+    """A TrainLoop (checkpoints into ``d``, async saves) on benchmarks/train.py's ``config`` at
+    ``batch``, on this process's device; returns (loop, one fixed batch)."""
+    import torch as th
+
+    import train as tb  # benchmarks/train.py: its configs and synthetic data
+
+    from improved_diffusion import train_util
+    from improved_diffusion.script_util import create_model_and_diffusion
+
+    flags, batch = tb._flags(config, batch)
+    train_util.seed_rngs(0)
+    model, diffusion = create_model_and_diffusion(**flags)
+    data = tb._Data(batch, flags["image_size"], 0, channels=flags["in_channels"],
+                    num_classes=flags["num_classes"] if flags.get("class_cond") else None)
+    loop = train_util.TrainLoop(
+        model=model, diffusion=diffusion, data=data, batch_size=batch, microbatch=-1,
+        lr=1e-4, ema_rate="0.9999", log_interval=10 ** 9, save_interval=0,
+        resume_checkpoint="", log_dir=d, model_flags=flags, keep_checkpoints=2,
+        use_fp16=amp == "fp16", save_writer=save_writer)
+    if amp == "bf16":  # no flag asks for bf16 on CUDA: the loop's autocast dtype, no scaler
+        loop.amp_dtype, loop.grad_scaler = th.bfloat16, None
+    return loop, next(data)
+
+
+def fs_type(path):
+    """The file system type of ``path`` (/proc/mounts' longest matching mount point)."""
+    path, best = os.path.realpath(path), ("", "?")
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                _, mount, kind = line.split()[:3]
+                if (path == mount or path.startswith(mount.rstrip("/") + "/")) and \
+                        len(mount) > len(best[0]):
+                    best = (mount, kind)
+    except OSError:
+        pass
+    return best[1]
+
+
+def pause_after_figures(args, cmd):
+    """``--figures pause,after`` (the module docstring)."""
+    import torch as th
+
+    from improved_diffusion import logger
+    from improved_diffusion.ckpt.checkpointer import NonFiniteError
+
+    d = tempfile.mkdtemp(dir=args.dir, prefix="bg_save_")
+    logger.configure(dir=d, format_strs=["log"])
+    loop, batch = build_model_loop(args.model, d, args.batch, args.amp, args.save_writer)
+    params = sum(q.numel() for q in loop.model.parameters())
+    for _ in range(2):  # the optimizer's state exists at a run's first save
+        cb.step_seconds(loop, batch)
+    step = 100
+    for _ in range(args.warm_saves):  # the writer's start and the arena; a run's second save
+        step += 1
+        cb.timed_save(loop, step, async_save=True)
+        write_s(loop)
+        cb.drop_step(d, step)
+    nbytes = sum(t.nbytes for t in state_tensors(loop))
+    device = loop.device
+    common = dict(model=args.model, params=params, batch=batch[0].shape[0], amp=args.amp,
+                  device=device.type, state_bytes=nbytes,
+                  device_name=th.cuda.get_device_name(device) if device.type == "cuda"
+                  else "cpu", writer=loop.checkpointer.save_writer_chosen,
+                  dir_fs=fs_type(d))
+    before = [cb.step_seconds(loop, batch) for _ in range(args.steps_after)]
+    step += 1
+    pause = cb.timed_save(loop, step, async_save=True)
+    after = [cb.step_seconds(loop, batch) for _ in range(args.steps_after)]
+    in_flight = loop.checkpointer.save_in_flight  # the write still ran beside the last step
+    copy, pinned = pinned_copy_s(state_tensors(loop))
+    cb.emit("save_pause_over_pinned_copy", pause / copy, "ratio", cmd, **common, goal="<= 1.2",
+            pause_s=round(pause, 4), pinned_copy_s=round(copy, 4), pinned=pinned,
+            pause_gb_per_s=round(nbytes / pause / 1e9, 2),
+            pinned_copy_gb_per_s=round(nbytes / copy / 1e9, 2),
+            nan_check_in_pause=True)
+    wrote = write_s(loop)
+    step_bytes = sum(os.path.getsize(os.path.join(d, n)) for n in cb.step_files(d, step))
+    cb.drop_step(d, step)
+    later = [cb.step_seconds(loop, batch) for _ in range(args.steps_after)]
+    without = (sum(before) + sum(later)) / 2
+    cb.emit("save_steps_after_over_without", sum(after) / without, "ratio", cmd, **common,
+            goal="<= 1.03", steps=args.steps_after,
+            steps_after_s=[round(x, 4) for x in after],
+            steps_before_s=[round(x, 4) for x in before],
+            steps_after_write_s=[round(x, 4) for x in later],
+            write_still_running_after_last_step=in_flight)
+    cb.emit("save_background_write_s", wrote, "s", cmd, **common, step_bytes=step_bytes,
+            write_gb_per_s=round(step_bytes / wrote / 1e9, 3) if wrote else None)
+    ema = loop.ema_params[0][0]
+    kept = ema.view(-1)[0].item()
+    ema.view(-1)[0] = float("inf")
+    step += 1
+    try:
+        cb.timed_save(loop, step, async_save=True)
+        refused = False
+        write_s(loop)
+    except NonFiniteError:
+        refused = True
+    ema.view(-1)[0] = kept
+    written = cb.step_files(d, step)
+    cb.emit("save_refuses_non_finite", float(refused and not written), "bool", cmd, **common,
+            refused=refused, files_written=written)
+    loop.close()
+    return 0 if refused and not written else 1
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--size", default="30M")
+    p.add_argument("--figures", default="all",
+                   help="all (the figures above), or pause,after (the device's figures)")
+    p.add_argument("--model", default="dit-xl2",
+                   help="--figures pause,after: a config of benchmarks/train.py")
+    p.add_argument("--batch", type=int, default=None,
+                   help="--figures pause,after: the batch (default: the config's)")
+    p.add_argument("--amp", choices=("fp32", "fp16", "bf16"), default="fp32",
+                   help="--figures pause,after: the steps' precision")
+    p.add_argument("--steps_after", type=int, default=10)
+    p.add_argument("--warm_saves", type=int, default=2,
+                   help="--figures pause,after: saves before the measured one (the first starts "
+                        "the writer and allocates the arena; 1 on a slow disk)")
+    p.add_argument("--save_writer", default="auto",
+                   help="--figures pause,after: the loop's --save_writer (process: the writer "
+                        "process even for a small state, as a large one gets)")
     p.add_argument("--dir", default=None)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--chain", type=int, default=5)
@@ -181,6 +363,10 @@ def main():
                    help="writer_process.WRITER_NICE for this run (0: the trainer's priority)")
     args = p.parse_args()
     cmd = "python benchmarks/bg_save.py " + " ".join(sys.argv[1:])
+    if args.figures != "all":
+        if set(args.figures.split(",")) != {"pause", "after"}:
+            p.error("--figures: all, or pause,after")
+        return pause_after_figures(args, cmd)
     import torch as th
 
     from improved_diffusion import logger
@@ -356,4 +542,4 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -198,20 +198,32 @@ def memcpy_s(nbytes, clock=time.perf_counter, threads=1):
     return statistics.median(times)
 
 
+def sync(device):
+    """Wait for ``device``'s queued work (CUDA; nothing on a CPU): around every timer."""
+    import torch as th
+
+    if getattr(device, "type", device) == "cuda":
+        th.cuda.synchronize(device)
+
+
 def timed_save(loop, step, async_save):
-    """Seconds TrainLoop.save() held the caller for a save of ``step``."""
+    """Seconds TrainLoop.save() held the caller for a save of ``step`` (the device's queued
+    work done first, so a step's kernels are not counted in the pause)."""
     loop.step = step
     loop.checkpointer.config = dataclasses.replace(loop.checkpointer.config,
                                                  async_save=async_save)
+    sync(loop.device)
     t0 = time.perf_counter()
     loop.save()
     return time.perf_counter() - t0
 
 
 def step_seconds(loop, batch):
-    """Seconds of one loop.run_step(*batch)."""
+    """Seconds of one loop.run_step(*batch), until the device finished it."""
+    sync(loop.device)
     t0 = time.perf_counter()
     loop.run_step(*batch)
+    sync(loop.device)
     return time.perf_counter() - t0
 
 

@@ -4,6 +4,9 @@ it stopped at. Anyone can repeat it (``make conformance``); it is not part of ``
 (tests/test_same_run.py keeps a 2-hop chain there).
 
     python benchmarks/conformance.py [--seed 0] [--quick] [--steps 19] [--microbatch 1]
+    python benchmarks/conformance.py --chain 1,1 --launchers python --deterministic --json
+        (one process per segment: one GPU, --deterministic True; what benchmarks/gpu_check.sh
+        runs; --json: one JSON line, figure conformance_bitwise, after the table)
 
 What it runs (scripts/train.py, the tiny class-conditional UNet of tests/test_same_run.py: label
 dropout, dropout, the loss-aware schedule sampler, two EMAs; --num_workers 1; a generated image
@@ -65,7 +68,7 @@ PREEMPTED = 75
 KINDS = ("SIGTERM to one rank", "SIGTERM to every process", "kill -9")
 CHAIN = (2, 3, 1, 4, 6)
 QUICK_CHAIN = (2, 3)
-LAUNCHERS = ("mpiexec", "torchrun")
+LAUNCHERS = ("mpiexec", "torchrun")  # in turn; "python": a 1-rank segment, no launcher
 COLUMNS = ("seg", "ranks", "launcher", "interruption", "exit", "resumed at", "ended at", "equal",
            "first difference")
 
@@ -84,7 +87,7 @@ def min_steps(ranks_chain):
     return 4 * (len(ranks_chain) - 1) + 3
 
 
-def plan(seed, ranks_chain):
+def plan(seed, ranks_chain, launchers=LAUNCHERS):
     """[(ranks, launcher, interruption or None, steps past the start, kill delay s, rank to
     signal)] of each segment, from ``seed``; the last segment is not interrupted."""
     rng = random.Random(seed)
@@ -97,12 +100,14 @@ def plan(seed, ranks_chain):
     out = []
     for i, ranks in enumerate(ranks_chain):
         kind = kinds[i] if i < n else None
-        out.append((ranks, LAUNCHERS[i % 2], kind, rng.randint(1, 2), rng.uniform(0, 1),
-                    rng.randrange(ranks)))
+        out.append((ranks, launchers[i % len(launchers)], kind, rng.randint(1, 2),
+                    rng.uniform(0, 1), rng.randrange(ranks)))
     return out
 
 
 def launch(ranks, launcher, args):
+    if launcher == "python":
+        return [PY, TRAIN, *args]
     if launcher == "mpiexec":
         return [MPIEXEC, "-n", str(ranks), PY, TRAIN, *args]
     return cs.torchrun_one_node(args, "standalone", nproc=ranks, script=TRAIN)
@@ -155,7 +160,7 @@ def run_segment(i, seg, work, log_dir, data, flags, steps, timeout):
             done = f"none (no step {start + past} in {timeout} s)"
         if done == kind and kind is not None:
             if kind == "SIGTERM to one rank":
-                pids = rank_pids(proc.pid)
+                pids = {0: proc.pid} if launcher == "python" else rank_pids(proc.pid)
                 if victim not in pids:
                     problems.append(f"rank {victim} not found among {sorted(pids)}")
                 else:
@@ -180,7 +185,7 @@ def run_segment(i, seg, work, log_dir, data, flags, steps, timeout):
     out = out_path.read_text()
     if kind in ("SIGTERM to one rank", "SIGTERM to every process") and done.startswith("SIGTERM"):
         workers = [int(c) for c in re.findall(r"exitcode\s*:\s*(-?\d+)", out)]
-        ok = (rc == PREEMPTED if launcher == "mpiexec"
+        ok = (rc == PREEMPTED if launcher in ("mpiexec", "python")
               else rc in (1, -15) and (not workers or set(workers) == {PREEMPTED}))
         if not ok or "preempted" not in out:
             problems.append(f"exit {rc} (workers {workers}) after a SIGTERM, not a preemption")
@@ -263,14 +268,36 @@ def main():
                     help="work dir (default: a new temporary one; runs left there are replaced)")
     ap.add_argument("--keep", action="store_true", help="keep the work dir")
     ap.add_argument("--timeout", type=int, default=900, help="seconds a job may take (hangs)")
+    ap.add_argument("--chain", default=None,
+                    help="the segments' rank counts, comma-separated (default 2,3,1,4,6; "
+                         "--quick: 2,3)")
+    ap.add_argument("--launchers", default=",".join(LAUNCHERS),
+                    help="the segments' launchers in turn, of mpiexec, torchrun, python (python: "
+                         "1-rank segments only)")
+    ap.add_argument("--deterministic", action="store_true",
+                    help="every job with --deterministic True (the straight run too)")
+    ap.add_argument("--json", action="store_true",
+                    help="also one JSON line (figure conformance_bitwise) at the end")
     args = ap.parse_args()
     chain = QUICK_CHAIN if args.quick else CHAIN
+    if args.chain:
+        try:
+            chain = tuple(int(r) for r in args.chain.split(","))
+        except ValueError:
+            chain = ()
+        if len(chain) < 2 or min(chain) < 1:
+            ap.error(f"--chain {args.chain}: at least two rank counts >= 1, e.g. 1,1")
+    launchers = tuple(args.launchers.split(","))
+    if set(launchers) - {"mpiexec", "torchrun", "python"}:
+        ap.error(f"--launchers {args.launchers}: of mpiexec, torchrun, python")
+    if any(launchers[i % len(launchers)] == "python" and r != 1 for i, r in enumerate(chain)):
+        ap.error("--launchers python: only for 1-rank segments (--chain 1,1)")
     steps = args.steps or min_steps(chain)
     K = 12 // args.microbatch
     if 12 % args.microbatch or any(K % r for r in chain):
         ap.error(f"--microbatch {args.microbatch}: 12/m shards must split over "
                  f"{', '.join(map(str, chain))} ranks (take 1)")
-    segments = plan(args.seed, chain)
+    segments = plan(args.seed, chain, launchers)
     if steps < min_steps(chain):
         ap.error(f"--steps {steps}: too few for {len(chain)} segments (at least "
                  f"{min_steps(chain)})")
@@ -279,7 +306,8 @@ def main():
     for old in [work / "straight", work / "chain", *work.glob("at[0-9]*")]:  # a --work used before
         shutil.rmtree(old, ignore_errors=True)
     data = write_class_folder(work / "data", per_class=5)
-    flags = run_flags(args.microbatch)
+    flags = run_flags(args.microbatch) + (["--deterministic", "True"] if args.deterministic
+                                          else [])
     print(f"conformance: seed {args.seed}, {steps} steps, global batch 12, microbatch "
           f"{args.microbatch}, ranks {' -> '.join(map(str, chain))}; work dir {work}", flush=True)
     t0 = time.monotonic()
@@ -316,6 +344,22 @@ def main():
     ok = not failures
     print(f"\n{sum(r['equal'] == 'yes' for r in rows)}/{len(rows)} segments equal to the straight "
           f"run ({time.monotonic() - t0:.0f} s){'' if ok else '; work dir kept: ' + str(work)}")
+    if args.json:
+        import json
+
+        import torch as th
+
+        cuda = th.cuda.is_available()
+        print(json.dumps({
+            "figure": "conformance_bitwise", "value": ok, "steps": steps,
+            "chain": list(chain), "launchers": list(launchers),
+            "deterministic": args.deterministic, "global_batch_size": 12,
+            "microbatch": args.microbatch, "device": "cuda" if cuda else "cpu",
+            "device_name": th.cuda.get_device_name(0) if cuda else "cpu",
+            "segments": [{k: r[k] for k in COLUMNS} for r in rows],
+            "differences": [d for _, ds in failures for d in ds][:20],
+            "command": "python benchmarks/conformance.py " + " ".join(sys.argv[1:])}),
+            flush=True)
     if ok and not args.keep and not args.work:
         shutil.rmtree(work, ignore_errors=True)
     return 0 if ok else 1

@@ -19,6 +19,24 @@ Variants (all on the same model, diffusion, batch and synthetic data; --variants
 - ``bf16``: the bare loop under torch.autocast(bfloat16). The figure says which attention kernel
   the model's attention can take there (``sdpa_flash``: true when an AttentionBlock runs with
   only the flash backend allowed, as on CUDA for bf16; false: SDPA falls back to another kernel).
+- ``loop_fp16``: the real TrainLoop with ``--use_fp16 True`` (amp.py: float16 autocast and a
+  GradScaler on CUDA; bfloat16 on a CPU with bf16 units).
+- ``loop_bf16``: the real TrainLoop under bfloat16 autocast without a scaler (the loop's
+  ``amp_dtype`` set to bfloat16 after it is built: no flag asks for bf16 on CUDA).
+- ``loop_det``: the real TrainLoop with ``--deterministic True`` (dist_util.set_deterministic,
+  called first, before CUDA initialises, as train_job does); ``train_loop_det_step_time_over_loop``
+  compares it with ``loop`` (goal <= 1.10).
+- ``upstream_code`` / ``upstream_code_fp16``: upstream's own TrainLoop (openai/improved-diffusion,
+  fp32 / its fp16 master weights), run by benchmarks/upstream_train.py in a process of its own
+  from ``third_party/improved_diffusion_upstream`` (see there); ``train_loop_speedup_over_
+  upstream_code`` and ``train_loop_fp16_speedup_over_upstream_code_fp16`` (goal >= 2).
+
+The loop variants report the attention kernels SDPA took in one more (profiled) step after the
+timed ones (``sdpa_kernels``: torch.profiler's aten op names; ``sdpa_flash``: one of them is a
+flash kernel). ``--batch_size max`` (one process per variant): the largest batch of 32, 64, 128,
+... (and then half-way to the next) whose step fits in the device's memory, found by one step of
+each before the timing (``batch_search``). ``--global_batch_size``/``--microbatch``: the loop
+variants' virtual shards (virtual_shards.py).
 
 Also printed: the EMA update alone, as a share of the loop's step (the target: at most 2%).
 
@@ -26,6 +44,8 @@ Also printed: the EMA update alone, as a share of the loop's step (the target: a
     mpiexec -n 2 python benchmarks/train.py --config tiny --ranks 2   (ranks: how it was launched)
     python benchmarks/train.py --config tiny --variants bare,loop,upstream,einsum,compile
     python benchmarks/train.py --config 10M,60M,250M --variants bare,loop --threads 1
+    python benchmarks/train.py --config cifar10 --variants loop,loop_fp16,upstream_code,upstream_code_fp16
+    python benchmarks/train.py --config dit-xl2 --variants loop_bf16 --batch_size max
 
 One JSON line per figure, each with the command that reproduces it.
 """
@@ -58,6 +78,17 @@ CONFIGS = {
                     batch_size=128),
     "tiny": dict(image_size=8, num_channels=32, num_res_blocks=1, attention_resolutions="4",
                  learn_sigma=True, dropout=0.1, batch_size=4),
+    # the smallest UNet upstream's code builds (it knows 32, 64 and 256 px): the CPU check's
+    "tiny32": dict(image_size=32, num_channels=32, num_res_blocks=1, attention_resolutions="16",
+                   learn_sigma=True, dropout=0.1, batch_size=2),
+    # DiT-XL/2 on 32x32x4 latents (256 px images through SD's VAE), class-conditional, DiT's
+    # label dropout; the batch of facebookresearch/DiT's per-GPU runs (256 over 8 GPUs)
+    "dit-xl2": dict(arch="DiT-XL/2", image_size=32, in_channels=4, learn_sigma=True,
+                    class_cond=True, num_classes=1000, class_dropout_prob=0.1, batch_size=32),
+    # the same code at a CPU's size: one DiT block of width 64 on 8x8x4 latents
+    "dit-tiny": dict(arch="DiT-S/2", dit_depth=1, dit_hidden_size=64, dit_num_heads=2,
+                     image_size=8, in_channels=4, learn_sigma=True, class_cond=True,
+                     num_classes=10, class_dropout_prob=0.1, batch_size=2),
     # benchmarks/sizes.py's models (the checkpoint figures' sizes), at batches that keep a CPU
     # step to a few seconds.
     **{size: dict(SIZES[size], learn_sigma=True, batch_size=batch)
@@ -65,14 +96,26 @@ CONFIGS = {
 }
 
 
-def _flags(config):
+def _flags(config, batch_size=None):
+    """(all model and diffusion flags of ``config``, its batch or ``batch_size`` when that is an
+    int)."""
     from improved_diffusion.script_util import model_and_diffusion_defaults
 
     cfg = dict(CONFIGS[config])
     batch = cfg.pop("batch_size")
     flags = model_and_diffusion_defaults()
     flags.update(cfg)
+    if isinstance(batch_size, int):
+        batch = batch_size
     return flags, batch
+
+
+def upstream_flags(config):
+    """The flags of ``config`` as upstream's create_model_and_diffusion takes them (its defaults
+    for the rest; our defaults equal them)."""
+    cfg = dict(CONFIGS[config])
+    cfg.pop("batch_size")
+    return cfg
 
 
 def _einsum_attention(qkv_attention):
@@ -99,19 +142,30 @@ def _use_einsum_attention(model):
 
 
 class _Data:
-    """Endless synthetic (batch [B, 3, H, W] in [-1, 1], {}) (the loader has its own benchmark)."""
+    """Endless synthetic (batch [B, C, H, W] in [-1, 1], {} or {"y": labels}) (the loader has
+    its own benchmark). ``batch`` can be changed between batches (the batch search)."""
 
-    def __init__(self, batch, size, seed):
+    def __init__(self, batch, size, seed, channels=3, num_classes=None):
         import torch as th
 
-        self.th, self.shape = th, (batch, 3, size, size)
+        self.th, self.batch, self.size, self.channels = th, batch, size, channels
+        self.num_classes = num_classes
         self.g = th.Generator().manual_seed(seed)
 
     def __iter__(self):
         return self
 
     def __next__(self):
-        return self.th.rand(self.shape, generator=self.g) * 2 - 1, {}
+        x = self.th.rand((self.batch, self.channels, self.size, self.size),
+                         generator=self.g) * 2 - 1
+        if self.num_classes:
+            return x, {"y": self.th.randint(0, self.num_classes, (self.batch,), generator=self.g)}
+        return x, {}
+
+
+LOOP_VARIANTS = ("loop", "loop_fp16", "loop_bf16", "loop_det")
+UPSTREAM_CODE = {"upstream_code": False, "upstream_code_fp16": True}  # variant -> --fp16
+VARIANTS = ("bare", "upstream", "einsum", "compile", "bf16", *LOOP_VARIANTS, *UPSTREAM_CODE)
 
 
 def setup_rank(args):
@@ -129,15 +183,85 @@ def setup_rank(args):
         dist_util.setup_dist()
     rank, world = dist_util.get_rank(), dist_util.get_world_size()
     device = dist_util.dev()
-    flags, batch = _flags(args.config)
+    flags, batch = _flags(args.config, getattr(args, "batch_size", None))
     train_util.seed_rngs(0, 0, 0)
     model, diffusion = create_model_and_diffusion(**flags)
     model.to(device)
     return rank, world, device, flags, batch, model, diffusion
 
 
+def _oom_error():
+    import torch as th
+
+    return getattr(th, "OutOfMemoryError", None) or th.cuda.OutOfMemoryError
+
+
+def largest_batch(run_one, data, device, start, limit):
+    """The largest batch (``start``, 2x, 4x, ... up to ``limit``, then half-way to the first
+    that did not fit) for which ``run_one()`` (one training step on ``data``'s next batch) runs
+    without running out of device memory. Returns (batch, {batch: "ok" | "oom"})."""
+    import gc
+
+    import torch as th
+
+    tried, fits, batch = {}, None, start
+    while batch <= limit:
+        data.batch = batch
+        if not _try_step(run_one, device, tried, batch, th, gc):
+            break
+        fits, batch = batch, batch * 2
+    if fits is None:
+        raise SystemExit(f"--batch_size max: not even a batch of {start} fits on {device}")
+    if batch <= limit and fits * 3 // 2 > fits:  # the first that failed, not the limit
+        mid = fits * 3 // 2
+        data.batch = mid
+        if _try_step(run_one, device, tried, mid, th, gc):
+            fits = mid
+    data.batch = fits
+    return fits, tried
+
+
+def _try_step(run_one, device, tried, batch, th, gc):
+    ok = True
+    try:
+        run_one()
+        _sync(device)
+    except _oom_error():
+        ok = False
+    tried[batch] = "ok" if ok else "oom"
+    gc.collect()
+    if device.type == "cuda":
+        th.cuda.empty_cache()
+    return ok
+
+
+def sdpa_kernels(run_one):
+    """The scaled-dot-product-attention ops one call of ``run_one`` ran (torch.profiler's aten op
+    names, CPU activity only: which kernel SDPA chose shows in its op's name)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        run_one()
+    keys = {e.key for e in prof.key_averages()}
+    return sorted(k for k in keys if k.startswith("aten::") and any(
+        w in k for w in ("_scaled_dot_product_", "flash_attention", "efficient_attention",
+                         "cudnn_attention")))
+
+
+def _loop_step_fn(loop):
+    """One more step of the real TrainLoop.run_loop."""
+    def one():
+        loop.config = dataclasses.replace(loop.config, max_steps=loop.step + 1)
+        loop.run_loop()
+    return one
+
+
 def child(args):
     """Run one variant in this process; rank 0 prints {"steps_per_s", "peak_rss_mb", ...}."""
+    if args.variant == "loop_det":  # before CUDA initialises, as train_job.start_job does
+        from improved_diffusion import dist_util as _du
+
+        _du.set_deterministic(True)
     import torch as th
 
     from improved_diffusion import dist_util, logger, train_util
@@ -145,27 +269,46 @@ def child(args):
     rank, world, device, flags, batch, model, diffusion = setup_rank(args)
     if args.variant in ("einsum", "upstream"):
         _use_einsum_attention(model)
-    data = _Data(batch, flags["image_size"], seed=rank)
+    classes = flags["num_classes"] if flags.get("class_cond") else None
+    search = args.batch_size == "max"
+    if args.global_batch_size and args.variant in LOOP_VARIANTS:
+        batch = args.global_batch_size // world  # the loop's shard plan checks it
+    if search:
+        batch = args.batch_start
+    data = _Data(batch, flags["image_size"], seed=rank, channels=flags["in_channels"],
+                 num_classes=classes)
     steps, warmup = args.steps, args.warmup
-    ema_s = None
+    ema_s = kernels = tried = None
     tmp = dist_util.broadcast_object(tempfile.mkdtemp() if rank == 0 else None)  # one log dir
     logger.configure(dir=tmp, format_strs=[], rank=rank)
-    if args.variant == "loop":
+    if args.variant in LOOP_VARIANTS:
         class NoSave(train_util.TrainLoop):
             def save(self, wait=False):  # the benchmark measures steps, not checkpoints
                 pass
 
+        extra = {}
+        if args.global_batch_size:
+            extra["global_batch_size"] = args.global_batch_size
         loop = NoSave(model=model, diffusion=diffusion, data=data, batch_size=batch,
-                      microbatch=-1, lr=1e-4, ema_rate="0.9999", log_interval=args.log_interval,
-                      save_interval=0, resume_checkpoint="", log_dir=tmp, model_flags=flags,
-                      max_steps=warmup, seed=0)
+                      microbatch=args.microbatch, lr=1e-4, ema_rate="0.9999",
+                      log_interval=args.log_interval, save_interval=0, resume_checkpoint="",
+                      log_dir=tmp, model_flags=flags, max_steps=0, seed=0,
+                      use_fp16=args.variant == "loop_fp16", **extra)
+        if args.variant == "loop_bf16":
+            loop.amp_dtype, loop.grad_scaler = th.bfloat16, None
+        one = _loop_step_fn(loop)
+        if search:
+            batch, tried = largest_batch(one, data, device, args.batch_start, args.batch_limit)
+            loop.batch_size = loop.global_batch = batch  # what its log says; not the step
+        loop.config = dataclasses.replace(loop.config, max_steps=loop.step + warmup)
         loop.run_loop()
-        loop.config = dataclasses.replace(loop.config, max_steps=warmup + steps)
+        loop.config = dataclasses.replace(loop.config, max_steps=loop.step + steps)
         _sync(device)
         t0 = time.perf_counter()
         loop.run_loop()
         _sync(device)
         elapsed = time.perf_counter() - t0
+        kernels = sdpa_kernels(one)
         reps = 5
         t1 = time.perf_counter()
         for _ in range(reps):
@@ -174,6 +317,8 @@ def child(args):
         ema_s = (time.perf_counter() - t1) / reps
         loop.close()
     else:
+        if search:
+            raise SystemExit("--batch_size max: only for the loop variants")
         step = _bare_step(args.variant, model, diffusion, device, world, batch)
         for _ in range(warmup):
             step(next(data)[0])
@@ -189,17 +334,26 @@ def child(args):
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     peaks = dist_util.all_gather_object(peak)
     if rank == 0:
+        flash = (_flash_takes_attention(model, device) if args.variant == "bf16"
+                 else None if kernels is None else any("flash" in k for k in kernels))
         print("RESULT " + json.dumps({"steps_per_s": steps / elapsed, "step_s": elapsed / steps,
                                       "params": sum(p.numel() for p in model.parameters()),
                                       "peak_mb_per_rank": [round(p, 1) for p in peaks],
                                       "ema_s": ema_s, "device": device.type,
-                                      "sdpa_flash": _flash_takes_attention(model, device)
-                                      if args.variant == "bf16" else None,
+                                      "device_name": _device_name(device),
+                                      "batch": batch, "batch_search": tried,
+                                      "sdpa_flash": flash, "sdpa_kernels": kernels,
                                       "threads": th.get_num_threads(), "world": world}),
               flush=True)
     if args.ranks > 1:
         dist_util.barrier()
         dist_util.cleanup()
+
+
+def _device_name(device):
+    import torch as th
+
+    return th.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
 def _flash_takes_attention(model, device):
@@ -311,61 +465,133 @@ def attention_figures(args):
     return out
 
 
-def parent(args):
+GOALS = {  # (figure, config or None: any) -> goal
+    ("train_loop_speedup_over_upstream_code", None): ">= 2",
+    ("train_loop_fp16_speedup_over_upstream_code_fp16", None): ">= 2",
+    ("train_loop_det_step_time_over_loop", None): "<= 1.10",
+    ("train_loop_step_time_over_bare", None): "<= 1.03",
+    ("train_loop_bf16_steps_per_s", "dit-xl2"): "samples_per_s >= 200 on one H100",
+}
+
+
+def _goal(figure, config):
+    goal = GOALS.get((figure, config)) or GOALS.get((figure, None))
+    return {"goal": goal} if goal else {}
+
+
+def variant_command(args, v):
+    """The command line of one run of variant ``v`` (upstream's own code: upstream_train.py)."""
+    if v in UPSTREAM_CODE:
+        if args.ranks > 1:
+            sys.exit(f"--variants {v}: one rank only (upstream's code runs in one process)")
+        batch = _flags(args.config, args.batch_size)[1]
+        return [sys.executable, os.path.join(REPO, "benchmarks", "upstream_train.py"),
+                "--flags", json.dumps(upstream_flags(args.config)), "--batch", str(batch),
+                "--steps", str(args.steps), "--warmup", str(args.warmup), "--threads",
+                str(args.threads), "--log_interval", str(args.log_interval),
+                *(["--fp16"] if UPSTREAM_CODE[v] else [])]
     launcher = []
     if args.ranks > 1:
         mpiexec = os.path.join(os.path.dirname(sys.executable), "mpiexec")
         launcher = [mpiexec if os.path.exists(mpiexec) else "mpiexec", "-n", str(args.ranks)]
+    return launcher + [sys.executable, os.path.abspath(__file__), "--child", v,
+                       "--config", args.config, "--steps", str(args.steps),
+                       "--warmup", str(args.warmup), "--threads", str(args.threads),
+                       "--ranks", str(args.ranks), "--log_interval", str(args.log_interval),
+                       "--batch_size", str(args.batch_size or "config"),
+                       "--batch_start", str(args.batch_start),
+                       "--batch_limit", str(args.batch_limit),
+                       "--global_batch_size", str(args.global_batch_size),
+                       "--microbatch", str(args.microbatch)]
+
+
+def _variant_line(args, v, r, base):
+    """The JSON line of variant ``v`` over its runs ``r``."""
+    step_s = statistics.median(x["step_s"] for x in r)
+    batch = (r[0].get("batch") or _flags(args.config, args.batch_size)[1]) * args.ranks
+    if v in LOOP_VARIANTS and args.global_batch_size:
+        batch = args.global_batch_size
+    extra = {k: r[0][k] for k in ("sdpa_flash", "sdpa_kernels", "batch_search",
+                                  "device_name", "precision", "upstream")
+             if r[0].get(k) is not None}
+    if v in LOOP_VARIANTS and args.global_batch_size:
+        extra.update(global_batch_size=args.global_batch_size, microbatch=args.microbatch)
+    figure = f"train_{v}_steps_per_s"
+    print(json.dumps({"figure": figure, "value": round(1 / step_s, 4),
+                      "samples_per_s": round(batch / step_s, 2), "batch": batch, **extra,
+                      **_goal(figure, args.config),
+                      "peak_mb_per_rank": max((x["peak_mb_per_rank"] for x in r),
+                                              key=lambda p: max(q or 0 for q in p)),
+                      "device": r[0]["device"], **base}), flush=True)
+
+
+def parent(args):
     variants = args.variants.split(",")
-    runs = {v: [] for v in variants}
-    for _ in range(args.repeat):
-        for v in variants:
-            cmd = launcher + [sys.executable, os.path.abspath(__file__), "--child", v,
-                              "--config", args.config, "--steps", str(args.steps),
-                              "--warmup", str(args.warmup), "--threads", str(args.threads),
-                              "--ranks", str(args.ranks), "--log_interval",
-                              str(args.log_interval)]
-            env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
-                       OMP_NUM_THREADS=str(args.threads))
-            out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
-            lines = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
-            if out.returncode != 0 or not lines:
-                sys.exit(f"variant {v} failed (exit {out.returncode}):\n{out.stderr[-3000:]}")
-            runs[v].append(json.loads(lines[-1][len("RESULT "):]))
+    runs, failed = {v: [] for v in variants}, set()
     command = "python benchmarks/train.py " + " ".join(sys.argv[1:])
     base = dict(config=args.config, ranks=args.ranks, threads=args.threads, steps=args.steps,
                 repeat=args.repeat, command=command)
+    for _ in range(args.repeat):
+        for v in variants:
+            cmd = variant_command(args, v)
+            env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+            if v in UPSTREAM_CODE:  # upstream's package has our package's name: not ours
+                env.pop("PYTHONPATH", None)
+            else:
+                env["PYTHONPATH"] = REPO + os.pathsep + os.environ.get("PYTHONPATH", "")
+            out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
+            lines = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
+            if out.returncode != 0 or not lines:  # the other variants still run
+                print(f"variant {v} failed (exit {out.returncode}):\n"
+                      f"{(out.stderr or out.stdout)[-3000:]}", file=sys.stderr, flush=True)
+                failed.add(v)
+                continue
+            runs[v].append(json.loads(lines[-1][len("RESULT "):]))
+            if len(runs[v]) == args.repeat:  # printed at once: a later variant may not finish
+                _variant_line(args, v, runs[v], base)
+    variants = [v for v in variants if runs[v]]
     med = {v: statistics.median(r["step_s"] for r in runs[v]) for v in variants}
-    for v in variants:
-        r = runs[v]
-        batch = _flags(args.config)[1] * args.ranks
-        print(json.dumps({"figure": f"train_{v}_steps_per_s", "value": round(1 / med[v], 4),
-                          "samples_per_s": round(batch / med[v], 2),
-                          **({"sdpa_flash": r[0]["sdpa_flash"]} if v == "bf16" else {}),
-                          "peak_mb_per_rank": max((x["peak_mb_per_rank"] for x in r),
-                                                  key=max),
-                          "device": r[0]["device"], **base}), flush=True)
+
+    def ratio(figure, value):
+        print(json.dumps({"figure": figure, "value": round(value, 4),
+                          **_goal(figure, args.config), **base}), flush=True)
+
     if "bare" in med:
         for v in variants:
-            if v != "bare":
-                goal = {"goal": "<= 1.03"} if v == "loop" else {}
-                print(json.dumps({"figure": f"train_{v}_step_time_over_bare",
-                                  "value": round(med[v] / med["bare"], 4), **goal,
-                                  "params": runs[v][0]["params"], **base}), flush=True)
+            if v != "bare" and v not in UPSTREAM_CODE:
+                ratio(f"train_{v}_step_time_over_bare", med[v] / med["bare"])
     if "upstream" in med:
         for v in variants:
-            if v != "upstream":
-                print(json.dumps({"figure": f"train_{v}_speedup_over_upstream_step",
-                                  "value": round(med["upstream"] / med[v], 4), **base}),
-                      flush=True)
+            if v != "upstream" and v not in UPSTREAM_CODE:
+                ratio(f"train_{v}_speedup_over_upstream_step", med["upstream"] / med[v])
+    for ours, theirs in (("loop", "upstream_code"), ("loop_fp16", "upstream_code_fp16"),
+                         ("loop_bf16", "upstream_code_fp16")):
+        if ours in med and theirs in med:
+            ratio(f"train_{ours}_speedup_over_{theirs}", med[theirs] / med[ours])
+    if "loop" in med and "loop_det" in med:
+        ratio("train_loop_det_step_time_over_loop", med["loop_det"] / med["loop"])
     if args.attention_reps:
         for fig in attention_figures(args):
             print(json.dumps({**fig, **base}), flush=True)
-    if "loop" in runs:
+    if "loop" in med:
         ema = statistics.median(x["ema_s"] for x in runs["loop"])
         print(json.dumps({"figure": "train_ema_update_share_of_loop_step",
                           "value": round(ema / med["loop"], 5), "ema_s": round(ema, 5),
                           **base}), flush=True)
+    if failed:
+        sys.exit(f"benchmarks/train.py: variant(s) {', '.join(sorted(failed))} failed (above)")
+
+
+def _batch_flag(text):
+    if text in ("max", "config"):
+        return None if text == "config" else text
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: a positive integer, max, or config")
+    return value
 
 
 def main():
@@ -380,6 +606,14 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--ranks", type=int, default=1, help="run each variant under mpiexec -n N")
     ap.add_argument("--log_interval", type=int, default=10)
+    ap.add_argument("--batch_size", type=_batch_flag, default=None,
+                    help="the per-rank batch (default: the config's); max: the largest that "
+                         "fits (the loop variants)")
+    ap.add_argument("--batch_start", type=int, default=32, help="--batch_size max: from here")
+    ap.add_argument("--batch_limit", type=int, default=4096, help="--batch_size max: up to here")
+    ap.add_argument("--global_batch_size", type=int, default=0,
+                    help="the loop variants' virtual shards (0: off)")
+    ap.add_argument("--microbatch", type=int, default=-1)
     ap.add_argument("--attention_reps", type=int, default=20,
                     help="calls of SDPA and einsum attention alone (0: skip that figure)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -388,6 +622,11 @@ def main():
         args.variant = args.child
         child(args)
         return
+    if args.batch_size == "max" and args.global_batch_size:
+        ap.error("--batch_size max and --global_batch_size: one or the other")
+    unknown = [v for v in args.variants.split(",") if v not in VARIANTS]
+    if unknown:
+        ap.error(f"--variants {','.join(unknown)}: not one of {', '.join(VARIANTS)}")
     configs = args.config.split(",")
     unknown = [c for c in configs if c not in CONFIGS]
     if unknown:

@@ -13,6 +13,8 @@ from improved_diffusion import dist_util
 from improved_diffusion.infra import heartbeat
 from improved_diffusion.dist_util import DeviceError
 
+pytestmark = pytest.mark.cuda  # benchmarks/gpu_check.sh runs these with a real GPU present too
+
 TIMEOUT = datetime.timedelta(seconds=20)
 
 # Every variable a launcher may set that says where a rank runs.
