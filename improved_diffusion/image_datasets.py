@@ -27,7 +27,7 @@ import torch as th
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
-from . import dist_util
+from . import dist_util, loader_workers
 from .infra import preemption
 from .infra import storage as bf  # blobfile's names: local paths and s3://, gs://, az://
 from .infra.errors import UserError
@@ -667,9 +667,10 @@ class ResumableLoader:
 
     def _next_from_workers(self):
         if self._stream is None or self._stream[1] != self.position:
-            self._stream = None  # drop the old workers before starting new ones
+            self.close()  # drop the old workers before starting new ones
             dl = DataLoader(
-                self.dataset,
+                # a user's data error comes back as its own one line (loader_workers)
+                loader_workers.FailuresAsValues(self.dataset),
                 batch_sampler=_StepBatchSampler(
                     position=self.position, n=self.num_samples, seed=self.seed,
                     shuffle=self.shuffle, rank=self.rank, batch_size=self.batch_size,
@@ -678,7 +679,7 @@ class ResumableLoader:
                 num_workers=self.num_workers,
                 prefetch_factor=PREFETCH_BATCHES,
                 pin_memory=th.cuda.is_available(),
-                collate_fn=collate,
+                collate_fn=loader_workers.Collate(collate),
                 worker_init_fn=_worker_init,
                 # Its own generator: creating the iterator draws a base seed, which must not
                 # advance the global torch RNG (a resumed run would then differ from a straight
@@ -687,7 +688,8 @@ class ResumableLoader:
             )
             with preemption.starting_workers():
                 self._stream = [iter(dl), self.position]
-        batch = next(self._stream[0])
+            loader_workers.stop_at_exit(self)
+        batch = loader_workers.raise_failure(next(self._stream[0]))
         self._stream[1] += self.global_batch
         return batch
 
@@ -698,7 +700,9 @@ class ResumableLoader:
 
     def close(self):
         """Stop the worker processes, if any (they restart on the next batch)."""
-        self._stream = None
+        stream, self._stream = self._stream, None
+        if stream is not None:
+            loader_workers.shutdown(stream[0])
 
     def state_dict(self):
         """:return: {"position", "seed", "num_samples", "shuffle"} (plain python values)."""
@@ -730,7 +734,7 @@ class ResumableLoader:
             self.shuffle = bool(sd["shuffle"])
         self.position = int(sd["position"])
         self._order_cache = {}
-        self._stream = None
+        self.close()
 
 
 # Batches each loader worker prepares ahead of the one being consumed (DataLoader's

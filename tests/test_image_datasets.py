@@ -322,3 +322,34 @@ def test_subfolders_and_prefixes_that_name_different_classes_are_refused(tmp_pat
     with pytest.raises(DataError, match=r"its subfolders \(test, train\) and its file-name "
                                         r"prefixes \(cat, dog\) name different classes"):
         load_data(data_dir=str(tmp_path / "data"), batch_size=2, image_size=8, class_cond=True)
+
+
+@pytest.mark.timeout(200)
+def test_a_damaged_image_read_by_a_loader_worker_is_the_same_one_line_as_without_workers(
+        tmp_path):
+    """Issue 56, item 4: with --num_workers 2 (the default starts workers on a GPU host) a
+    truncated image was torch's re-raise, the worker's whole traceback on one `error:` line, and
+    then the job never ended (multiprocessing's exit joins the workers, which ignore SIGTERM)."""
+    import subprocess
+
+    from conftest import PY, REPO, child_env, hang_s
+
+    data = make_folder(tmp_path / "data", per_class=2, size=8)
+    damaged = data / "cat_001.png"
+    damaged.write_bytes(damaged.read_bytes()[:60])  # cut inside the image data
+    tiny = ["--image_size", "8", "--num_channels", "32", "--num_res_blocks", "1",
+            "--attention_resolutions", "", "--channel_mult", "1,2", "--diffusion_steps", "10",
+            "--noise_schedule", "cosine", "--batch_size", "4", "--max_steps", "2",
+            "--data_dir", str(data)]
+    ends = {}
+    for workers in ("0", "2"):
+        proc = subprocess.run(
+            [PY, str(REPO / "scripts" / "train.py"), *tiny, "--num_workers", workers,
+             "--log_dir", str(tmp_path / f"run{workers}")], cwd=REPO, env=child_env(),
+            stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=hang_s(60))
+        ends[workers] = proc.returncode, proc.stderr
+    code, line = ends["0"]
+    assert code == 1 and line == (f"error: cannot read image {damaged}: image file is truncated; "
+                                  "remove or replace the file\n"), ends
+    assert ends["2"] == ends["0"], ends["2"][1][-3000:]
+    assert not list(tmp_path.glob("run*/*.pt"))
