@@ -99,11 +99,11 @@ from typing import Any, Dict, List, Optional
 
 import torch as th
 
-from . import (async_save, checkpoint, host_copy, model_change, optim_state, rng, run_dir,
+from . import (async_save, checkpoint, first_save, model_change, optim_state, rng, run_dir,
                sharded, state_fit, writer_process)
 from .. import dist_util, logger
 from ..infra import fsdp, preemption
-from .async_save import BackgroundWriter, HostSnapshot, to_host
+from .async_save import BackgroundWriter, to_host
 from .writer_process import WriterProcess
 from ..infra.config_check import by_rank
 from ..infra.errors import UsageError, UserError
@@ -252,6 +252,8 @@ class Checkpointer:
         self._save_failure = None  # rank 0: a background save's exception, until raised
         self._signal = {"set": False, "signal": None}
         self._flags_pending = None
+        self._warm_writer = None  # rank 0: the writer process started before the first save
+        first_save.start_writer(self)  # (the first save readied while training: first_save.py)
 
     def __enter__(self):
         return self
@@ -325,7 +327,9 @@ class Checkpointer:
     # job saves and stops after step N+1 at the latest.
 
     def step_begins(self):
-        """Start the exchange of this rank's [preempted, save_failed] flags. Collective."""
+        """Start the exchange of this rank's [preempted, save_failed] flags (rank 0, until
+        the first save is readied: first_save.ready). Collective."""
+        first_save.ready(self)
         self._flags_pending = dist_util.any_rank_async(
             [bool(self._signal["set"]), bool(self._local_save_failed())])
 
@@ -486,15 +490,14 @@ class Checkpointer:
         return None
 
     def _choose_writer(self, files):
-        """Rank 0, at the first async save: the writer process, or the thread's HostSnapshot
+        """Rank 0, at the first async save (or once the first step ran: first_save.ready): the
+        writer process, or the thread's HostSnapshot
         (writer_process.use_process, on the bytes of the step's ``files``: a sharded model's
         DTensors counted whole)."""
         if self._process is None:  # once a job
             use = writer_process.use_process(self.config.save_writer,
                                              async_save.tensor_bytes(files), self._core_free())
-            self._process = (WriterProcess(host_copy.copy_threads(th.get_num_threads(),
-                                                                  dist_util.usable_cores()))
-                             if use else HostSnapshot())
+            self._process = first_save.writer(self, use)  # (the one started early, if any)
 
     def _save_on_rank0(self, step, rngs, began, wait, gathered=None):
         """Rank 0's part of save(): wait for the previous save (raising its failure), then write
@@ -762,6 +765,7 @@ class Checkpointer:
             except Exception as e:  # the error that ends the run is another one: only report it
                 logger.warn(f"warning: the background save also failed: {e}")
         finally:
+            first_save.drop(self)
             if isinstance(self._process, WriterProcess) and not self._writer.busy:
                 self._process.close()  # the writer process ends with the run (a later save
                 self._process = None  # starts a new one)

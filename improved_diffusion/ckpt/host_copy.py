@@ -220,9 +220,11 @@ class HostCopy:
             self._copied |= last["plain_keys"]
             self._launch(last["plain"])
 
-    def start(self, entries, check):
+    def start(self, entries, check, launch=True):
         """Start copying the ``entries`` not copied yet on the helper threads, the tensors of
-        ``check`` among them checked, and return at once (with no helpers: copy them now)."""
+        ``check`` among them checked, and return at once (with no helpers: copy them now).
+        ``launch`` False: only plan the pieces and keep them in ``plans`` (copy nothing): what
+        the first save's ahead and start then use (writer_process.WriterProcess.prepare)."""
         self.check, where = [], []
         for label, group in check:
             group = [t for t in group if t.is_floating_point() and t.numel()]
@@ -246,7 +248,8 @@ class HostCopy:
                 where=where, plain=plain, checked=checked,
                 plain_keys=plain_keys, tensors=list(self._tensors), labels=list(self._labels),
                 planned=set(self._planned), copied=set(self._copied))
-        self._launch(plain + checked)
+        if launch:
+            self._launch(plain + checked)
 
     def _launch(self, items):
         run = _Run(items)

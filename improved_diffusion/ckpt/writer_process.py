@@ -128,6 +128,13 @@ def may_renice(nice):
     return resource.getrlimit(resource.RLIMIT_NICE)[0] >= 20 - nice
 
 
+# madvise(2)'s MADV_POPULATE_WRITE (Linux 5.14): fault pages in, writable, keeping their bytes.
+_MADV_POPULATE_WRITE = 23
+
+
+# What prepare() adds to the arena beyond the step's storages: room for the storages a save
+# makes anew (the RNG states), so that the first pack finds it in the pages faulted in.
+PREPARE_SLACK = 4 << 20
 # --save_writer's choices: where an async save's write runs.
 WRITERS = ("auto", "process", "thread")
 # "auto" writes a step of at least this many tensor bytes from the writer process, a smaller
@@ -198,6 +205,7 @@ class Arena:
         self.fd = os.memfd_create("checkpoint-host-copy", os.MFD_CLOEXEC)
         self.size = 0
         self.high = 0  # bytes allocated so far (the bump pointer)
+        self._dirty = 0  # the end of the bytes ever handed out (beyond it: the file's zeros)
         self._maps = []  # (base address, size, mmap): newest last
         self._pinned = set()  # base addresses registered with CUDA
         if initial:
@@ -212,8 +220,10 @@ class Arena:
         if off + nbytes > self.size:
             self._grow(max(2 * self.size, off + nbytes))
         base, size, mm = self._maps[-1]
-        mm[self.high:off] = bytes(off - self.high)  # the gap zeroed: see span()
+        if self.high < min(off, self._dirty):  # the gap zeroed (see span()) where it was used
+            mm[self.high:min(off, self._dirty)] = bytes(min(off, self._dirty) - self.high)
         self.high = off + nbytes
+        self._dirty = max(self._dirty, self.high)
         if pinned:
             self._pin()
         return off, th.frombuffer(mm, dtype=th.uint8, count=nbytes, offset=off)
@@ -245,6 +255,24 @@ class Arena:
 
     def reset(self):
         self.high = 0
+
+    def populate(self):
+        """Fault in every page of the newest mapping, writable, without changing its bytes
+        (madvise MADV_POPULATE_WRITE, Linux 5.14+, through ctypes: the GIL is let go meanwhile);
+        where the kernel refuses it, the pages not handed out yet are written with the zeros
+        they hold. The first copy into them then takes no page fault (first_save.py)."""
+        import ctypes
+
+        import torch as th
+
+        base, size, mm = self._maps[-1]
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+        if libc.madvise(base, size, _MADV_POPULATE_WRITE) == 0:
+            return
+        start = -(-self._dirty // mmap.PAGESIZE) * mmap.PAGESIZE  # (bytes in use left alone)
+        if start < size:
+            th.frombuffer(mm, dtype=th.uint8, count=size - start, offset=start).zero_()
 
     def offset_of(self, storage):
         """The offset in the file of ``storage`` when its bytes lie in one of this arena's
@@ -288,6 +316,9 @@ class WriterProcess:
         self._plans = {}  # host_copy.HostCopy's, kept from pack to pack
         self._proc = None
         self._conn = None
+        self._locks = None  # the lock descriptors the child got (run_lock.held_locks)
+        self._writes = 0  # writes handed to the child
+        self._warming = None  # prepare's thread that faults the arena's pages in
         self._lock = threading.Lock()  # one write at a time; close() waits for it
         self._finalizer = weakref.finalize(self, _shut_down, self.__dict__)
         ref = weakref.ref(self)
@@ -303,6 +334,7 @@ class WriterProcess:
         already and ``pack(..., gathered=True)`` copies nothing. The last save's buffers are
         forgotten (call it only once the previous write is done: the new tensors reuse its
         memory)."""
+        self._warmed()
         self._buffers, self._ahead = {}, {}
         self._plans.clear()  # (its pieces copy into the buffers forgotten here)
         self.arena.reset()
@@ -334,6 +366,7 @@ class WriterProcess:
         tensors hold a NaN or Inf)], what count_non_finite of each label's tensors gives."""
         with self._lock:
             self._start()
+        self._warmed()
         if not gathered and self.arena.high > 2 * self.nbytes + (1 << 20):
             self._buffers, self._ahead = {}, {}  # the arena holds more dropped buffers than live
             self._plans.clear()
@@ -418,6 +451,81 @@ class WriterProcess:
         self.nbytes = total[0]
         return self.arena.size, buf.getvalue()
 
+    def start(self):
+        """The child started now (its interpreter, imports and rehearsal of a write run while
+        training goes on: first_save.py), from the calling thread (the main thread: the kernel
+        ends the child with it). Not collective."""
+        with self._lock:
+            self._start()
+
+    def prepare(self, files, check=()):
+        """Ready the first pack of ``files`` (step files of the run's current state, as ``pack``
+        takes them; ``check`` as pack's) before it comes: the child started, the arena grown
+        once to the step's size and its pages faulted in on a thread of its own
+        (Arena.populate; the child then maps them too), a buffer laid out for every storage in
+        the order pack visits them, and the copy's pieces planned (host_copy.HostCopy.start
+        without copying). The first pack then finds what a later one finds (the same storages:
+        a model's parameters, EMAs and optimizer moments keep theirs) and copies ahead. Nothing
+        is copied, no training state changes, and the arena holds what the first pack would
+        allocate, plus PREPARE_SLACK for the storages a save makes anew. Only before the first
+        pack (else nothing happens). Returns while the pages are faulted in; pack and
+        alloc_for_gather wait for that first. Not collective."""
+        import torch as th
+
+        with self._lock:
+            self._start()
+        if self._buffers or self.arena.high or self._warming is not None:
+            return
+        order = {}  # storage key -> storage, in the order the pickling visits them
+
+        def visit(storage, nbytes):
+            if storage.device.type in ("cpu", "cuda"):
+                order.setdefault((storage._cdata, nbytes), storage)
+            return 0  # (a reference, not the tensor's bytes)
+
+        _Packer(io.BytesIO(), visit).dump(files)
+        self.arena._grow(sum(-(-n // ALIGN) * ALIGN for _, n in order) + PREPARE_SLACK)
+        buffers, cuda = {}, {}
+        for key, storage in order.items():
+            off, view = self.arena.alloc(key[1])
+            src = th.empty(0, dtype=th.uint8, device=storage.device).set_(storage)
+            buffers[key] = (off, view, src)
+            if storage.device.type == "cuda":
+                cuda[key] = storage.device
+        on_cpu = {k: e for k, e in buffers.items() if k not in cuda}
+        if self._helpers is None or self._helpers.n != self.copy_threads - 1:
+            self._helpers = host_copy.Helpers(self.copy_threads - 1)
+        host_copy.HostCopy(self._helpers, span=self.arena.span, plans=self._plans).start(
+            on_cpu, check, launch=False)
+        self._buffers, self._cuda, self._ahead = buffers, cuda, on_cpu
+        self.nbytes = sum(n for _, n in order)
+        self._warming = threading.Thread(target=self._populate, args=(bool(cuda),),
+                                         name="checkpoint-arena-warm-up", daemon=True)
+        self._warming.start()
+
+    def _populate(self, pin):
+        """prepare's thread: the arena's pages faulted in, page-locked when CUDA copies into
+        them; then the child told to map them (before its first write)."""
+        try:
+            self.arena.populate()
+            if pin:
+                self.arena._pin()
+        except Exception:  # not fatal: the first copy faults them in itself
+            pass
+        with self._lock:
+            if self._conn is not None:
+                try:
+                    self._conn.send_bytes(pickle.dumps({"map": self.arena.size}))
+                    self._conn.send_bytes(b"")
+                except OSError:
+                    pass  # (a child that died: the next write says so)
+
+    def _warmed(self):
+        """Wait for prepare's thread (bounded: it faults in the pages the first copy would)."""
+        if self._warming is not None:
+            self._warming.join()
+            self._warming = None
+
     def write(self, log_dir, step, packed, keep=0, settings=None):
         """Write ``step``'s files (``packed`` by ``pack``) into ``log_dir`` in the child, then
         prune to ``keep`` complete steps; blocks until done (see the module docstring).
@@ -429,6 +537,7 @@ class WriterProcess:
                                    "keep": int(keep), "arena_size": arena_size,
                                    "settings": settings})
             try:
+                self._writes += 1
                 self._conn.send_bytes(header)
                 self._conn.send_bytes(payload)
                 reply = pickle.loads(self._conn.recv_bytes())
@@ -457,11 +566,14 @@ class WriterProcess:
         """Start the child when there is none: it inherits the socket, the arena and copies of
         the job's lock descriptors (run_lock.held_locks), and the kernel ends it with this
         thread when this is the main thread (see the module docstring)."""
-        if self._proc is not None:
-            return
         from . import run_lock
 
         locks = run_lock.held_locks()
+        if self._proc is not None and (self._writes or locks == self._locks):
+            return
+        if self._proc is not None:  # started early (start()), before the job took a lock that
+            _end_idle(self._proc, self._conn)  # it must hold a copy of: started again
+            self._proc = self._conn = None
         ours, theirs = socket.socketpair()
         boot = ("import sys; from multiprocessing.connection import Connection; "
                 "c = Connection(int(sys.argv[1])); import pickle; p = pickle.loads(c.recv_bytes());"
@@ -482,7 +594,7 @@ class WriterProcess:
             "main": _importable_main(), "locks": locks,
             "nice": _writer_nice(),
             "die_with_parent": threading.current_thread() is threading.main_thread()}))
-        self._proc, self._conn = proc, conn
+        self._proc, self._conn, self._locks = proc, conn, locks
 
     def _died(self, log_dir, step):
         """The CheckpointError of a child that ended during the write of ``step``."""
@@ -519,6 +631,9 @@ def _shut_down(state):
     arena's descriptor. Safe to call twice; also the finalizer at the interpreter's exit."""
     conn, proc = state.get("_conn"), state.get("_proc")
     state["_conn"] = state["_proc"] = None
+    if proc is not None and not state.get("_writes"):
+        _end_idle(proc, conn)  # (started early and never written to: may still be importing)
+        proc = conn = None
     if conn is not None:
         conn.close()
     if proc is not None:
@@ -530,6 +645,13 @@ def _shut_down(state):
     arena = state.get("arena")
     if arena is not None:
         arena.close_fd()
+
+
+def _end_idle(proc, conn):
+    """End a child that was never handed a write (nothing of it to wait for)."""
+    conn.close()
+    proc.kill()
+    proc.wait()
 
 
 def _forget_in_fork(ref):
@@ -663,6 +785,7 @@ def _child_main(conn, prep):
         import runpy
 
         runpy.run_path(prep["main"], run_name="__mp_main__")
+    _rehearse()
     fd = prep["arena_fd"]
     maps = {}
     while True:
@@ -671,6 +794,11 @@ def _child_main(conn, prep):
             payload = conn.recv_bytes()
         except (EOFError, OSError):
             return
+        if "map" in header:  # prepare(): the arena as the first write finds it, mapped now
+            maps.clear()
+            maps[header["map"]] = mmap.mmap(
+                fd, header["map"], flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+            continue
         if prep.get("nice") is not None:  # each write starts nicer than the trainer
             _renice(os.getpid(), prep["nice"])
         reply = _serve(header, payload, fd, maps, guard)
@@ -678,6 +806,25 @@ def _child_main(conn, prep):
             conn.send_bytes(reply)
         except OSError:
             return
+
+
+def _rehearse():
+    """The child, before its first write: import what a write uses and write a small file once,
+    outside any log dir (torch's zip writer, the checksums, the fsync: what a process loads or
+    learns at its first write, torch_zip.learned), so that its first write costs what a later
+    one does (first_save.py). Best effort."""
+    import tempfile
+
+    try:
+        import torch as th
+
+        from . import file_writer, run_dir  # noqa: F401  (what _serve uses)
+
+        with tempfile.TemporaryDirectory(prefix="checkpoint-writer-") as d:
+            file_writer.write_file(os.path.join(d, "rehearsal.pt"), {"w": th.zeros(1024)},
+                                   crc_threads=1)
+    except Exception:  # the first write then loads it itself, and says what fails
+        pass
 
 
 def _writer_nice():
