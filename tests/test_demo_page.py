@@ -220,3 +220,14 @@ def test_the_page_shows_the_training_command_and_links_each_image_to_its_file(tm
     captioned = [unquote(h) for h in re.findall(r'<a href="([^"]+)"><code>', page)]
     assert "samples/samples_10x8x8x3.png" in captioned and set(captioned) <= set(srcs)
     assert all((out / h).is_file() for h in hrefs)
+
+
+def test_a_command_without_programs_names_the_demo_folder_relative_to_the_repository():
+    """The evaluate command of the page is made without the demo's programs: its default
+    repository is the checkout's root (the module lies in improved_diffusion/apps/)."""
+    from improved_diffusion.apps.demo_page import short_command
+
+    repo = Path(__file__).resolve().parent.parent
+    cmd, used_out = short_command(f"python scripts/evaluate.py {repo}/demo_out/ref.npz",
+                                  repo / "demo_out")
+    assert (cmd, used_out) == ("python scripts/evaluate.py demo_out/ref.npz", False)

@@ -320,7 +320,8 @@ def short_command(cmd, out_dir, programs=None):
     files of the demo folder relative to the repository when inside it, else ``$OUT/...``.
     Returns (the short command, whether $OUT was used)."""
     programs = programs if isinstance(programs, dict) else {}
-    repo = programs.get("repo") or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    here = os.path.abspath(__file__)  # improved_diffusion/apps/demo_page.py: three levels up
+    repo = programs.get("repo") or os.path.dirname(os.path.dirname(os.path.dirname(here)))
     out_dir = os.path.abspath(out_dir)
     in_repo = out_dir.startswith(repo.rstrip(os.sep) + os.sep)
     used_out = False
