@@ -236,12 +236,11 @@ def build_model_loop(config, d, batch, amp, save_writer="auto"):
 
     import train as tb  # benchmarks/train.py: its configs and synthetic data
 
-    from improved_diffusion import train_util
-    from improved_diffusion.script_util import create_model_and_diffusion
+    from improved_diffusion import dist_util, train_util
 
     flags, batch = tb._flags(config, batch)
     train_util.seed_rngs(0)
-    model, diffusion = create_model_and_diffusion(**flags)
+    model, diffusion = tb.build_on(dist_util.dev(), flags)
     data = tb._Data(batch, flags["image_size"], 0, channels=flags["in_channels"],
                     num_classes=flags["num_classes"] if flags.get("class_cond") else None)
     loop = train_util.TrainLoop(

@@ -279,6 +279,9 @@ def main():
     ap.add_argument("--json", action="store_true",
                     help="also one JSON line (figure conformance_bitwise) at the end")
     args = ap.parse_args()
+    # a SIGTERM (a timeout around this script) ends it through its finally blocks, which kill
+    # the running job: it runs in a session of its own, which the signal does not reach
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     chain = QUICK_CHAIN if args.quick else CHAIN
     if args.chain:
         try:

@@ -127,10 +127,10 @@ def main():
         th.set_num_threads(args.threads)
     dist_util, logger, script_util, train_util, where = _import_upstream(path)
     device = dist_util.dev()
+    if device.type == "cuda":  # before the NCCL group: its communicator's device
+        th.cuda.set_device(device)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                             store=dist.HashStore(), rank=0, world_size=1)
-    if device.type == "cuda":
-        th.cuda.set_device(device)
     tmp = tempfile.mkdtemp(prefix="upstream_train_")
     logger.configure(dir=tmp, format_strs=["log", "csv"])
 

@@ -196,9 +196,9 @@ def take_checkpoint_flags(args, given, kinds=("model", "ema"), resolved_later=("
             setattr(args, k, v)
             taken[k] = v
     _full_layout_without_fsdp(args, taken)  # the resume logs the change (Checkpointer)
-    if "batch_size" in taken:  # a run with G: the per-rank batch is G / this job's ranks
-        virtual_shards.resolve_batch_flags(args)
-        taken["batch_size"] = args.batch_size
+    if getattr(args, "global_batch_size", 0):  # a run with G: the per-rank batch is G / this
+        virtual_shards.resolve_batch_flags(args)  # job's ranks, derived, never typed: not listed
+        taken.pop("batch_size", None)
     if taken:
         logger.log(f"resume: from the checkpoint ({checkpoint.basename(path)}): "
                    f"{flags_text(taken)}")

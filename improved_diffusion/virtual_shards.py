@@ -206,6 +206,7 @@ class FixedPointSum:
             at += p.numel()
         self.exponents = None  # int64 [n] of E_t (None: not known yet)
         self.redos = 0
+        self.first_range = False  # whether the last reduce() ran with no range known yet
         self._local_max = None
         self._scales = None
 
@@ -248,7 +249,8 @@ class FixedPointSum:
             dist.all_reduce(top, op=dist.ReduceOp.MAX)
         top = top.cpu()
         bad = top >= NON_FINITE
-        fits = self.exponents is not None and bool(((top <= self._used) | bad).all())
+        self.first_range = self.exponents is None  # no range yet: a first pass, not a fault
+        fits = not self.first_range and bool(((top <= self._used) | bad).all())
         if not fits:
             self.exponents = self._next_exponents(top, bad)
             self.redos += 1
@@ -356,9 +358,13 @@ class VirtualShards:
                 records.append(rec)
             if self.sum is None or self.sum.reduce():
                 break
-            logger.log(f"step {step}: a gradient outgrew its fixed-point range (or the first "
-                       f"step); the step's shards run again at the exact range "
-                       f"({self.sum.redos} such step(s) in this run)")
+            if self.sum.first_range:  # the run's first step (or the first of a changed model)
+                logger.log(f"step {step}: the exact gradient sum takes each gradient's "
+                           f"fixed-point range from this first step: its shards run twice")
+            else:
+                logger.log(f"step {step}: a gradient outgrew its fixed-point range; the step's "
+                           f"shards run again at the exact range ({self.sum.redos} step(s) of "
+                           f"this run ran twice, its first step included)")
         if self.sum is not None:
             self.sum.write_grads()
         self._end_buffers(buffers, first)

@@ -314,3 +314,28 @@ def test_a_global_batch_the_ranks_cannot_split_is_refused_in_one_line_before_any
     assert code == 2 and errors and says in errors[0], out[-3000:]
     assert len(set(errors)) == 1, errors
     assert not log_dir.exists() or not any(log_dir.iterdir()), sorted(os.listdir(log_dir))
+
+
+@pytest.mark.timeout(240)
+def test_the_first_step_says_it_measures_the_range_a_real_overflow_says_so_and_a_resume_names_no_batch_size(
+        data, tmp_path):
+    """Issue 56, item 7: every run's first step logged "a gradient outgrew its fixed-point range
+    (or the first step)", the line of a fault; and every flagless resume listed `--batch_size`
+    among the flags taken from the checkpoint, a flag derived from G that nobody typed. With
+    --lr 10 the weights blow up at once, so step 2's gradients outgrow step 1's range for real."""
+    tiny = ["--image_size", "8", "--num_channels", "32", "--num_res_blocks", "1",
+            "--attention_resolutions", "", "--channel_mult", "1,2", "--diffusion_steps", "10",
+            "--noise_schedule", "cosine", "--global_batch_size", "4", "--microbatch", "2",
+            "--lr", "10", "--save_interval", "1000"]
+    out = job(1, data, tmp_path / "run", *tiny, "--max_steps", "2").stdout
+    lines = {int(m.group(1)): m.group(0) for m in re.finditer(r"^step (\d+): .*$", out, re.M)}
+    assert lines[1] == ("step 1: the exact gradient sum takes each gradient's fixed-point range "
+                        "from this first step: its shards run twice"), out
+    assert lines[2].startswith("step 2: a gradient outgrew its fixed-point range; the step's "
+                               "shards run again at the exact range"), out
+    assert out.count("outgrew") == 1, out
+    out = job(1, data, tmp_path / "run", "--max_steps", "3").stdout
+    taken = next(ln for ln in out.splitlines() if ln.startswith("resume: from the checkpoint"))
+    assert "--global_batch_size 4" in taken and "--microbatch 2" in taken, taken
+    assert "--batch_size" not in taken.replace("--global_batch_size", ""), taken
+    assert "the exact gradient sum takes" not in out, out  # the range came with the checkpoint

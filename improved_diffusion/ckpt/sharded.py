@@ -56,6 +56,7 @@ bytes and all-gathered, and rank 0 writes the manifest object last: the manifest
 downloads its folder into a local temporary folder first (every rank).
 """
 
+import contextlib
 import errno
 import io
 import json
@@ -65,6 +66,7 @@ import re
 import shutil
 import tempfile
 import uuid
+import warnings
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
@@ -610,16 +612,18 @@ def start_save(log_dir, step, files, settings=None, *, mode="process", flags=Non
     distributed = dist_util.is_distributed()
     try:
         if mode == "sync":
-            dcp.save(state, storage_writer=writer, planner=planner, no_dist=not distributed)
+            with _quiet_no_dist(not distributed):
+                dcp.save(state, storage_writer=writer, planner=planner, no_dist=not distributed)
         else:
             from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
             kind = (AsyncCheckpointerType.PROCESS if mode == "process"
                     else AsyncCheckpointerType.THREAD)
             group = _own_group() if (mode == "thread" and distributed) else None
-            pending.future = dcp.async_save(state, storage_writer=writer, planner=planner,
-                                            process_group=group,
-                                            async_checkpointer_type=kind,
-                                            no_dist=not distributed)
+            with _quiet_no_dist(not distributed):
+                pending.future = dcp.async_save(state, storage_writer=writer, planner=planner,
+                                                process_group=group,
+                                                async_checkpointer_type=kind,
+                                                no_dist=not distributed)
     except BaseException as e:
         if isinstance(e, (KeyboardInterrupt, SystemExit)):
             raise
@@ -772,14 +776,32 @@ def _pack_like(node, skel):
     return node
 
 
+# DCP's warning for a load or save without a process group, which one process asks for on
+# purpose (no_dist: --fsdp False, one rank): PyTorch's words and source line between our lines.
+_NO_DIST_WARNING = r"torch\.distributed is disabled, unavailable or uninitialized"
+
+
+@contextlib.contextmanager
+def _quiet_no_dist(no_dist):
+    """Within: DCP's no-process-group warning silenced, when ``no_dist`` (nothing else)."""
+    if not no_dist:
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_NO_DIST_WARNING, category=UserWarning)
+        yield
+
+
 def _dcp_load(local, state, shown):
     """dcp.load of ``state`` (in place) from the local step folder ``local`` (_local_copy's),
     with our reader and planner; a failure is one line naming ``shown``, the step as the user
     named it. Collective."""
     import torch.distributed.checkpoint as dcp
     try:
-        dcp.load(state, storage_reader=_reader(local), planner=_load_planner(),
-                 no_dist=not dist_util.is_distributed())
+        no_dist = not dist_util.is_distributed()
+        with _quiet_no_dist(no_dist):
+            dcp.load(state, storage_reader=_reader(local), planner=_load_planner(),
+                     no_dist=no_dist)
     except CheckpointError:
         raise
     except BaseException as e:
