@@ -510,8 +510,9 @@ class LogWindow:
 
     The file holds rank 0's window. ``same_on_every_rank``: every rank logs the same values
     (--global_batch_size: the losses are the shards', gathered alike on every rank), so rank 0's
-    window is every rank's, on any rank count. Otherwise each rank's values differ and only a
-    one-rank run's window can be put back (restore_note says so for the others).
+    window is every rank's, on any rank count. Otherwise each rank's values differ: only a
+    one-rank run keeps its window (and puts it back on one rank; on more, a line says the next
+    row averages from the resume); a run of more ranks keeps none.
     Example::
 
         ckpt = Checkpointer(cfg, ..., states={"log_window": logger.LogWindow(True)})
@@ -524,13 +525,18 @@ class LogWindow:
 
     def state_dict(self):
         """Not collective (reads the device sums: one host sync per save)."""
-        return {"window": get_current().window_state(), "world_size": _world_size(),
-                "same_on_every_rank": self.same_on_every_rank}
+        world_size = _world_size()
+        # rank 0's window alone is the run's only when every rank logs alike or there is one
+        # rank: otherwise none is kept (a resume could not use it, and the files of a resumed
+        # run stay those of a straight run's)
+        keep = self.same_on_every_rank or world_size == 1
+        return {"window": get_current().window_state() if keep else None,
+                "world_size": world_size, "same_on_every_rank": self.same_on_every_rank}
 
     def load_state_dict(self, state):
         """Not collective; every rank decides alike (the file's flags and the world size)."""
         window = state.get("window") or {}
-        if self.restorable(state):
+        if window and self.restorable(state):
             get_current().load_window_state(window)
         elif window.get("counts") or window.get("device"):
             log(f"resume: progress.csv's next row averages the steps from here on only (the "

@@ -35,6 +35,8 @@ The modules, from the file up:
                   the shared-memory arena the host copy lands in (pack), its write_step there
     host_copy     the host copy of pack's CPU tensors on the pause's idle cores, each piece
                   checked for NaN/Inf as it is copied
+    first_save    the first save readied while the first steps train: the writer started,
+                  its arena grown, laid out and faulted in, the copy planned
     state_fit     "does this state dict fit this model, and which flag is likely wrong"
     model_change  resume into a changed model (--allow_model_change): kept and fresh tensors
     rng           one process's seeding and RNG state
