@@ -80,7 +80,7 @@ def test_a_part_that_fails_is_named_and_the_parts_after_it_still_run(tmp_path):
     it still runs and prints its figure, and the run ends with exit 1 naming the part."""
     wrapper = tmp_path / "python"
     wrapper.write_text("#!/bin/sh\n"
-                       'case "$*" in *fsdp_resume.py*) echo "refused: $*" >&2; exit 3;; esac\n'
+                       'case "$1" in *fsdp_resume.py) echo "refused: $*" >&2; exit 3;; esac\n'
                        f'exec {PY} "$@"\n')
     wrapper.chmod(wrapper.stat().st_mode | stat.S_IEXEC)
     proc, lines, saved = run_check(tmp_path, "--cpu", timeout=300,
@@ -101,7 +101,7 @@ def test_a_part_that_fails_is_named_and_the_parts_after_it_still_run(tmp_path):
 def test_a_part_past_its_budget_is_stopped_and_named(tmp_path):
     wrapper = tmp_path / "python"
     wrapper.write_text("#!/bin/sh\n"
-                       'case "$*" in *sampling.py*) sleep 600;; esac\n'
+                       'case "$1" in *sampling.py) exec sleep 600;; esac\n'  # the script, not a command naming it
                        f'exec {PY} "$@"\n')
     wrapper.chmod(wrapper.stat().st_mode | stat.S_IEXEC)
     proc, lines, _ = run_check(tmp_path, "--cpu", timeout=300,
