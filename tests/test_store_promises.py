@@ -16,17 +16,8 @@ import torch
 
 import stores
 from conftest import MPIEXEC, PY, REPO, _run
-from test_object_store import _server, new_bucket
+from test_object_store import any_store, new_bucket, s3  # noqa: F401 (fixtures)
 
-
-@pytest.fixture(scope="module")
-def s3(tmp_path_factory):
-    yield from _server("s3", tmp_path_factory)
-
-
-@pytest.fixture(scope="module", params=["s3", "gs", "az"])
-def any_store(request, tmp_path_factory):
-    yield from _server(request.param, tmp_path_factory)
 
 
 @pytest.fixture
