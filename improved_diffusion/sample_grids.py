@@ -66,8 +66,10 @@ from .ckpt.rng import get_rng_state, set_rng_state
 
 # The share of --dist_timeout a grid may take: the other ranks wait for it in a collective.
 BUDGET_SHARE = 0.5
-# Images per row of a grid.
+# Images per row of a grid; a class-conditional model's grid has a column per class instead
+# (labels ``i % num_classes``: each column one class) up to MAX_CLASS_COLUMNS classes.
 GRID_COLUMNS = 8
+MAX_CLASS_COLUMNS = 16
 
 
 class OverBudget(Exception):
@@ -230,6 +232,16 @@ class SampleGrids:
             return None
         return self.write(step)
 
+    @property
+    def columns(self):
+        """Images per row: one column per class for labelled samples (their labels are
+        ``i % num_classes``, so a column holds one class), else GRID_COLUMNS; never more than the
+        grid's images. E.g. 10 classes, --sample_count 20: two rows of the classes 0-9."""
+        per_row = GRID_COLUMNS
+        if self.num_classes is not None and self.num_classes <= MAX_CLASS_COLUMNS:
+            per_row = self.num_classes
+        return min(self.count, per_row)
+
     def write(self, step):
         """Rank 0 (every rank for a sharded model): sample the grid of ``step``; rank 0 writes it
         (PNG, and TensorBoard's "sample_grid" image when the logger has one); one log line.
@@ -246,7 +258,7 @@ class SampleGrids:
             with self._sampling_model() as model:
                 images = self.sample(TimedModel(model, deadline, self.clock))
             if self.rank0:
-                grid = write_png(path, images, ncol=min(self.count, GRID_COLUMNS))
+                grid = write_png(path, images, ncol=self.columns)
                 logger.write_image("sample_grid", grid, step)
         except OverBudget:
             self.off = True

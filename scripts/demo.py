@@ -372,8 +372,10 @@ def train_cmd(data_dir, run_dir, s, ref_npz=None):
         "--log_interval", str(s["log_interval"]), "--save_interval", str(quarter(s)),
         "--keep_checkpoints", "2", "--seed", str(s["seed"]),
         "--resume_checkpoint", "auto",
-        # a grid of EMA samples four times a run (run/samples/grid_STEP.png; on the page)
+        # a grid of EMA samples four times a run (run/samples/grid_STEP.png; on the page), one
+        # sample of each of the 10 digits, as the page's other grids
         "--sample_interval", str(max(1, s["steps"] // 4)), "--sample_steps", str(s["sample_steps"]),
+        "--sample_count", "10",
         # post-hoc EMA snapshots with each save (stage 4 reconstructs widths from them)
         "--phema_stds", PHEMA_STDS, *evaluation,
     ]

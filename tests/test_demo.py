@@ -90,6 +90,11 @@ def test_tiny_demo_trains_is_preempted_resumes_samples_and_prints_its_figures(ti
     # the grids drawn while training (--sample_interval: a quarter of the steps), on the page
     assert [s for s in srcs if s.startswith("run/samples/")] == [
         f"run/samples/grid_{step:06d}.png" for step in (10, 20, 30, 40)]
+    # each of them one sample of each of the 10 digits, a column a class, as the page's others
+    from improved_diffusion.sampling import grid_image
+    size = json.loads((out / "settings.json").read_text())["image_size"]
+    with Image.open(out / "run" / "samples" / "grid_000010.png") as im:
+        assert im.size[::-1] == grid_image(np.zeros((10, size, size, 3), np.uint8), 10).shape[:2]
 
 
 @pytest.mark.timeout(DEMO_TIMEOUT + 10)

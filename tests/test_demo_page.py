@@ -231,3 +231,17 @@ def test_a_command_without_programs_names_the_demo_folder_relative_to_the_reposi
     cmd, used_out = short_command(f"python scripts/evaluate.py {repo}/demo_out/ref.npz",
                                   repo / "demo_out")
     assert (cmd, used_out) == ("python scripts/evaluate.py demo_out/ref.npz", False)
+
+
+def test_the_summary_wraps_its_long_lines_at_the_pages_width(tmp_path):
+    """summary.txt's lines (paths, commands) are longer than a page is wide: its block wraps
+    them (white-space: pre-wrap) instead of cutting them off at the page's edge."""
+    root = fake_demo(tmp_path / "demo")
+    long_line = "page:    " + "/a/rather/long/path" * 20 + "/index.html"
+    (root / "summary.txt").write_text(f"demo finished in 0.3 min\n{long_line}\n")
+    html = Path(write_page(str(root))).read_text()
+    block = re.search(r'<h2>Summary</h2><pre class="([^"]*)">(.*?)</pre>', html, re.S)
+    assert block and long_line in block.group(2)
+    rules = {sel.strip(): body for sel, body in re.findall(r"([^{}]+)\{([^}]*)\}", html)}
+    wrap = [body for sel, body in rules.items() if sel == f"pre.{block.group(1)}"]
+    assert wrap and "white-space: pre-wrap" in wrap[0] and "overflow-wrap: anywhere" in wrap[0]

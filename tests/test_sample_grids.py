@@ -221,3 +221,18 @@ def test_latent_samples_are_refused_at_the_first_step_naming_the_flag(tmp_path):
     _, _, grids = tiny_grids(tmp_path)
     with pytest.raises(UsageError, match=r"--sample_interval 2: the samples have 4 channels"):
         grids.at_step(0, (4, 8, 8), resumed=True)
+
+
+@pytest.mark.parametrize("num_classes, count, columns", [(10, 20, 10), (10, 4, 4), (None, 20, 8),
+                                                          (100, 20, 8)])
+def test_a_labelled_grid_has_a_column_per_class_so_each_column_is_one_class(
+        tmp_path, num_classes, count, columns):
+    """Labels are ``i % num_classes``: with a column per class (up to MAX_CLASS_COLUMNS) every
+    column shows one class, all of them (the demo's 10 digits, not 8 of them)."""
+    model, ema, _ = tiny_grids("unused")
+    grids = sample_grids.SampleGrids(
+        model=model, params=ema, diffusion=create_gaussian_diffusion(steps=10, noise_schedule="cosine"),
+        log_dir=str(tmp_path), interval=2, count=count, steps=2, num_classes=num_classes)
+    path = grids.at_step(2, (3, 8, 8))
+    blank = np.zeros((count, 8, 8, 3), np.uint8)
+    assert pixels(path).shape == sampling.grid_image(blank, ncol=columns).shape

@@ -61,6 +61,7 @@ figcaption { font-size: 0.85em; color: #555; max-width: 400px; }
 img.px { image-rendering: pixelated; }
 pre, code { background: #f6f6f6; font-size: 0.85em; }
 pre { padding: 0.6em; overflow-x: auto; }
+pre.wrap { white-space: pre-wrap; overflow-wrap: anywhere; max-width: 100%; }
 p.lead { font-size: 1.05em; line-height: 1.45; max-width: 1000px; }
 .note { font-size: 0.85em; color: #555; }
 div.row { display: flex; gap: 2em; align-items: flex-start; flex-wrap: wrap; }
@@ -464,7 +465,8 @@ def render(out_dir):
             _img(out_dir, p, os.path.basename(p)) for p in others[:MAX_OTHER_IMAGES]))
 
     if summary is not None:
-        parts.append(f"<h2>Summary</h2><pre>{html.escape(summary)}</pre>")
+        parts.append(  # its long lines (paths, commands) wrap at the page's width
+            f"<h2>Summary</h2><pre class=\"wrap\">{html.escape(summary)}</pre>")
     if isinstance(settings, dict):
         parts.append("<h2>Settings</h2>" + _table(
             ("setting", "value"),
