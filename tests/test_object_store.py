@@ -136,6 +136,11 @@ def straight(images, tmp_path_factory):
     return d / "run"
 
 
+# make soak: in make test, SIGTERM -> 75 -> the same command resuming from s3 bitwise as a local
+# run is test_the_sharded_layout_in_a_bucket_..._and_verify[s3]; a 2-rank resume of this layout
+# from s3 ending equal to the straight local run, and sample.py reading an EMA file from the
+# bucket, test_a_flagless_resume_from_a_bucket_takes_the_runs_flags_and_ends_as_a_straight_run[s3]
+@pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_two_ranks_on_s3_sigterm_75_then_the_same_command_resumes_bitwise_equal_to_local(
         s3, images, straight, tmp_path):
@@ -794,6 +799,12 @@ def test_a_flagless_resume_from_a_bucket_takes_the_runs_flags_and_ends_as_a_stra
         assert not diffs, (name, diffs[:10])
         if not name.startswith("opt"):
             assert storage.read_bytes(f"{url}/{name}") == (straight / name).read_bytes(), name
+    # sample.py reads its model from the bucket (on each store, as the rest of this test)
+    sample = run([PY, SAMPLE, "--model_path", f"{url}/ema_0.99_000006.pt", "--num_samples",
+                  "2", "--batch_size", "2", "--timestep_respacing", "4", "--log_dir",
+                  tmp_path / "samples"], any_store.env, tmp_path)
+    assert sample.returncode == 0, sample.stdout[-2000:] + sample.stderr[-2000:]
+    assert list((tmp_path / "samples").glob("*.npz")), os.listdir(tmp_path / "samples")
 
 
 @pytest.mark.timeout(120)
