@@ -172,6 +172,10 @@ def test_a_model_of_ones_own_resumes_elastically_on_fewer_ranks(tmp_path, data, 
 # ------------------------------------------------------------------------ a loop of one's own
 
 
+# make soak: one's own loop preempted (exit 75, a step saved) and resumed bitwise as a straight
+# run stays in make test in
+# test_ones_own_loop_with_a_global_batch_on_2_ranks_resumed_on_1_is_bitwise_a_1_rank_run
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_ones_own_loop_is_preempted_with_exit_75_and_resumes_bitwise(tmp_path, data):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
