@@ -52,10 +52,15 @@ run's second, before any plan of its host copy is kept):
 - ``save_refuses_non_finite``: one weight set to inf in the EMA, the next save refuses (raises
   NonFiniteError, nothing written): the check in the pause above is the real one.
 
+``--first_runs N`` takes instead a run's first saves, each run a fresh process of
+scripts/train.py on a cold page cache: benchmarks/first_save.py (its docstring), which it runs
+with the other arguments.
+
 One JSON line per figure with the command. Usage:
 
     python benchmarks/bg_save.py [--size 30M] [--dir DIR] [--repeat 3] [--chain 5] [--writer_nice N]
     python benchmarks/bg_save.py --figures pause,after --model dit-xl2 --amp bf16 --batch 32
+    python benchmarks/bg_save.py --first_runs 3 [--wall_pairs 3]   # benchmarks/first_save.py
 """
 import argparse
 import os
@@ -337,6 +342,10 @@ def pause_after_figures(args, cmd):
 
 
 def main():
+    if "--first_runs" in sys.argv[1:]:  # a run's first saves: benchmarks/first_save.py
+        import first_save
+
+        return first_save.main(sys.argv[1:])
     p = argparse.ArgumentParser()
     p.add_argument("--size", default="30M")
     p.add_argument("--figures", default="all",

@@ -6,9 +6,10 @@ Usage: FIRST_SAVE_RECORD=path.json python tests/first_save_train.py [train.py fl
 At the first WriterProcess.pack, once the arena's warm-up (first_save.py) is done, as pack
 itself waits for it: the arena's size and the bytes laid out in it, the part of the arena's pages
 resident in the trainer's mapping (its Rss in /proc/self/smaps), whether the warm-up had already
-ended when the save came (not asserted: it depends on the machine's load); then, over the pack
-itself, the trainer's minor page faults and how many times the arena grew. Written as JSON to
-FIRST_SAVE_RECORD. Nothing else about train.py changes.
+ended when the save came (not asserted: it depends on the machine's load), the writer process's
+pid then and at the end of the Checkpointer's construction (``pid_at_construction``); then, over
+the pack itself, the trainer's minor page faults and how many times the arena grew. Written as
+JSON to FIRST_SAVE_RECORD. Nothing else about train.py changes.
 """
 import json
 import os
@@ -16,8 +17,9 @@ import resource
 
 from train_driver import run_train_py  # tests/ (this script's folder)
 
-from improved_diffusion.ckpt import writer_process
+from improved_diffusion.ckpt import checkpointer, writer_process
 
+_INIT = checkpointer.Checkpointer.__init__
 _PACK = writer_process.WriterProcess.pack
 _GROW = writer_process.Arena._grow
 RECORD = {"path": os.environ.get("FIRST_SAVE_RECORD"), "grows": 0}
@@ -46,10 +48,18 @@ def _grow(self, size):
     return _GROW(self, size)
 
 
+def _init(self, *args, **kwargs):
+    _INIT(self, *args, **kwargs)
+    if "pid_at_construction" not in RECORD:
+        warm = self._warm_writer if self._process is None else self._process
+        RECORD["pid_at_construction"] = getattr(warm, "pid", None)
+
+
 def _pack(self, files, check=(), gathered=False):
     if RECORD["path"] is None or "arena_size" in RECORD:
         return _PACK(self, files, check, gathered)
     RECORD["warm_up_ended_before"] = self._warming is None or not self._warming.is_alive()
+    RECORD["pid_at_first_pack"] = self.pid
     self._warmed()
     rss, mapped = arena_rss()
     RECORD.update(arena_size=self.arena.size, laid_out=self.arena.high, rss=rss, mapped=mapped,
@@ -63,6 +73,7 @@ def _pack(self, files, check=(), gathered=False):
     return out
 
 
+checkpointer.Checkpointer.__init__ = _init
 writer_process.WriterProcess.pack = _pack
 writer_process.Arena._grow = _grow
 

@@ -3,7 +3,9 @@ and the arena's pages, and the copy's plan are readied while the first steps tra
 (improved_diffusion/ckpt/first_save.py), without changing what the run trains or writes.
 
 Through scripts/train.py (tests/first_save_train.py records what the first save found): the
-arena already holds the step, its pages are resident in the trainer, and the first save's copy
+writer process the first save hands its step to is the one started at the Checkpointer's
+construction (the same pid: not started, nor started again, by the save), the arena already
+holds the step, its pages are resident in the trainer, and the first save's copy
 neither grows the arena nor faults its pages in; the step's files are byte for byte those of the
 same run saving synchronously. Nothing here is timed.
 """
@@ -42,6 +44,9 @@ def test_the_first_save_finds_its_arena_laid_out_and_resident_and_copies_without
     record = tmp_path / "first_save.json"
     log_dir, out = train(tmp_path, "async", record=record)
     seen = json.loads(record.read_text())
+    # the writer process started at the Checkpointer's construction, the one the first save uses
+    assert seen["pid_at_construction"] is not None, seen
+    assert seen["pid_at_first_pack"] == seen["pid_at_construction"], seen
     pages = seen["copied"] // PAGE
     assert pages > 1000, seen  # a step large enough for its page faults to show
     # before the first save began: a buffer for every storage of the step, in pages resident here
