@@ -19,10 +19,10 @@ Figures (median over the runs):
 - ``first_save_pause_over_third`` (goal <= 1.2): a run's first save's pause over its third's,
   each less its wait for the previous save's write (reported), with the second's
   (``second_save_pause_over_third``) and every pause in memcpys;
-- ``first_save_write_over_sync_save`` (goal <= 1.3): the first save's "saved ... in X s" over
-  the median of the same run's synchronous saves (and over its third save's write), with the writer process's state when the first save came (``writer_at_
-  first_save``: its main thread's wchan and its CPU seconds so far: still starting, or waiting
-  for work);
+- ``first_save_write_over_sync_save`` (goal <= 1.3): the first save's "saved ... in X s" over the
+  median of the same run's synchronous saves (and over its third save's write), with the writer
+  process's state when the first save came (``writer_at_first_save``: its main thread's wchan
+  and its CPU seconds so far: still starting, or waiting for work);
 - ``extra_wall_per_save_over_memcpy`` (goal <= 2): the whole job's wall (the process, from its
   start to its exit) of ``--wall_steps`` (45) steps saving every 3 (15 saves) over the same job
   saving once (its final save), in ``--wall_pairs`` pairs in alternating order, warm page cache;

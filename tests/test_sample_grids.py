@@ -231,7 +231,8 @@ def test_a_labelled_grid_has_a_column_per_class_so_each_column_is_one_class(
     column shows one class, all of them (the demo's 10 digits, not 8 of them)."""
     model, ema, _ = tiny_grids("unused")
     grids = sample_grids.SampleGrids(
-        model=model, params=ema, diffusion=create_gaussian_diffusion(steps=10, noise_schedule="cosine"),
+        model=model, params=ema,
+        diffusion=create_gaussian_diffusion(steps=10, noise_schedule="cosine"),
         log_dir=str(tmp_path), interval=2, count=count, steps=2, num_classes=num_classes)
     path = grids.at_step(2, (3, 8, 8))
     blank = np.zeros((count, 8, 8, 3), np.uint8)

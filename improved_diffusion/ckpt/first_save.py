@@ -3,13 +3,14 @@ A run's first save as cheap as its later ones: what the first async save used to
 writer process, its arena and the arena's pages, the copy's plan) readied while the first steps
 train, on rank 0.
 
-A save's pause is its host copy into the writer's shared memory (writer_process.WriterProcess.pack)
-and its write runs in the writer process. At a run's first save, that used to include, in the
-pause, the arena's growth and a page fault for every page the copy touched (most of the first
-pause: 164,000 page faults, 0.48-0.53 s against 0.06 s at the third save of a 655 MB step,
-docs/performance.md, "The first save"), the copy's plan, and no copy ahead (the second save neither: no plan kept yet); and, in
-the write, the writer's start (a fresh interpreter importing torch, its first torch.save, ~2 s
-of CPU): the first write took 2-4x a later one, and the second save waited for it.
+A save's pause is its host copy into the writer's shared memory
+(writer_process.WriterProcess.pack) and its write runs in the writer process. At a run's first
+save, that used to include, in the pause, the arena's growth and a page fault for every page the
+copy touched (most of the first pause: 164,000 page faults, 0.48-0.53 s against 0.06 s at the
+third save of a 655 MB step, docs/performance.md, "The first save"), the copy's plan, and no
+copy ahead (the second save neither: no plan kept yet); and, in the write, the writer's start (a
+fresh interpreter importing torch, its first torch.save, ~2 s of CPU): the first write took 2-4x
+a later one, and the second save waited for it.
 
 Two moments, both on rank 0's main thread, neither collective, for an async save of an unsharded
 model in the full layout:
