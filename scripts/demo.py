@@ -59,6 +59,7 @@ from improved_diffusion.infra.errors import UsageError, UserError  # noqa: E402
 from improved_diffusion.infra.flags import FlagParser  # noqa: E402
 BIN = os.path.dirname(sys.executable)
 PREEMPTED_EXIT_CODE = 75  # train_util.PREEMPTED_EXIT_CODE (not imported: keep startup light)
+NUM_CLASSES = 10  # datasets/digits.NUM_CLASSES: the model's classes, one grid column each
 # Stage 5's scales: --classifier_scale (classifier guidance) and --guidance_scale (classifier-free).
 GUIDANCE_SCALES = {"classifier_scale": 4.0, "guidance_scale": 2.0}
 # Post-hoc EMA: the widths tracked while training, and those stage 4 reconstructs and scores
@@ -360,7 +361,8 @@ def train_cmd(data_dir, run_dir, s, ref_npz=None):
     return [
         _mpiexec(), "-n", str(s["ranks"]), sys.executable, os.path.join(REPO, "scripts", "train.py"),
         "--data_dir", data_dir, "--log_dir", run_dir,
-        "--image_size", str(s["image_size"]), "--class_cond", "True", "--num_classes", "10",
+        "--image_size", str(s["image_size"]),
+        "--class_cond", "True", "--num_classes", str(NUM_CLASSES),
         "--num_channels", str(s["num_channels"]), "--num_res_blocks", str(s["num_res_blocks"]),
         "--channel_mult", str(s["channel_mult"]), "--attention_resolutions", "",
         "--learn_sigma", "False", "--predict_xstart", str(s["predict_xstart"]),
@@ -373,9 +375,9 @@ def train_cmd(data_dir, run_dir, s, ref_npz=None):
         "--keep_checkpoints", "2", "--seed", str(s["seed"]),
         "--resume_checkpoint", "auto",
         # a grid of EMA samples four times a run (run/samples/grid_STEP.png; on the page), one
-        # sample of each of the 10 digits, as the page's other grids
+        # sample of each digit, as the page's other grids
         "--sample_interval", str(max(1, s["steps"] // 4)), "--sample_steps", str(s["sample_steps"]),
-        "--sample_count", "10",
+        "--sample_count", str(NUM_CLASSES),
         # post-hoc EMA snapshots with each save (stage 4 reconstructs widths from them)
         "--phema_stds", PHEMA_STDS, *evaluation,
     ]
@@ -463,7 +465,7 @@ def sample_cmd(run_dir, samples_dir, s, script="sample.py", extra=()):
         "--model_path", ema, "--log_dir", samples_dir, "--num_samples", str(s["num_samples"]),
         "--batch_size", str(s["sample_batch_size"]), "--use_ddim", "True",
         "--timestep_respacing", f"ddim{s['sample_steps']}",
-        "--classes", ",".join(str(c) for c in range(10)), "--seed", str(s["seed"]),
+        "--classes", ",".join(str(c) for c in range(NUM_CLASSES)), "--seed", str(s["seed"]),
         "--overwrite", "True", *extra,
     ]
 
@@ -527,7 +529,7 @@ def real_digit_batches(data_dir, out, s):
     n = min(int(s["num_samples"]), 890)  # ~180 digits a class: half of them at most held out
     rng = np.random.default_rng(s["seed"])
     by_class = [rng.permutation(np.flatnonzero(y == c)) for c in range(digits.NUM_CLASSES)]
-    held = [int(by_class[i % 10][i // 10]) for i in range(n)]
+    held = [int(by_class[i % digits.NUM_CLASSES][i // digits.NUM_CLASSES]) for i in range(n)]
     rest = sorted(set(range(len(y))) - set(held))
 
     def images(indices):
