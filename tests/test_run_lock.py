@@ -372,17 +372,16 @@ def test_a_second_train_job_on_a_held_log_dir_exits_1_and_a_requeued_one_waits_t
     try:
         before = snapshot(log_dir)
         holder = f"is in use by pid {first.pid} on host {socket.gethostname()}"
-        for ranks in (2,):  # 2 ranks: the one line printed once, not once a rank
-            second = procs.start(train_cmd(images, log_dir, "--lock_wait", 2, ranks=ranks),
-                                 f"second-{ranks}")
-            assert second.wait(timeout=hang_s(120)) == 1, output(second)
-            out = output(second)
-            assert len(error_lines(out)) == 1, out  # the same on every rank: printed once
-            for line in error_lines(out):
-                assert f"error: log dir {log_dir} {holder}" in line, out
-            assert out.count("waiting up to 2 s") == 1, out  # said once, by rank 0
-            assert "Traceback" not in out, out
-            assert snapshot(log_dir) == before, f"the second job ({ranks} rank(s)) touched the dir"
+        # 2 ranks: the one line printed once, not once a rank
+        second = procs.start(train_cmd(images, log_dir, "--lock_wait", 2, ranks=2), "second-2")
+        assert second.wait(timeout=hang_s(120)) == 1, output(second)
+        out = output(second)
+        assert len(error_lines(out)) == 1, out  # the same on every rank: printed once
+        for line in error_lines(out):
+            assert f"error: log dir {log_dir} {holder}" in line, out
+        assert out.count("waiting up to 2 s") == 1, out  # said once, by rank 0
+        assert "Traceback" not in out, out
+        assert snapshot(log_dir) == before, "the second job (2 ranks) touched the dir"
     finally:
         os.killpg(first.pid, signal.SIGCONT)
     wait_for(lambda: saved(log_dir, 10), first, 120, "the first job's step 10")  # it goes on
