@@ -97,4 +97,4 @@ def train(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(cli.run_main(train))
+    cli.exit_process(cli.run_main(train))

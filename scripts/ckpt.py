@@ -22,4 +22,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from improved_diffusion.apps.ckpt_tool import main  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from improved_diffusion.infra.process_exit import exit_process
+
+    exit_process(main())

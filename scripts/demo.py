@@ -970,11 +970,14 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    from improved_diffusion.infra.process_exit import exit_process
+
     try:
-        sys.exit(main())
+        code = main()
     except UserError as e:  # DemoError, UsageError
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
         print("\ninterrupted; rerun the same command to continue", file=sys.stderr, flush=True)
         sys.exit(130)
+    exit_process(code)

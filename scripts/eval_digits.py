@@ -14,4 +14,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import digits  # noqa: E402  (datasets/digits.py)
 
 if __name__ == "__main__":
-    sys.exit(digits.eval_main())
+    from improved_diffusion.infra.process_exit import exit_process
+
+    exit_process(digits.eval_main())

@@ -33,4 +33,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(cli.run_main(main))
+    cli.exit_process(cli.run_main(main))

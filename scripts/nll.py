@@ -114,4 +114,6 @@ def run(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(run())
+    from improved_diffusion.infra.process_exit import exit_process
+
+    exit_process(run())

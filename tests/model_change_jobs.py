@@ -51,4 +51,6 @@ def main():
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from improved_diffusion.infra.process_exit import exit_process
+
+    exit_process(main())

@@ -67,8 +67,9 @@ def test_each_subpackages_map_names_every_module_of_the_package(package):
     assert listed == modules_in(PKG / package), listed ^ modules_in(PKG / package)
 
 
-def test_importing_preemption_imports_no_torch():
-    code = ("import sys; from improved_diffusion.infra import preemption; "
+@pytest.mark.parametrize("module", ["preemption", "process_exit"])  # first and last lines
+def test_importing_preemption_or_process_exit_imports_no_torch(module):  # of every script
+    code = (f"import sys; from improved_diffusion.infra import {module}; "
             "print(sorted(m for m in ('torch', 'numpy', 'blobfile') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], env=child_env(), cwd=str(REPO),
                          capture_output=True, text=True, timeout=hang_s(60), check=True).stdout

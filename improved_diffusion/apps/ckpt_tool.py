@@ -1504,4 +1504,6 @@ def _fail(message, as_json, out, err):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from ..infra.process_exit import exit_process
+
+    exit_process(main())

@@ -11,6 +11,7 @@ the floors above (tests/test_layout.py):
     fsdp          --fsdp True (FSDP2): sharding, gathering to rank 0, cutting files to slices
     flags         every script's command line: each flag's group and meaning, the parser
     cli           every script's error path: one line, an exit code, no rank left hanging
+    process_exit  the end of a script's process: Python's exit less its module teardown
     config_check  the start-up check that every rank runs the same flags and data
 
 It imports nothing at package import time.

@@ -1,6 +1,6 @@
 """What every command-line script does with an error: one line, an exit code, no rank left hanging.
 
-Scripts stay thin: ``sys.exit(cli.run_main(main))``. The error model is errors.py's: a UserError
+Scripts stay thin: ``cli.exit_process(cli.run_main(main))``. The error model is errors.py's: a UserError
 (UsageError: exit 2) is one ``error: ...`` line, printed once for the job; anything else is a bug
 and keeps its traceback.
 """
@@ -14,11 +14,13 @@ import traceback
 from .. import dist_util, logger
 from . import heartbeat, preemption
 
+from .process_exit import exit_process
 from .errors import USAGE_EXIT_CODE, USER_ERROR_EXIT_CODE, UsageError, UserError, one_line
 
 ERROR_EXIT_CODE = USER_ERROR_EXIT_CODE  # anything that stops the run (a bug too)
 INTERRUPTED_EXIT_CODE = 130  # KeyboardInterrupt, as a shell reports Ctrl-C (128 + SIGINT)
-__all__ = ["USAGE_EXIT_CODE", "UsageError", "UserError", "run_main", "print_error", "one_line"]
+__all__ = ["USAGE_EXIT_CODE", "UsageError", "UserError", "run_main", "exit_process", "print_error",
+           "one_line"]
 
 
 def print_error(message):
@@ -188,3 +190,4 @@ def _end_job_after_exit(e):
         print_error(f"{cause}; ending the job on all {dist_util.get_world_size()} ranks")
     heartbeat.end_job_after_error(code, cause=cause)
     return code
+
