@@ -31,7 +31,7 @@ def exit_process(code):
     fifth of a short job's rank (benchmarks/exit_cost.py). Here the same steps run without it:
     the threads joined, the atexit handlers, every file object still open for writing flushed,
     stdout and stderr flushed, MPI finalized when mpi4py initialized it and nothing finalized it
-    yet, then ``os._exit(code)``.
+    yet, then the C library's ``exit(code)`` (``_c_exit``).
 
     Example: ``exit_process(main())`` at the end of scripts/train.py; ``main()`` returned 75
     after a preemption save, so every rank exits 75 within ~0.1 s of its last line.
@@ -45,7 +45,21 @@ def exit_process(code):
     atexit._run_exitfuncs()
     _flush_open_files()
     _finalize_mpi()
-    os._exit(code & 0xFF)
+    _c_exit(code & 0xFF)
+
+
+def _c_exit(code):
+    """The C library's exit(): its own atexit handlers and stdio, C++ static destructors, as
+    after Python's exit, never Python's teardown. Not ``os._exit``: an MPICH rank that ends by
+    _exit, even after MPI_Finalize and with status 0, is taken by mpiexec for a failed process
+    and the job's other ranks are killed (seen here: hydra's "BAD TERMINATION", signal 9)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).exit(code)
+    except Exception:  # no C library to call (not expected on Linux or macOS)
+        pass
+    os._exit(code)
 
 
 def _join_threads():
@@ -81,8 +95,8 @@ def _flush_open_files():
 
 def _finalize_mpi():
     """MPI_Finalize when mpi4py initialized MPI and it is not finalized yet (Python's exit runs
-    it last, from mpi4py's C-level hook, which ``os._exit`` skips; an Open MPI rank that exits
-    without it is reported as a failure by mpiexec)."""
+    it last, from mpi4py's C-level hook, which the C library's exit skips too; an Open MPI rank
+    that exits without it is reported as a failure by mpiexec)."""
     mpi = sys.modules.get("mpi4py.MPI")
     if mpi is None:
         return
