@@ -25,41 +25,35 @@ def exit_process(code):
     atexit handlers (weakref finalizers among them: the checkpoint writer process, the loader
     workers, temp folders; the trackers' own), flushes stdout and stderr, then tears its modules
     down object by object (which flushes and closes any file object still open), and last runs
-    the C-level exit hooks (mpi4py's ``MPI_Finalize``). The teardown only frees memory that the
-    kernel frees at once anyway, and with torch and ``torch._dynamo`` imported (every training
-    rank: an optimizer's first call imports it) it costs about 1.3 s of CPU per process, a
-    fifth of a short job's rank (benchmarks/exit_cost.py). Here the same steps run without it:
-    the threads joined, the atexit handlers, every file object still open for writing flushed,
-    stdout and stderr flushed, MPI finalized when mpi4py initialized it and nothing finalized it
-    yet, then the C library's ``exit(code)`` (``_c_exit``).
+    the C-level exit hooks (mpi4py's ``MPI_Finalize``) and the C library's exit. The teardown
+    only frees memory that the kernel frees at once anyway, and with torch and
+    ``torch._dynamo`` imported (every training rank: an optimizer's first call imports it) it
+    costs about 1.2 s of CPU per process, a sixth of a short 1-rank job
+    (benchmarks/exit_cost.py). Here the same steps run without it: the threads joined, the
+    atexit handlers, every file object still open for writing flushed, stdout and stderr
+    flushed, then ``os._exit(code)``.
 
-    Example: ``exit_process(main())`` at the end of scripts/train.py; ``main()`` returned 75
-    after a preemption save, so every rank exits 75 within ~0.1 s of its last line.
+    A rank of an MPI job (mpi4py initialized MPI: under mpiexec) ends by Python's own exit
+    instead, teardown included: MPICH's mpiexec takes a rank that ends by ``_exit`` for a failed
+    process, even after MPI_Finalize and with status 0, and kills the job's other ranks; the C
+    library's ``exit`` without the teardown aborts in C++ static destructors (signal 6, seen
+    in tests/sharded_driver.py's ranks). So the saving is for single processes and torchrun's
+    ranks.
+
+    Example: ``exit_process(main())`` at the end of scripts/train.py, where ``main()`` returned
+    75 after a preemption save.
     """
     if code is None:
         code = 0
     elif not isinstance(code, int):
         sys.stderr.write(f"{code}\n")
         code = 1
+    if _mpi_initialized():
+        sys.exit(code)
     _join_threads()
     atexit._run_exitfuncs()
     _flush_open_files()
-    _finalize_mpi()
-    _c_exit(code & 0xFF)
-
-
-def _c_exit(code):
-    """The C library's exit(): its own atexit handlers and stdio, C++ static destructors, as
-    after Python's exit, never Python's teardown. Not ``os._exit``: an MPICH rank that ends by
-    _exit, even after MPI_Finalize and with status 0, is taken by mpiexec for a failed process
-    and the job's other ranks are killed (seen here: hydra's "BAD TERMINATION", signal 9)."""
-    try:
-        import ctypes
-
-        ctypes.CDLL(None).exit(code)
-    except Exception:  # no C library to call (not expected on Linux or macOS)
-        pass
-    os._exit(code)
+    os._exit(code & 0xFF)
 
 
 def _join_threads():
@@ -93,15 +87,10 @@ def _flush_open_files():
             pass
 
 
-def _finalize_mpi():
-    """MPI_Finalize when mpi4py initialized MPI and it is not finalized yet (Python's exit runs
-    it last, from mpi4py's C-level hook, which the C library's exit skips too; an Open MPI rank
-    that exits without it is reported as a failure by mpiexec)."""
+def _mpi_initialized():
+    """Whether mpi4py initialized MPI in this process (imported by dist_util under mpiexec)."""
     mpi = sys.modules.get("mpi4py.MPI")
-    if mpi is None:
-        return
     try:
-        if mpi.Is_initialized() and not mpi.Is_finalized():
-            mpi.Finalize()
+        return mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized()
     except Exception:
-        pass
+        return False
