@@ -1,8 +1,8 @@
 """What every command-line script does with an error: one line, an exit code, no rank left hanging.
 
-Scripts stay thin: ``cli.exit_process(cli.run_main(main))``. The error model is errors.py's: a UserError
-(UsageError: exit 2) is one ``error: ...`` line, printed once for the job; anything else is a bug
-and keeps its traceback.
+Scripts stay thin: ``cli.exit_process(cli.run_main(main))``. The error model is errors.py's: a
+UserError (UsageError: exit 2) is one ``error: ...`` line, printed once for the job; anything else
+is a bug and keeps its traceback.
 """
 import hashlib
 import json
@@ -190,4 +190,3 @@ def _end_job_after_exit(e):
         print_error(f"{cause}; ending the job on all {dist_util.get_world_size()} ranks")
     heartbeat.end_job_after_error(code, cause=cause)
     return code
-
